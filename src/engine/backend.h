@@ -1,0 +1,82 @@
+#pragma once
+// The interface between the engine (and the server above it) and a compute backend (CPU reference,
+// CUDA). A backend owns the weights and every session's state and runs whole steps. Nothing above
+// the engine knows which backend runs (design.md §2-4).
+//
+// Step contract:
+//  - prefill(s, tokens): appends the prompt (chunked inside the backend) and commits it.
+//  - decode_rows(s, tokens): forwards 1..max_rows() rows at the next positions (anchor + drafts)
+//    and returns one logits row per token WITHOUT committing. Row i's logits equal, bit for bit,
+//    those of a plain single-row step on the same prefix ("spec == plain").
+//  - commit(s, n): keeps the first n rows of the last decode_rows call (n may be 0); rejected rows
+//    never corrupt committed state.
+//  - draft(s, anchor, sampler): one DSpark round at the last committed position p, with `anchor`
+//    (the token sampled at p) as slot 0. The Markov bias of slot i depends on the token chosen for
+//    slot i-1, so the backend calls `sampler` slot by slot.
+//  - snapshot/restore: the session state as bytes (KV sharing between servers).
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "model/config.h"
+
+namespace uf::engine {
+
+// Per-session state owned by a backend; opaque to the engine.
+class SessionState {
+ public:
+  virtual ~SessionState() = default;
+  virtual int64_t length() const = 0;   // committed positions
+  virtual int64_t max_seq() const = 0;  // capacity fixed at creation
+  virtual const std::vector<int32_t>& tokens() const = 0;  // committed token ids
+};
+
+struct PrefillOptions {
+  int chunk = 0;              // tokens per chunk; 0 = the backend's default
+  bool all_logits = false;    // logits for every prompt position instead of the last only
+  bool ced_shortcut = false;  // CED prefill: encoder + first decoder KV path on all tokens,
+                              // decoder layers replayed on the last `replay` tokens only
+  int replay = 0;             // CED replay length; 0 = the sliding window
+};
+
+// One DSpark round. Slot i drafts the token at position p + 2 + i.
+struct DraftBlock {
+  int64_t position = 0;             // p: the last committed position
+  int32_t anchor = 0;               // the token at p + 1
+  std::vector<int32_t> tokens;      // [block] drafted tokens
+  std::vector<float> logits;        // [block, vocab]: head logits + Markov bias, fp32
+  std::vector<float> markov_bias;   // [block, vocab]
+  std::vector<float> confidence;    // [block] acceptance logits (before the sigmoid)
+};
+
+// Chooses slot `slot`'s draft token from its logits (fp32, vocab entries).
+using DraftSampler = std::function<int32_t(int slot, std::span<const float> logits)>;
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual const model::ModelConfig& config() const = 0;
+  virtual std::string name() const = 0;
+  virtual int max_rows() const = 0;  // verify rows per decode step (anchor + drafts)
+
+  virtual std::unique_ptr<SessionState> new_session(int64_t max_seq) = 0;
+
+  // Appends and commits `tokens`; writes logits of the last position (or of all positions with
+  // opts.all_logits) into `logits`, which must hold that many rows of vocab_size.
+  virtual void prefill(SessionState& s, std::span<const int32_t> tokens,
+                       const PrefillOptions& opts, std::span<float> logits) = 0;
+  // Forwards tokens.size() <= max_rows() rows at positions length() .. length()+rows-1.
+  virtual void decode_rows(SessionState& s, std::span<const int32_t> tokens,
+                           std::span<float> logits) = 0;
+  virtual void commit(SessionState& s, int n_accepted) = 0;
+  virtual DraftBlock draft(SessionState& s, int32_t anchor, const DraftSampler& sampler) = 0;
+
+  virtual std::vector<uint8_t> snapshot(const SessionState& s) const = 0;
+  virtual void restore(SessionState& s, std::span<const uint8_t> bytes) const = 0;
+};
+
+}  // namespace uf::engine
