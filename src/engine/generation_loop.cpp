@@ -41,10 +41,10 @@ GenerationLoop::GenerationLoop(Backend& backend, const HardwareProfile& profile)
   emitted_.reserve(rows);
 }
 
-int32_t GenerationLoop::sample_plain(const float* logits, const GenerationParams& p,
-                                     uint64_t step, int index) {
-  const float u = sampling::stream_uniform(p.seed, step, sampling::RngPurpose::kPlain,
-                                           uint32_t(index));
+int32_t GenerationLoop::sample_plain(const float* logits, const GenerationParams& p, uint64_t step,
+                                     int index) {
+  const float u =
+      sampling::stream_uniform(p.seed, step, sampling::RngPurpose::kPlain, uint32_t(index));
   return sampling::sample_from_logits(logits, vocab_, p.sampling, u, target_.data(),
                                       scratch_.data());
 }
@@ -59,13 +59,12 @@ StepStats GenerationLoop::plain_step(SessionState& s, int32_t anchor, const Gene
 }
 
 StepStats GenerationLoop::speculative_step(SessionState& s, int32_t anchor,
-                                           const GenerationParams& p, uint64_t step,
-                                           int max_emit) {
+                                           const GenerationParams& p, uint64_t step, int max_emit) {
   const size_t V = size_t(vocab_);
   // 1. Draft: slot i's token is drawn from exactly the q row kept for verification.
   const DraftSampler sampler = [&](int slot, std::span<const float> logits) -> int32_t {
-    const float u = sampling::stream_uniform(p.seed, step, sampling::RngPurpose::kDraft,
-                                             uint32_t(slot));
+    const float u =
+        sampling::stream_uniform(p.seed, step, sampling::RngPurpose::kDraft, uint32_t(slot));
     float* q = draft_.data() + size_t(slot) * V;
     return sampling::sample_from_logits(logits.data(), vocab_, p.sampling, u, q, scratch_.data());
   };
@@ -108,7 +107,8 @@ StepStats GenerationLoop::speculative_step(SessionState& s, int32_t anchor,
 
 GenerationResult GenerationLoop::run(SessionState& s, std::span<const int32_t> prompt,
                                      const GenerationParams& p, const TokenCallback& on_tokens,
-                                     const std::atomic<bool>* cancel) {
+                                     const std::atomic<bool>* cancel,
+                                     const PrefillCallback& after_prefill) {
   sampling::validate(p.sampling);
   if (p.draft_tokens > 0) validate_draft_tokens(p.draft_tokens);
   UF_CHECK(!prompt.empty(), "the prompt is empty");
@@ -121,13 +121,13 @@ GenerationResult GenerationLoop::run(SessionState& s, std::span<const int32_t> p
   GenerationResult out;
   out.prompt_tokens = int64_t(prompt.size());
   const auto is_stop = [&](int32_t t) {
-    return std::find(p.stop_token_ids.begin(), p.stop_token_ids.end(), t) !=
-           p.stop_token_ids.end();
+    return std::find(p.stop_token_ids.begin(), p.stop_token_ids.end(), t) != p.stop_token_ids.end();
   };
 
   // Prefill and the first token (step 0 of the plain stream).
   auto t0 = Clock::now();
   backend_.prefill(s, prompt, PrefillOptions{}, std::span<float>(logits_.data(), size_t(vocab_)));
+  if (after_prefill) after_prefill(s);
   int32_t anchor = sample_plain(logits_.data(), p, 0, 0);
   out.prefill_ms = ms_since(t0);
   out.tokens.push_back(anchor);

@@ -54,16 +54,19 @@ struct StepStats {
 // matched, the client went away); the loop then reports FinishReason::kCancelled unless the
 // callback's owner says otherwise.
 using TokenCallback = std::function<bool(std::span<const int32_t> tokens, const StepStats& step)>;
+// Called once the prompt is committed, before the first token is sampled (e.g. to snapshot the
+// prompt's state for the next turn of the conversation).
+using PrefillCallback = std::function<void(SessionState& session)>;
 
 struct GenerationResult {
   std::vector<int32_t> tokens;  // everything emitted, the stop token included
   FinishReason finish = FinishReason::kLength;
   int64_t prompt_tokens = 0;
   double prefill_ms = 0;
-  int steps = 0;          // decode steps after the first token
-  double step_ms = 0;     // their total time
-  int64_t drafted = 0;    // drafts verified
-  int64_t accepted = 0;   // drafts accepted
+  int steps = 0;         // decode steps after the first token
+  double step_ms = 0;    // their total time
+  int64_t drafted = 0;   // drafts verified
+  int64_t accepted = 0;  // drafts accepted
   double average_iteration_ms() const { return steps ? step_ms / steps : 0.0; }
   // Tokens per verify step, the extra token included (as vLLM and SGLang count it).
   double average_accept_length() const { return steps ? double(accepted + steps) / steps : 0.0; }
@@ -79,7 +82,8 @@ class GenerationLoop {
   // emitted token but the last.
   GenerationResult run(SessionState& session, std::span<const int32_t> prompt,
                        const GenerationParams& params, const TokenCallback& on_tokens,
-                       const std::atomic<bool>* cancel = nullptr);
+                       const std::atomic<bool>* cancel = nullptr,
+                       const PrefillCallback& after_prefill = nullptr);
 
   const HardwareProfile& profile() const { return profile_; }
 
