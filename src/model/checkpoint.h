@@ -4,6 +4,10 @@
 // tensor (truncated file, header length past EOF, overlapping or out-of-range offsets, unknown
 // dtype, shape/byte-size mismatch, duplicate names, a tensor missing from the index, a header
 // that is not UTF-8 JSON).
+//
+// Views point into the mapping. A file that orders tensors by decreasing element size (the
+// Python safetensors writer, write_safetensors, the fixtures) yields views aligned to their
+// element size; the reader accepts other files too, so code that needs alignment must check.
 
 #include <cstdint>
 #include <filesystem>
@@ -43,6 +47,8 @@ class Checkpoint {
   size_t size() const;                                       // number of tensors
   uint64_t total_bytes() const;                              // sum of tensor data bytes
   const std::filesystem::path& dir() const { return dir_; }
+  // Every tensor by name (sorted), for whole-checkpoint walks (inspect, contract checks).
+  const std::map<std::string, TensorEntry, std::less<>>& tensors() const { return tensors_; }
 
  private:
   Checkpoint() = default;

@@ -6,10 +6,9 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 namespace uf::model {
 
@@ -23,22 +22,22 @@ enum class AttnMode {
 const char* attn_mode_name(AttnMode m);
 
 struct LayerRole {
-  int layer = 0;            // 0..n_layers-1 backbone, n_layers.. DSpark stages (mtp.{layer-n_layers})
-  bool dspark = false;      // a DSpark draft stage
-  bool decoder = false;     // backbone layer in the decoder half (layer >= n_layers / 2)
-  int compress_ratio = 0;   // 0 = window only
+  int layer = 0;         // 0..n_layers-1 backbone, n_layers.. DSpark stages (mtp.{layer-n_layers})
+  bool dspark = false;   // a DSpark draft stage
+  bool decoder = false;  // backbone layer in the decoder half (layer >= n_layers / 2)
+  int compress_ratio = 0;  // 0 = window only
   AttnMode mode = AttnMode::kWindowOnly;
-  bool kv_source = false;         // owns a compressor (and the index keys of its compressed KV)
-  bool index_source = false;      // owns an indexer (wq_b, weights_proj)
-  bool candidate_source = false;  // its indexer also builds the candidate-block pool
+  bool kv_source = false;             // owns a compressor (and the index keys of its compressed KV)
+  bool index_source = false;          // owns an indexer (wq_b, weights_proj)
+  bool candidate_source = false;      // its indexer also builds the candidate-block pool
   bool candidate_restricted = false;  // Reindex: scores restricted to the candidate pool
-  int kv_from = -1;          // layer whose compressed KV this layer attends (-1: none)
-  int index_keys_from = -1;  // layer whose index keys its indexer scores (-1: no indexer)
-  int topk_from = -1;        // layer whose top-k indices this layer uses (-1: none)
-  bool engram = false;       // an Engram module runs on the stream before this block
-  int engram_index = -1;     // index into engram_layer_ids
-  bool dspark_tap = false;   // its input (mean over hc copies) feeds DSpark
-  double rope_theta = 0;     // compress_rope_theta with YaRN if ratio > 0, else rope_theta
+  int kv_from = -1;                   // layer whose compressed KV this layer attends (-1: none)
+  int index_keys_from = -1;           // layer whose index keys its indexer scores (-1: no indexer)
+  int topk_from = -1;                 // layer whose top-k indices this layer uses (-1: none)
+  bool engram = false;                // an Engram module runs on the stream before this block
+  int engram_index = -1;              // index into engram_layer_ids
+  bool dspark_tap = false;            // its input (mean over hc copies) feeds DSpark
+  double rope_theta = 0;              // compress_rope_theta with YaRN if ratio > 0, else rope_theta
   bool yarn = false;
   int n_routed_experts = 0;
   int n_activated_experts = 0;
@@ -112,7 +111,15 @@ struct ModelConfig {
   int image_token_id = -1;
   std::string dtype;         // "fp8"
   std::string expert_dtype;  // "fp4"
-  int vision_n_layers = 0;
+  int vision_n_layers = 0;   // 0: no vision tower (no vision.*/aligner.* tensors)
+  int vision_dim = 0;
+  int vision_n_heads = 0;
+  int vision_inter_dim = 0;
+  int vision_patch_size = 0;
+  double vision_rope_theta = 0;
+  int vision_downsample_ratio = 0;
+  int vision_max_n_token = 0;
+  int vision_min_pixels = 0;
 
   // Derived: one role per layer, backbone then DSpark stages.
   std::vector<LayerRole> roles;
