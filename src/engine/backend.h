@@ -30,8 +30,8 @@ namespace uf::engine {
 class SessionState {
  public:
   virtual ~SessionState() = default;
-  virtual int64_t length() const = 0;   // committed positions
-  virtual int64_t max_seq() const = 0;  // capacity fixed at creation
+  virtual int64_t length() const = 0;                      // committed positions
+  virtual int64_t max_seq() const = 0;                     // capacity fixed at creation
   virtual const std::vector<int32_t>& tokens() const = 0;  // committed token ids
 };
 
@@ -45,12 +45,12 @@ struct PrefillOptions {
 
 // One DSpark round. Slot i drafts the token at position p + 2 + i.
 struct DraftBlock {
-  int64_t position = 0;             // p: the last committed position
-  int32_t anchor = 0;               // the token at p + 1
-  std::vector<int32_t> tokens;      // [block] drafted tokens
-  std::vector<float> logits;        // [block, vocab]: head logits + Markov bias, fp32
-  std::vector<float> markov_bias;   // [block, vocab]
-  std::vector<float> confidence;    // [block] acceptance logits (before the sigmoid)
+  int64_t position = 0;            // p: the last committed position
+  int32_t anchor = 0;              // the token at p + 1
+  std::vector<int32_t> tokens;     // [block] drafted tokens
+  std::vector<float> logits;       // [block, vocab]: head logits + Markov bias, fp32
+  std::vector<float> markov_bias;  // [block, vocab]
+  std::vector<float> confidence;   // [block] acceptance logits (before the sigmoid)
 };
 
 // Chooses slot `slot`'s draft token from its logits (fp32, vocab entries).
@@ -67,8 +67,8 @@ class Backend {
 
   // Appends and commits `tokens`; writes logits of the last position (or of all positions with
   // opts.all_logits) into `logits`, which must hold that many rows of vocab_size.
-  virtual void prefill(SessionState& s, std::span<const int32_t> tokens,
-                       const PrefillOptions& opts, std::span<float> logits) = 0;
+  virtual void prefill(SessionState& s, std::span<const int32_t> tokens, const PrefillOptions& opts,
+                       std::span<float> logits) = 0;
   // Forwards tokens.size() <= max_rows() rows at positions length() .. length()+rows-1.
   virtual void decode_rows(SessionState& s, std::span<const int32_t> tokens,
                            std::span<float> logits) = 0;

@@ -3,12 +3,12 @@
 // plain decoding, under several temperature/top-p/top-k settings; a backend that commits rejected
 // rows must be caught (the test's power); seeded runs reproduce; stop tokens, max tokens and
 // cancellation end generation where they should.
+#include <gtest/gtest.h>
+
 #include <cmath>
 #include <map>
 #include <random>
 #include <vector>
-
-#include <gtest/gtest.h>
 
 #include "../sampling/stats.h"
 #include "engine/generation_loop.h"
@@ -122,8 +122,8 @@ TEST_P(LoopLaw, SpeculativeEqualsPlainLaw) {
       auto c = run_many(backend, p, trials());
       auto fit = chi_square_fit(law, c.count);
       EXPECT_FALSE(fit.rejects(kAlpha))
-          << "mode " << int(mode) << " verify " << int(vm) << ": chi2 " << fit.statistic
-          << " df " << fit.df << " p " << fit.p_value << " impossible " << fit.impossible;
+          << "mode " << int(mode) << " verify " << int(vm) << ": chi2 " << fit.statistic << " df "
+          << fit.df << " p " << fit.p_value << " impossible " << fit.impossible;
       if (mode == DecodeMode::kSpeculative) {
         EXPECT_GT(c.mean_accept, 1.0);  // drafts are accepted at all
         EXPECT_GT(backend.drafts_called, 0);
@@ -194,7 +194,8 @@ TEST(GenerationLoop, SeededRunsReproduceAndStopConditionsHold) {
   // Cancellation flag.
   std::atomic<bool> cancel{true};
   auto s = backend.new_session(64);
-  auto d = loop.run(*s, kPrompt, p, [](auto, const auto&) { return true; }, &cancel);
+  auto d = loop.run(
+      *s, kPrompt, p, [](auto, const auto&) { return true; }, &cancel);
   EXPECT_EQ(d.finish, FinishReason::kCancelled);
   EXPECT_EQ(d.tokens.size(), 1u);
   // Session capacity bounds generation.

@@ -1,0 +1,28 @@
+#pragma once
+// The composition root's backend factory: builds the compute backend a command asked for from a
+// model folder (config, checkpoint, tokenizer), and the hardware profile that goes with it.
+
+#include <filesystem>
+#include <memory>
+#include <string>
+
+#include "engine/backend.h"
+#include "engine/hardware_profile.h"
+
+namespace uf::cli {
+
+struct BackendChoice {
+  std::string kind = "cpu";           // "cpu" or "cuda"
+  bool reference_index_keys = false;  // the reference's stale-index-key decode quirk (CPU only)
+};
+
+struct LoadedBackend {
+  std::unique_ptr<engine::Backend> backend;
+  engine::HardwareProfile profile;
+};
+
+// Throws uf::core::Error naming the folder or file when the model cannot be loaded, or when the
+// backend kind is not built into this binary.
+LoadedBackend load_backend(const std::filesystem::path& model_dir, const BackendChoice& choice);
+
+}  // namespace uf::cli

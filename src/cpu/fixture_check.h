@@ -1,0 +1,42 @@
+#pragma once
+// `ultrafast check-fixture`: the CPU backend against a golden fixture of the official reference
+// (shared/fixtures/<set>/golden). Three kinds of checks, one line each with its figure and bound:
+//  1. teacher-forced sublayers: every Engram, attention, indexer, MoE and mHC step is fed the
+//     reference's recorded inputs and its output compared with the recorded output;
+//  2. end to end: prefill logits at every stored position, every decode step, every DSpark round;
+//  3. both index-key semantics at decode (owner's keys, the default, against
+//     reference_ownerkeys.safetensors; the reference's stale keys against reference.safetensors);
+// plus the CED prefill shortcut's measured difference from the full prefill (reported).
+
+#include <filesystem>
+#include <string>
+#include <vector>
+
+namespace uf::cpu {
+
+struct CheckLine {
+  std::string name;
+  double value = 0;
+  double bound = 0;
+  bool pass = true;
+  bool informational = false;  // reported, never fails
+  std::string detail;
+};
+
+struct FixtureCheckOptions {
+  bool run_reference_keys = true;  // also the stale-key variant against reference.safetensors
+  bool run_ced = true;             // measure the CED prefill shortcut
+  double bound_margin = 1.5;       // e2e bounds = margin x the manifest's noise floor
+};
+
+struct FixtureReport {
+  std::vector<CheckLine> lines;
+  double seconds = 0;
+  bool ok() const;
+  std::string format() const;  // one line per check
+};
+
+FixtureReport check_fixture(const std::filesystem::path& fixture_dir,
+                            const FixtureCheckOptions& opts = {});
+
+}  // namespace uf::cpu

@@ -1,0 +1,71 @@
+#pragma once
+// FP8 block-scaled GEMV / small-M GEMM for decode rows (M = 1..8), and the FP8 activation
+// quantizer that feeds it. Kernels: src/cuda/kernels/fp8_gemv.cu (shapes, tiles and the
+// reduction order are stated there).
+//
+//   out[m][n] = sum over K blocks kb, in K order, of
+//               (sum_{i<32} a[m][32kb+i] * w[n][32kb+i]) * a_scale[m][kb] * w_scale[n/32][kb]
+//
+// Weights are the checkpoint's F8_E4M3 [N, K] with F8_E8M0 scales [ceil(N/32), K/32];
+// activations are quantized to E4M3 per 32 along K with a power-of-two scale (core/quant.h).
+// The reduction order of a row never depends on M, so rows 1..8 give bitwise identical outputs
+// for the same input row (spec == plain).
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace uf::cuda {
+
+inline constexpr int kMaxDecodeRows = 8;
+
+// Row-major F8_E4M3 weight [n, k] and its UE8M0 32x32 block scales [ceil(n/32), k/32].
+struct Fp8WeightView {
+  const uint8_t* data = nullptr;
+  const uint8_t* scale = nullptr;
+  int n = 0;
+  int k = 0;
+};
+
+// Quantized activations: codes [m, k] E4M3, scales [m, k/32] fp32 powers of two.
+struct QuantActView {
+  const uint8_t* codes = nullptr;
+  const float* scales = nullptr;
+  int m = 0;
+  int k = 0;
+};
+
+// x [m, k] (bf16 bits or fp32) -> codes/scales. k % 32 == 0, m <= 8.
+void act_quant_fp8_bf16(const uint16_t* x, int m, int k, uint8_t* codes, float* scales,
+                        cudaStream_t stream);
+void act_quant_fp8_f32(const float* x, int m, int k, uint8_t* codes, float* scales,
+                       cudaStream_t stream);
+
+// One GEMV shape (n, k) with its split-K plan and workspace. Constraints: n % 16 == 0,
+// k % 32 == 0, 1 <= m <= 8. The split count depends on (n, k, SM count) only, never on m.
+// Construction allocates; run() does not (it may be captured in a CUDA graph).
+class Fp8Gemv {
+ public:
+  Fp8Gemv(int n, int k, int sm_count);
+  ~Fp8Gemv();
+  Fp8Gemv(const Fp8Gemv&) = delete;
+  Fp8Gemv& operator=(const Fp8Gemv&) = delete;
+
+  // out_f32 [m, n] and/or out_bf16 [m, n] (either may be null). Launched with PDL: the kernel
+  // prefetches weights before waiting on the previous kernel in the stream.
+  void run(const Fp8WeightView& w, const QuantActView& a, float* out_f32, uint16_t* out_bf16,
+           cudaStream_t stream) const;
+
+  int n() const { return n_; }
+  int k() const { return k_; }
+  int splits() const { return splits_; }
+
+ private:
+  int n_, k_, splits_, kb_per_split_, n_blocks_;
+  float* partials_ = nullptr;  // [splits][n_blocks][8 warps][16 x 8]
+  int* counters_ = nullptr;    // [n_blocks], self-resetting
+};
+
+int device_sm_count();
+
+}  // namespace uf::cuda

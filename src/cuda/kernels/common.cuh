@@ -1,0 +1,177 @@
+#pragma once
+// Device helpers shared by the decode kernels (sm_90a and sm_100a).
+//
+//  - mma_e4m3_16x8x32: one warp-wide FP8 tensor-core product D[16x8] = A[16x32] * B[32x8] in fp32
+//    (mma.sync m16n8k32, available on sm_89+; still valid on sm_100a). The decode GEMVs put 16
+//    weight rows in A and up to 8 token rows in B ("swap AB"), so one mma is exactly one 32-wide K
+//    block: the per-block partial that the reference scales and adds in K order.
+//  - K permutation: a dot product over one 32-block does not care about the order of its 32 terms,
+//    so every kernel loads A and B with the SAME bijection of the block's 32 positions onto the mma
+//    fragment positions, chosen so that loads are contiguous. Each kernel states its mapping.
+//  - Activation quantization (act_quant, ue8m0): amax floored at 1e-4, scale = 2^ceil(log2(amax /
+//    448)) from the fp32 bits, code = e4m3_satfinite_rne(x / scale), bit-exact with core/quant.h.
+//  - PDL (programmatic dependent launch): kernels call pdl_wait() before reading anything an
+//    earlier kernel wrote, and pdl_trigger() early so the next kernel's blocks can start loading
+//    their (independent) weights while this one drains.
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/cuda_check.h"
+
+namespace uf::cuda::detail {
+
+constexpr float kFp8MaxInv = 1.0f / 448.0f;
+constexpr float kActAmaxFloor = 1e-4f;
+
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+
+// D = A * B with C = 0. a: 4 regs of 4 e4m3 (rows g, g+8; K halves), b: 2 regs (K halves).
+__device__ __forceinline__ void mma_e4m3_16x8x32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                                 uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%10,%10,%10,%10};"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.0f));
+}
+
+// Streaming weight loads: read once per step, so keep them out of L1.
+__device__ __forceinline__ uint2 ld_stream_u2(const void* p) {
+  uint2 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];"
+               : "=r"(v.x), "=r"(v.y)
+               : "l"(p));
+  return v;
+}
+// FP4 rows are loaded 16 bytes per row per K block; the neighbouring block's half of the same
+// 32-byte sector comes from L1, so these keep the L1 allocation.
+__device__ __forceinline__ uint32_t ld_nc_u32(const void* p) {
+  uint32_t v;
+  asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+
+// UE8M0 -> fp32 exactly as core/dtypes.h: 0 -> 2^-127 (subnormal), 255 -> NaN.
+__device__ __forceinline__ float e8m0_to_f32(uint32_t c) {
+  const uint32_t bits = c == 0 ? 0x00400000u : (c == 255 ? 0x7fc00000u : c << 23);
+  return __uint_as_float(bits);
+}
+
+__device__ __forceinline__ float round_bf16(float x) {
+  return __bfloat162float(__float2bfloat16_rn(x));
+}
+
+// 2^ceil(log2(amax * max_inv)) from the fp32 bits, as core::pow2_scale.
+__device__ __forceinline__ float pow2_scale(float amax, float max_inv) {
+  const uint32_t bits = __float_as_uint(amax * max_inv);
+  const int e = int((bits >> 23) & 0xff);
+  const int l2 = e - 127 + ((bits & 0x7fffff) != 0 ? 1 : 0);
+  return __uint_as_float(uint32_t(l2 + 127) << 23);
+}
+
+__device__ __forceinline__ uint8_t f32_to_e4m3(float x) {
+  return uint8_t(__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3));
+}
+
+// Quantizes one 32-block held one value per lane (the full warp participates). Returns the
+// lane's code; *scale gets the block's power-of-two scale.
+__device__ __forceinline__ uint8_t warp_quant_fp8_block(float x, float* scale) {
+  float a = fabsf(x);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
+  const float s = pow2_scale(fmaxf(a, kActAmaxFloor), kFp8MaxInv);
+  *scale = s;
+  return f32_to_e4m3(x / s);  // IEEE division by a power of two, as the reference
+}
+
+// 8 packed E2M1 codes (low nibble = even element) -> 8 e4m3 bytes holding value * 2^-6, by bit
+// placement only: nibble [s e1 e0 m] -> byte [s 0 0 e1 e0 m 0 0] (e4m3 exponent field 00e1e0,
+// mantissa m00). For e = e1e0 >= 1 the e4m3 value is 2^(e-7) (1 + m/2) = e2m1 * 2^-6; for e = 0
+// (0 or 0.5) it is the e4m3 subnormal (m/2) * 2^-6.
+// Callers multiply the fp32 partial's scale by 2^6 (exact). Output order (byte 0 first):
+//   lo = elements [0,2,4,6] (low nibbles), hi = elements [1,3,5,7] (high nibbles).
+__device__ __forceinline__ void e2m1x8_to_e4m3_scaled(uint32_t w, uint32_t& lo, uint32_t& hi) {
+  lo = ((w << 2) & 0x1C1C1C1Cu) | ((w << 4) & 0x80808080u);
+  hi = ((w >> 2) & 0x1C1C1C1Cu) | (w & 0x80808080u);
+}
+constexpr float kE2M1ToE4M3Rescale = 64.0f;  // undoes the 2^-6 of e2m1x8_to_e4m3_scaled
+
+// ---- Warp-private weight streaming through shared memory (cp.async, 16-byte pieces) ----
+// A warp owns a 16-row weight tile and streams it in chunks of 8 K blocks: 16 rows x kChunkBytes
+// per stage, kStages stages deep. Lane pieces are laid out so that one warp instruction copies
+// whole 128-byte lines (2 rows x 256 B for FP8, 4 rows x 128 B for FP4): few memory requests per
+// byte, unlike fragment-shaped 8-byte loads. Rows are padded so that the fragment reads from
+// shared memory are bank-conflict free (FP8: 8-byte reads, pad 32; FP4: 4-byte reads, pad 16).
+template <int kBytesPerKb, int kStagesT>
+struct TileStream {
+  static constexpr int kStages = kStagesT;
+  static constexpr int kChunkKb = 8;
+  static constexpr int kChunkBytes = kChunkKb * kBytesPerKb;
+  static constexpr int kRowStride = kChunkBytes + (kBytesPerKb == 32 ? 32 : 16);
+  static constexpr int kStageBytes = 16 * kRowStride;
+  static constexpr int kWarpBytes = kStages * kStageBytes;
+  static constexpr int kPiecesPerRow = kChunkBytes / 16;
+  static constexpr int kPiecesPerLane = 16 * kPiecesPerRow / 32;
+
+  // Copies K blocks [kb, kb + nkb) (nkb <= 8) of the tile's 16 rows into stage buffer dst.
+  __device__ __forceinline__ static void issue(uint8_t* dst, const uint8_t* tile, size_t row_bytes,
+                                               int kb, int nkb, int lane) {
+#pragma unroll
+    for (int i = 0; i < kPiecesPerLane; ++i) {
+      const int q = lane + 32 * i, row = q / kPiecesPerRow, col = q % kPiecesPerRow;
+      if (col * 16 < nkb * kBytesPerKb) {
+        const uint32_t d = uint32_t(__cvta_generic_to_shared(dst + row * kRowStride + col * 16));
+        const uint8_t* src = tile + row * row_bytes + size_t(kb) * kBytesPerKb + col * 16;
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+      }
+    }
+  }
+};
+
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
+}
+
+// Host: every decode kernel asks for the largest shared-memory carve-out, so that consecutive
+// kernels never make an SM drain to switch its L1 / shared-memory split.
+template <typename Kernel>
+void prefer_shared_carveout(Kernel kernel) {
+  UF_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                     int(cudaSharedmemCarveoutMaxShared)));
+}
+
+// Host: launch with programmatic stream serialization (PDL) allowed.
+template <typename Kernel, typename... Args>
+void launch_pdl(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                Args... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  UF_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
+}
+
+}  // namespace uf::cuda::detail

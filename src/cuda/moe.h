@@ -1,0 +1,70 @@
+#pragma once
+// Routed-expert MoE for decode rows (M = 1..8): MXFP4 experts, W4A8, grouped over the experts
+// that the routing selected. Kernels and their reduction order: src/cuda/kernels/moe_fp4.cu.
+//
+// For each row t and each selected expert e (weight w):
+//   g = bf16(w1_e . x), u = bf16(w3_e . x)                  (FP4 x FP8 block-scaled GEMVs)
+//   u = clamp(u, -L, L); g = min(g, L)                      (L = swiglu_limit; L <= 0: no clamp)
+//   h = bf16(w * silu(g) * u)                               (weight BEFORE w2: it changes h's
+//   quant) y_e = bf16(w2_e . fp8_quant(h))
+// out[t] = sum over t's experts in ascending expert id of y_e (fp32, starting from 0), as the
+// reference's loop over experts. Experts chosen by several rows are read once (rows become the
+// mma columns); a row's result never depends on the other rows.
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/gemv.h"
+
+namespace uf::cuda {
+
+// Experts stacked along a leading expert dimension, in checkpoint formats:
+//   w1, w3 [E, I, K/2] packed E2M1 (low nibble = even element), scales [E, I, K/32] UE8M0
+//   w2     [E, K, I/2],                                            scale  [E, K, I/32]
+// (K = model dim, I = expert intermediate dim, possibly a tensor-parallel slice of it.)
+struct Fp4ExpertsView {
+  const uint8_t* w1 = nullptr;
+  const uint8_t* w1_scale = nullptr;
+  const uint8_t* w3 = nullptr;
+  const uint8_t* w3_scale = nullptr;
+  const uint8_t* w2 = nullptr;
+  const uint8_t* w2_scale = nullptr;
+  int num_experts = 0;
+  int dim = 0;    // K
+  int inter = 0;  // I
+};
+
+// One MoE shape with its workspace. Constraints: dim % 128 == 0, inter % 32 == 0, M <= 8,
+// M * topk <= 64. Construction allocates; run() does not (graph-capturable).
+class MoeFp4 {
+ public:
+  MoeFp4(int dim, int inter, int topk, int sm_count);
+  ~MoeFp4();
+  MoeFp4(const MoeFp4&) = delete;
+  MoeFp4& operator=(const MoeFp4&) = delete;
+
+  // x: the FP8-quantized MoE input [m, dim]; topk_idx [m, topk] int32 expert ids (distinct per
+  // row) and topk_w [m, topk] fp32 routing weights, on the device. out [m, dim] fp32.
+  void run(const Fp4ExpertsView& w, const QuantActView& x, const int* topk_idx, const float* topk_w,
+           float swiglu_limit, float* out, cudaStream_t stream) const;
+
+  int w13_splits() const { return splits_; }
+
+ private:
+  int dim_, inter_, topk_, splits_, kb_per_split_;
+  void* plan_ = nullptr;        // the routing plan (moe_fp4.cu MoePlan)
+  uint8_t* h_codes_ = nullptr;  // [8 * topk slots][inter]
+  float* h_scales_ = nullptr;   // [slots][inter / 32]
+  float* y_ = nullptr;          // [slots][dim]
+  float* partials_ = nullptr;   // [splits][slots][inter/32 groups][4 warps][128]
+  int* counters_ = nullptr;     // [slots][inter/32 groups]
+};
+
+// Shared-expert SwiGLU between two FP8 GEMVs: gu [m, 2 * inter] fp32 holds w1 (gate) outputs in
+// columns [0, inter) and w3 (up) outputs in [inter, 2 * inter). Writes the FP8-quantized
+// h = bf16(silu(min(bf16(g), L)) * clamp(bf16(u), -L, L)) as codes [m, inter] + scales.
+void swiglu_quant_fp8(const float* gu, int m, int inter, float swiglu_limit, uint8_t* codes,
+                      float* scales, cudaStream_t stream);
+
+}  // namespace uf::cuda

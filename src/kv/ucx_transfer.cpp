@@ -1,0 +1,753 @@
+#include "kv/ucx_transfer.h"
+
+#include <fmt/format.h>
+#include <netdb.h>
+#include <poll.h>
+#include <spdlog/spdlog.h>
+#include <sys/socket.h>
+#include <ucp/api/ucp.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <list>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include "core/error.h"
+#include "core/log.h"
+
+namespace uf::kv {
+
+class UcxContext {
+ public:
+  ucp_context_h ctx = nullptr;
+  ~UcxContext() {
+    if (ctx) ucp_cleanup(ctx);
+  }
+};
+
+RegisteredBuffer::~RegisteredBuffer() {
+  if (memh_) ucp_mem_unmap(ctx_->ctx, static_cast<ucp_mem_h>(memh_));
+}
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Active message ids of the manifest request/response.
+constexpr unsigned kAmRequest = 17;
+constexpr unsigned kAmReply = 18;
+// Reply status words.
+constexpr uint32_t kReplyOk = 0;
+constexpr uint32_t kReplyNotFound = 1;
+constexpr size_t kMaxIdBytes = 1024;
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// Parses "host:port" (or "[v6]:port") into a socket address.
+Status resolve(const std::string& address, bool passive, sockaddr_storage& out, socklen_t& len) {
+  size_t colon = address.rfind(':');
+  if (colon == std::string::npos || colon + 1 == address.size())
+    return {StatusCode::kInvalid, fmt::format("UCX address '{}' is not host:port", address)};
+  std::string host = address.substr(0, colon), port = address.substr(colon + 1);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']')
+    host = host.substr(1, host.size() - 2);
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICSERV | (passive ? AI_PASSIVE : 0);
+  addrinfo* res = nullptr;
+  int rc = getaddrinfo(host.empty() ? nullptr : host.c_str(), port.c_str(), &hints, &res);
+  if (rc != 0 || !res)
+    return {StatusCode::kInvalid,
+            fmt::format("cannot resolve UCX address '{}': {}", address, gai_strerror(rc))};
+  std::memcpy(&out, res->ai_addr, res->ai_addrlen);
+  len = res->ai_addrlen;
+  freeaddrinfo(res);
+  return Status::ok();
+}
+
+template <typename T>
+void append(std::vector<uint8_t>& v, const T& x) {
+  const uint8_t* p = reinterpret_cast<const uint8_t*>(&x);
+  v.insert(v.end(), p, p + sizeof(T));
+}
+
+}  // namespace
+
+struct UcxNode::Impl {
+  UcxNode* self = nullptr;
+  UcxNodeConfig config;
+  std::shared_ptr<UcxContext> ctx;
+  ucp_worker_h owner_worker = nullptr;
+  ucp_worker_h fetch_worker = nullptr;
+  ucp_listener_h listener = nullptr;
+  int owner_efd = -1;
+  int fetch_efd = -1;
+  std::string address;
+  std::thread owner_thread;
+  std::atomic<bool> stop{false};
+
+  // ---- registry (any thread) ----
+  struct Entry {
+    std::string id;
+    Manifest manifest;
+    std::vector<uint8_t> manifest_wire;
+    std::shared_ptr<RegisteredBuffer> buffer;
+    std::vector<uint8_t> rkey;
+    std::list<std::string>::iterator lru_it;
+  };
+  mutable std::mutex reg_mu;
+  std::unordered_map<std::string, std::shared_ptr<Entry>> entries;
+  std::list<std::string> lru;  // front: most recently published or fetched
+  uint64_t bytes_published = 0;
+  std::vector<std::pair<Clock::time_point, std::shared_ptr<Entry>>> graveyard;
+
+  // ---- owner thread only ----
+  struct PendingRequest {
+    ucp_ep_h reply_ep;
+    uint64_t request_id;
+    std::string id;
+  };
+  std::vector<ucp_conn_request_h> pending_conns;
+  std::vector<PendingRequest> pending_requests;
+  std::unordered_set<ucp_ep_h> server_eps;
+  std::vector<ucp_ep_h> failed_eps;
+  std::vector<void*> closing;  // ep close requests in flight
+
+  // ---- fetcher (under fetch_mu) ----
+  std::mutex fetch_mu;
+  uint64_t next_request_id = 1;
+  uint64_t awaited_request = 0;
+  bool reply_ready = false;
+  std::vector<uint8_t> reply;
+  bool fetch_ep_failed = false;
+  ucs_status_t fetch_ep_status = UCS_OK;
+
+  std::atomic<uint64_t> published{0}, evicted{0}, served{0}, fetch_ok{0}, fetch_failed{0},
+      bytes_fetched{0};
+
+  // ---------------------------------------------------------------- setup / teardown
+
+  void start() {
+    ucp_params_t params{};
+    params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
+    params.features = UCP_FEATURE_AM | UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;
+    params.mt_workers_shared = 1;  // buffers are mapped and unmapped from any thread
+    ctx = std::make_shared<UcxContext>();
+    ucs_status_t st = ucp_init(&params, nullptr, &ctx->ctx);
+    UF_CHECK(st == UCS_OK, "UCX could not start (ucp_init: {}); check UCX_TLS and ucx_info -d",
+             ucs_status_string(st));
+    owner_worker = make_worker("owner");
+    fetch_worker = make_worker("fetch");
+    st = ucp_worker_get_efd(owner_worker, &owner_efd);
+    UF_CHECK(st == UCS_OK, "UCX owner worker has no event fd ({})", ucs_status_string(st));
+    st = ucp_worker_get_efd(fetch_worker, &fetch_efd);
+    UF_CHECK(st == UCS_OK, "UCX fetch worker has no event fd ({})", ucs_status_string(st));
+
+    set_am_handler(owner_worker, kAmRequest, &on_request, 0);
+    set_am_handler(fetch_worker, kAmReply, &on_reply, UCP_AM_FLAG_WHOLE_MSG);
+
+    sockaddr_storage ss{};
+    socklen_t len = 0;
+    Status s = resolve(fmt::format("{}:{}", config.listen_host, config.listen_port), true, ss, len);
+    UF_CHECK(s.is_ok(), "UCX listener: {}", s.message());
+    ucp_listener_params_t lp{};
+    lp.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
+    lp.sockaddr.addr = reinterpret_cast<const sockaddr*>(&ss);
+    lp.sockaddr.addrlen = len;
+    lp.conn_handler.cb = &on_conn;
+    lp.conn_handler.arg = this;
+    st = ucp_listener_create(owner_worker, &lp, &listener);
+    UF_CHECK(st == UCS_OK, "UCX cannot listen on {}:{} ({})", config.listen_host,
+             config.listen_port, ucs_status_string(st));
+    ucp_listener_attr_t attr{};
+    attr.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
+    st = ucp_listener_query(listener, &attr);
+    UF_CHECK(st == UCS_OK, "UCX listener query failed ({})", ucs_status_string(st));
+    uint16_t port = attr.sockaddr.ss_family == AF_INET6
+                        ? ntohs(reinterpret_cast<sockaddr_in6*>(&attr.sockaddr)->sin6_port)
+                        : ntohs(reinterpret_cast<sockaddr_in*>(&attr.sockaddr)->sin_port);
+    std::string host = config.advertise_host.empty() ? config.listen_host : config.advertise_host;
+    address = host.find(':') != std::string::npos ? fmt::format("[{}]:{}", host, port)
+                                                  : fmt::format("{}:{}", host, port);
+    owner_thread = std::thread([this] { owner_loop(); });
+  }
+
+  ucp_err_handling_mode_t err_mode() const {
+    return config.peer_failure_detection ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
+  }
+
+  ucp_worker_h make_worker(const char* what) {
+    ucp_worker_params_t wp{};
+    wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+    wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;
+    ucp_worker_h w = nullptr;
+    ucs_status_t st = ucp_worker_create(ctx->ctx, &wp, &w);
+    UF_CHECK(st == UCS_OK, "UCX {} worker could not be created ({})", what, ucs_status_string(st));
+    return w;
+  }
+
+  void set_am_handler(ucp_worker_h w, unsigned id, ucp_am_recv_callback_t cb, uint32_t flags) {
+    ucp_am_handler_param_t hp{};
+    hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                    UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
+    hp.id = id;
+    hp.cb = cb;
+    hp.arg = this;
+    hp.flags = flags;
+    ucs_status_t st = ucp_worker_set_am_recv_handler(w, &hp);
+    UF_CHECK(st == UCS_OK, "UCX active message handler {} failed ({})", id, ucs_status_string(st));
+  }
+
+  void shutdown() {
+    if (owner_thread.joinable()) {
+      stop = true;
+      ucp_worker_signal(owner_worker);
+      owner_thread.join();
+    }
+    if (listener) {
+      for (ucp_conn_request_h c : pending_conns) ucp_listener_reject(listener, c);
+      ucp_listener_destroy(listener);
+    }
+    pending_conns.clear();
+    listener = nullptr;
+    if (owner_worker) {
+      for (ucp_ep_h ep : server_eps) start_close(ep, true);
+      server_eps.clear();
+      drain_closing(owner_worker, Clock::now() + std::chrono::seconds(1));
+    }
+    {
+      std::lock_guard lock(reg_mu);
+      entries.clear();
+      lru.clear();
+      graveyard.clear();
+    }
+    if (fetch_worker) ucp_worker_destroy(fetch_worker);
+    if (owner_worker) ucp_worker_destroy(owner_worker);
+    fetch_worker = owner_worker = nullptr;
+  }
+
+  void start_close(ucp_ep_h ep, bool force) {
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+    ucs_status_ptr_t r = ucp_ep_close_nbx(ep, &p);
+    if (r && !UCS_PTR_IS_ERR(r)) closing.push_back(r);
+  }
+
+  void drain_closing(ucp_worker_h w, Clock::time_point deadline) {
+    while (!closing.empty() && Clock::now() < deadline) {
+      ucp_worker_progress(w);
+      std::erase_if(closing, [](void* r) {
+        if (ucp_request_check_status(r) == UCS_INPROGRESS) return false;
+        ucp_request_free(r);
+        return true;
+      });
+    }
+    for (void* r : closing) ucp_request_free(r);  // released when UCX completes them
+    closing.clear();
+  }
+
+  // ---------------------------------------------------------------- owner side
+
+  static void on_conn(ucp_conn_request_h req, void* arg) {
+    static_cast<Impl*>(arg)->pending_conns.push_back(req);
+  }
+
+  static void on_server_ep_error(void* arg, ucp_ep_h ep, ucs_status_t) {
+    static_cast<Impl*>(arg)->failed_eps.push_back(ep);
+  }
+
+  static ucs_status_t on_request(void* arg, const void* header, size_t header_length, void* data,
+                                 size_t length, const ucp_am_recv_param_t* param) {
+    Impl* self = static_cast<Impl*>(arg);
+    // Eager data (no RNDV flag) is readable inside the callback; FLAG_DATA only says it may be
+    // kept beyond it.
+    if (header_length != sizeof(uint64_t) || (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) ||
+        !(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) || length > kMaxIdBytes)
+      return UCS_OK;  // not ours or malformed: drop
+    if (self->self->stall_requests_) return UCS_OK;
+    uint64_t rid;
+    std::memcpy(&rid, header, sizeof(rid));
+    self->pending_requests.push_back(
+        {param->reply_ep, rid, std::string(static_cast<const char*>(data), length)});
+    return UCS_OK;
+  }
+
+  void owner_loop() {
+    while (!stop) {
+      while (ucp_worker_progress(owner_worker) != 0) {
+      }
+      if (handle_owner_work()) continue;
+      ucs_status_t st = ucp_worker_arm(owner_worker);
+      if (st == UCS_ERR_BUSY) continue;
+      pollfd p{owner_efd, POLLIN, 0};
+      ::poll(&p, 1, 20);  // the timeout also paces the graveyard sweep
+    }
+  }
+
+  bool handle_owner_work() {
+    bool did = false;
+    for (ucp_conn_request_h c : std::exchange(pending_conns, {})) {
+      ucp_ep_params_t ep{};
+      ep.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                      UCP_EP_PARAM_FIELD_ERR_HANDLER;
+      ep.conn_request = c;
+      ep.err_mode = err_mode();
+      ep.err_handler.cb = &on_server_ep_error;
+      ep.err_handler.arg = this;
+      ucp_ep_h h = nullptr;
+      if (ucp_ep_create(owner_worker, &ep, &h) == UCS_OK) server_eps.insert(h);
+      did = true;
+    }
+    for (PendingRequest& r : std::exchange(pending_requests, {})) {
+      answer(r);
+      did = true;
+    }
+    for (ucp_ep_h ep : std::exchange(failed_eps, {})) {
+      if (server_eps.erase(ep)) start_close(ep, true);
+      did = true;
+    }
+    std::erase_if(closing, [](void* r) {
+      if (ucp_request_check_status(r) == UCS_INPROGRESS) return false;
+      ucp_request_free(r);
+      return true;
+    });
+    std::lock_guard lock(reg_mu);
+    Clock::time_point now = Clock::now();
+    std::erase_if(graveyard, [now](const auto& g) { return g.first <= now; });
+    return did;
+  }
+
+  // Header and payload must stay valid until the send completes (it may not complete inline).
+  struct SendCtx {
+    uint64_t header = 0;
+    std::vector<uint8_t> payload;
+  };
+
+  static void on_send_done(void* request, ucs_status_t, void* user_data) {
+    delete static_cast<SendCtx*>(user_data);
+    ucp_request_free(request);
+  }
+
+  void answer(const PendingRequest& r) {
+    auto* sc = new SendCtx;
+    sc->header = r.request_id;
+    std::shared_ptr<Entry> e;
+    {
+      std::lock_guard lock(reg_mu);
+      auto it = entries.find(r.id);
+      if (it != entries.end()) {
+        e = it->second;
+        lru.splice(lru.begin(), lru, e->lru_it);
+      }
+    }
+    if (e) {
+      ++served;
+      append(sc->payload, kReplyOk);
+      append(sc->payload, reinterpret_cast<uint64_t>(e->buffer->data()));
+      append(sc->payload, static_cast<uint64_t>(e->rkey.size()));
+      sc->payload.insert(sc->payload.end(), e->rkey.begin(), e->rkey.end());
+      append(sc->payload, static_cast<uint64_t>(e->manifest_wire.size()));
+      sc->payload.insert(sc->payload.end(), e->manifest_wire.begin(), e->manifest_wire.end());
+    } else {
+      append(sc->payload, kReplyNotFound);
+      std::string msg = fmt::format("snapshot '{}' is not published here", r.id);
+      sc->payload.insert(sc->payload.end(), msg.begin(), msg.end());
+    }
+    ucp_request_param_t p{};
+    p.op_attr_mask =
+        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = UCP_AM_SEND_FLAG_EAGER;
+    p.cb.send = &on_send_done;
+    p.user_data = sc;
+    ucs_status_ptr_t s = ucp_am_send_nbx(r.reply_ep, kAmReply, &sc->header, sizeof(uint64_t),
+                                         sc->payload.data(), sc->payload.size(), &p);
+    if (s == nullptr || UCS_PTR_IS_ERR(s)) delete sc;  // done inline, or failed: no callback
+  }
+
+  // ---------------------------------------------------------------- fetcher side
+
+  static void on_fetch_ep_error(void* arg, ucp_ep_h, ucs_status_t status) {
+    Impl* self = static_cast<Impl*>(arg);
+    self->fetch_ep_failed = true;
+    self->fetch_ep_status = status;
+  }
+
+  static ucs_status_t on_reply(void* arg, const void* header, size_t header_length, void* data,
+                               size_t length, const ucp_am_recv_param_t* param) {
+    Impl* self = static_cast<Impl*>(arg);
+    if (header_length != sizeof(uint64_t) || (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV))
+      return UCS_OK;
+    uint64_t rid;
+    std::memcpy(&rid, header, sizeof(rid));
+    if (rid != self->awaited_request) return UCS_OK;  // a late answer to a fetch that gave up
+    const uint8_t* d = static_cast<const uint8_t*>(data);
+    self->reply.assign(d, d + length);
+    self->reply_ready = true;
+    return UCS_OK;
+  }
+
+  // Progresses the fetch worker until `done` holds, the endpoint fails or the deadline passes.
+  template <typename Done>
+  Status progress_until(Done done, Clock::time_point deadline, const char* what,
+                        const std::string& where) {
+    int idle = 0;
+    while (!done()) {
+      if (fetch_ep_failed)
+        return {StatusCode::kUnavailable,
+                fmt::format("UCX connection to the owner at {} failed while {} ({})", where, what,
+                            ucs_status_string(fetch_ep_status))};
+      if (Clock::now() >= deadline)
+        return {StatusCode::kTimeout,
+                fmt::format("UCX fetch from {} timed out while {}", where, what)};
+      if (ucp_worker_progress(fetch_worker) != 0) {
+        idle = 0;
+      } else if (++idle < 256) {
+        std::this_thread::yield();
+      } else {
+        // Nothing moving (a slow or hung owner): sleep on the worker's event fd instead of
+        // burning a core until the deadline.
+        idle = 0;
+        if (ucp_worker_arm(fetch_worker) == UCS_OK) {
+          pollfd p{fetch_efd, POLLIN, 0};
+          ::poll(&p, 1, 1);
+        }
+      }
+    }
+    return Status::ok();
+  }
+
+  // Waits for an nbx request with no callback; frees it in every case.
+  Status wait_request(ucs_status_ptr_t req, Clock::time_point deadline, const char* what,
+                      const std::string& where) {
+    if (req == nullptr) return Status::ok();
+    if (UCS_PTR_IS_ERR(req))
+      return {StatusCode::kUnavailable, fmt::format("UCX {} with {} failed: {}", what, where,
+                                                    ucs_status_string(UCS_PTR_STATUS(req)))};
+    ucs_status_t st = UCS_INPROGRESS;
+    Status s =
+        progress_until([&] { return (st = ucp_request_check_status(req)) != UCS_INPROGRESS; },
+                       deadline, what, where);
+    ucp_request_free(req);  // if still running, UCX releases it once the endpoint is closed
+    if (!s.is_ok()) return s;
+    if (st != UCS_OK)
+      return {StatusCode::kUnavailable,
+              fmt::format("UCX {} with {} failed: {}", what, where, ucs_status_string(st))};
+    return Status::ok();
+  }
+
+  void close_fetch_ep(ucp_ep_h ep, bool force) {
+    if (!ep) return;
+    start_close(ep, force || fetch_ep_failed);
+    drain_closing(fetch_worker, Clock::now() + std::chrono::milliseconds(500));
+  }
+
+  std::shared_ptr<RegisteredBuffer> allocate(size_t bytes) {
+    auto b = std::shared_ptr<RegisteredBuffer>(new RegisteredBuffer());
+    b->ctx_ = ctx;
+    if (bytes == 0) return b;
+    ucp_mem_map_params_t mp{};
+    mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                    UCP_MEM_MAP_PARAM_FIELD_FLAGS;
+    mp.address = nullptr;
+    mp.length = bytes;
+    mp.flags = UCP_MEM_MAP_ALLOCATE;
+    ucp_mem_h memh = nullptr;
+    if (ucp_mem_map(ctx->ctx, &mp, &memh) != UCS_OK) return nullptr;
+    ucp_mem_attr_t attr{};
+    attr.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH;
+    if (ucp_mem_query(memh, &attr) != UCS_OK || attr.length < bytes) {
+      ucp_mem_unmap(ctx->ctx, memh);
+      return nullptr;
+    }
+    b->memh_ = memh;
+    b->data_ = static_cast<uint8_t*>(attr.address);
+    b->size_ = bytes;
+    return b;
+  }
+
+  FetchResult fetch(const std::string& where, const std::string& id,
+                    const ReceiverExpectations& expect, const FetchOptions& opt) {
+    FetchResult res;
+    std::lock_guard lock(fetch_mu);
+    Clock::time_point t0 = Clock::now();
+    Clock::time_point deadline = t0 + opt.timeout;
+    auto fail = [&](Status s) {
+      res.status = std::move(s);
+      res.bytes.reset();
+      ++fetch_failed;
+      core::log_event({{"event", "kv_transfer"},
+                       {"direction", "fetch"},
+                       {"owner", where},
+                       {"id", id},
+                       {"status", status_code_name(res.status.code())},
+                       {"error", res.status.message()},
+                       {"seconds", seconds_since(t0)}});
+      return res;
+    };
+    if (id.size() > kMaxIdBytes)
+      return fail(
+          {StatusCode::kInvalid, fmt::format("snapshot id of {} bytes is too long", id.size())});
+    sockaddr_storage ss{};
+    socklen_t len = 0;
+    if (Status s = resolve(where, false, ss, len); !s.is_ok()) return fail(s);
+
+    fetch_ep_failed = false;
+    fetch_ep_status = UCS_OK;
+    ucp_ep_params_t ep{};
+    ep.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
+                    UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    ep.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
+    ep.sockaddr.addr = reinterpret_cast<const sockaddr*>(&ss);
+    ep.sockaddr.addrlen = len;
+    ep.err_mode = err_mode();
+    ep.err_handler.cb = &on_fetch_ep_error;
+    ep.err_handler.arg = this;
+    ucp_ep_h h = nullptr;
+    ucs_status_t st = ucp_ep_create(fetch_worker, &ep, &h);
+    if (st != UCS_OK)
+      return fail(
+          {StatusCode::kUnavailable,
+           fmt::format("cannot connect to the KV owner at {} ({})", where, ucs_status_string(st))});
+    Status s = fetch_on(h, where, id, expect, opt, deadline, res);
+    close_fetch_ep(h, !s.is_ok());  // fetch_on sets h to null when it closed the endpoint itself
+    if (!s.is_ok()) return fail(s);
+
+    if (opt.test_corrupt_in_flight && res.bytes)
+      opt.test_corrupt_in_flight(res.bytes->span().first(res.manifest.byte_size));
+    Clock::time_point tv = Clock::now();
+    s = verify_snapshot_bytes(res.manifest, res.data(), config.verify_threads);
+    res.verify_seconds = seconds_since(tv);
+    if (!s.is_ok()) return fail(s);
+    ++fetch_ok;
+    bytes_fetched += res.manifest.byte_size;
+    double total = seconds_since(t0);
+    core::log_event(
+        {{"event", "kv_transfer"},
+         {"direction", "fetch"},
+         {"owner", where},
+         {"id", id},
+         {"status", "OK"},
+         {"bytes", res.manifest.byte_size},
+         {"tokens", res.manifest.token_ids.size()},
+         {"reuse_tokens", res.common_prefix},
+         {"seconds", total},
+         {"read_gbps",
+          res.read_seconds > 0 ? res.manifest.byte_size / res.read_seconds / 1e9 : 0.0}});
+    return res;
+  }
+
+  Status fetch_on(ucp_ep_h& h, const std::string& where, const std::string& id,
+                  const ReceiverExpectations& expect, const FetchOptions& opt,
+                  Clock::time_point deadline, FetchResult& res) {
+    Clock::time_point t0 = Clock::now();
+    // 1. Manifest request / response.
+    awaited_request = next_request_id++;
+    reply_ready = false;
+    reply.clear();
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
+    uint64_t rid = awaited_request;
+    UF_KV_TRY(
+        wait_request(ucp_am_send_nbx(h, kAmRequest, &rid, sizeof(rid), id.data(), id.size(), &p),
+                     deadline, "sending the manifest request", where));
+    UF_KV_TRY(
+        progress_until([&] { return reply_ready; }, deadline, "waiting for the manifest", where));
+    awaited_request = 0;
+    res.manifest_seconds = seconds_since(t0);
+
+    // 2. Parse: status, remote address, rkey, manifest.
+    size_t off = 0;
+    auto take = [&](void* dst, size_t n) {
+      if (reply.size() - off < n) return false;
+      std::memcpy(dst, reply.data() + off, n);
+      off += n;
+      return true;
+    };
+    uint32_t status_word = 0;
+    if (!take(&status_word, 4))
+      return {StatusCode::kCorrupt, fmt::format("empty manifest reply from {}", where)};
+    if (status_word == kReplyNotFound)
+      return {StatusCode::kNotFound, fmt::format("the owner at {} answered: {}", where,
+                                                 std::string(reply.begin() + 4, reply.end()))};
+    uint64_t remote_addr = 0, rkey_len = 0, manifest_len = 0;
+    if (status_word != kReplyOk || !take(&remote_addr, 8) || !take(&rkey_len, 8) ||
+        rkey_len > reply.size() - off)
+      return {StatusCode::kCorrupt, fmt::format("malformed manifest reply from {}", where)};
+    const uint8_t* rkey_buf = reply.data() + off;
+    off += rkey_len;
+    if (!take(&manifest_len, 8) || manifest_len != reply.size() - off)
+      return {StatusCode::kCorrupt, fmt::format("malformed manifest reply from {}", where)};
+    UF_KV_TRY(parse_manifest(std::span<const uint8_t>(reply.data() + off, manifest_len),
+                             res.manifest, expect.limits));
+
+    // 3. Receiver-side checks before reading anything big.
+    ManifestCheck check = check_manifest(res.manifest, expect);
+    if (!check.status.is_ok()) return check.status;
+    res.common_prefix = check.common_prefix;
+    if (opt.expect_seq != 0 && res.manifest.seq != opt.expect_seq)
+      return {StatusCode::kStale,
+              fmt::format("the owner at {} holds seq {} of the session, the directory said {}",
+                          where, res.manifest.seq, opt.expect_seq)};
+
+    // 4. One RMA get into registered memory of our own.
+    if (opt.into && opt.into->size() >= res.manifest.byte_size &&
+        (opt.into->memh_ || res.manifest.byte_size == 0))
+      res.bytes = opt.into;
+    else
+      res.bytes = allocate(res.manifest.byte_size);
+    if (!res.bytes)
+      return {StatusCode::kInternal,
+              fmt::format("cannot register {} bytes for a KV snapshot", res.manifest.byte_size)};
+    if (res.manifest.byte_size == 0) return Status::ok();
+    ucp_rkey_h rkey = nullptr;
+    ucs_status_t st = ucp_ep_rkey_unpack(h, rkey_buf, &rkey);
+    if (st != UCS_OK)
+      return {StatusCode::kCorrupt,
+              fmt::format("cannot unpack the rkey from {} ({})", where, ucs_status_string(st))};
+    if (config.print_endpoint_info) ucp_ep_print_info(h, stderr);
+    if (opt.test_before_read) opt.test_before_read();
+    Clock::time_point tr = Clock::now();
+    ucp_request_param_t gp{};
+    gp.op_attr_mask = UCP_OP_ATTR_FIELD_MEMH;
+    gp.memh = static_cast<ucp_mem_h>(res.bytes->memh_);
+    Status s = wait_request(
+        ucp_get_nbx(h, res.bytes->data(), res.manifest.byte_size, remote_addr, rkey, &gp), deadline,
+        "reading the snapshot", where);
+    res.read_seconds = seconds_since(tr);
+    if (!s.is_ok()) {
+      // The get may still be in flight: force-close first so nothing writes into freed memory.
+      close_fetch_ep(h, true);
+      h = nullptr;
+      ucp_rkey_destroy(rkey);
+      return s;
+    }
+    ucp_rkey_destroy(rkey);
+    return Status::ok();
+  }
+};
+
+UcxNode::UcxNode(UcxNodeConfig config) : impl_(std::make_unique<Impl>()) {
+  impl_->self = this;
+  impl_->config = std::move(config);
+  try {
+    impl_->start();
+  } catch (...) {
+    impl_->shutdown();
+    throw;
+  }
+}
+
+UcxNode::~UcxNode() { impl_->shutdown(); }
+
+std::string UcxNode::address() const { return impl_->address; }
+
+std::shared_ptr<RegisteredBuffer> UcxNode::allocate(size_t bytes) { return impl_->allocate(bytes); }
+
+Status UcxNode::publish(const std::string& id, Manifest manifest,
+                        std::shared_ptr<RegisteredBuffer> bytes) {
+  if (!bytes || bytes->size() != manifest.byte_size)
+    return {StatusCode::kInvalid,
+            fmt::format("snapshot '{}': manifest says {} bytes, buffer has {}", id,
+                        manifest.byte_size, bytes ? bytes->size() : 0)};
+  if (id.size() > kMaxIdBytes)
+    return {StatusCode::kInvalid, fmt::format("snapshot id of {} bytes is too long", id.size())};
+  auto e = std::make_shared<Impl::Entry>();
+  e->id = id;
+  e->manifest_wire = serialize_manifest(manifest);
+  e->manifest = std::move(manifest);
+  if (bytes->memh_) {
+    void* rkey = nullptr;
+    size_t rkey_len = 0;
+    ucs_status_t st =
+        ucp_rkey_pack(impl_->ctx->ctx, static_cast<ucp_mem_h>(bytes->memh_), &rkey, &rkey_len);
+    if (st != UCS_OK)
+      return {StatusCode::kInternal,
+              fmt::format("cannot pack the rkey of snapshot '{}' ({})", id, ucs_status_string(st))};
+    e->rkey.assign(static_cast<uint8_t*>(rkey), static_cast<uint8_t*>(rkey) + rkey_len);
+    ucp_rkey_buffer_release(rkey);
+  }
+  e->buffer = std::move(bytes);
+  uint64_t size = e->buffer->size();
+  std::lock_guard lock(impl_->reg_mu);
+  auto grave = Clock::now() + impl_->config.remove_grace;
+  auto drop = [&](const std::string& victim) {
+    auto it = impl_->entries.find(victim);
+    impl_->bytes_published -= it->second->buffer->size();
+    impl_->lru.erase(it->second->lru_it);
+    impl_->graveyard.emplace_back(grave, it->second);
+    impl_->entries.erase(it);
+  };
+  if (impl_->entries.count(id)) drop(id);
+  while (!impl_->lru.empty() && impl_->bytes_published + size > impl_->config.max_published_bytes) {
+    drop(impl_->lru.back());
+    ++impl_->evicted;
+  }
+  impl_->lru.push_front(id);
+  e->lru_it = impl_->lru.begin();
+  impl_->entries[id] = std::move(e);
+  impl_->bytes_published += size;
+  ++impl_->published;
+  return Status::ok();
+}
+
+Status UcxNode::publish_copy(const std::string& id, Manifest manifest,
+                             std::span<const uint8_t> bytes) {
+  auto buf = allocate(bytes.size());
+  if (!buf)
+    return {StatusCode::kInternal,
+            fmt::format("cannot register {} bytes for snapshot '{}'", bytes.size(), id)};
+  if (!bytes.empty()) std::memcpy(buf->data(), bytes.data(), bytes.size());
+  return publish(id, std::move(manifest), std::move(buf));
+}
+
+bool UcxNode::remove(const std::string& id) {
+  std::lock_guard lock(impl_->reg_mu);
+  auto it = impl_->entries.find(id);
+  if (it == impl_->entries.end()) return false;
+  impl_->bytes_published -= it->second->buffer->size();
+  impl_->lru.erase(it->second->lru_it);
+  impl_->graveyard.emplace_back(Clock::now() + impl_->config.remove_grace, it->second);
+  impl_->entries.erase(it);
+  return true;
+}
+
+bool UcxNode::has(const std::string& id) const {
+  std::lock_guard lock(impl_->reg_mu);
+  return impl_->entries.count(id) != 0;
+}
+
+FetchResult UcxNode::fetch(const std::string& address, const std::string& id,
+                           const ReceiverExpectations& expect, const FetchOptions& options) {
+  return impl_->fetch(address, id, expect, options);
+}
+
+UcxNodeStats UcxNode::stats() const {
+  UcxNodeStats s;
+  {
+    std::lock_guard lock(impl_->reg_mu);
+    s.published = impl_->entries.size();
+    s.published_bytes = impl_->bytes_published;
+  }
+  s.evicted = impl_->evicted;
+  s.requests_served = impl_->served;
+  s.fetches_ok = impl_->fetch_ok;
+  s.fetches_failed = impl_->fetch_failed;
+  s.bytes_fetched = impl_->bytes_fetched;
+  return s;
+}
+
+std::string UcxNode::transports() const {
+  const char* tls = std::getenv("UCX_TLS");
+  return tls ? tls : "UCX default (UCX_TLS unset)";
+}
+
+}  // namespace uf::kv

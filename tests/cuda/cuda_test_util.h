@@ -1,0 +1,82 @@
+#pragma once
+// Helpers for the GPU tests: device buffers, NaN poisoning, random checkpoint-format data.
+
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "cuda/cuda_check.h"
+
+namespace uf::cuda::test {
+
+inline bool have_gpu() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+#define UF_REQUIRE_GPU() \
+  if (!::uf::cuda::test::have_gpu()) GTEST_SKIP() << "no CUDA device"
+
+template <typename T>
+class DeviceBuffer {
+ public:
+  explicit DeviceBuffer(size_t n = 0) : n_(n) {
+    if (n) UF_CUDA_CHECK(cudaMalloc(&p_, n * sizeof(T)));
+  }
+  explicit DeviceBuffer(const std::vector<T>& v) : DeviceBuffer(v.size()) { upload(v); }
+  ~DeviceBuffer() { cudaFree(p_); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  T* get() const { return p_; }
+  size_t size() const { return n_; }
+  void upload(const std::vector<T>& v) {
+    UF_CUDA_CHECK(cudaMemcpy(p_, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+  }
+  std::vector<T> download() const {
+    std::vector<T> v(n_);
+    UF_CUDA_CHECK(cudaMemcpy(v.data(), p_, n_ * sizeof(T), cudaMemcpyDeviceToHost));
+    return v;
+  }
+  // 0xFF bytes: NaN for fp32 and bf16, so unwritten outputs fail the finiteness checks.
+  void poison() { UF_CUDA_CHECK(cudaMemset(p_, 0xFF, n_ * sizeof(T))); }
+
+ private:
+  T* p_ = nullptr;
+  size_t n_ = 0;
+};
+
+inline void sync_and_check() {
+  UF_CUDA_CHECK(cudaGetLastError());
+  UF_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+// Random E4M3 codes, never NaN (0x7f / 0xff).
+inline std::vector<uint8_t> random_e4m3(size_t n, std::mt19937& rng) {
+  std::uniform_int_distribution<int> d(0, 255);
+  std::vector<uint8_t> v(n);
+  for (auto& c : v) {
+    do c = uint8_t(d(rng));
+    while ((c & 0x7f) == 0x7f);
+  }
+  return v;
+}
+inline std::vector<uint8_t> random_bytes(size_t n, std::mt19937& rng, int lo = 0, int hi = 255) {
+  std::uniform_int_distribution<int> d(lo, hi);
+  std::vector<uint8_t> v(n);
+  for (auto& c : v) c = uint8_t(d(rng));
+  return v;
+}
+
+inline bool bits_equal(float a, float b) {
+  uint32_t x, y;
+  std::memcpy(&x, &a, 4);
+  std::memcpy(&y, &b, 4);
+  return x == y;
+}
+
+}  // namespace uf::cuda::test
