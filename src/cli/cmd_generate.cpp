@@ -1,75 +1,71 @@
-// `ultrafast generate --model <dir> --prompt "..."`: plain (non-speculative) decoding on the CPU
-// reference backend, greedy or sampled with a seed. The prompt is BOS + the tokenized text as is
-// (no chat template), so tiny fixture models can be driven directly.
-#include <fmt/format.h>
-
+// `ultrafast generate --model <dir> --prompt "..."`: generation on a backend through the engine's
+// generation loop, speculative (DSpark drafts + block verification) by default or plain with
+// --no-spec. The prompt is BOS + the tokenized text as is (no chat template), so tiny fixture
+// models can be driven directly (--prompt-ids for tokenizers without a pre-tokenizer). Prints the
+// text as it is generated, then the average accepted length and step time.
 #include <chrono>
 #include <cstdio>
 #include <string>
 #include <vector>
 
+#include "cli/backend_factory.h"
 #include "cli/command_registry.h"
 #include "core/error.h"
-#include "cpu/cpu_backend.h"
-#include "model/config.h"
-#include "sampling/rng.h"
-#include "sampling/sampler.h"
-#include "tokenizer/engram_token_map.h"
+#include "engine/generation_loop.h"
+#include "tokenizer/detokenizer.h"
 #include "tokenizer/tokenizer.h"
 
 namespace {
 
 struct GenerateArgs {
   std::string model;
+  std::string backend = "cpu";
   std::string prompt;
+  std::vector<int32_t> prompt_ids;
   int max_tokens = 32;
   float temperature = 0.0f;
   float top_p = 1.0f;
   int top_k = 0;
   uint64_t seed = 0;
+  bool no_spec = false;
+  std::string verify = "block";
+  int draft_tokens = 0;
   bool ced = false;
   bool reference_keys = false;
   bool no_bos = false;
 };
 
 void run_generate(const GenerateArgs& a) {
-  namespace fs = std::filesystem;
-  const fs::path dir(a.model);
+  const std::filesystem::path dir(a.model);
   const auto tok = uf::tokenizer::Tokenizer::from_file(dir / "tokenizer.json");
-  const auto cfg = uf::model::ModelConfig::load(dir);
-  std::vector<int64_t> map;
-  if (!cfg.engram_layer_ids.empty()) {
-    const auto m = uf::tokenizer::build_engram_token_map(tok, cfg.engram_compressed_vocab_size);
-    map.assign(m.map.begin(), m.map.end());
-  }
-  uf::cpu::ModelOptions mo;
-  if (a.reference_keys) mo.index_keys = uf::cpu::IndexKeys::kReference;
-  uf::cpu::CpuBackend be(dir, map, mo);
+  auto loaded = uf::cli::load_backend(dir, {a.backend, a.reference_keys});
+  auto& be = *loaded.backend;
+  const auto& cfg = be.config();
+
   std::vector<int32_t> ids;
   if (!a.no_bos) ids.push_back(cfg.bos_token_id);
   tok.encode_append(a.prompt, ids);
-  const int V = cfg.vocab_size;
-  auto s = be.new_session(int64_t(ids.size()) + a.max_tokens + be.max_rows());
-  const size_t nv = static_cast<size_t>(V);
-  std::vector<float> logits(nv), probs(nv), scratch(nv);
-  uf::sampling::SamplingParams sp;
-  sp.temperature = a.temperature;
-  sp.top_p = a.top_p;
-  sp.top_k = a.top_k;
-  uf::sampling::validate(sp);
-  const auto t0 = std::chrono::steady_clock::now();
-  uf::engine::PrefillOptions po;
-  po.ced_shortcut = a.ced;
-  be.prefill(*s, ids, po, logits);
-  const auto t1 = std::chrono::steady_clock::now();
+  ids.insert(ids.end(), a.prompt_ids.begin(), a.prompt_ids.end());
+
+  uf::engine::GenerationParams p;
+  p.sampling.temperature = a.temperature;
+  p.sampling.top_p = a.top_p;
+  p.sampling.top_k = a.top_k;
+  p.seed = a.seed;
+  p.max_new_tokens = a.max_tokens;
+  p.stop_token_ids = {cfg.eos_token_id};
+  p.mode = a.no_spec ? uf::engine::DecodeMode::kPlain : uf::engine::DecodeMode::kSpeculative;
+  p.verify =
+      a.verify == "token" ? uf::sampling::VerifyMode::kTokenWise : uf::sampling::VerifyMode::kBlock;
+  p.draft_tokens = a.draft_tokens;
+  p.prefill.ced_shortcut = a.ced;
+
+  uf::engine::GenerationLoop loop(be, loaded.profile);
+  auto session = be.new_session(int64_t(ids.size()) + a.max_tokens + be.max_rows() + 1);
   std::vector<int32_t> out;
   std::string shown;
-  for (int step = 0; step < a.max_tokens; ++step) {
-    const float u =
-        uf::sampling::stream_uniform(a.seed, uint64_t(step), uf::sampling::RngPurpose::kPlain, 0);
-    const int32_t next =
-        uf::sampling::sample_from_logits(logits.data(), V, sp, u, probs.data(), scratch.data());
-    out.push_back(next);
+  const auto r = loop.run(*session, ids, p, [&](std::span<const int32_t> t, const auto&) {
+    out.insert(out.end(), t.begin(), t.end());
     const std::string text = tok.decode(out);
     // Print only what is new; a partial UTF-8 character waits for its next token.
     if (text.size() > shown.size() && text.compare(0, shown.size(), shown) == 0) {
@@ -77,33 +73,49 @@ void run_generate(const GenerateArgs& a) {
       std::fflush(stdout);
       shown = text;
     }
-    if (next == cfg.eos_token_id || step + 1 == a.max_tokens) break;
-    be.decode_rows(*s, std::span<const int32_t>(&next, 1), logits);
-    be.commit(*s, 1);
-  }
-  const auto t2 = std::chrono::steady_clock::now();
-  std::fprintf(stderr, "\n[%zu prompt tokens in %.2f s, %zu generated in %.2f s]\n", ids.size(),
-               std::chrono::duration<double>(t1 - t0).count(), out.size(),
-               std::chrono::duration<double>(t2 - t1).count());
+    return true;
+  });
+  std::fprintf(stderr,
+               "\n[%zu prompt tokens in %.2f s; %zu generated in %d steps (%s): average accepted "
+               "length %.2f tokens/step, average step %.2f ms; finish %s]\n",
+               ids.size(), r.prefill_ms / 1000.0, r.tokens.size(), r.steps,
+               a.no_spec ? "plain" : "speculative", r.average_accept_length(),
+               r.average_iteration_ms(), uf::engine::finish_reason_name(r.finish));
 }
 
 void setup_generate(CLI::App& app, int& exit_code) {
-  auto* cmd = app.add_subcommand("generate", "Generate text on the CPU reference backend");
+  auto* cmd = app.add_subcommand("generate", "Generate text from a prompt (no chat template)");
   auto a = std::make_shared<GenerateArgs>();
   cmd->add_option("--model", a->model, "Model folder (config.json, checkpoint, tokenizer.json)")
       ->required()
       ->check(CLI::ExistingDirectory);
-  cmd->add_option("--prompt", a->prompt, "Prompt text (tokenized as is, after BOS)")->required();
+  cmd->add_option("--backend", a->backend, "Compute backend: cpu or cuda")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"cpu", "cuda"}));
+  cmd->add_option("--prompt", a->prompt, "Prompt text (tokenized as is, after BOS)");
+  cmd->add_option("--prompt-ids", a->prompt_ids,
+                  "Prompt token ids appended after the text (e.g. 5,17,42)")
+      ->delimiter(',');
   cmd->add_option("--max-tokens", a->max_tokens, "Tokens to generate")->capture_default_str();
-  cmd->add_option("--temperature", a->temperature, "0 = greedy")->capture_default_str();
-  cmd->add_option("--top-p", a->top_p, "Nucleus sampling mass")->capture_default_str();
+  cmd->add_option("--temperature", a->temperature, "0 = greedy, up to 2")->capture_default_str();
+  cmd->add_option("--top-p", a->top_p, "Nucleus sampling mass (0, 1]")->capture_default_str();
   cmd->add_option("--top-k", a->top_k, "Top-k filter (0 = off)")->capture_default_str();
-  cmd->add_option("--seed", a->seed, "Sampling seed (Philox stream)")->capture_default_str();
-  cmd->add_flag("--ced", a->ced, "Use the CED prefill shortcut (approximation)");
+  cmd->add_option("--seed", a->seed, "Sampling seed (Philox streams)")->capture_default_str();
+  cmd->add_flag("--no-spec", a->no_spec, "Plain decoding: one token per step, no drafting");
+  cmd->add_option("--verify", a->verify, "Draft verification: block or token (token-wise)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"block", "token"}));
+  cmd->add_option("--draft-tokens", a->draft_tokens,
+                  "Draft tokens per step, 1..7 (0: the hardware profile's value)")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 7));
+  cmd->add_flag("--ced", a->ced, "Use the CED prefill shortcut (an approximation)");
   cmd->add_flag("--reference-index-keys", a->reference_keys,
                 "Reproduce the reference's stale index keys at decode");
   cmd->add_flag("--no-bos", a->no_bos, "Do not prepend BOS");
   cmd->callback([a, &exit_code] {
+    UF_CHECK(!a->prompt.empty() || !a->prompt_ids.empty(),
+             "generate: give --prompt or --prompt-ids");
     run_generate(*a);
     exit_code = 0;
   });

@@ -4,9 +4,12 @@
 // the engine, and answers /readyz 200 once the engine is warm. SIGINT/SIGTERM stop it cleanly.
 #include <pthread.h>
 #include <signal.h>
+#include <unistd.h>
 
 #include <filesystem>
+#include <optional>
 #include <thread>
+#include <tuple>
 
 #include "cli/backend_factory.h"
 #include "cli/command_registry.h"
@@ -29,8 +32,66 @@ struct ServeOptions {
   std::string verify = "block";
   int draft_tokens = 0;
   uint64_t host_cache_bytes = uint64_t(4) << 30;
+  // KV sharing between servers (docs/operations.md); off unless --redis or --kv-listen is given.
+  std::string redis;      // HOST:PORT
+  std::string kv_listen;  // HOST:PORT
+  std::string kv_advertise;
+  std::string server_id;
+  int kv_fetch_timeout_ms = 10000;
+  int bound_port = 0;  // the HTTP port actually bound (for the default server id)
   uf::server::ServerConfig server;
 };
+
+// "HOST:PORT" -> (host, port); throws naming the flag.
+std::pair<std::string, int> split_host_port(const std::string& v, const char* flag) {
+  auto colon = v.rfind(':');
+  UF_CHECK(colon != std::string::npos && colon > 0 && colon + 1 < v.size(),
+           "{} expects HOST:PORT, got '{}'", flag, v);
+  int port = -1;
+  try {
+    port = std::stoi(v.substr(colon + 1));
+  } catch (...) {
+  }
+  UF_CHECK(port >= 0 && port <= 65535, "{} has an invalid port in '{}'", flag, v);
+  return {v.substr(0, colon), port};
+}
+
+// KV sharing settings from the flags, or nullopt for the default single-server path.
+std::optional<uf::server::KvSharingOptions> kv_sharing_options(const ServeOptions& o,
+                                                               const uf::cli::LoadedBackend& lb) {
+  if (o.redis.empty() && o.kv_listen.empty()) return std::nullopt;
+  uf::server::KvSharingOptions k;
+  if (!o.redis.empty()) std::tie(k.redis_host, k.redis_port) = split_host_port(o.redis, "--redis");
+  if (!o.kv_listen.empty()) {
+    auto [h, p] = split_host_port(o.kv_listen, "--kv-listen");
+    k.listen_host = h;
+    k.listen_port = uint16_t(p);
+  } else {
+    spdlog::warn(
+        "--redis without --kv-listen: serving snapshots on an ephemeral loopback port, "
+        "reachable only from this host");
+  }
+  k.advertise_host = o.kv_advertise;
+  k.server_id = o.server_id;
+  if (k.server_id.empty()) {
+    char host[256] = {};
+    ::gethostname(host, sizeof(host) - 1);
+    k.server_id = fmt::format("{}:{}", host, o.bound_port);
+  }
+  k.fetch_timeout_ms = o.kv_fetch_timeout_ms;
+  const char* corrupt = std::getenv("UF_TEST_CORRUPT_KV_FETCH");
+  k.test_corrupt_fetch = corrupt && std::string(corrupt) == "1";
+  if (k.test_corrupt_fetch) spdlog::warn("UF_TEST_CORRUPT_KV_FETCH=1: corrupting fetched KV");
+  uf::server::KvFingerprintInputs fi;
+  fi.model_dir = o.model;
+  fi.tokenizer = o.tokenizer;
+  fi.max_seq = o.server.max_seq;
+  fi.gpu_count = lb.profile.key.gpu_count;
+  fi.kv_dtype = o.backend == "cpu" ? "f32" : "bf16";
+  fi.numerics = lb.backend->name();
+  k.fingerprint = uf::server::kv_fingerprint(fi);
+  return k;
+}
 
 // Builds the engine that serves requests: the StubEngine for HTTP-path tests, else the model on
 // the chosen backend behind the generation loop, warmed up before /readyz turns 200.
@@ -57,6 +118,7 @@ std::shared_ptr<uf::server::GenerationEngine> make_engine(
   mo.verify =
       o.verify == "token" ? uf::sampling::VerifyMode::kTokenWise : uf::sampling::VerifyMode::kBlock;
   mo.draft_tokens = o.draft_tokens;
+  mo.sharing = kv_sharing_options(o, loaded);
   spdlog::info("decoding: {} ({} verification), profile: {} drafts, confidence threshold {} ({})",
                o.no_spec ? "plain" : "speculative", o.verify,
                o.draft_tokens ? o.draft_tokens : loaded.profile.draft_tokens,
@@ -85,6 +147,7 @@ int run_serve(ServeOptions o) {
 
   uf::server::HttpServer server(o.server);
   const int port = server.bind();
+  o.bound_port = port;
   spdlog::info("listening on http://{}:{} (loading the model; /readyz answers 503 until ready)",
                o.server.host, port);
   std::thread http([&] { server.serve(); });
@@ -177,6 +240,21 @@ void setup_serve(CLI::App& app, int& exit_code) {
   cmd->add_option("--host-cache-bytes", opts->host_cache_bytes,
                   "Host memory for conversations' KV snapshots (LRU), in bytes")
       ->capture_default_str();
+  cmd->add_option("--redis", opts->redis,
+                  "KV sharing: the Redis session directory, HOST:PORT (absent: no sharing "
+                  "between servers)");
+  cmd->add_option("--kv-listen", opts->kv_listen,
+                  "KV sharing: UCX listener other servers fetch snapshots from, HOST:PORT "
+                  "(0.0.0.0 for all interfaces; port 0 picks one)");
+  cmd->add_option("--kv-advertise", opts->kv_advertise,
+                  "KV sharing: the host other servers connect to (default: the --kv-listen host)");
+  cmd->add_option("--server-id", opts->server_id,
+                  "KV sharing: this server's unique id in the directory (default: hostname:port)");
+  cmd->add_option("--kv-fetch-timeout-ms", opts->kv_fetch_timeout_ms,
+                  "KV sharing: deadline of one remote snapshot fetch; past it the prompt is "
+                  "recomputed")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 600000));
   cmd->add_flag("--stub-engine", opts->stub_engine,
                 "Serve the StubEngine (no model: seeded shuffled-English tokens) for testing the "
                 "HTTP path");

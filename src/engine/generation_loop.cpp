@@ -126,7 +126,7 @@ GenerationResult GenerationLoop::run(SessionState& s, std::span<const int32_t> p
 
   // Prefill and the first token (step 0 of the plain stream).
   auto t0 = Clock::now();
-  backend_.prefill(s, prompt, PrefillOptions{}, std::span<float>(logits_.data(), size_t(vocab_)));
+  backend_.prefill(s, prompt, p.prefill, std::span<float>(logits_.data(), size_t(vocab_)));
   if (after_prefill) after_prefill(s);
   int32_t anchor = sample_plain(logits_.data(), p, 0, 0);
   out.prefill_ms = ms_since(t0);

@@ -40,7 +40,8 @@ struct GenerationParams {
   std::vector<int32_t> stop_token_ids;  // generation ends after emitting one of these
   DecodeMode mode = DecodeMode::kSpeculative;
   sampling::VerifyMode verify = sampling::VerifyMode::kBlock;
-  int draft_tokens = 0;  // 0 = the hardware profile's value
+  int draft_tokens = 0;    // 0 = the hardware profile's value
+  PrefillOptions prefill;  // chunking and the CED shortcut
 };
 
 struct StepStats {
