@@ -143,7 +143,7 @@ class FixtureHooks : public Hooks {
       : pg_(prefill_g), dg_(decode_g), cfg_(cfg), tf_(teacher_forcing) {
     S_ = int(pg_.shape("prompt_ids")[0]);
     if (pg_.has("prefill_positions")) {
-      const auto pos = pg_.i64("prefill_positions");
+      const auto& pos = pg_.i64("prefill_positions");
       for (size_t i = 0; i < pos.size(); ++i) row_of_pos_[pos[i]] = int(i);
       P_ = int(pos.size());
     } else {
@@ -202,7 +202,7 @@ class FixtureHooks : public Hooks {
     const std::string name = ph + "_" + arr;
     const Golden& g = dec ? dg_ : pg_;
     if (!g.has(name)) return;
-    const auto ref = g.f32(name);
+    const auto& ref = g.f32(name);
     const int L = cfg_.n_layers;
     for (int t = 0; t < i.rows; ++t) {
       const int64_t p = i.p0 + t;
@@ -234,7 +234,7 @@ class FixtureHooks : public Hooks {
     if (i.tap == Tap::kGateI) {
       const std::string name = ph + "_gate_i";
       if (!g.has(name)) return;
-      const auto ref = g.i64(name);
+      const auto& ref = g.i64(name);
       const int L = cfg_.n_layers, K = i.width;
       for (int t = 0; t < i.rows; ++t) {
         int64_t off;
@@ -256,7 +256,7 @@ class FixtureHooks : public Hooks {
     if (!g.has(name)) return;
     const auto shp = g.shape(name);
     const int K = int(shp.back());
-    const auto ref = g.i64(name);
+    const auto& ref = g.i64(name);
     const int64_t row = dec ? step_ : i.p0;
     if (row >= shp[0]) return;
     std::vector<int64_t> mine, theirs(ref.begin() + row * K, ref.begin() + (row + 1) * K);
@@ -273,7 +273,7 @@ class FixtureHooks : public Hooks {
     const Golden& g = dec ? dg_ : pg_;
     const std::string name = dec ? "decode_engram_hash_ids" : "prefill_engram_hash_ids";
     if (!g.has(name)) return;
-    const auto ref = g.i64(name);
+    const auto& ref = g.i64(name);
     for (int t = 0; t < i.rows; ++t) {
       const int64_t row = dec ? step_ : i.p0 + t;
       if ((row + 1) * i.width > int64_t(ref.size())) continue;
@@ -301,7 +301,7 @@ class FixtureHooks : public Hooks {
       row = it->second;
     }
     const int W = int(shp[1]);
-    const auto ref = g.f32(name);
+    const auto& ref = g.f32(name);
     const int n = std::min(W, i.width);
     const std::string key = fmt::format("{} index_scores L{}", ph, i.layer);
     diffs[key].add(data, ref.data() + row * W, size_t(n));
@@ -482,7 +482,7 @@ FixtureReport check_fixture(const fs::path& dir, const FixtureCheckOptions& opts
   };
 
   // Token map: the stored one drives the model; the tokenizer's must equal it.
-  const auto map64 = ref.i64("engram_token_map");
+  const auto& map64 = ref.i64("engram_token_map");
   const auto cfg0 = model::ModelConfig::load(dir);
   if (fs::exists(dir / "tokenizer.json")) {
     const auto tok = tokenizer::Tokenizer::from_file(dir / "tokenizer.json");
@@ -498,8 +498,8 @@ FixtureReport check_fixture(const fs::path& dir, const FixtureCheckOptions& opts
   CpuModel mdl(cfg0, ckpt, map64);
   const auto& cfg = mdl.config();
   const int V = cfg.vocab_size, D = cfg.dim, MH = mdl.n_taps() * D;
-  const auto prompt64 = ref.i64("prompt_ids");
-  const auto dec64 = ref.i64("decode_ids");
+  const auto& prompt64 = ref.i64("prompt_ids");
+  const auto& dec64 = ref.i64("decode_ids");
   const std::vector<int32_t> prompt(prompt64.begin(), prompt64.end());
   const std::vector<int32_t> dec_ids(dec64.begin(), dec64.end());
   const int S = int(prompt.size()), N = int(dec_ids.size());
@@ -508,7 +508,7 @@ FixtureReport check_fixture(const fs::path& dir, const FixtureCheckOptions& opts
     stored_pos = ref.i64("prefill_positions");
   else
     for (int i = 0; i < S; ++i) stored_pos.push_back(i);
-  const auto ref_prefill_logits = ref.f32("prefill_logits");
+  const auto& ref_prefill_logits = ref.f32("prefill_logits");
 
   struct Variant {
     const char* name;
@@ -559,12 +559,6 @@ FixtureReport check_fixture(const fs::path& dir, const FixtureCheckOptions& opts
              double(st.exact) / double(std::max<size_t>(st.rows, 1)),
              fmt::format("mean Jaccard {:.4f} over {} rows", st.jaccard(), st.rows));
     }
-    const auto snap = [&] {
-      CpuBackend* none = nullptr;
-      (void)none;
-      return 0;
-    }();
-    (void)snap;
     for (const auto& var : variants) {
       auto s = mdl.new_session(S + N + 8);
       *s = *s0;  // copy of the prefilled state
@@ -573,13 +567,13 @@ FixtureReport check_fixture(const fs::path& dir, const FixtureCheckOptions& opts
       LogitStats dl, dsl, dsh;
       Diff bias, conf;
       size_t draft_agree = 0, draft_n = 0;
-      const auto rl = var.g->f32("decode_logits");
-      const auto anchors = var.g->i64("dspark_anchor");
-      const auto drafts = var.g->i64("dspark_draft_tokens");
-      const auto d_logits = var.g->f32("dspark_logits");
-      const auto d_head = var.g->f32("dspark_head_logits");
-      const auto d_bias = var.g->f32("dspark_markov_bias");
-      const auto d_conf = var.g->f32("dspark_confidence");
+      const auto& rl = var.g->f32("decode_logits");
+      const auto& anchors = var.g->i64("dspark_anchor");
+      const auto& drafts = var.g->i64("dspark_draft_tokens");
+      const auto& d_logits = var.g->f32("dspark_logits");
+      const auto& d_head = var.g->f32("dspark_head_logits");
+      const auto& d_bias = var.g->f32("dspark_markov_bias");
+      const auto& d_conf = var.g->f32("dspark_confidence");
       const int R = int(anchors.size()), B = cfg.dspark_block_size;
       std::vector<float> lg(static_cast<size_t>(V)), m1(size_t(std::max(MH, 1)));
       for (int r = 0; r < R; ++r) {
@@ -671,8 +665,8 @@ FixtureReport check_fixture(const fs::path& dir, const FixtureCheckOptions& opts
       const std::string tn = fmt::format("{}_topk_idxs_L{}", ph, l);
       if (!g.has(sn) || !g.has(tn)) return;
       const auto shp = g.shape(sn), tshp = g.shape(tn);
-      const auto sc = g.f32(sn);
-      const auto tk = g.i64(tn);
+      const auto& sc = g.f32(sn);
+      const auto& tk = g.i64(tn);
       const int W = int(shp[1]), K = int(tshp[1]);
       for (int64_t i = 0; i < shp[0]; ++i) {
         const int64_t p = ph == "prefill" ? stored_pos[size_t(i)] : S + i;
@@ -712,7 +706,7 @@ FixtureReport check_fixture(const fs::path& dir, const FixtureCheckOptions& opts
   }
 
   if (opts.run_ced) {
-    auto s = mdl.new_session(S + 8);
+    auto s = mdl.new_session(S + N + 8);
     std::vector<float> lg(static_cast<size_t>(V));
     mdl.prefill_ced(*s, prompt, 0, lg.data());
     LogitStats c;

@@ -49,10 +49,10 @@ UF_CPU_CLONES void quant_row_tile(const float* wrow, const float* wsc, const flo
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
-// AVX2 version of quant_row_tile for KB % 8 == 0: eight 32-blocks at once, their partial sums
-// reduced with the same pairing as dot8 (((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7))) through a
-// transposing horizontal add, then scaled and accumulated in K order: bitwise equal to the
-// generic version.
+// AVX2 version of quant_row_tile: eight (then four) 32-blocks at once, their partial sums reduced
+// with the same pairing as dot8 (((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7))) through a transposing
+// horizontal add, then scaled and accumulated in K order: bitwise equal to the generic version
+// (tests/cpu/test_ops.cpp checks it for 8-groups, 4-groups and the scalar tail).
 // The 8 lane sums of one 32-block, accumulated in dot8's order.
 __attribute__((target("avx2"))) inline __m256 block_sums_avx2(const float* x, const float* w) {
   __m256 a = _mm256_setzero_ps();

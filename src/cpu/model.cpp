@@ -458,17 +458,27 @@ void CpuModel::indexer(Span& sp, int l, const float* x, const float* qr) const {
     core::fake_quant_fp4_e8m0_scale(qt, size_t(Hi) * size_t(ihd), 32);
   }
   const int cand_src = cfg_.candidate_source_layer;
+  // Checked before the parallel loop: an exception must not leave an OpenMP region.
+  for (int t = 0; t < T; ++t) {
+    const int64_t p = sp.pos[size_t(t)];
+    const int vis = int(visible(p, r));
+    const int src = keys_source(sp, l, t);
+    const auto& keys = sp.s->layers[size_t(src)].ikeys;
+    UF_CHECK(int64_t(keys.size()) >= int64_t(vis) * ihd,
+             "layer {}: index keys of layer {} hold {} entries, position {} needs {}", l, src,
+             keys.size() / size_t(ihd), p, vis);
+    if (role.candidate_restricted && cand_src >= 0 && (sp.prefill ? end_entries : vis) > 0)
+      UF_CHECK(int64_t(sp.cand[size_t(t)].size()) == (sp.prefill ? end_entries : vis),
+               "layer {}: candidate pool of width {} does not match {} index scores", l,
+               sp.cand[size_t(t)].size(), sp.prefill ? end_entries : vis);
+  }
 #pragma omp parallel for schedule(dynamic, 4) if (T >= 8)
   for (int t = 0; t < T; ++t) {
     const int64_t p = sp.pos[size_t(t)];
     const int vis = int(visible(p, r));
     const int width = sp.prefill ? int(end_entries) : vis;
     if (width == 0) continue;
-    const int src = keys_source(sp, l, t);
-    const auto& keys = sp.s->layers[size_t(src)].ikeys;
-    UF_CHECK(int64_t(keys.size()) >= int64_t(vis) * ihd,
-             "layer {}: index keys of layer {} hold {} entries, position {} needs {}", l, src,
-             keys.size() / size_t(ihd), p, vis);
+    const auto& keys = sp.s->layers[size_t(keys_source(sp, l, t))].ikeys;
     std::vector<float> score(static_cast<size_t>(width));
     index_scores_row(q.data() + int64_t(t) * Hi * ihd, w.data() + int64_t(t) * Hi, Hi, ihd,
                      keys.data(), vis, width, score.data());
@@ -478,9 +488,6 @@ void CpuModel::indexer(Span& sp, int l, const float* x, const float* qr) const {
                      cfg_.candidate_block_size, sp.cand[size_t(t)].data());
     } else if (role.candidate_restricted && cand_src >= 0) {
       const auto& c = sp.cand[size_t(t)];
-      UF_CHECK(int(c.size()) == width,
-               "layer {}: candidate pool of width {} does not match {} index scores", l, c.size(),
-               width);
       for (int i = 0; i < width; ++i)
         if (!c[size_t(i)]) score[size_t(i)] = -INFINITY;
     }
@@ -523,15 +530,19 @@ void CpuModel::attention(Span& sp, int l, const float* x, float* out) const {
   const std::vector<float> sink = A.attn_sink.to_vector();
   const float scale = float(std::pow(double(hd), -0.5));
   std::vector<float> o(size_t(T) * H * size_t(hd));
+  // Every window position older than the span must still be in the ring (checked here: an
+  // exception must not leave the OpenMP region below).
+  if (!sp.prefill)
+    for (int64_t q = std::max<int64_t>(0, sp.p0 - W + 1); q < sp.p0; ++q)
+      UF_CHECK(st.window.get(q), "layer {}: window KV of position {} is gone (span at {})", l, q,
+               sp.p0);
 #pragma omp parallel for schedule(dynamic, 4) if (T >= 8)
   for (int t = 0; t < T; ++t) {
     const int64_t p = sp.pos[size_t(t)];
     std::vector<const float*> slots;
     auto window_row = [&](int64_t qpos) -> const float* {
       if (qpos >= sp.p0) return kv.data() + (qpos - sp.p0) * hd;
-      const float* v = st.window.get(qpos);
-      UF_CHECK(v, "layer {}: window KV of position {} is gone (query at {})", l, qpos, p);
-      return v;
+      return st.window.get(qpos);
     };
     if (sp.prefill) {
       const int wd = std::min(T, W);

@@ -4,12 +4,15 @@
 #include <cmath>
 
 #include "core/dtypes.h"
+#include "core/error.h"
 
 namespace uf::cpu {
 
 Rope::Rope(int rope_dim, double base, int original_seq_len, double factor, double beta_fast,
            double beta_slow)
     : dim_(rope_dim), freqs_(size_t(rope_dim / 2)) {
+  UF_CHECK(rope_dim > 0 && rope_dim % 2 == 0 && rope_dim <= 512,
+           "rope: {} rotated channels; expected an even count up to 512", rope_dim);
   for (int i = 0; i < rope_dim / 2; ++i) {
     const float e = float(2 * i) / float(rope_dim);  // arange(0, dim, 2) / dim in fp32
     freqs_[size_t(i)] = 1.0f / float(std::pow(base, double(e)));
