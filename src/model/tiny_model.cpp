@@ -19,74 +19,40 @@ using core::DType;
 using nlohmann::json;
 
 ModelConfig tiny_model_config(int engram_compressed_vocab_size) {
-  ModelConfig c;
-  c.vocab_size = 129280;
+  // The released configuration with its sizes shrunk (the tiny-a fixture's dimensions and layer
+  // pattern); everything not set here (vocabulary and token ids, norm eps, routing function and
+  // scale, SwiGLU limit, RoPE/YaRN, mHC, n-gram size, DSpark block and noise token, formats) stays
+  // as released. No vision tower.
+  ModelConfig c = ModelConfig::deepseek_v41_flash();
   c.dim = 256;
   c.moe_inter_dim = 128;
   c.n_layers = 8;
-  c.n_mtp_layers = 3;
   c.n_heads = 4;
   c.head_dim = 128;
-  c.rope_head_dim = 64;
   c.q_lora_rank = 128;
   c.o_groups = 2;
   c.o_lora_rank = 64;
   c.window_size = 8;
-  c.norm_eps = 1e-20;
   c.n_routed_experts = 8;
-  c.n_shared_experts = 1;
   c.n_activated_experts = 2;
-  c.score_func = "sqrtsoftplus";
-  c.route_scale = 1.5;
-  c.swiglu_limit = 10.0;
   c.compress_ratios = {0, 0, 2, 2, 1, 1, 1, 1, 0, 0, 0};
   c.kv_source_layers = {2, 4};
   c.index_source_layers = {2, 4, 6};
   c.index_n_heads = 8;
-  c.index_head_dim = 128;
   c.index_topk = 8;
   c.candidate_source_layer = 4;
   c.candidate_topk_blocks = 3;
   c.candidate_block_size = 4;
-  c.rope_theta = 10000;
-  c.compress_rope_theta = 160000;
-  c.original_seq_len = 65536;
-  c.rope_factor = 16;
-  c.beta_fast = 32;
-  c.beta_slow = 1;
-  c.max_position_embeddings = 1048576;
-  c.hc_mult = 4;
-  c.hc_sinkhorn_iters = 20;
-  c.hc_eps = 1e-6;
   c.engram_layer_ids = {1, 2};
-  c.engram_max_ngram_size = 4;
   c.engram_vocab_size = 500;
-  c.engram_n_heads = 8;
   c.engram_head_dim = 64;
-  c.engram_pad_id = 2;
   c.engram_compressed_vocab_size = engram_compressed_vocab_size;
   c.engram_num_embeddings = engram_prime_sums(c);  // the table rows the hash addresses
-  c.dspark_block_size = 5;
-  c.dspark_noise_token_id = 128799;  // <｜System｜>, as in the released model
   c.dspark_target_layer_ids = {5, 6, 7};
   c.dspark_markov_rank = 64;
   c.dspark_n_routed_experts = 4;
   c.dspark_n_activated_experts = 2;
-  c.bos_token_id = 0;
-  c.eos_token_id = 1;
-  c.pad_token_id = 2;
-  c.image_token_id = 129264;
-  c.dtype = "fp8";
-  c.expert_dtype = "fp4";
   c.vision_n_layers = 0;
-  c.vision_dim = 1024;
-  c.vision_n_heads = 16;
-  c.vision_inter_dim = 2816;
-  c.vision_patch_size = 14;
-  c.vision_rope_theta = 10000;
-  c.vision_downsample_ratio = 3;
-  c.vision_max_n_token = 1024;
-  c.vision_min_pixels = 295936;
   c.derive_roles();
   return c;
 }

@@ -8,6 +8,7 @@
 #include <unordered_map>
 
 #include "core/error.h"
+#include "tokenizer/normalizer.h"
 #include "tokenizer/unicode.h"
 
 namespace uf::tokenizer {
@@ -30,28 +31,6 @@ icu::UnicodeString normalize(const icu::Normalizer2& n, const icu::UnicodeString
   return out;
 }
 
-// Lowercases one character at a time with the full (unconditional) mapping, as Rust's
-// char::to_lowercase does: no context-dependent rules such as the final sigma.
-icu::UnicodeString lowercase(const icu::UnicodeString& s) {
-  icu::UnicodeString out;
-  for (int32_t i = 0; i < s.length();) {
-    UChar32 c = s.char32At(i);
-    i += U16_LENGTH(c);
-    UChar buf[8];
-    UChar in[2];
-    int32_t in_len = 0;
-    U16_APPEND_UNSAFE(in, in_len, c);
-    UErrorCode err = U_ZERO_ERROR;
-    int32_t n = u_strToLower(buf, 8, in, in_len, "", &err);
-    if (U_SUCCESS(err)) {
-      out.append(buf, n);
-    } else {
-      out.append(u_tolower(c));
-    }
-  }
-  return out;
-}
-
 }  // namespace
 
 std::string engram_normalize(std::string_view text) {
@@ -66,7 +45,7 @@ std::string engram_normalize(std::string_view text) {
     i += U16_LENGTH(c);
     if (!(U_GET_GC_MASK(c) & U_GC_M_MASK)) stripped.append(c);
   }
-  s = lowercase(stripped);
+  s = lowercase_chars(stripped);
   // [ \t\r\n]+ -> " "
   icu::UnicodeString collapsed;
   bool in_run = false;

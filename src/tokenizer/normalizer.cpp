@@ -33,6 +33,8 @@ const icu::Normalizer2& instance(NormalizerOp op) {
   return *n;
 }
 
+}  // namespace
+
 icu::UnicodeString lowercase_chars(const icu::UnicodeString& s) {
   icu::UnicodeString out;
   for (int32_t i = 0; i < s.length();) {
@@ -51,8 +53,6 @@ icu::UnicodeString lowercase_chars(const icu::UnicodeString& s) {
   }
   return out;
 }
-
-}  // namespace
 
 std::string apply_normalizers(const std::vector<NormalizerOp>& ops, std::string_view text) {
   if (ops.empty()) return std::string(text);
