@@ -38,6 +38,7 @@ struct ServeOptions {
   std::string kv_advertise;
   std::string server_id;
   int kv_fetch_timeout_ms = 10000;
+  uint64_t kv_published_bytes = 0;
   int bound_port = 0;  // the HTTP port actually bound (for the default server id)
   uf::server::ServerConfig server;
 };
@@ -79,6 +80,7 @@ std::optional<uf::server::KvSharingOptions> kv_sharing_options(const ServeOption
     k.server_id = fmt::format("{}:{}", host, o.bound_port);
   }
   k.fetch_timeout_ms = o.kv_fetch_timeout_ms;
+  k.max_published_bytes = o.kv_published_bytes;
   const char* corrupt = std::getenv("UF_TEST_CORRUPT_KV_FETCH");
   k.test_corrupt_fetch = corrupt && std::string(corrupt) == "1";
   if (k.test_corrupt_fetch) spdlog::warn("UF_TEST_CORRUPT_KV_FETCH=1: corrupting fetched KV");
@@ -255,6 +257,10 @@ void setup_serve(CLI::App& app, int& exit_code) {
                   "recomputed")
       ->capture_default_str()
       ->check(CLI::Range(1, 600000));
+  cmd->add_option("--kv-published-bytes", opts->kv_published_bytes,
+                  "KV sharing: registered host memory for snapshots offered to other servers "
+                  "(LRU; 0: same as --host-cache-bytes)")
+      ->capture_default_str();
   cmd->add_flag("--stub-engine", opts->stub_engine,
                 "Serve the StubEngine (no model: seeded shuffled-English tokens) for testing the "
                 "HTTP path");
