@@ -163,6 +163,9 @@ ServerMetrics::ServerMetrics(MetricsRegistry& r)
           r.counter("uf_kv_reuse_misses_total", "Requests that found no reusable KV state.")),
       kv_reuse_bytes(r.counter("uf_kv_reuse_bytes_total", "Bytes of KV state reused.")),
       kv_reused_tokens(r.counter("uf_kv_reused_tokens_total",
-                                 "Prompt tokens whose KV state was reused, not recomputed.")) {}
+                                 "Prompt tokens whose KV state was reused, not recomputed.")),
+      kv_reuse_by_source(r.labeled_counter("uf_kv_reuse_by_source_total",
+                                           "Requests that reused KV state, by where it came from.",
+                                           "source")) {}
 
 }  // namespace uf::server

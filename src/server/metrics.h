@@ -104,6 +104,7 @@ struct ServerMetrics {
   Counter& kv_reuse_misses;
   Counter& kv_reuse_bytes;
   Counter& kv_reused_tokens;
+  LabeledCounter& kv_reuse_by_source;  // source: local (host cache), remote (fetched)
 };
 
 }  // namespace uf::server

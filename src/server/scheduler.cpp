@@ -126,6 +126,7 @@ void Scheduler::prep_loop() {
       metrics_.kv_reuse_hits.add();
       metrics_.kv_reuse_bytes.add(double(state->reused_bytes));
       metrics_.kv_reused_tokens.add(state->reused_tokens);
+      metrics_.kv_reuse_by_source.with(kv_source_name(state->kv_source)).add();
     } else {
       metrics_.kv_reuse_misses.add();
     }

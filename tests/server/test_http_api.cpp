@@ -241,6 +241,7 @@ TEST(ServerHttp, SessionsReuseKvState) {
   EXPECT_EQ(metric_value(m, "uf_kv_reuse_hits_total"), 1.0) << m;
   EXPECT_EQ(metric_value(m, "uf_kv_reuse_misses_total"), 1.0) << m;
   EXPECT_GT(metric_value(m, "uf_kv_reuse_bytes_total"), 0.0) << m;
+  EXPECT_EQ(metric_value(m, "uf_kv_reuse_by_source_total{source=\"local\"}"), 1.0) << m;
   // The engine sees the SHA-256 of the session id, never the id itself.
   auto calls = ts->engine->calls();
   ASSERT_EQ(calls.size(), 2u);
