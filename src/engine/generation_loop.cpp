@@ -63,6 +63,8 @@ StepStats GenerationLoop::speculative_step(SessionState& s, int32_t anchor,
   const size_t V = size_t(vocab_);
   // 1. Draft: slot i's token is drawn from exactly the q row kept for verification.
   const DraftSampler sampler = [&](int slot, std::span<const float> logits) -> int32_t {
+    UF_CHECK(slot >= 0 && slot < kMaxVerifyRows, "draft slot {} is beyond the {} the engine keeps",
+             slot, kMaxVerifyRows);
     const float u =
         sampling::stream_uniform(p.seed, step, sampling::RngPurpose::kDraft, uint32_t(slot));
     float* q = draft_.data() + size_t(slot) * V;
