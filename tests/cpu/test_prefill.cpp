@@ -6,17 +6,13 @@
 
 #include "cpu/cpu_backend.h"
 #include "model/checkpoint.h"
+#include "tiny_a.h"
 
 namespace uf::cpu {
 namespace {
 
-const std::filesystem::path kDir = std::filesystem::path(UF_SHARED_DIR) / "fixtures" / "tiny-a";
-
-std::vector<int64_t> golden_i64(const std::string& name) {
-  auto g = model::Checkpoint::open(kDir / "golden" / "reference.safetensors");
-  auto s = g.get(name).as<int64_t>();
-  return {s.begin(), s.end()};
-}
+using uf::testing::tiny_a_dir;
+using uf::testing::tiny_a_golden_i64;
 
 double rms_rel(const std::vector<float>& a, const std::vector<float>& b) {
   double d = 0, r = 0;
@@ -30,8 +26,8 @@ double rms_rel(const std::vector<float>& a, const std::vector<float>& b) {
 class Prefill : public ::testing::Test {
  protected:
   void SetUp() override {
-    be_ = std::make_unique<CpuBackend>(kDir, golden_i64("engram_token_map"));
-    const auto p = golden_i64("prompt_ids");
+    be_ = std::make_unique<CpuBackend>(tiny_a_dir(), tiny_a_golden_i64("engram_token_map"));
+    const auto p = tiny_a_golden_i64("prompt_ids");
     prompt_.assign(p.begin(), p.end());
     V_ = be_->config().vocab_size;
   }
@@ -92,7 +88,7 @@ TEST_F(Prefill, ReferenceKeysLongSpanFallsBackToRowsExactly) {
   // the committed prefix is then run row by row, which must equal token-by-token decoding.
   ModelOptions mo;
   mo.index_keys = IndexKeys::kReference;
-  CpuBackend be(kDir, golden_i64("engram_token_map"), mo);
+  CpuBackend be(tiny_a_dir(), tiny_a_golden_i64("engram_token_map"), mo);
   std::vector<float> a(static_cast<size_t>(V_)), b(static_cast<size_t>(V_));
   auto s1 = be.new_session(128);
   be.prefill(*s1, std::span<const int32_t>(prompt_.data(), 1), {}, a);

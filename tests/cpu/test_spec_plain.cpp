@@ -7,27 +7,23 @@
 
 #include "cpu/cpu_backend.h"
 #include "model/checkpoint.h"
+#include "tiny_a.h"
 
 namespace uf::cpu {
 namespace {
 
-const std::filesystem::path kDir = std::filesystem::path(UF_SHARED_DIR) / "fixtures" / "tiny-a";
-
-std::vector<int64_t> golden_i64(const std::string& name) {
-  auto g = model::Checkpoint::open(kDir / "golden" / "reference.safetensors");
-  auto s = g.get(name).as<int64_t>();
-  return {s.begin(), s.end()};
-}
+using uf::testing::tiny_a_dir;
+using uf::testing::tiny_a_golden_i64;
 
 class SpecPlain : public ::testing::TestWithParam<IndexKeys> {
  protected:
   void SetUp() override {
     ModelOptions o;
     o.index_keys = GetParam();
-    be_ = std::make_unique<CpuBackend>(kDir, golden_i64("engram_token_map"), o);
-    const auto p = golden_i64("prompt_ids");
+    be_ = std::make_unique<CpuBackend>(tiny_a_dir(), tiny_a_golden_i64("engram_token_map"), o);
+    const auto p = tiny_a_golden_i64("prompt_ids");
     prompt_.assign(p.begin(), p.end());
-    const auto d = golden_i64("decode_ids");
+    const auto d = tiny_a_golden_i64("decode_ids");
     next_.assign(d.begin(), d.begin() + 8);
     V_ = be_->config().vocab_size;
     auto s = be_->new_session(128);

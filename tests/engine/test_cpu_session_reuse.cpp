@@ -7,18 +7,14 @@
 #include <cstring>
 #include <vector>
 
+#include "../cpu/tiny_a.h"
 #include "cpu/cpu_backend.h"
 #include "model/checkpoint.h"
 
 namespace {
 
-const std::filesystem::path kDir = std::filesystem::path(UF_SHARED_DIR) / "fixtures" / "tiny-a";
-
-std::vector<int64_t> golden_i64(const std::string& name) {
-  auto g = uf::model::Checkpoint::open(kDir / "golden" / "reference.safetensors");
-  auto s = g.get(name).as<int64_t>();
-  return {s.begin(), s.end()};
-}
+using uf::testing::tiny_a_dir;
+using uf::testing::tiny_a_golden_i64;
 
 bool bitwise_equal(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
@@ -27,10 +23,10 @@ bool bitwise_equal(const std::vector<float>& a, const std::vector<float>& b) {
 }  // namespace
 
 TEST(CpuSessionReuse, RestoredPrefixPlusPrefillEqualsFullPrefillBitwise) {
-  uf::cpu::CpuBackend be(kDir, golden_i64("engram_token_map"));
-  const auto p = golden_i64("prompt_ids");
+  uf::cpu::CpuBackend be(tiny_a_dir(), tiny_a_golden_i64("engram_token_map"));
+  const auto p = tiny_a_golden_i64("prompt_ids");
   const std::vector<int32_t> prompt(p.begin(), p.end());
-  const auto d = golden_i64("decode_ids");
+  const auto d = tiny_a_golden_i64("decode_ids");
   const std::vector<int32_t> next(d.begin(), d.begin() + 4);
   const size_t V = size_t(be.config().vocab_size);
 

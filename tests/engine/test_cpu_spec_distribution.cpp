@@ -10,6 +10,7 @@
 #include <map>
 #include <vector>
 
+#include "../cpu/tiny_a.h"
 #include "../sampling/stats.h"
 #include "cpu/cpu_backend.h"
 #include "engine/generation_loop.h"
@@ -20,13 +21,8 @@ using namespace uf;
 
 namespace {
 
-const std::filesystem::path kDir = std::filesystem::path(UF_SHARED_DIR) / "fixtures" / "tiny-a";
-
-std::vector<int64_t> golden_i64(const std::string& name) {
-  auto g = model::Checkpoint::open(kDir / "golden" / "reference.safetensors");
-  auto s = g.get(name).as<int64_t>();
-  return {s.begin(), s.end()};
-}
+using uf::testing::tiny_a_dir;
+using uf::testing::tiny_a_golden_i64;
 
 // Delegates everything; when `verify_against_draft`, the verify rows that judge the drafts get the
 // drafts' own logits instead of the target's, so every draft is accepted: a broken verifier. The
@@ -75,8 +71,10 @@ class TamperingBackend : public engine::Backend {
 };
 
 struct Fixture {
-  Fixture() : cpu(kDir, golden_i64("engram_token_map")), V(size_t(cpu.config().vocab_size)) {
-    const auto p = golden_i64("prompt_ids");
+  Fixture()
+      : cpu(tiny_a_dir(), tiny_a_golden_i64("engram_token_map")),
+        V(size_t(cpu.config().vocab_size)) {
+    const auto p = tiny_a_golden_i64("prompt_ids");
     prompt.assign(p.begin(), p.end());
     auto s = cpu.new_session(96);
     std::vector<float> lg(V);
