@@ -1,6 +1,9 @@
 #include "kv/ucx_transfer.h"
 
+#include <arpa/inet.h>
 #include <fmt/format.h>
+#include <ifaddrs.h>
+#include <net/if.h>
 #include <netdb.h>
 #include <poll.h>
 #include <spdlog/spdlog.h>
@@ -34,6 +37,50 @@ RegisteredBuffer::~RegisteredBuffer() {
 }
 
 namespace {
+
+// UCX lists the network devices once, in ucp_init, and skips links that are not up yet: a server
+// started while its interface is still coming up (container start, a fresh veth) could never use
+// that interface. So wait a little for the interface that carries the listen address, and say so
+// when it stays down. Names and wildcard addresses are left to UCX.
+void wait_for_listen_interface(const std::string& host, std::chrono::milliseconds budget) {
+  in_addr want4{};
+  in6_addr want6{};
+  const bool v4 = inet_pton(AF_INET, host.c_str(), &want4) == 1;
+  const bool v6 = !v4 && inet_pton(AF_INET6, host.c_str(), &want6) == 1;
+  if ((!v4 && !v6) || (v4 && want4.s_addr == htonl(INADDR_ANY)) ||
+      (v6 && IN6_IS_ADDR_UNSPECIFIED(&want6))) {
+    return;
+  }
+  const auto deadline = std::chrono::steady_clock::now() + budget;
+  std::string name;
+  for (;;) {
+    bool up = false;
+    ifaddrs* list = nullptr;
+    if (getifaddrs(&list) == 0) {
+      for (ifaddrs* i = list; i; i = i->ifa_next) {
+        if (!i->ifa_addr) continue;
+        const bool match =
+            (v4 && i->ifa_addr->sa_family == AF_INET &&
+             reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr.s_addr == want4.s_addr) ||
+            (v6 && i->ifa_addr->sa_family == AF_INET6 &&
+             std::memcmp(&reinterpret_cast<sockaddr_in6*>(i->ifa_addr)->sin6_addr, &want6,
+                         sizeof(want6)) == 0);
+        if (match) {
+          name = i->ifa_name;
+          up = (i->ifa_flags & IFF_UP) && (i->ifa_flags & IFF_RUNNING);
+        }
+      }
+      freeifaddrs(list);
+    }
+    if (up) return;
+    if (std::chrono::steady_clock::now() >= deadline) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  spdlog::warn(
+      "KV listen address {} is {}: UCX lists network devices once at start, so peers may not "
+      "reach this server (and it may not reach them) over that interface until it restarts",
+      host, name.empty() ? "on no interface of this host" : "on interface " + name + ", not up");
+}
 
 using Clock = std::chrono::steady_clock;
 
@@ -135,6 +182,7 @@ struct UcxNode::Impl {
   // ---------------------------------------------------------------- setup / teardown
 
   void start() {
+    wait_for_listen_interface(config.listen_host, std::chrono::seconds(5));
     ucp_params_t params{};
     params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
     params.features = UCP_FEATURE_AM | UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;
