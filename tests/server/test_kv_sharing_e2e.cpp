@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "../kv/test_support.h"
+#include "kv_e2e_util.h"
 
 namespace {
 
@@ -61,22 +62,7 @@ class ServerProc {
     }
   }
   ~ServerProc() { stop(); }
-  void stop() {
-    if (pid_ <= 0) return;
-    ::kill(pid_, SIGTERM);
-    for (int i = 0; i < 100; ++i) {
-      int st = 0;
-      if (::waitpid(pid_, &st, WNOHANG) == pid_) {
-        pid_ = -1;
-        return;
-      }
-      std::this_thread::sleep_for(20ms);
-    }
-    ::kill(pid_, SIGKILL);
-    int st = 0;
-    ::waitpid(pid_, &st, 0);
-    pid_ = -1;
-  }
+  void stop() { uf::server::testing::stop_child(pid_); }
   // A crash: no clean shutdown, the owner's UCX listener vanishes with it.
   void crash() {
     if (pid_ <= 0) return;
@@ -167,13 +153,8 @@ Reply chat(const ServerProc& s, const std::string& session, const json& messages
   return {j["id"], j["choices"][0]["message"]["content"]};
 }
 
-json turn1() { return json::array({{{"role", "user"}, {"content", "hello world"}}}); }
-json turn2(const std::string& answer1) {
-  json m = turn1();
-  m.push_back({{"role", "assistant"}, {"content", answer1}});
-  m.push_back({{"role", "user"}, {"content", "more words please"}});
-  return m;
-}
+json turn1() { return uf::server::testing::conversation_turn1(); }
+json turn2(const std::string& answer1) { return uf::server::testing::conversation_turn2(answer1); }
 json turn3(const std::string& answer1, const std::string& answer2) {
   json m = turn2(answer1);
   m.push_back({{"role", "assistant"}, {"content", answer2}});
