@@ -8,6 +8,7 @@
 
 #include "core/error.h"
 #include "model/checkpoint.h"
+#include "model_test_util.h"
 
 namespace fs = std::filesystem;
 using uf::core::DType;
@@ -18,15 +19,9 @@ namespace {
 
 const fs::path kTinyA = fs::path(UF_SHARED_DIR) / "fixtures" / "tiny-a";
 
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    static int n = 0;
-    path = fs::temp_directory_path() /
-           ("uf_ckpt_" + std::to_string(::getpid()) + "_" + std::to_string(n++));
-    fs::create_directories(path);
-  }
-  ~TempDir() { fs::remove_all(path); }
+// Each test's scratch folder.
+struct TempDir : uf::model::testing::TempDir {
+  TempDir() : uf::model::testing::TempDir("uf_ckpt_") {}
 };
 
 std::vector<uint8_t> iota_bytes(size_t n, uint8_t start = 0) {

@@ -21,6 +21,8 @@
 #include "tokenizer/tokenizer.h"
 #endif
 
+#include "model_test_util.h"
+
 namespace fs = std::filesystem;
 using uf::model::Checkpoint;
 
@@ -29,18 +31,11 @@ namespace {
 const fs::path kTinyA = fs::path(UF_SHARED_DIR) / "fixtures" / "tiny-a";
 const std::string kShard1 = "model-00001-of-00003.safetensors";
 const std::string kShard3 = "model-00003-of-00003.safetensors";
-const fs::path kBaseTokenizer = fs::path(UF_SOURCE_DIR) / "build" / "npm" / "node_modules" /
-                                "@lenml" / "tokenizer-deepseek_v3" / "models" / "tokenizer.json";
+using uf::model::testing::kBaseTokenizer;
 
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    static int n = 0;
-    path = fs::temp_directory_path() /
-           ("uf_tinyfull_" + std::to_string(::getpid()) + "_" + std::to_string(n++));
-    fs::create_directories(path);
-  }
-  ~TempDir() { fs::remove_all(path); }
+// Each test's scratch folder.
+struct TempDir : uf::model::testing::TempDir {
+  TempDir() : uf::model::testing::TempDir("uf_tinyfull_") {}
 };
 
 struct TinyCopy {

@@ -12,6 +12,7 @@
 #include "model/config.h"
 #include "model/tensor_contract.h"
 #include "model/tiny_model.h"
+#include "model_test_util.h"
 
 namespace fs = std::filesystem;
 using uf::model::Checkpoint;
@@ -19,18 +20,11 @@ using uf::model::ModelConfig;
 
 namespace {
 
-const fs::path kBaseTokenizer = fs::path(UF_SOURCE_DIR) / "build" / "npm" / "node_modules" /
-                                "@lenml" / "tokenizer-deepseek_v3" / "models" / "tokenizer.json";
+using uf::model::testing::kBaseTokenizer;
 
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    static int n = 0;
-    path = fs::temp_directory_path() /
-           ("uf_tiny_" + std::to_string(::getpid()) + "_" + std::to_string(n++));
-    fs::create_directories(path);
-  }
-  ~TempDir() { fs::remove_all(path); }
+// Each test's scratch folder.
+struct TempDir : uf::model::testing::TempDir {
+  TempDir() : uf::model::testing::TempDir("uf_tiny_") {}
 };
 
 // The generator's config with a 1024-token vocabulary: every tensor but the vocab-sized ones is
