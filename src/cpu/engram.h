@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-#include "cpu/weights.h"
+#include "cpu/model_types.h"
 
 namespace uf::cpu {
 

@@ -4,7 +4,7 @@
 // whatever T is, so a row's result never depends on how many rows are batched ("spec == plain").
 // OpenMP splits the output features across threads.
 
-#include "cpu/weights.h"
+#include "cpu/model_types.h"
 
 // Hot kernels are compiled for AVX2 and for baseline x86-64 and picked at load time; both clones
 // compute the same fixed-order arithmetic (see linear.cpp), so results do not depend on the pick.

@@ -5,7 +5,7 @@
 // output back. All fp32 as the reference (hc_split_sinkhorn of kernel_cpu.py), results of
 // hc_pre / hc_post rounded to bf16.
 
-#include "cpu/weights.h"
+#include "cpu/model_types.h"
 
 namespace uf::cpu {
 

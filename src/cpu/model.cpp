@@ -26,7 +26,7 @@ inline int64_t visible(int64_t p, int r) { return (p + 1) / r; }
 CpuModel::CpuModel(model::ModelConfig cfg, const model::Checkpoint& ckpt,
                    std::vector<int64_t> engram_token_map, ModelOptions opts)
     : cfg_(std::move(cfg)), opts_(opts), token_map_(std::move(engram_token_map)) {
-  w_ = bind_weights(cfg_, ckpt);
+  w_ = model::bind_weights(cfg_, ckpt);
   for (int l = 0; l < cfg_.n_total_layers(); ++l) {
     ropes_.push_back(Rope::for_layer(cfg_, l));
     const auto& r = cfg_.role(l);

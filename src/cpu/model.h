@@ -20,9 +20,8 @@
 
 #include "cpu/mhc.h"
 #include "cpu/moe.h"
-#include "cpu/rope.h"
+#include "cpu/model_types.h"
 #include "cpu/session.h"
-#include "cpu/weights.h"
 #include "engine/backend.h"
 #include "engine/hardware_profile.h"
 #include "model/checkpoint.h"

@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <string>
 
-#include "cpu/weights.h"
+#include "cpu/model_types.h"
 
 namespace uf::cpu {
 

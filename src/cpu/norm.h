@@ -2,7 +2,7 @@
 // RMSNorm as the reference computes it: fp32 mean of squares, x * rsqrt(var + eps), times the
 // (bf16) weight in fp32, rounded to bf16. eps comes from the config (norm_eps).
 
-#include "cpu/weights.h"
+#include "cpu/model_types.h"
 
 namespace uf::cpu {
 

@@ -1,11 +1,11 @@
-#include "cpu/weights.h"
+#include "model/weights.h"
 
 #include <fmt/format.h>
 
 #include "core/dtypes.h"
 #include "core/error.h"
 
-namespace uf::cpu {
+namespace uf::model {
 
 using core::DType;
 
@@ -43,7 +43,7 @@ namespace {
 
 class Binder {
  public:
-  Binder(const model::Checkpoint& ckpt) : ckpt_(ckpt) {}
+  Binder(const Checkpoint& ckpt) : ckpt_(ckpt) {}
 
   // A tensor of logical shape [rows, cols] (cols = 0 for a vector [rows]) in one of `allowed`.
   Weight get(const std::string& name, int64_t rows, int64_t cols) {
@@ -111,12 +111,12 @@ class Binder {
     UF_CHECK(got == want, "checkpoint: tensor '{}' has shape {} but the config implies {}", name,
              core::shape_string(got), core::shape_string(want));
   }
-  const model::Checkpoint& ckpt_;
+  const Checkpoint& ckpt_;
 };
 
 }  // namespace
 
-ModelWeights bind_weights(const model::ModelConfig& cfg, const model::Checkpoint& ckpt) {
+ModelWeights bind_weights(const ModelConfig& cfg, const Checkpoint& ckpt) {
   Binder b(ckpt);
   ModelWeights w;
   const int64_t D = cfg.dim, V = cfg.vocab_size, hc = cfg.hc_mult;
@@ -200,4 +200,4 @@ ModelWeights bind_weights(const model::ModelConfig& cfg, const model::Checkpoint
   return w;
 }
 
-}  // namespace uf::cpu
+}  // namespace uf::model

@@ -10,7 +10,7 @@
 #include "model/checkpoint.h"
 #include "model/config.h"
 
-namespace uf::cpu {
+namespace uf::model {
 
 enum class WFormat : uint8_t { kBF16, kF32, kFP8, kFP4 };
 
@@ -72,6 +72,6 @@ struct ModelWeights {
 };
 
 // Binds every tensor the config needs; an absent or mis-shaped tensor is an error naming it.
-ModelWeights bind_weights(const model::ModelConfig& cfg, const model::Checkpoint& ckpt);
+ModelWeights bind_weights(const ModelConfig& cfg, const Checkpoint& ckpt);
 
-}  // namespace uf::cpu
+}  // namespace uf::model

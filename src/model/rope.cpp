@@ -1,4 +1,4 @@
-#include "cpu/rope.h"
+#include "model/rope.h"
 
 #include <algorithm>
 #include <cmath>
@@ -6,7 +6,7 @@
 #include "core/dtypes.h"
 #include "core/error.h"
 
-namespace uf::cpu {
+namespace uf::model {
 
 Rope::Rope(int rope_dim, double base, int original_seq_len, double factor, double beta_fast,
            double beta_slow)
@@ -33,7 +33,7 @@ Rope::Rope(int rope_dim, double base, int original_seq_len, double factor, doubl
   }
 }
 
-Rope Rope::for_layer(const model::ModelConfig& cfg, int layer) {
+Rope Rope::for_layer(const ModelConfig& cfg, int layer) {
   const auto& r = cfg.role(layer);
   if (r.compress_ratio > 0)
     return Rope(cfg.rope_head_dim, cfg.compress_rope_theta, cfg.original_seq_len, cfg.rope_factor,
@@ -64,4 +64,4 @@ void Rope::apply_many(float* v, int count, int n, int64_t pos, bool inverse) con
   }
 }
 
-}  // namespace uf::cpu
+}  // namespace uf::model

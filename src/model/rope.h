@@ -9,7 +9,7 @@
 
 #include "model/config.h"
 
-namespace uf::cpu {
+namespace uf::model {
 
 class Rope {
  public:
@@ -19,7 +19,7 @@ class Rope {
        double beta_slow);
   // The table a layer uses: YaRN with compress_rope_theta if its compress ratio is > 0, else
   // plain rope_theta (model-arch.md §4.3).
-  static Rope for_layer(const model::ModelConfig& cfg, int layer);
+  static Rope for_layer(const ModelConfig& cfg, int layer);
 
   int dim() const { return dim_; }
   const std::vector<float>& freqs() const { return freqs_; }
@@ -38,4 +38,4 @@ class Rope {
   std::vector<float> freqs_;
 };
 
-}  // namespace uf::cpu
+}  // namespace uf::model
