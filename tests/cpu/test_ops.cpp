@@ -12,7 +12,7 @@
 #include "cpu/indexer.h"
 #include "cpu/linear.h"
 #include "cpu/mhc.h"
-#include "cpu/rope.h"
+#include "cpu/model_types.h"
 #include "cpu/session.h"
 #include "test_util.h"
 

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "core/dtypes.h"
-#include "cpu/weights.h"
+#include "cpu/model_types.h"
 
 namespace uf::cpu::testing {
 
