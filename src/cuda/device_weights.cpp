@@ -1,0 +1,47 @@
+#include "cuda/device_weights.h"
+
+namespace uf::cuda {
+
+using model::WFormat;
+
+size_t weight_data_bytes(const model::Weight& w) {
+  const size_t n = size_t(w.rows) * size_t(w.cols);
+  switch (w.format) {
+    case WFormat::kF32:
+      return 4 * n;
+    case WFormat::kBF16:
+      return 2 * n;
+    case WFormat::kFP8:
+      return n;
+    case WFormat::kFP4:
+      return n / 2;
+  }
+  return 0;
+}
+
+size_t weight_scale_bytes(const model::Weight& w) {
+  switch (w.format) {
+    case WFormat::kFP8:
+      return w.row_scale ? size_t(w.rows) * size_t((w.cols + 31) / 32)
+                         : size_t((w.rows + 31) / 32) * size_t((w.cols + 31) / 32);
+    case WFormat::kFP4:
+      return size_t(w.rows) * size_t(w.cols / 32);
+    default:
+      return 0;
+  }
+}
+
+DeviceWeight upload_weight(const model::Weight& w, DeviceArena& arena) {
+  DeviceWeight d;
+  d.format = w.format;
+  d.rows = w.rows;
+  d.cols = w.cols;
+  d.row_scale = w.row_scale;
+  if (w.empty()) return d;
+  d.data = static_cast<const uint8_t*>(arena.upload_bytes(w.data, weight_data_bytes(w)));
+  if (w.scale)
+    d.scale = static_cast<const uint8_t*>(arena.upload_bytes(w.scale, weight_scale_bytes(w)));
+  return d;
+}
+
+}  // namespace uf::cuda

@@ -1,0 +1,74 @@
+#pragma once
+// Row-wise and elementwise ops of the forward on the device, each the device twin of a CPU
+// reference function (named below): same formulas, same roundings, fp32 arithmetic. Reduction
+// orders may differ from the CPU (tolerances in tests/cuda/test_ops_elementwise.cpp), but a row's
+// result never depends on how many rows a call has (spec == plain).
+// All pointers are device pointers; every launcher takes the stream last and never allocates.
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/device_weights.h"
+
+namespace uf::cuda {
+
+// cpu::rms_norm (cpu/norm.h): y = bf16(x * rsqrt(mean(x^2) + eps) * weight). x, y: [T, n], may
+// alias. weight: BF16 or F32 [n].
+void rms_norm(const DeviceWeight& weight, float eps, const float* x, int T, int n, float* y,
+              cudaStream_t stream);
+
+// model::Rope::apply_many (model/rope.h) on T rows: row t holds `count` vectors of n channels;
+// the last rope_dim channels of each are rotated by the angle fp32(pos_t) * freqs[i] (pos_t =
+// p0 + t * stride; inverse = conjugate rotation) and rounded to bf16 as the CPU does.
+// freqs: device [rope_dim / 2] (model::Rope::freqs()).
+void rope(const float* freqs, int rope_dim, float* v, int T, int count, int n, int64_t p0,
+          int64_t stride, bool inverse, cudaStream_t stream);
+
+// core/quant.h fake quantisation in place, per row of n values in blocks along the row:
+//   fake_quant_fp8 (E4M3, UE8M0 power-of-two scale per `block`),
+//   fake_quant_fp4_e4m3_scale (E2M1 with an E4M3 scale per `block`),
+//   fake_quant_fp4_e8m0_scale (E2M1 with a UE8M0 scale per `block`).
+void qdq_fp8(float* x, int64_t rows, int n, int block, cudaStream_t stream);
+void qdq_fp4_e4m3_scale(float* x, int64_t rows, int n, int block, cudaStream_t stream);
+void qdq_fp4_e8m0_scale(float* x, int64_t rows, int n, int block, cudaStream_t stream);
+// x[i] = bf16(x[i]) (round to nearest even), n values.
+void round_bf16(float* x, int64_t n, cudaStream_t stream);
+
+// mHC (cpu/mhc.h). X: [T, hc, dim] stream.
+struct HcShape {
+  int hc = 0;
+  int dim = 0;
+  int sinkhorn_iters = 0;
+  float norm_eps = 0;
+  float hc_eps = 0;
+};
+// cpu::hc_mixes: pre [T, hc], post [T, hc], comb [T, hc, hc]. fn / scale / base as bound by
+// model::bind_weights (hc_attn_fn, hc_attn_scale, hc_attn_base or the ffn ones).
+void hc_mixes(const HcShape& p, const DeviceWeight& fn, const DeviceWeight& scale,
+              const DeviceWeight& base, const float* X, int T, float* pre, float* post,
+              float* comb, cudaStream_t stream);
+// cpu::hc_pre: y[T, dim] = bf16(sum_c pre[c] * X[c]).
+void hc_pre(const HcShape& p, const float* X, const float* pre, int T, float* y,
+            cudaStream_t stream);
+// cpu::hc_post: out[T, hc, dim] = bf16(post[k] * x + sum_j comb[j,k] * R[j]); out may alias R
+// only if the kernel reads each R element before any write to it (state it where implemented).
+void hc_post(const HcShape& p, const float* x, const float* R, const float* post,
+             const float* comb, int T, float* out, cudaStream_t stream);
+
+// CpuModel::embed: X[t, c, :] = embed row of ids[t] (dequantised, any weight format) for every
+// copy c < hc; pre_mix[t, c] = (c == 0). ids: device [T], already range-checked by the caller.
+void embed_rows(const DeviceWeight& table, const int32_t* ids, int T, int hc, float* X,
+                float* pre_mix, cudaStream_t stream);
+
+// DSpark tap (CpuModel::run_layers): out[t * out_stride + d] = bf16(sum_c X[t, c, d] / hc).
+void tap_mean(const float* X, int T, int hc, int dim, float* out, int64_t out_stride,
+              cudaStream_t stream);
+
+// cpu::compress_pool for n_groups groups: group g pools rows kv[g * r + i], gate[g * r + i]
+// (i < r, oldest first; device arrays of device row pointers, hd floats each) into out[g, hd]
+// (fp32, no rounding: the caller rounds).
+void compress_pool(const float* const* kv, const float* const* gate, int n_groups, int r, int hd,
+                   float* out, cudaStream_t stream);
+
+}  // namespace uf::cuda
