@@ -7,13 +7,18 @@
 #include <netdb.h>
 #include <poll.h>
 #include <spdlog/spdlog.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <ucp/api/ucp.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <list>
+#include <map>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <unordered_map>
 #include <unordered_set>
@@ -33,7 +38,10 @@ class UcxContext {
 };
 
 RegisteredBuffer::~RegisteredBuffer() {
-  if (memh_) ucp_mem_unmap(ctx_->ctx, static_cast<ucp_mem_h>(memh_));
+  if (release_)
+    release_();
+  else if (memh_)
+    ucp_mem_unmap(ctx_->ctx, static_cast<ucp_mem_h>(memh_));
 }
 
 namespace {
@@ -91,6 +99,19 @@ constexpr unsigned kAmReply = 18;
 constexpr uint32_t kReplyOk = 0;
 constexpr uint32_t kReplyNotFound = 1;
 constexpr size_t kMaxIdBytes = 1024;
+// Shared-memory reads: the unit in which mapping the owner's pages runs ahead of the copy.
+constexpr size_t kReadChunk = size_t{4} << 20;
+// How long a kept connection may stay silent before it is presumed stale (see fetch_on).
+constexpr std::chrono::milliseconds kKeptManifestWait{2000};
+// MADV_POPULATE_READ / _WRITE (Linux 5.14); older kernels answer EINVAL and the read faults as
+// before.
+#ifdef MADV_POPULATE_READ
+constexpr int kMadvPopulateRead = MADV_POPULATE_READ;
+constexpr int kMadvPopulateWrite = MADV_POPULATE_WRITE;
+#else
+constexpr int kMadvPopulateRead = 22;
+constexpr int kMadvPopulateWrite = 23;
+#endif
 
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
@@ -126,6 +147,42 @@ void append(std::vector<uint8_t>& v, const T& x) {
 }
 
 }  // namespace
+
+// First-fit allocator over one registered region; blocks are page aligned. Thread-safe.
+struct Arena {
+  std::shared_ptr<RegisteredBuffer> region;
+  std::mutex mu;
+  std::map<size_t, size_t> free_blocks;  // offset -> length, coalesced
+
+  std::optional<size_t> take(size_t bytes) {
+    std::lock_guard lock(mu);
+    for (auto it = free_blocks.begin(); it != free_blocks.end(); ++it) {
+      if (it->second < bytes) continue;
+      const size_t off = it->first, len = it->second;
+      free_blocks.erase(it);
+      if (len > bytes) free_blocks.emplace(off + bytes, len - bytes);
+      return off;
+    }
+    return std::nullopt;
+  }
+
+  void give_back(size_t off, size_t bytes) {
+    std::lock_guard lock(mu);
+    auto next = free_blocks.lower_bound(off);
+    if (next != free_blocks.end() && off + bytes == next->first) {
+      bytes += next->second;
+      next = free_blocks.erase(next);
+    }
+    if (next != free_blocks.begin()) {
+      auto prev = std::prev(next);
+      if (prev->first + prev->second == off) {
+        prev->second += bytes;
+        return;
+      }
+    }
+    free_blocks.emplace(off, bytes);
+  }
+};
 
 struct UcxNode::Impl {
   UcxNode* self = nullptr;
@@ -165,7 +222,7 @@ struct UcxNode::Impl {
   std::vector<PendingRequest> pending_requests;
   std::unordered_set<ucp_ep_h> server_eps;
   std::vector<ucp_ep_h> failed_eps;
-  std::vector<void*> closing;  // ep close requests in flight
+  std::vector<void*> closing;  // ep close requests in flight (owner worker)
 
   // ---- fetcher (under fetch_mu) ----
   std::mutex fetch_mu;
@@ -173,8 +230,44 @@ struct UcxNode::Impl {
   uint64_t awaited_request = 0;
   bool reply_ready = false;
   std::vector<uint8_t> reply;
-  bool fetch_ep_failed = false;
+  bool fetch_ep_failed = false;  // the endpoint of the fetch in progress (current_ep) failed
   ucs_status_t fetch_ep_status = UCS_OK;
+  ucp_ep_h current_ep = nullptr;
+  std::vector<void*> fetch_closing;       // fetch ep close requests in flight
+  std::unordered_set<ucp_ep_h> dead_eps;  // kept endpoints that failed while idle
+  // Kept connections to owners (keep_connections), by address, with the last rkey unpacked on
+  // each (its packed bytes: an owner's arena keeps one rkey for all its snapshots).
+  struct Peer {
+    ucp_ep_h ep = nullptr;
+    std::vector<uint8_t> rkey_bytes;
+    ucp_rkey_h rkey = nullptr;
+    // Remote ranges [begin, end) of this rkey already read on shared memory: their pages are
+    // mapped here, so reading them again needs no populate pass (which competes with the copy
+    // for memory bandwidth).
+    std::map<uint64_t, uint64_t> mapped;
+    bool is_mapped(uint64_t b, uint64_t e) const {
+      auto it = mapped.upper_bound(b);
+      if (it == mapped.begin()) return false;
+      --it;
+      return it->first <= b && e <= it->second;
+    }
+    void add_mapped(uint64_t b, uint64_t e) {
+      auto it = mapped.upper_bound(b);
+      if (it != mapped.begin() && std::prev(it)->second >= b) {
+        --it;
+        b = it->first;
+        e = std::max(e, it->second);
+        it = mapped.erase(it);
+      }
+      while (it != mapped.end() && it->first <= e) {
+        e = std::max(e, it->second);
+        it = mapped.erase(it);
+      }
+      mapped.emplace(b, e);
+    }
+  };
+  std::unordered_map<std::string, Peer> peers;
+  std::shared_ptr<Arena> arena;
 
   std::atomic<uint64_t> published{0}, evicted{0}, served{0}, fetch_ok{0}, fetch_failed{0},
       bytes_fetched{0};
@@ -191,6 +284,7 @@ struct UcxNode::Impl {
     ucs_status_t st = ucp_init(&params, nullptr, &ctx->ctx);
     UF_CHECK(st == UCS_OK, "UCX could not start (ucp_init: {}); check UCX_TLS and ucx_info -d",
              ucs_status_string(st));
+    start_arena();
     owner_worker = make_worker("owner");
     fetch_worker = make_worker("fetch");
     st = ucp_worker_get_efd(owner_worker, &owner_efd);
@@ -276,20 +370,31 @@ struct UcxNode::Impl {
       lru.clear();
       graveyard.clear();
     }
-    if (fetch_worker) ucp_worker_destroy(fetch_worker);
+    if (fetch_worker) {
+      while (!peers.empty()) drop_peer(peers.begin()->first, true);
+      arena.reset();
+      ucp_worker_destroy(fetch_worker);
+    }
     if (owner_worker) ucp_worker_destroy(owner_worker);
     fetch_worker = owner_worker = nullptr;
   }
 
-  void start_close(ucp_ep_h ep, bool force) {
+  // Close requests of each worker go to that worker's own list (`closing` for the owner thread,
+  // `fetch_closing` for fetches): the two threads never share one.
+  void start_close(ucp_ep_h ep, bool force) { start_close(ep, force, closing); }
+  void start_close(ucp_ep_h ep, bool force, std::vector<void*>& list) {
     ucp_request_param_t p{};
     p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
     p.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
     ucs_status_ptr_t r = ucp_ep_close_nbx(ep, &p);
-    if (r && !UCS_PTR_IS_ERR(r)) closing.push_back(r);
+    if (r && !UCS_PTR_IS_ERR(r)) list.push_back(r);
   }
 
   void drain_closing(ucp_worker_h w, Clock::time_point deadline) {
+    drain_closing(w, deadline, closing);
+  }
+  static void drain_closing(ucp_worker_h w, Clock::time_point deadline,
+                            std::vector<void*>& closing) {
     while (!closing.empty() && Clock::now() < deadline) {
       ucp_worker_progress(w);
       std::erase_if(closing, [](void* r) {
@@ -422,10 +527,25 @@ struct UcxNode::Impl {
 
   // ---------------------------------------------------------------- fetcher side
 
-  static void on_fetch_ep_error(void* arg, ucp_ep_h, ucs_status_t status) {
+  static void on_fetch_ep_error(void* arg, ucp_ep_h ep, ucs_status_t status) {
     Impl* self = static_cast<Impl*>(arg);
+    if (ep != self->current_ep) {
+      self->dead_eps.insert(ep);
+      return;
+    }
     self->fetch_ep_failed = true;
     self->fetch_ep_status = status;
+  }
+
+  void drop_peer(const std::string& where, bool force) {
+    auto it = peers.find(where);
+    if (it == peers.end()) return;
+    // Endpoint first: a get still in flight must not outlive the rkey or the buffer.
+    dead_eps.erase(it->second.ep);
+    start_close(it->second.ep, force, fetch_closing);
+    drain_closing(fetch_worker, Clock::now() + std::chrono::milliseconds(500), fetch_closing);
+    if (it->second.rkey) ucp_rkey_destroy(it->second.rkey);
+    peers.erase(it);
   }
 
   static ucs_status_t on_reply(void* arg, const void* header, size_t header_length, void* data,
@@ -493,11 +613,26 @@ struct UcxNode::Impl {
 
   void close_fetch_ep(ucp_ep_h ep, bool force) {
     if (!ep) return;
-    start_close(ep, force || fetch_ep_failed);
-    drain_closing(fetch_worker, Clock::now() + std::chrono::milliseconds(500));
+    start_close(ep, force || fetch_ep_failed, fetch_closing);
+    drain_closing(fetch_worker, Clock::now() + std::chrono::milliseconds(500), fetch_closing);
   }
 
-  std::shared_ptr<RegisteredBuffer> allocate(size_t bytes) {
+  // A registered buffer of its own (one ucp_mem_map), pages mapped.
+  std::shared_ptr<RegisteredBuffer> map_buffer(size_t bytes) {
+    auto b = map_buffer_unpopulated(bytes);
+    if (!b || bytes == 0) return b;
+    // Every allocation is written right away (the engine's snapshot, a fetched one): map its
+    // pages in one call rather than trapping once per 4 KiB inside the copy or the get, which
+    // costs about as much as the copy itself. Best effort (older kernels: EINVAL, faults as
+    // before).
+    const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+    const uintptr_t begin = reinterpret_cast<uintptr_t>(b->data_) & ~(page - 1);
+    ::madvise(reinterpret_cast<void*>(begin), reinterpret_cast<uintptr_t>(b->data_) + bytes - begin,
+              kMadvPopulateWrite);
+    return b;
+  }
+
+  std::shared_ptr<RegisteredBuffer> map_buffer_unpopulated(size_t bytes) {
     auto b = std::shared_ptr<RegisteredBuffer>(new RegisteredBuffer());
     b->ctx_ = ctx;
     if (bytes == 0) return b;
@@ -519,6 +654,91 @@ struct UcxNode::Impl {
     b->data_ = static_cast<uint8_t*>(attr.address);
     b->size_ = bytes;
     return b;
+  }
+
+  // Shared-memory transports (sysv, posix) read a snapshot through a fresh mapping of the
+  // owner's segment; the first touch of every page would trap once per 4 KiB inside the get and
+  // cost more than the copy itself. MADV_POPULATE_READ maps a range in one call instead, and a
+  // helper thread runs it ahead of the gets, chunk by chunk, so that mapping and copying overlap.
+  // ucp_rkey_ptr succeeds only where the rkey is directly addressable (shared memory); for TCP /
+  // RDMA this is one plain get. Populating is best effort: errors just leave the faults in.
+  Status read_remote(ucp_ep_h h, ucp_rkey_h rkey, uint64_t remote_addr, RegisteredBuffer& into,
+                     size_t bytes, bool already_mapped, Clock::time_point deadline,
+                     const std::string& where) {
+    ucp_request_param_t gp{};
+    gp.op_attr_mask = UCP_OP_ATTR_FIELD_MEMH;
+    gp.memh = static_cast<ucp_mem_h>(into.memh_);
+    void* local = nullptr;
+    if (already_mapped || ucp_rkey_ptr(rkey, remote_addr, &local) != UCS_OK || !local)
+      return wait_request(ucp_get_nbx(h, into.data(), bytes, remote_addr, rkey, &gp), deadline,
+                          "reading the snapshot", where);
+    const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+    const uintptr_t base = reinterpret_cast<uintptr_t>(local);
+    auto populate = [&](size_t from, size_t to) {
+      const uintptr_t begin = (base + from) & ~(page - 1);
+      ::madvise(reinterpret_cast<void*>(begin), base + to - begin, kMadvPopulateRead);
+    };
+    if (bytes < 2 * kReadChunk) {
+      populate(0, bytes);
+      return wait_request(ucp_get_nbx(h, into.data(), bytes, remote_addr, rkey, &gp), deadline,
+                          "reading the snapshot", where);
+    }
+    std::atomic<size_t> mapped{0};  // bytes from the start that are populated
+    std::atomic<bool> quit{false};
+    std::thread ahead([&] {
+      for (size_t off = 0; off < bytes && !quit.load(std::memory_order_relaxed);
+           off += kReadChunk) {
+        const size_t end = std::min(bytes, off + kReadChunk);
+        populate(off, end);
+        mapped.store(end, std::memory_order_release);
+      }
+    });
+    Status s = Status::ok();
+    for (size_t off = 0; off < bytes && s.is_ok(); off += kReadChunk) {
+      const size_t end = std::min(bytes, off + kReadChunk);
+      // Never waits long: populating a chunk is quicker than copying one.
+      while (mapped.load(std::memory_order_acquire) < end && Clock::now() < deadline)
+        std::this_thread::yield();
+      s = wait_request(ucp_get_nbx(h, into.data() + off, end - off, remote_addr + off, rkey, &gp),
+                       deadline, "reading the snapshot", where);
+    }
+    quit = true;
+    ahead.join();
+    return s;
+  }
+
+  // Owner side: a block of the arena when one is configured and has room, else a buffer of its
+  // own.
+  std::shared_ptr<RegisteredBuffer> allocate(size_t bytes) {
+    if (!arena || bytes == 0) return map_buffer(bytes);
+    const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+    const size_t rounded = (bytes + page - 1) / page * page;
+    std::optional<size_t> off = arena->take(rounded);
+    if (!off) return map_buffer(bytes);
+    auto b = std::shared_ptr<RegisteredBuffer>(new RegisteredBuffer());
+    b->ctx_ = ctx;
+    b->memh_ = arena->region->memh_;
+    b->data_ = arena->region->data() + *off;
+    b->size_ = bytes;
+    b->release_ = [a = arena, at = *off, rounded] { a->give_back(at, rounded); };
+    ::madvise(b->data_, rounded, kMadvPopulateWrite);  // see map_buffer
+    return b;
+  }
+
+  void start_arena() {
+    if (config.arena_bytes == 0) return;
+    auto region = map_buffer_unpopulated(config.arena_bytes);
+    if (!region) {
+      // Not fatal: every snapshot then gets a mapping of its own, as without an arena.
+      spdlog::warn(
+          "UCX could not allocate a KV snapshot arena of {} bytes; snapshots get "
+          "mappings of their own (slower reads on shared memory)",
+          config.arena_bytes);
+      return;
+    }
+    arena = std::make_shared<Arena>();
+    arena->region = std::move(region);
+    arena->free_blocks.emplace(0, config.arena_bytes);
   }
 
   FetchResult fetch(const std::string& where, const std::string& id,
@@ -546,26 +766,54 @@ struct UcxNode::Impl {
     sockaddr_storage ss{};
     socklen_t len = 0;
     if (Status s = resolve(where, false, ss, len); !s.is_ok()) return fail(s);
+    if (auto it = peers.find(where); it != peers.end() && dead_eps.count(it->second.ep))
+      drop_peer(where, true);
 
-    fetch_ep_failed = false;
-    fetch_ep_status = UCS_OK;
-    ucp_ep_params_t ep{};
-    ep.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
-                    UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
-    ep.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
-    ep.sockaddr.addr = reinterpret_cast<const sockaddr*>(&ss);
-    ep.sockaddr.addrlen = len;
-    ep.err_mode = err_mode();
-    ep.err_handler.cb = &on_fetch_ep_error;
-    ep.err_handler.arg = this;
-    ucp_ep_h h = nullptr;
-    ucs_status_t st = ucp_ep_create(fetch_worker, &ep, &h);
-    if (st != UCS_OK)
-      return fail(
-          {StatusCode::kUnavailable,
-           fmt::format("cannot connect to the KV owner at {} ({})", where, ucs_status_string(st))});
-    Status s = fetch_on(h, where, id, expect, opt, deadline, res);
-    close_fetch_ep(h, !s.is_ok());  // fetch_on sets h to null when it closed the endpoint itself
+    Status s;
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      auto it = peers.find(where);
+      const bool kept = it != peers.end();
+      Peer local;
+      if (!kept) {
+        ucp_ep_params_t ep{};
+        ep.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
+                        UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
+        ep.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
+        ep.sockaddr.addr = reinterpret_cast<const sockaddr*>(&ss);
+        ep.sockaddr.addrlen = len;
+        ep.err_mode = err_mode();
+        ep.err_handler.cb = &on_fetch_ep_error;
+        ep.err_handler.arg = this;
+        ucs_status_t st = ucp_ep_create(fetch_worker, &ep, &local.ep);
+        if (st != UCS_OK)
+          return fail(
+              {StatusCode::kUnavailable, fmt::format("cannot connect to the KV owner at {} ({})",
+                                                     where, ucs_status_string(st))});
+      }
+      Peer& peer = kept ? it->second : local;
+      current_ep = peer.ep;
+      fetch_ep_failed = false;
+      fetch_ep_status = UCS_OK;
+      bool read_started = false;
+      s = fetch_on(peer, kept, where, id, expect, opt, deadline, res, read_started);
+      current_ep = nullptr;
+      // Only a broken or silent connection is closed; answers (not found, mismatch) keep it.
+      const bool broken =
+          !s.is_ok() && (read_started || s.code() == StatusCode::kUnavailable ||
+                         s.code() == StatusCode::kTimeout || s.code() == StatusCode::kCorrupt);
+      if (kept) {
+        if (broken) drop_peer(where, true);
+      } else if (config.keep_connections && !broken) {
+        peers.emplace(where, std::move(local));
+      } else {
+        close_fetch_ep(local.ep, broken);
+        if (local.rkey) ucp_rkey_destroy(local.rkey);
+      }
+      // A kept connection may predate a restart of the owner: retry once on a new one, unless
+      // the read itself had started (then the error is about this transfer).
+      if (s.is_ok() || !kept || !broken || read_started || Clock::now() >= deadline) break;
+      res = FetchResult{};
+    }
     if (!s.is_ok()) return fail(s);
 
     if (opt.test_corrupt_in_flight && res.bytes)
@@ -592,11 +840,17 @@ struct UcxNode::Impl {
     return res;
   }
 
-  Status fetch_on(ucp_ep_h& h, const std::string& where, const std::string& id,
+  // One fetch on `peer.ep`; leaves the unpacked rkey in `peer` (the caller keeps or destroys it
+  // with the endpoint). `read_started`: the RMA get was issued.
+  Status fetch_on(Peer& peer, bool kept, const std::string& where, const std::string& id,
                   const ReceiverExpectations& expect, const FetchOptions& opt,
-                  Clock::time_point deadline, FetchResult& res) {
+                  Clock::time_point deadline, FetchResult& res, bool& read_started) {
     Clock::time_point t0 = Clock::now();
-    // 1. Manifest request / response.
+    ucp_ep_h h = peer.ep;
+    // 1. Manifest request / response. A kept connection to an owner that went away may never
+    // answer (no peer-failure detection): give it less time, the caller then reconnects.
+    const Clock::time_point manifest_deadline =
+        kept ? std::min(deadline, t0 + kKeptManifestWait) : deadline;
     awaited_request = next_request_id++;
     reply_ready = false;
     reply.clear();
@@ -606,9 +860,9 @@ struct UcxNode::Impl {
     uint64_t rid = awaited_request;
     UF_KV_TRY(
         wait_request(ucp_am_send_nbx(h, kAmRequest, &rid, sizeof(rid), id.data(), id.size(), &p),
-                     deadline, "sending the manifest request", where));
-    UF_KV_TRY(
-        progress_until([&] { return reply_ready; }, deadline, "waiting for the manifest", where));
+                     manifest_deadline, "sending the manifest request", where));
+    UF_KV_TRY(progress_until([&] { return reply_ready; }, manifest_deadline,
+                             "waiting for the manifest", where));
     awaited_request = 0;
     res.manifest_seconds = seconds_since(t0);
 
@@ -630,7 +884,7 @@ struct UcxNode::Impl {
     if (status_word != kReplyOk || !take(&remote_addr, 8) || !take(&rkey_len, 8) ||
         rkey_len > reply.size() - off)
       return {StatusCode::kCorrupt, fmt::format("malformed manifest reply from {}", where)};
-    const uint8_t* rkey_buf = reply.data() + off;
+    const std::span<const uint8_t> rkey_buf(reply.data() + off, rkey_len);
     off += rkey_len;
     if (!take(&manifest_len, 8) || manifest_len != reply.size() - off)
       return {StatusCode::kCorrupt, fmt::format("malformed manifest reply from {}", where)};
@@ -646,40 +900,40 @@ struct UcxNode::Impl {
               fmt::format("the owner at {} holds seq {} of the session, the directory said {}",
                           where, res.manifest.seq, opt.expect_seq)};
 
-    // 4. One RMA get into registered memory of our own.
+    // 4. One RMA get into registered memory of our own. The rkey of the previous fetch from this
+    // owner is reused when the owner sent the same one (its arena): the mapping stays.
     if (opt.into && opt.into->size() >= res.manifest.byte_size &&
         (opt.into->memh_ || res.manifest.byte_size == 0))
       res.bytes = opt.into;
     else
-      res.bytes = allocate(res.manifest.byte_size);
+      res.bytes = map_buffer(res.manifest.byte_size);
     if (!res.bytes)
       return {StatusCode::kInternal,
               fmt::format("cannot register {} bytes for a KV snapshot", res.manifest.byte_size)};
     if (res.manifest.byte_size == 0) return Status::ok();
-    ucp_rkey_h rkey = nullptr;
-    ucs_status_t st = ucp_ep_rkey_unpack(h, rkey_buf, &rkey);
-    if (st != UCS_OK)
-      return {StatusCode::kCorrupt,
-              fmt::format("cannot unpack the rkey from {} ({})", where, ucs_status_string(st))};
+    if (!peer.rkey || !std::equal(rkey_buf.begin(), rkey_buf.end(), peer.rkey_bytes.begin(),
+                                  peer.rkey_bytes.end())) {
+      if (peer.rkey) ucp_rkey_destroy(peer.rkey);
+      peer.rkey = nullptr;
+      peer.mapped.clear();
+      peer.rkey_bytes.assign(rkey_buf.begin(), rkey_buf.end());
+      ucs_status_t st = ucp_ep_rkey_unpack(h, rkey_buf.data(), &peer.rkey);
+      if (st != UCS_OK) {
+        peer.rkey = nullptr;
+        return {StatusCode::kCorrupt,
+                fmt::format("cannot unpack the rkey from {} ({})", where, ucs_status_string(st))};
+      }
+    }
     if (config.print_endpoint_info) ucp_ep_print_info(h, stderr);
     if (opt.test_before_read) opt.test_before_read();
     Clock::time_point tr = Clock::now();
-    ucp_request_param_t gp{};
-    gp.op_attr_mask = UCP_OP_ATTR_FIELD_MEMH;
-    gp.memh = static_cast<ucp_mem_h>(res.bytes->memh_);
-    Status s = wait_request(
-        ucp_get_nbx(h, res.bytes->data(), res.manifest.byte_size, remote_addr, rkey, &gp), deadline,
-        "reading the snapshot", where);
+    read_started = true;
+    const uint64_t end = remote_addr + res.manifest.byte_size;
+    Status s = read_remote(h, peer.rkey, remote_addr, *res.bytes, res.manifest.byte_size,
+                           peer.is_mapped(remote_addr, end), deadline, where);
     res.read_seconds = seconds_since(tr);
-    if (!s.is_ok()) {
-      // The get may still be in flight: force-close first so nothing writes into freed memory.
-      close_fetch_ep(h, true);
-      h = nullptr;
-      ucp_rkey_destroy(rkey);
-      return s;
-    }
-    ucp_rkey_destroy(rkey);
-    return Status::ok();
+    if (s.is_ok()) peer.add_mapped(remote_addr, end);
+    return s;
   }
 };
 

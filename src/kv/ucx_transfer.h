@@ -3,11 +3,11 @@
 //
 // Every server runs one UcxNode: a UCX context with two workers. The owner side (a listener on a
 // TCP sockaddr plus a progress thread) answers manifest requests for published snapshots, which
-// live in UCX-registered host memory; the fetcher side connects to an owner, asks for the
-// manifest of a snapshot id (active message request/response), checks it against the request it
-// wants to serve, then reads the bytes with one ucp_get_nbx into its own registered buffer and
-// verifies their BLAKE3. Transports come from UCX_TLS (shared memory / TCP here, RDMA verbs where
-// present).
+// live in UCX-allocated host memory (an arena, see arena_bytes); the fetcher side connects to an
+// owner (and keeps the connection), asks for the manifest of a snapshot id (active message
+// request/response), checks it against the request it wants to serve, then reads the bytes with
+// RMA gets into its own registered buffer and verifies their BLAKE3. Transports come from UCX_TLS
+// (shared memory / TCP here, RDMA verbs where present).
 //
 // Snapshots are opaque byte buffers plus token ids plus a fingerprint string (see manifest.h);
 // the engine decides what the bytes mean. Every wait has a deadline; a vanished owner, a timeout,
@@ -46,6 +46,8 @@ class RegisteredBuffer {
   friend class UcxNode;
   RegisteredBuffer() = default;
   std::shared_ptr<UcxContext> ctx_;
+  // A block of the owner's arena: given back here instead of unmapped (keeps the arena alive).
+  std::function<void()> release_;
   void* memh_ = nullptr;  // ucp_mem_h
   uint8_t* data_ = nullptr;
   size_t size_ = 0;
@@ -66,6 +68,17 @@ struct UcxNodeConfig {
   // over TCP; between hosts (TCP, RDMA verbs) it costs nothing. Turning it off lets same-host
   // peers use shared memory; failures are then caught by the deadlines and the CM connection.
   bool peer_failure_detection = true;
+  // When non-zero, allocate() carves snapshots out of one UCX-allocated arena of this size
+  // (falling back to a mapping of their own when it is full). Fetchers keep their connection and
+  // the unpacked rkey of an arena, so on shared memory the owner's pages stay mapped on the
+  // fetcher's side between fetches (a new mapping per snapshot costs as much as the copy). Pages
+  // of the arena, once touched, stay resident until the node ends: size it like
+  // max_published_bytes.
+  uint64_t arena_bytes = 0;
+  // Keep the connection to an owner (and its rkeys) for later fetches instead of closing it. A
+  // kept connection that fails before the read (owner restarted, gone or silent for
+  // kKeptManifestWait) is dropped and the fetch retried once on a new connection.
+  bool keep_connections = true;
   // Threads that verify BLAKE3 of a fetched snapshot (large snapshots only, see
   // blake3_parallel).
   unsigned verify_threads = 4;

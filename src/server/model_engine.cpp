@@ -172,6 +172,7 @@ ModelEngine::ModelEngine(std::unique_ptr<engine::Backend> backend,
   nc.advertise_host = so.advertise_host;
   nc.max_published_bytes =
       so.max_published_bytes ? so.max_published_bytes : options_.host_cache_bytes;
+  nc.arena_bytes = nc.max_published_bytes;  // published snapshots are written into the arena
   node_ = std::make_unique<kv::UcxNode>(nc);
   kv::SessionSharingConfig sc;
   sc.server_id = so.server_id;

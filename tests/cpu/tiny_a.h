@@ -2,6 +2,7 @@
 // The tiny-a fixture for tests that run the CPU backend: its folder and its golden integer arrays
 // (prompt ids, decode ids, the reference's Engram token map).
 
+#include <cstdlib>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -10,9 +11,13 @@
 
 namespace uf::testing {
 
+// UF_SHARED_DIR in the environment overrides the build's shared folder: the GPU machine runs
+// binaries built elsewhere, with the fixtures unpacked beside them (scripts/gpu-check).
 inline const std::filesystem::path& tiny_a_dir() {
-  static const std::filesystem::path dir =
-      std::filesystem::path(UF_SHARED_DIR) / "fixtures" / "tiny-a";
+  static const std::filesystem::path dir = [] {
+    const char* env = std::getenv("UF_SHARED_DIR");
+    return std::filesystem::path(env && *env ? env : UF_SHARED_DIR) / "fixtures" / "tiny-a";
+  }();
   return dir;
 }
 

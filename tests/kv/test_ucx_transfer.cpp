@@ -203,6 +203,76 @@ TEST_P(UcxTransferTest, OwnerStoppedGivesACleanErrorWithinTheTimeout) {
               std::chrono::duration<double, std::milli>(took).count());
 }
 
+// The fetcher keeps its connection to an owner (keep_connections, the default). When that owner
+// stops, the kept connection must not turn a clean error into a hang, and it is dropped: the
+// next fetch from that address fails at once (connection refused), not after a wait on a dead
+// connection.
+TEST_P(UcxTransferTest, KeptConnectionToAStoppedOwnerIsDropped) {
+  std::vector<int32_t> toks = tokens(10);
+  publish("s", 1u << 20, toks);
+  const std::string addr = owner_->address();
+  ASSERT_TRUE(fetcher_->fetch(addr, "s", expect(toks)).status.is_ok());
+  ASSERT_TRUE(fetcher_->fetch(addr, "s", expect(toks)).status.is_ok());  // on the kept one
+  owner_.reset();
+  FetchOptions opt;
+  opt.timeout = 3s;
+  auto t0 = Clock::now();
+  FetchResult r = fetcher_->fetch(addr, "s", expect(toks), opt);
+  EXPECT_FALSE(r.status.is_ok());
+  EXPECT_LT(Clock::now() - t0, opt.timeout + 1s);
+  t0 = Clock::now();
+  r = fetcher_->fetch(addr, "s", expect(toks), opt);
+  EXPECT_FALSE(r.status.is_ok());
+  // Connection refused on loopback is immediate; the kept-connection wait alone is 2 s.
+  EXPECT_LT(Clock::now() - t0, 1500ms) << r.status.to_string();
+}
+
+// Snapshots carved out of the owner's arena: several live at once at distinct places, all fetch
+// byte for byte over one kept connection (the arena's rkey is reused), and a removed snapshot's
+// block is handed out again (first fit) once its grace period is over.
+TEST_P(UcxTransferTest, ArenaSnapshotsFetchAndTheirBlocksAreReused) {
+  UcxNodeConfig cfg;
+  cfg.remove_grace = 0ms;
+  cfg.peer_failure_detection = GetParam();
+  cfg.arena_bytes = 32u << 20;
+  owner_ = std::make_unique<UcxNode>(cfg);
+  std::vector<int32_t> toks = tokens(50);
+  std::vector<std::vector<uint8_t>> want;
+  std::vector<const uint8_t*> where;
+  for (int i = 0; i < 3; ++i) {
+    const size_t n = (5u << 20) + 1000u * i;
+    want.push_back(random_bytes(n, 100 + i));
+    auto buf = owner_->allocate(n);
+    ASSERT_TRUE(buf);
+    std::memcpy(buf->data(), want.back().data(), n);
+    where.push_back(buf->data());
+    Manifest m = make_manifest(kFingerprint, toks, want.back(), "epoch-1", 0);
+    ASSERT_TRUE(owner_->publish("s" + std::to_string(i), m, buf).is_ok());
+  }
+  EXPECT_EQ(where[1] - where[0], 5 << 20) << "page-aligned first fit, one after the other";
+  for (int round = 0; round < 2; ++round)
+    for (int i = 0; i < 3; ++i) {
+      FetchResult r = fetcher_->fetch(owner_->address(), "s" + std::to_string(i), expect(toks));
+      ASSERT_TRUE(r.status.is_ok()) << r.status.to_string();
+      ASSERT_EQ(r.manifest.byte_size, want[i].size());
+      EXPECT_EQ(std::memcmp(r.bytes->data(), want[i].data(), want[i].size()), 0) << i;
+    }
+  ASSERT_TRUE(owner_->remove("s1"));
+  // The owner thread sweeps the graveyard every ~20 ms; then the block is free again.
+  std::shared_ptr<RegisteredBuffer> again;
+  for (int i = 0; i < 100 && (!again || again->data() != where[1]); ++i) {
+    again.reset();
+    std::this_thread::sleep_for(10ms);
+    again = owner_->allocate(5u << 20);
+  }
+  ASSERT_TRUE(again);
+  EXPECT_EQ(again->data(), where[1]);
+  // Larger than what is left in the arena: a mapping of its own, still usable.
+  auto big = owner_->allocate(40u << 20);
+  ASSERT_TRUE(big);
+  std::memset(big->data(), 7, big->size());
+}
+
 TEST_P(UcxTransferTest, HungOwnerTimesOut) {
   std::vector<int32_t> toks = tokens(10);
   publish("s", 1000, toks);

@@ -166,6 +166,15 @@ class NsProc {
 
   void stop() { uf::server::testing::stop_child(pid_); }
 
+  // A crash: SIGKILL, no clean shutdown; the UCX listener and the published snapshots vanish.
+  void crash() {
+    if (pid_ <= 0) return;
+    ::kill(pid_, SIGKILL);
+    int st = 0;
+    ::waitpid(pid_, &st, 0);
+    pid_ = -1;
+  }
+
   bool alive() {
     int st = 0;
     if (pid_ > 0 && ::waitpid(pid_, &st, WNOHANG) == pid_) pid_ = -1;
@@ -259,52 +268,88 @@ json turn1() { return uf::server::testing::conversation_turn1(); }
 json turn2(const std::string& answer1) { return uf::server::testing::conversation_turn2(answer1); }
 
 std::vector<std::string> serve_cmd(const std::string& id, const std::string& addr,
-                                   const std::string& redis_addr) {
-  return {kBinary,       "serve",
-          "--model",     kModel,
-          "--host",      "127.0.0.1",
-          "--port",      std::to_string(kHttpPort),
-          "--max-seq",   "512",
-          "--server-id", id,
-          "--redis",     redis_addr + ":" + std::to_string(kRedisPort),
-          "--kv-listen", addr + ":" + std::to_string(kUcxPort)};
+                                   const std::string& redis_addr,
+                                   const std::vector<std::string>& env = {}) {
+  std::vector<std::string> cmd;
+  if (!env.empty()) {
+    cmd.push_back("env");
+    cmd.insert(cmd.end(), env.begin(), env.end());
+  }
+  std::vector<std::string> serve = {kBinary,       "serve",
+                                    "--model",     kModel,
+                                    "--host",      "127.0.0.1",
+                                    "--port",      std::to_string(kHttpPort),
+                                    "--max-seq",   "512",
+                                    "--server-id", id,
+                                    "--redis",     redis_addr + ":" + std::to_string(kRedisPort),
+                                    "--kv-listen", addr + ":" + std::to_string(kUcxPort)};
+  cmd.insert(cmd.end(), serve.begin(), serve.end());
+  return cmd;
 }
 
-TEST(KvSharingNetns, ConversationMovesBetweenNamespacesWithExactOutput) {
-  if (::geteuid() != 0) GTEST_SKIP() << "needs root to create network namespaces";
-  if (!std::filesystem::exists(kBinary))
-    GTEST_SKIP() << kBinary << " is not built (build the `ultrafast` target first)";
-  for (const char* p : {"ip", "curl", "redis-server", "redis-cli"})
-    if (!have_program(p)) GTEST_SKIP() << p << " is not installed";
-  ASSERT_TRUE(std::filesystem::exists(kModel + "/config.json")) << kModel;
+// Namespaces, Redis in namespace A (reachable from B over the veth), and helpers to start the
+// servers. Skips where the machine cannot run these tests.
+class KvSharingNetns : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (::geteuid() != 0) GTEST_SKIP() << "needs root to create network namespaces";
+    if (!std::filesystem::exists(kBinary))
+      GTEST_SKIP() << kBinary << " is not built (build the `ultrafast` target first)";
+    for (const char* p : {"ip", "curl", "redis-server", "redis-cli"})
+      if (!have_program(p)) GTEST_SKIP() << p << " is not installed";
+    ASSERT_TRUE(std::filesystem::exists(kModel + "/config.json")) << kModel;
+    net_ = std::make_unique<NetnsPair>();
+    if (!net_->error().empty()) GTEST_SKIP() << "network namespaces unavailable: " << net_->error();
+    redis_ = std::make_unique<NsProc>(
+        net_->a(),
+        std::vector<std::string>{"redis-server", "--port", std::to_string(kRedisPort), "--bind",
+                                 net_->addr_a(), "--protected-mode", "no", "--save", "",
+                                 "--appendonly", "no", "--dir", dir_.path(), "--logfile",
+                                 dir_.path() + "/redis.log"},
+        dir_.path() + "/redis.err");
+    // Checked from namespace B: the directory must be reachable over the veth link.
+    ASSERT_TRUE(redis_->wait_until(
+        net_->b(), "redis-cli -h " + net_->addr_a() + " -p " + std::to_string(kRedisPort) + " ping",
+        10s))
+        << "redis-server in " << net_->a() << " not reachable from " << net_->b() << ": "
+        << redis_->log_text();
+  }
 
-  // Declared first, destroyed last: the processes are gone before the namespaces are deleted.
-  NetnsPair net;
-  if (!net.error().empty()) GTEST_SKIP() << "network namespaces unavailable: " << net.error();
-  TempDir dir("netns");
-  NsProc redis(net.a(),
-               {"redis-server", "--port", std::to_string(kRedisPort), "--bind", net.addr_a(),
-                "--protected-mode", "no", "--save", "", "--appendonly", "no", "--dir", dir.path(),
-                "--logfile", dir.path() + "/redis.log"},
-               dir.path() + "/redis.err");
-  // Checked from namespace B: the directory must be reachable over the veth link.
-  ASSERT_TRUE(redis.wait_until(
-      net.b(), "redis-cli -h " + net.addr_a() + " -p " + std::to_string(kRedisPort) + " ping", 10s))
-      << "redis-server in " << net.a() << " not reachable from " << net.b() << ": "
-      << redis.log_text();
+  // Server `id` in namespace A or B (its veth address is its --kv-listen address). Not yet
+  // ready: call ready() after starting every server (they start at once, see NetnsPair).
+  std::unique_ptr<NsProc> start(const std::string& id, bool in_a,
+                                const std::vector<std::string>& env = {}) {
+    const std::string& ns = in_a ? net_->a() : net_->b();
+    const std::string& addr = in_a ? net_->addr_a() : net_->addr_b();
+    return std::make_unique<NsProc>(ns, serve_cmd(id, addr, net_->addr_a(), env),
+                                    dir_.path() + "/" + id + ".err");
+  }
 
-  NsProc a(net.a(), serve_cmd("A", net.addr_a(), net.addr_a()), dir.path() + "/A.err");
-  NsProc b(net.b(), serve_cmd("B", net.addr_b(), net.addr_a()), dir.path() + "/B.err");
-  const std::string readyz =
-      "curl -sf -m 1 -o /dev/null http://127.0.0.1:" + std::to_string(kHttpPort) + "/readyz";
-  ASSERT_TRUE(a.wait_until(net.a(), readyz, 30s)) << a.log_text();
-  ASSERT_TRUE(b.wait_until(net.b(), readyz, 30s)) << b.log_text();
+  static bool ready(NsProc& s) {
+    return s.wait_until(
+        s.ns(),
+        "curl -sf -m 1 -o /dev/null http://127.0.0.1:" + std::to_string(kHttpPort) + "/readyz",
+        30s);
+  }
+
+  // Declared first, destroyed last: the processes are gone before the namespaces are deleted
+  // (servers are locals of the test body, destroyed before the fixture).
+  std::unique_ptr<NetnsPair> net_;
+  TempDir dir_{"netns"};
+  std::unique_ptr<NsProc> redis_;
+};
+
+TEST_F(KvSharingNetns, ConversationMovesBetweenNamespacesWithExactOutput) {
+  auto pa = start("A", true), pb = start("B", false);
+  NsProc &a = *pa, &b = *pb;
+  ASSERT_TRUE(ready(a)) << a.log_text();
+  ASSERT_TRUE(ready(b)) << b.log_text();
 
   // Both turns on A (local reuse) vs turn 1 on A, turn 2 on B (remote reuse over the veth).
-  Reply l1 = chat(a, dir, "local", turn1());
-  Reply l2 = chat(a, dir, "local", turn2(l1.content));
-  Reply s1 = chat(a, dir, "moving", turn1());
-  Reply s2 = chat(b, dir, "moving", turn2(s1.content));
+  Reply l1 = chat(a, dir_, "local", turn1());
+  Reply l2 = chat(a, dir_, "local", turn2(l1.content));
+  Reply s1 = chat(a, dir_, "moving", turn1());
+  Reply s2 = chat(b, dir_, "moving", turn2(s1.content));
   ASSERT_FALSE(l1.content.empty()) << a.log_text();
   ASSERT_FALSE(l2.content.empty()) << a.log_text();
   EXPECT_EQ(s1.content, l1.content);
@@ -325,8 +370,58 @@ TEST(KvSharingNetns, ConversationMovesBetweenNamespacesWithExactOutput) {
   auto transfer = b.event("kv_transfer", "status", "OK");
   ASSERT_TRUE(transfer) << b.log_text();
   EXPECT_EQ(transfer->value("direction", ""), "fetch");
-  EXPECT_EQ(transfer->value("owner", ""), net.addr_a() + ":" + std::to_string(kUcxPort))
+  EXPECT_EQ(transfer->value("owner", ""), net_->addr_a() + ":" + std::to_string(kUcxPort))
       << transfer->dump();
+}
+
+// Failures across the veth end with the output of a recomputation and a log line saying why:
+// a transfer corrupted in flight (B's test hook flips fetched bytes) is caught by BLAKE3, and an
+// owner killed after its turn (the directory still names it) is answered at once by the kernel
+// of its namespace (connection refused), well before the fetch deadline.
+TEST_F(KvSharingNetns, CorruptTransferAndDeadOwnerAcrossVethAreRecomputed) {
+  auto pa = start("A", true), pb = start("B", false, {"UF_TEST_CORRUPT_KV_FETCH=1"});
+  NsProc &a = *pa, &b = *pb;
+  ASSERT_TRUE(ready(a)) << a.log_text();
+  ASSERT_TRUE(ready(b)) << b.log_text();
+  const Reply r1 = chat(a, dir_, "reference", turn1());
+  const Reply r2 = chat(a, dir_, "reference", turn2(r1.content));
+  ASSERT_FALSE(r2.content.empty()) << a.log_text();
+
+  // Checks B's answer and log for one failed fetch; returns the logged reason.
+  auto expect_recomputed = [&](const Reply& reply, const char* what) -> std::string {
+    EXPECT_EQ(reply.content, r2.content) << what;
+    auto end = b.event("request_end", "request_id", reply.id);
+    if (!end)
+      ADD_FAILURE() << what << ": no request_end event\n" << b.log_text();
+    else
+      EXPECT_EQ((*end)["kv_source"], "none") << what << ": " << end->dump();
+    auto fetch = b.event("kv_fetch", "request_id", reply.id);
+    if (!fetch) {
+      ADD_FAILURE() << what << ": no kv_fetch event\n" << b.log_text();
+      return {};
+    }
+    EXPECT_EQ(fetch->value("fallback", ""), "recompute") << what << ": " << fetch->dump();
+    return fetch->value("reason", "");
+  };
+
+  const Reply c1 = chat(a, dir_, "corrupt", turn1());
+  const Reply c2 = chat(b, dir_, "corrupt", turn2(c1.content));
+  const std::string corrupt_reason = expect_recomputed(c2, "corrupt transfer");
+  EXPECT_NE(corrupt_reason.find("BLAKE3"), std::string::npos) << corrupt_reason;
+  // The bytes did cross the veth (then failed verification): not a connection problem.
+  EXPECT_EQ(corrupt_reason.find("UNAVAILABLE"), std::string::npos) << corrupt_reason;
+
+  const Reply o1 = chat(a, dir_, "orphan", turn1());
+  ASSERT_FALSE(o1.content.empty()) << a.log_text();
+  a.crash();
+  const auto t0 = std::chrono::steady_clock::now();
+  const Reply o2 = chat(b, dir_, "orphan", turn2(o1.content));
+  // Connection refused is immediate; well under the 10 s fetch deadline even on loaded cores.
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 8s);
+  const std::string orphan_reason = expect_recomputed(o2, "dead owner");
+  EXPECT_FALSE(orphan_reason.empty());
+  EXPECT_NE(orphan_reason.find(net_->addr_a()), std::string::npos)
+      << "the log line should name the owner it could not reach: " << orphan_reason;
 }
 
 }  // namespace
