@@ -7,6 +7,10 @@
 #include "tokenizer/engram_token_map.h"
 #include "tokenizer/tokenizer.h"
 
+#ifdef UF_HAVE_CUDA
+#include "cuda/backend/cuda_backend.h"
+#endif
+
 namespace uf::cli {
 
 namespace {
@@ -29,7 +33,9 @@ LoadedBackend load_backend(const std::filesystem::path& model_dir, const Backend
   UF_CHECK(std::filesystem::is_directory(model_dir), "model folder {} does not exist",
            model_dir.string());
   LoadedBackend out;
+  UF_CHECK(choice.tp >= 1, "--tp {} must be at least 1", choice.tp);
   if (choice.kind == "cpu") {
+    UF_CHECK(choice.tp == 1, "--tp {}: tensor parallelism needs --backend cuda", choice.tp);
     cpu::ModelOptions opts;
     if (choice.reference_index_keys) opts.index_keys = cpu::IndexKeys::kReference;
     spdlog::info("loading {} on the CPU backend", model_dir.string());
@@ -39,9 +45,33 @@ LoadedBackend load_backend(const std::filesystem::path& model_dir, const Backend
     return out;
   }
   if (choice.kind == "cuda") {
+#ifdef UF_HAVE_CUDA
+    UF_CHECK(!choice.reference_index_keys,
+             "the reference's stale-index-key mode runs on the CPU backend only (--backend cpu)");
+    const int gpus = cuda::CudaBackend::device_count();
+    UF_CHECK(gpus > 0, "--backend cuda: no CUDA device is visible to this process");
+    UF_CHECK(choice.tp <= gpus,
+             "--tp {} needs {} GPUs but {} CUDA device(s) are visible to this process", choice.tp,
+             choice.tp, gpus);
+    if (choice.tp == 1)
+      spdlog::info("loading {} on the CUDA backend (device 0 of {})", model_dir.string(), gpus);
+    else
+      spdlog::info("loading {} on the CUDA backend, tensor-parallel over devices 0..{} of {}",
+                   model_dir.string(), choice.tp - 1, gpus);
+    cuda::CudaModelOptions opts;
+    if (choice.max_chunk > 0) opts.max_chunk = choice.max_chunk;
+    opts.tp = choice.tp;
+    auto b = std::make_unique<cuda::CudaBackend>(model_dir, engram_map_for(model_dir), opts);
+    // The profile is keyed by the GPUs' architecture and the count serving the model.
+    out.profile = engine::resolve_hardware_profile(
+        {"cuda", cuda::CudaBackend::device_arch(0), choice.tp}, b->config().dspark_block_size);
+    out.backend = std::move(b);
+    return out;
+#else
     core::fail(
-        "the CUDA backend cannot serve a model yet: its kernels are built and tested on their own "
-        "(scripts/gpu-check) but the full forward pass is not wired; use --backend cpu");
+        "this binary was built without the CUDA backend (configure with -DUF_ENABLE_CUDA=ON on a "
+        "machine with nvcc); use --backend cpu");
+#endif
   }
   core::fail("unknown backend '{}': expected cpu or cuda", choice.kind);
 }

@@ -14,6 +14,8 @@ namespace uf::cli {
 struct BackendChoice {
   std::string kind = "cpu";           // "cpu" or "cuda"
   bool reference_index_keys = false;  // the reference's stale-index-key decode quirk (CPU only)
+  int max_chunk = 0;  // CUDA: prefill rows per span (its scratch size); 0 = the backend's default
+  int tp = 1;         // CUDA: tensor-parallel GPUs (devices 0..tp-1); CPU: must be 1
 };
 
 struct LoadedBackend {

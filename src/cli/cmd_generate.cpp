@@ -33,12 +33,15 @@ struct GenerateArgs {
   bool ced = false;
   bool reference_keys = false;
   bool no_bos = false;
+  int tp = 1;
 };
 
 void run_generate(const GenerateArgs& a) {
   const std::filesystem::path dir(a.model);
   const auto tok = uf::tokenizer::Tokenizer::from_file(dir / "tokenizer.json");
-  auto loaded = uf::cli::load_backend(dir, {a.backend, a.reference_keys});
+  uf::cli::BackendChoice choice{a.backend, a.reference_keys};
+  choice.tp = a.tp;
+  auto loaded = uf::cli::load_backend(dir, choice);
   auto& be = *loaded.backend;
   const auto& cfg = be.config();
 
@@ -92,6 +95,9 @@ void setup_generate(CLI::App& app, int& exit_code) {
   cmd->add_option("--backend", a->backend, "Compute backend: cpu or cuda")
       ->capture_default_str()
       ->check(CLI::IsMember({"cpu", "cuda"}));
+  cmd->add_option("--tp", a->tp, "Tensor-parallel GPUs for --backend cuda (devices 0..N-1)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   cmd->add_option("--prompt", a->prompt, "Prompt text (tokenized as is, after BOS)");
   cmd->add_option("--prompt-ids", a->prompt_ids,
                   "Prompt token ids appended after the text (e.g. 5,17,42)")

@@ -1,5 +1,6 @@
 // `ultrafast serve`: the OpenAI-compatible HTTP server.
-//   ultrafast serve --model <dir> [--backend cpu|cuda] [--host 127.0.0.1] [--port 8000] ...
+//   ultrafast serve --model <dir> [--backend cpu|cuda] [--tp N] [--host 127.0.0.1] [--port 8000]
+//   ...
 // The server listens at once (/healthz answers, /readyz says 503), then loads the tokenizer and
 // the engine, and answers /readyz 200 once the engine is warm. SIGINT/SIGTERM stop it cleanly.
 #include <pthread.h>
@@ -25,6 +26,7 @@ struct ServeOptions {
   std::string model;
   std::string tokenizer;  // default: <model>/tokenizer.json
   std::string backend = "cpu";
+  int tp = 1;  // tensor-parallel GPUs (--backend cuda)
   bool stub_engine = false;
   int stub_step_delay_us = 0;
   int stub_max_accept = 6;
@@ -109,7 +111,9 @@ std::shared_ptr<uf::server::GenerationEngine> make_engine(
     return std::make_shared<uf::server::StubEngine>(std::move(cfg));
   }
   UF_CHECK(!o.model.empty(), "--model is required (or --stub-engine)");
-  auto loaded = uf::cli::load_backend(o.model, {o.backend, false});
+  uf::cli::BackendChoice choice{o.backend, false};
+  choice.tp = o.tp;
+  auto loaded = uf::cli::load_backend(o.model, choice);
   uf::server::ModelEngineOptions mo;
   mo.model_name = o.server.served_model_name.empty()
                       ? std::filesystem::path(o.model).filename().string()
@@ -192,6 +196,9 @@ void setup_serve(CLI::App& app, int& exit_code) {
   cmd->add_option("--backend", opts->backend, "Compute backend: cpu or cuda")
       ->capture_default_str()
       ->check(CLI::IsMember({"cpu", "cuda"}));
+  cmd->add_option("--tp", opts->tp, "Tensor-parallel GPUs for --backend cuda (devices 0..N-1)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   cmd->add_option("--host", s.host, "Address to listen on (0.0.0.0 for all interfaces)")
       ->capture_default_str();
   cmd->add_option("--port", s.port, "TCP port to listen on (0 picks a free one)")

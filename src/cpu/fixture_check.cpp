@@ -15,6 +15,7 @@
 #include "cpu/indexer.h"
 #include "cpu/model.h"
 #include "model/checkpoint.h"
+#include "model/golden.h"
 #include "tokenizer/engram_token_map.h"
 #include "tokenizer/tokenizer.h"
 
@@ -22,89 +23,14 @@ namespace uf::cpu {
 
 namespace fs = std::filesystem;
 
-bool FixtureReport::ok() const {
-  for (const auto& l : lines)
-    if (!l.informational && !l.pass) return false;
-  return true;
-}
-
-std::string FixtureReport::format() const {
-  std::string out;
-  for (const auto& l : lines) {
-    const char* tag = l.informational ? "INFO" : (l.pass ? "PASS" : "FAIL");
-    if (l.informational)
-      out += fmt::format("{} {:<44} {:>12.6g}  {}\n", tag, l.name, l.value, l.detail);
-    else
-      out += fmt::format("{} {:<44} {:>12.6g}  bound {:<10.4g} {}\n", tag, l.name, l.value, l.bound,
-                         l.detail);
-  }
-  return out;
-}
-
 namespace {
 
-// ---- golden arrays ----
-class Golden {
- public:
-  explicit Golden(const fs::path& file) : ck_(model::Checkpoint::open(file)) {}
-  bool has(const std::string& n) const { return ck_.has(n); }
-  bool has_containing(const std::string& part) const {
-    for (const auto& n : ck_.names())
-      if (n.find(part) != std::string::npos) return true;
-    return false;
-  }
-  std::vector<int64_t> shape(const std::string& n) const { return ck_.get(n).shape; }
-  // Arrays are converted once and cached: the hooks look rows up many times.
-  const std::vector<float>& f32(const std::string& n) const {
-    auto it = f32_.find(n);
-    if (it != f32_.end()) return it->second;
-    const auto& v = ck_.get(n);
-    UF_CHECK(v.dtype == core::DType::kF32, "golden array '{}' is not F32", n);
-    auto s = v.as<float>();
-    return f32_.emplace(n, std::vector<float>(s.begin(), s.end())).first->second;
-  }
-  const std::vector<int64_t>& i64(const std::string& n) const {
-    auto it = i64_.find(n);
-    if (it != i64_.end()) return it->second;
-    const auto& v = ck_.get(n);
-    std::vector<int64_t> out;
-    if (v.dtype == core::DType::kI64) {
-      auto s = v.as<int64_t>();
-      out.assign(s.begin(), s.end());
-    } else {
-      UF_CHECK(v.dtype == core::DType::kI32, "golden array '{}' is not an integer array", n);
-      auto s = v.as<int32_t>();
-      out.assign(s.begin(), s.end());
-    }
-    return i64_.emplace(n, std::move(out)).first->second;
-  }
-
- private:
-  model::Checkpoint ck_;
-  mutable std::map<std::string, std::vector<float>> f32_;
-  mutable std::map<std::string, std::vector<int64_t>> i64_;
-};
-
-struct Diff {
-  double sq = 0, ref = 0, maxabs = 0;
-  size_t n = 0, finite_mismatch = 0;
-  void add(const float* a, const float* r, size_t cnt) {
-    for (size_t i = 0; i < cnt; ++i) {
-      const bool fa = std::isfinite(a[i]), fr = std::isfinite(r[i]);
-      if (fa != fr) {
-        ++finite_mismatch;
-        continue;
-      }
-      if (!fa) continue;
-      const double d = double(a[i]) - double(r[i]);
-      sq += d * d;
-      ref += double(r[i]) * double(r[i]);
-      maxabs = std::max(maxabs, std::fabs(d));
-      ++n;
-    }
-  }
-  double rms_rel() const { return ref > 0 ? std::sqrt(sq / ref) : std::sqrt(sq); }
-};
+// The shared fixture pieces (model/golden.h).
+using model::Bounds;
+using model::Diff;
+using model::Golden;
+using model::LogitStats;
+using model::manifest_bounds;
 
 struct SetStats {
   size_t rows = 0, exact = 0;
@@ -317,60 +243,6 @@ class FixtureHooks : public Hooks {
   int S_ = 0, P_ = 0, step_ = -1;
   std::map<int64_t, int> row_of_pos_;
 };
-
-// ---- e2e comparisons ----
-struct LogitStats {
-  Diff d;
-  size_t rows = 0, agree = 0;
-  void add(const float* a, const float* r, int V) {
-    d.add(a, r, size_t(V));
-    ++rows;
-    agree += std::max_element(a, a + V) - a == std::max_element(r, r + V) - r;
-  }
-  double argmax() const { return rows ? double(agree) / double(rows) : 1.0; }
-};
-
-struct Bounds {
-  double maxabs = 0, rms = 0;
-  std::string from;
-};
-
-// End-to-end bounds: margin x the noise floor F the manifest measured between the reference and
-// other faithful runs of the same model on the same inputs (the 1-ulp sensitivity probe, the GPU
-// vs CPU port of the reference, transformers vs the reference's owner-keys variant): anything
-// not bit-identical to the reference in every bf16 rounding lands on F (fixture READMEs §5).
-// transformers runs against the official decode are left out: they differ by the stale-key quirk
-// too, not by rounding alone.
-Bounds manifest_bounds(const nlohmann::json& agreement, const std::string& phase, double margin,
-                       Bounds fallback) {
-  Bounds b;
-  int n = 0;
-  for (auto it = agreement.begin(); it != agreement.end(); ++it) {
-    const std::string k = it.key();
-    if (!it->is_object() || !it->contains("max_abs") || !it->contains("rms_rel")) continue;
-    auto ends = [&](const std::string& suf) {
-      return k.size() >= suf.size() && k.compare(k.size() - suf.size(), suf.size(), suf) == 0;
-    };
-    const bool same_model =
-        k.rfind("sensitivity_probe", 0) == 0 || k.rfind("gpu_port_vs_cpu_port", 0) == 0;
-    bool use = false;
-    if (phase == "prefill")
-      use =
-          ends("_prefill") && (same_model || k.find("_vs_reference_prefill") != std::string::npos);
-    if (phase == "decode")
-      use = ends("_decode") && (same_model || ends("_vs_reference_ownerkeys_decode"));
-    if (phase == "dspark") use = ends("_dspark_logits_matched") && same_model;
-    if (!use) continue;
-    b.maxabs = std::max(b.maxabs, (*it)["max_abs"].get<double>());
-    b.rms = std::max(b.rms, (*it)["rms_rel"].get<double>());
-    ++n;
-  }
-  if (n == 0) return fallback;
-  b.maxabs *= margin;
-  b.rms *= margin;
-  b.from = fmt::format("{}x noise floor of {} faithful runs (manifest)", margin, n);
-  return b;
-}
 
 }  // namespace
 

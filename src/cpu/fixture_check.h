@@ -12,28 +12,17 @@
 #include <string>
 #include <vector>
 
+#include "model/golden.h"
+
 namespace uf::cpu {
 
-struct CheckLine {
-  std::string name;
-  double value = 0;
-  double bound = 0;
-  bool pass = true;
-  bool informational = false;  // reported, never fails
-  std::string detail;
-};
+using model::CheckLine;      // model/golden.h
+using model::FixtureReport;  // model/golden.h
 
 struct FixtureCheckOptions {
   bool run_reference_keys = true;  // also the stale-key variant against reference.safetensors
   bool run_ced = true;             // measure the CED prefill shortcut
   double bound_margin = 1.5;       // e2e bounds = margin x the manifest's noise floor
-};
-
-struct FixtureReport {
-  std::vector<CheckLine> lines;
-  double seconds = 0;
-  bool ok() const;
-  std::string format() const;  // one line per check
 };
 
 FixtureReport check_fixture(const std::filesystem::path& fixture_dir,

@@ -11,6 +11,8 @@
 
 namespace uf::cuda {
 
+class WeightUploader;
+
 class DeviceArena {
  public:
   DeviceArena() = default;
@@ -36,11 +38,16 @@ class DeviceArena {
     return upload(v.data(), v.size());
   }
   void* upload_bytes(const void* host, size_t bytes);
+  // With an uploader: allocates now (not zero-filled: the copy covers every byte) and enqueues the
+  // copy; the data is on the device once uploader->finish() returns. `host` must stay valid until
+  // then. A null uploader is the synchronous upload_bytes above.
+  void* upload_bytes(const void* host, size_t bytes, WeightUploader* uploader);
 
   size_t bytes() const { return bytes_; }
 
  private:
   void release();
+  void* alloc_raw(size_t bytes);
   std::vector<void*> blocks_;
   size_t bytes_ = 0;
 };

@@ -1,5 +1,9 @@
 #include "cuda/device_weights.h"
 
+#include <utility>
+
+#include "cuda/cuda_check.h"
+
 namespace uf::cuda {
 
 using model::WFormat;
@@ -31,16 +35,42 @@ size_t weight_scale_bytes(const model::Weight& w) {
   }
 }
 
+namespace {
+thread_local WeightUploader* t_scope_uploader = nullptr;
+}  // namespace
+
+UploadScope::UploadScope(int device, UploaderOptions opts)
+    : up_(device, std::move(opts)), prev_(t_scope_uploader) {
+  t_scope_uploader = &up_;
+}
+
+UploadScope::~UploadScope() { t_scope_uploader = prev_; }  // up_'s destructor drains the copies
+
+WeightUploader* UploadScope::current() { return t_scope_uploader; }
+
+void copy_to_device(void* dst, const void* src, size_t bytes) {
+  if (bytes == 0) return;
+  if (WeightUploader* up = UploadScope::current())
+    up->enqueue(dst, src, bytes);
+  else
+    UF_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
+}
+
 DeviceWeight upload_weight(const model::Weight& w, DeviceArena& arena) {
+  return upload_weight(w, arena, UploadScope::current());
+}
+
+DeviceWeight upload_weight(const model::Weight& w, DeviceArena& arena, WeightUploader* uploader) {
   DeviceWeight d;
   d.format = w.format;
   d.rows = w.rows;
   d.cols = w.cols;
   d.row_scale = w.row_scale;
   if (w.empty()) return d;
-  d.data = static_cast<const uint8_t*>(arena.upload_bytes(w.data, weight_data_bytes(w)));
+  d.data = static_cast<const uint8_t*>(arena.upload_bytes(w.data, weight_data_bytes(w), uploader));
   if (w.scale)
-    d.scale = static_cast<const uint8_t*>(arena.upload_bytes(w.scale, weight_scale_bytes(w)));
+    d.scale =
+        static_cast<const uint8_t*>(arena.upload_bytes(w.scale, weight_scale_bytes(w), uploader));
   return d;
 }
 

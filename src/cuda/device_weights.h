@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "cuda/device_memory.h"
+#include "cuda/weight_uploader.h"
 #include "model/weights.h"
 
 namespace uf::cuda {
@@ -23,7 +24,32 @@ struct DeviceWeight {
 size_t weight_data_bytes(const model::Weight& w);
 size_t weight_scale_bytes(const model::Weight& w);
 
-// Copies w to the device (an empty weight stays empty).
+// Copies w to the device (an empty weight stays empty): synchronously, or through the current
+// thread's UploadScope when one is alive.
 DeviceWeight upload_weight(const model::Weight& w, DeviceArena& arena);
+// The same through a WeightUploader: the device memory is allocated now and the copies enqueued;
+// the weight may be used once uploader->finish() has returned (null: the synchronous call above).
+DeviceWeight upload_weight(const model::Weight& w, DeviceArena& arena, WeightUploader* uploader);
+
+// Bulk loading without threading an uploader through every constructor: while an UploadScope
+// lives, upload_weight(w, arena) and copy_to_device() on this thread enqueue on its uploader;
+// finish() (or the destructor) waits for every copy. Weights must not be used before that.
+class UploadScope {
+ public:
+  explicit UploadScope(int device, UploaderOptions opts = {});
+  ~UploadScope();
+  UploadScope(const UploadScope&) = delete;
+  UploadScope& operator=(const UploadScope&) = delete;
+  UploadStats finish() { return up_.finish(); }
+  WeightUploader& uploader() { return up_; }
+  static WeightUploader* current();  // the innermost live scope's uploader on this thread, or null
+
+ private:
+  WeightUploader up_;
+  WeightUploader* prev_;
+};
+
+// Host-to-device copy: enqueued on the current UploadScope, else a synchronous cudaMemcpy.
+void copy_to_device(void* dst, const void* src, size_t bytes);
 
 }  // namespace uf::cuda

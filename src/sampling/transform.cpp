@@ -60,7 +60,11 @@ void logits_to_probs(const float* logits, int64_t vocab, const SamplingParams& p
   float m = logits[0];
   for (int64_t x = 1; x < vocab; ++x) m = std::max(m, logits[x]);
   const float t = params.temperature;
-  for (int64_t x = 0; x < vocab; ++x) probs[x] = std::exp((logits[x] - m) / t);
+  // exp in double, rounded once to float: (almost always) the correctly rounded expf, which the
+  // CUDA verification kernel computes identically; glibc's expf is off by one ulp on ~6e-4 of
+  // arguments and could differ between libc versions.
+  for (int64_t x = 0; x < vocab; ++x)
+    probs[x] = static_cast<float>(std::exp(static_cast<double>((logits[x] - m) / t)));
 
   const bool use_k = params.top_k > 0 && params.top_k < vocab;
   const bool use_p = params.top_p < 1.0f;

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "core/dtypes.h"
@@ -290,5 +291,90 @@ TEST(TpComm, AllGatherPlacesEachRanksSlice) {
                            << (m.first == SIZE_MAX ? -1 : long(m.first / count))
                            << "): " << describe(m, got, want);
     }
+  }
+}
+
+// The per-rank entry from one thread per rank (the CUDA backend's TP workers): every rank sums
+// its own buffer in place; the result is the host's fp32 sum (2 ranks: bitwise, see above).
+TEST(TpComm, AllReduceF32PerRankThreads) {
+  UF_REQUIRE_GPU();
+  auto g = all_devices();
+  const int n = g->size();
+  const size_t count = (1 << 16) + 7;
+  std::mt19937 rng(99);
+  std::vector<std::vector<float>> x(static_cast<size_t>(n), std::vector<float>(count));
+  for (auto& v : x)
+    for (auto& e : v) e = random_value(rng);
+  RankBuffers b(*g, count * 4);
+  for (int r = 0; r < n; ++r) upload(b.ptrs[size_t(r)], x[size_t(r)]);
+  std::vector<std::string> errors(static_cast<size_t>(n));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        UF_CUDA_CHECK(cudaSetDevice(g->device(r)));
+        // Twice, so that a second collective on the same communicators follows the first.
+        for (int it = 0; it < 2; ++it)
+          g->all_reduce_sum_rank(r, b.ptrs[size_t(r)], count, CommDType::kF32,
+                                 b.streams[size_t(r)]);
+        UF_CUDA_CHECK(cudaStreamSynchronize(b.streams[size_t(r)]));
+      } catch (const std::exception& e) {
+        errors[size_t(r)] = e.what();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < n; ++r) ASSERT_TRUE(errors[size_t(r)].empty()) << errors[size_t(r)];
+  // After two in-place sums every element is n * (sum over ranks): with 2 ranks, 2 * (a + b),
+  // exact (the doubling is exact in fp32). More ranks: the tolerance of the test above, doubled.
+  std::vector<float> want(count), abs_sum(count);
+  for (size_t i = 0; i < count; ++i) {
+    float s = 0, a = 0;
+    for (int r = 0; r < n; ++r) s += x[size_t(r)][i], a += std::fabs(x[size_t(r)][i]);
+    want[i] = n == 1 ? s : float(n) * s;
+    abs_sum[i] = float(n) * a;
+  }
+  for (int r = 0; r < n; ++r) {
+    const auto got = download<float>(b.ptrs[size_t(r)], count);
+    const auto m = compare(got, want, [&](size_t i) {
+      return n <= 2 ? 0.0 : 2.0 * (n - 1) * std::ldexp(1.0, -23) * abs_sum[i];
+    });
+    EXPECT_EQ(m.bad, 0u) << "rank " << r << ": " << describe(m, got, want);
+  }
+}
+
+// The per-rank all-gather from one thread per rank: rank q's slice lands at q * count on every
+// rank, bit for bit.
+TEST(TpComm, AllGatherPerRankThreads) {
+  UF_REQUIRE_GPU();
+  auto g = all_devices();
+  const int n = g->size();
+  const size_t count = 1000;
+  std::mt19937 rng(7);
+  std::vector<std::vector<float>> x(static_cast<size_t>(n), std::vector<float>(count));
+  for (auto& v : x)
+    for (auto& e : v) e = random_value(rng);
+  RankBuffers send(*g, count * 4), recv(*g, size_t(n) * count * 4);
+  for (int r = 0; r < n; ++r) upload(send.ptrs[size_t(r)], x[size_t(r)]);
+  std::vector<std::string> errors(static_cast<size_t>(n));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        UF_CUDA_CHECK(cudaSetDevice(g->device(r)));
+        g->all_gather_rank(r, send.ptrs[size_t(r)], recv.ptrs[size_t(r)], count, CommDType::kF32,
+                           send.streams[size_t(r)]);
+        UF_CUDA_CHECK(cudaStreamSynchronize(send.streams[size_t(r)]));
+      } catch (const std::exception& e) {
+        errors[size_t(r)] = e.what();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < n; ++r) ASSERT_TRUE(errors[size_t(r)].empty()) << errors[size_t(r)];
+  std::vector<float> want;
+  for (const auto& v : x) want.insert(want.end(), v.begin(), v.end());
+  for (int r = 0; r < n; ++r) {
+    const auto got = download<float>(recv.ptrs[size_t(r)], want.size());
+    const auto m = compare(got, want, [](size_t) { return 0.0; });
+    EXPECT_EQ(m.bad, 0u) << "rank " << r << ": " << describe(m, got, want);
   }
 }

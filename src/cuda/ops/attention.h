@@ -14,7 +14,11 @@ namespace uf::cuda {
 // window[t * n_window + j] (device pointers to hd floats, nullptr = empty), followed by its k
 // compressed slots topk[t * k + j] (entry ids into ckv [entries, hd]; -1 = empty; topk may be
 // null when k == 0). Slots are visited in blocks of 64 in list order exactly as the CPU does.
-// q: [T, H, hd]; sink: [H]; out: [T, H, hd] (bf16 values).
+// q: [T, H, hd]; sink: [H]; out: [T, H, hd] (bf16 values). hd <= 1024.
+// Trailing empty slots change nothing (an all-empty block of 64 leaves the running max, sum and
+// accumulator bitwise unchanged), so a top-k row of k slots padded with -1 gives exactly the
+// CPU result for its min(k, width) list. Matches the CPU bitwise except where glibc expf and the
+// kernel's correctly rounded exp differ (rare; <= 1 bf16 ulp).
 void sparse_attn(const float* q, int T, int H, int hd, const float* const* window, int n_window,
                  const int32_t* topk, int k, const float* ckv, const float* sink, float scale,
                  float* out, cudaStream_t stream);
@@ -22,24 +26,28 @@ void sparse_attn(const float* q, int T, int H, int hd, const float* const* windo
 // cpu::index_scores_row for T rows: score[t, i] for i < width[t] (i >= vis[t]: -inf); entries
 // width[t] <= i < max_width are left untouched. q: [T, n_heads, head_dim] (FP4 QDQ values),
 // w: [T, n_heads] (bf16 values), keys[t]: device pointer to row t's key bank [>= vis[t],
-// head_dim]; vis, width: device [T].
+// head_dim]; vis, width: device [T]. Bitwise equal to the CPU (same summation order, no FMA).
+// Limits: T <= 65535, head_dim <= 160.
 void index_scores(const float* q, const float* w, int T, int n_heads, int head_dim,
-                  const float* const* keys, const int32_t* vis, const int32_t* width,
-                  int max_width, float* score, cudaStream_t stream);
+                  const float* const* keys, const int32_t* vis, const int32_t* width, int max_width,
+                  float* score, cudaStream_t stream);
 
 // cpu::candidate_mask per row (row t: score[t, 0..width[t]), compress_len = vis[t]) into
-// keep[t, 0..width[t]). Rows with width 0 are skipped.
+// keep[t, 0..width[t]). Rows with width 0 are skipped. One block per row, O(width) per row
+// (radix select on the block maxima, recomputed from score; no scratch).
 void candidate_mask(const float* score, int T, int max_width, const int32_t* width,
                     const int32_t* vis, int topk_blocks, int block_size, uint8_t* keep,
                     cudaStream_t stream);
 
 // Candidate-restricted layers: score[t, i] = -inf where keep[t, i] == 0, i < width[t].
+// T <= 65535.
 void mask_scores(float* score, const uint8_t* keep, int T, int max_width, const int32_t* width,
                  cudaStream_t stream);
 
 // cpu::topk_select per row: the min(k, width[t]) best of score[t, 0..width[t]) (ties: lower
 // position), ascending, positions >= vis[t] become -1 (sorting last), written to out[t, 0..k);
-// slots past min(k, width[t]) are -1. Rows with width 0 get all -1.
+// slots past min(k, width[t]) are -1. Rows with width 0 get all -1. One block per row: radix
+// select + ordered compaction, O(width) per row, exact with the tie rule.
 void topk_select(const float* score, int T, int max_width, const int32_t* width, int k,
                  const int32_t* vis, int32_t* out, cudaStream_t stream);
 

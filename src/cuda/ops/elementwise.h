@@ -35,7 +35,7 @@ void qdq_fp4_e8m0_scale(float* x, int64_t rows, int n, int block, cudaStream_t s
 // x[i] = bf16(x[i]) (round to nearest even), n values.
 void round_bf16(float* x, int64_t n, cudaStream_t stream);
 
-// mHC (cpu/mhc.h). X: [T, hc, dim] stream.
+// mHC (cpu/mhc.h). X: [T, hc, dim] stream. hc_mixes / hc_pre / hc_post take 1 <= hc <= 8.
 struct HcShape {
   int hc = 0;
   int dim = 0;
@@ -46,15 +46,15 @@ struct HcShape {
 // cpu::hc_mixes: pre [T, hc], post [T, hc], comb [T, hc, hc]. fn / scale / base as bound by
 // model::bind_weights (hc_attn_fn, hc_attn_scale, hc_attn_base or the ffn ones).
 void hc_mixes(const HcShape& p, const DeviceWeight& fn, const DeviceWeight& scale,
-              const DeviceWeight& base, const float* X, int T, float* pre, float* post,
-              float* comb, cudaStream_t stream);
+              const DeviceWeight& base, const float* X, int T, float* pre, float* post, float* comb,
+              cudaStream_t stream);
 // cpu::hc_pre: y[T, dim] = bf16(sum_c pre[c] * X[c]).
 void hc_pre(const HcShape& p, const float* X, const float* pre, int T, float* y,
             cudaStream_t stream);
 // cpu::hc_post: out[T, hc, dim] = bf16(post[k] * x + sum_j comb[j,k] * R[j]); out may alias R
-// only if the kernel reads each R element before any write to it (state it where implemented).
-void hc_post(const HcShape& p, const float* x, const float* R, const float* post,
-             const float* comb, int T, float* out, cudaStream_t stream);
+// (ops/mhc.cu: each thread loads its R[t, :, d] before writing out[t, :, d]). hc <= 8.
+void hc_post(const HcShape& p, const float* x, const float* R, const float* post, const float* comb,
+             int T, float* out, cudaStream_t stream);
 
 // CpuModel::embed: X[t, c, :] = embed row of ids[t] (dequantised, any weight format) for every
 // copy c < hc; pre_mix[t, c] = (c == 0). ids: device [T], already range-checked by the caller.

@@ -34,7 +34,10 @@ class DeviceMoe {
   DeviceMoe& operator=(DeviceMoe&&) noexcept;
 
   // cpu::moe_forward: y[T, dim] (bf16 values) = routed + shared; gate_i / gate_w [T, top_k] as
-  // cpu::moe_route writes them (selection order, best first). x: [T, dim] bf16 values.
+  // cpu::moe_route writes them (selection order, best first; both may be null: internal
+  // workspace). x: [T, dim] bf16 values. Routed experts must be FP4 (dim % 128 == 0,
+  // inter % 32 == 0, top_k <= 8: MoeFp4); the shared expert any quantised format. Uses per-object
+  // workspace: one apply() at a time per DeviceMoe (one stream).
   void apply(const float* x, int T, float* y, int32_t* gate_i, float* gate_w,
              cudaStream_t stream) const;
 
@@ -59,7 +62,8 @@ class DeviceEngram {
   DeviceEngram& operator=(DeviceEngram&&) noexcept;
 
   // cpu::engram_forward: ids [T, n_cols] (device int64 table rows), X [T, hc, dim]; out may alias
-  // X. The table lives in device memory.
+  // X. The table lives in device memory. An id outside the table yields NaN outputs for that row
+  // (the CPU throws; a kernel cannot).
   void apply(const int64_t* ids, const float* X, int T, float* out, cudaStream_t stream) const;
 
  private:

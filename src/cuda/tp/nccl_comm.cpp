@@ -243,6 +243,37 @@ void TpGroup::all_reduce_sum(const std::vector<void*>& bufs, size_t count, CommD
   lib_->check(lib_->GroupEnd(), "ncclGroupEnd (all-reduce)");
 }
 
+void TpGroup::all_reduce_sum_rank(int rank, void* buf, size_t count, CommDType dtype,
+                                  cudaStream_t stream) {
+  UF_CHECK(rank >= 0 && rank < size(), "TpGroup::all_reduce_sum_rank: rank {} outside 0..{}", rank,
+           size() - 1);
+  UF_CHECK(dtype == CommDType::kF32 || dtype == CommDType::kBF16,
+           "TpGroup::all_reduce_sum_rank: only fp32 and bf16 sums are supported");
+  if (size() == 1 || count == 0) return;
+  DeviceGuard guard;
+  UF_CUDA_CHECK(cudaSetDevice(devices_[size_t(rank)]));
+  lib_->check(
+      lib_->AllReduce(buf, buf, count, nccl_type(dtype), ncclSum, comms_[size_t(rank)], stream),
+      "ncclAllReduce (per rank)");
+}
+
+void TpGroup::all_gather_rank(int rank, const void* send, void* recv, size_t count, CommDType dtype,
+                              cudaStream_t stream) {
+  UF_CHECK(rank >= 0 && rank < size(), "TpGroup::all_gather_rank: rank {} outside 0..{}", rank,
+           size() - 1);
+  if (count == 0) return;
+  DeviceGuard guard;
+  UF_CUDA_CHECK(cudaSetDevice(devices_[size_t(rank)]));
+  if (size() == 1) {
+    if (send != recv)
+      UF_CUDA_CHECK(cudaMemcpyAsync(recv, send, count * comm_dtype_size(dtype),
+                                    cudaMemcpyDeviceToDevice, stream));
+    return;
+  }
+  lib_->check(lib_->AllGather(send, recv, count, nccl_type(dtype), comms_[size_t(rank)], stream),
+              "ncclAllGather (per rank)");
+}
+
 void TpGroup::all_reduce_sum_f32(const std::vector<float*>& bufs, size_t count,
                                  const std::vector<cudaStream_t>& streams) {
   all_reduce_sum(std::vector<void*>(bufs.begin(), bufs.end()), count, CommDType::kF32, streams);

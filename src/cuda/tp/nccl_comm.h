@@ -66,6 +66,15 @@ class TpGroup {
   void all_gather(const std::vector<const void*>& send, const std::vector<void*>& recv,
                   size_t count, CommDType dtype, const std::vector<cudaStream_t>& streams = {});
 
+  // Per-rank entry: rank `rank`'s part of an in-place sum, enqueued on `stream` (of
+  // device(rank)). Each rank calls it from its own thread, all ranks in the same collective
+  // order (one thread per communicator: no group calls needed). n = 1: a no-op.
+  void all_reduce_sum_rank(int rank, void* buf, size_t count, CommDType dtype, cudaStream_t stream);
+  // Per-rank all-gather (same threading rule): recv (n * count elements on device(rank)) gets
+  // every rank's send in rank order. n = 1: a copy when send != recv.
+  void all_gather_rank(int rank, const void* send, void* recv, size_t count, CommDType dtype,
+                       cudaStream_t stream);
+
  private:
   TpGroup() = default;
   cudaStream_t stream_of(const std::vector<cudaStream_t>& streams, int rank) const;

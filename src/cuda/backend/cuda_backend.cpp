@@ -1,0 +1,406 @@
+#include "cuda/backend/cuda_backend.h"
+
+#include <fmt/format.h>
+
+#include <condition_variable>
+#include <exception>
+#include <mutex>
+#include <thread>
+
+#include "core/error.h"
+#include "cuda/cuda_check.h"
+#include "cuda/tp/nccl_comm.h"
+#include "engine/bytes.h"
+
+namespace uf::cuda {
+
+namespace {
+// CpuBackend's magic: the byte format is the same.
+constexpr uint32_t kSnapshotMagic = 0x55464331;  // "UFC1"
+}  // namespace
+
+// One persistent thread per TP rank, bound to its device once. run(f) runs f(rank) on every
+// worker at once and returns when all are done, rethrowing the lowest rank's error.
+class RankWorkers {
+ public:
+  explicit RankWorkers(std::vector<int> devices) : errors_(devices.size()) {
+    for (size_t r = 0; r < devices.size(); ++r)
+      threads_.emplace_back([this, r, d = devices[r]] { loop(int(r), d); });
+  }
+  ~RankWorkers() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    for (auto& t : threads_) t.join();
+  }
+  void run(const std::function<void(int)>& f) {
+    // One step at a time: two callers must not interleave their collectives.
+    std::lock_guard<std::mutex> call(call_mu_);
+    std::unique_lock<std::mutex> lock(mu_);
+    job_ = &f;
+    pending_ = int(threads_.size());
+    for (auto& e : errors_) e = nullptr;
+    ++gen_;
+    cv_.notify_all();
+    done_.wait(lock, [&] { return pending_ == 0; });
+    job_ = nullptr;
+    for (auto& e : errors_)
+      if (e) std::rethrow_exception(e);
+  }
+
+ private:
+  void loop(int rank, int device) {
+    const cudaError_t set = cudaSetDevice(device);
+    uint64_t seen = 0;
+    for (;;) {
+      const std::function<void(int)>* job;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stop_ || gen_ != seen; });
+        if (stop_) return;
+        seen = gen_;
+        job = job_;
+      }
+      std::exception_ptr err;
+      try {
+        UF_CHECK(set == cudaSuccess, "TP worker of rank {}: cudaSetDevice({}) failed: {}", rank,
+                 device, cudaGetErrorString(set));
+        (*job)(rank);
+      } catch (...) {
+        err = std::current_exception();
+      }
+      std::lock_guard<std::mutex> lock(mu_);
+      errors_[size_t(rank)] = err;
+      if (--pending_ == 0) done_.notify_all();
+    }
+  }
+
+  std::mutex call_mu_, mu_;
+  std::condition_variable cv_, done_;
+  const std::function<void(int)>* job_ = nullptr;
+  uint64_t gen_ = 0;
+  int pending_ = 0;
+  bool stop_ = false;
+  std::vector<std::exception_ptr> errors_;
+  std::vector<std::thread> threads_;
+};
+
+CudaTpSession::~CudaTpSession() {
+  // Free each rank's buffers with its device current.
+  int cur = 0;
+  cudaGetDevice(&cur);
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    if (r < devices.size()) cudaSetDevice(devices[r]);
+    ranks[r].reset();
+  }
+  cudaSetDevice(cur);
+}
+
+namespace {
+
+// The per-rank steps: the one-GPU backend's bodies; `logits` is null on TP ranks other than 0.
+
+void prefill_rank(CudaModel& m, CudaSession& s, std::span<const int32_t> tokens,
+                  const engine::PrefillOptions& opts, float* logits) {
+  const int V = m.config().vocab_size;
+  s.pending_rows = 0;
+  if (opts.ced_shortcut && s.len == 0 && !opts.all_logits) {
+    m.prefill_ced(s, tokens, opts.replay, logits);
+    return;
+  }
+  // Chunks are bounded by the span scratch (CudaModelOptions::max_chunk).
+  const size_t cap = size_t(m.max_span_rows());
+  const size_t chunk = std::min(size_t(opts.chunk > 0 ? opts.chunk : int(cap)), cap);
+  const int MH = m.n_taps() * m.config().dim;
+  std::vector<float> tmp;
+  std::vector<int> pub;
+  for (size_t b = 0; b < tokens.size(); b += chunk) {
+    const auto part = tokens.subspan(b, std::min(chunk, tokens.size() - b));
+    const int T = int(part.size());
+    pub.assign(size_t(T), 0);
+    const bool last = b + part.size() == tokens.size();
+    float* out = nullptr;
+    if (!logits) {
+      out = nullptr;
+    } else if (opts.all_logits) {
+      out = logits + b * size_t(V);
+    } else if (last) {
+      out = logits;
+    } else {
+      tmp.resize(size_t(V));
+      out = tmp.data();
+    }
+    // The first chunk of a fresh session is the reference's prefill; later chunks use the decode
+    // (ring) layout.
+    m.forward(s, part, /*prefill_layout=*/s.len == 0, opts.all_logits, out, nullptr, pub.data());
+    m.commit(s, part, MH ? m.scratch_main_hidden() : nullptr, T, pub.back());
+  }
+}
+
+void decode_rank(CudaModel& m, CudaSession& s, std::span<const int32_t> tokens, float* logits) {
+  const int T = int(tokens.size());
+  s.pending_rows = 0;
+  s.pending_tokens.assign(tokens.begin(), tokens.end());
+  s.pending_publisher.assign(size_t(T), -1);
+  m.forward(s, tokens, /*prefill_layout=*/false, /*all_logits=*/true, logits, s.pending_main_hidden,
+            s.pending_publisher.data());
+  s.pending_rows = T;
+}
+
+void commit_rank(CudaModel& m, CudaSession& s, int n) {
+  UF_CHECK(n >= 0 && n <= s.pending_rows, "commit: {} rows accepted but {} are pending", n,
+           s.pending_rows);
+  if (n > 0)
+    m.commit(s, s.pending_tokens, m.n_taps() ? s.pending_main_hidden : nullptr, n,
+             s.pending_publisher[size_t(n - 1)]);
+  s.pending_rows = 0;
+}
+
+// The CPU backend's format: the device rows come back as the CPU vectors would hold them (rings
+// whole, compressed KV and index keys up to the highest entry ever written).
+std::vector<uint8_t> snapshot_rank(CudaModel& m, const CudaSession& sess) {
+  const auto* s = &sess;
+  m.synchronize();
+  const int hd = m.config().head_dim, ihd = m.config().index_head_dim;
+  engine::ByteWriter w;
+  w.put(kSnapshotMagic);
+  w.put<int64_t>(s->len);
+  w.put<int64_t>(s->cap);
+  w.put<int32_t>(s->publisher);
+  w.put_vec(s->toks);
+  w.put<uint64_t>(s->layers.size());
+  std::vector<float> buf;
+  for (const auto& L : s->layers) {
+    for (const DeviceRing* r : {&L.window, &L.raw_kv, &L.raw_gate}) {
+      w.put<int32_t>(r->slots);
+      w.put<int32_t>(r->width);
+      m.download_ring(*r, buf);
+      w.put_vec(buf);
+      w.put_vec(r->pos);
+    }
+    buf = download(L.ckv, size_t(L.ckv_n) * size_t(hd));
+    w.put_vec(buf);
+    buf = download(L.ikeys, size_t(L.ikeys_n) * size_t(ihd));
+    w.put_vec(buf);
+  }
+  UF_CUDA_CHECK(cudaGetLastError());
+  return w.take();
+}
+
+void restore_rank(CudaModel& m, CudaSession& sess, std::span<const uint8_t> bytes) {
+  auto* s = &sess;
+  m.synchronize();
+  const int hd = m.config().head_dim, ihd = m.config().index_head_dim;
+  engine::ByteReader r(bytes);
+  UF_CHECK(r.get<uint32_t>("magic") == kSnapshotMagic, "restore: not a session snapshot");
+  const auto len = r.get<int64_t>("length");
+  const auto cap = r.get<int64_t>("capacity");
+  UF_CHECK(cap <= s->alloc_cap && len <= cap,
+           "restore: snapshot of capacity {} (length {}) into a CUDA session allocated for {}", cap,
+           len, s->alloc_cap);
+  const auto publisher = r.get<int32_t>("publisher");
+  std::vector<int32_t> toks;
+  r.get_vec(toks, "tokens");
+  const auto n = r.get<uint64_t>("layer count");
+  UF_CHECK(n == s->layers.size(), "restore: snapshot has {} layers, the model {}", n,
+           s->layers.size());
+  std::vector<float> buf;
+  std::vector<int64_t> pos;
+  for (size_t l = 0; l < n; ++l) {
+    auto& L = s->layers[l];
+    for (DeviceRing* ring : {&L.window, &L.raw_kv, &L.raw_gate}) {
+      const auto slots = r.get<int32_t>("ring slots");
+      const auto width = r.get<int32_t>("ring width");
+      UF_CHECK(slots == ring->slots && width == ring->width,
+               "restore: layer {} ring of {} x {} in the snapshot, {} x {} in the session", l,
+               slots, width, ring->slots, ring->width);
+      r.get_vec(buf, "ring data");
+      r.get_vec(pos, "ring positions");
+      UF_CHECK(pos.size() == size_t(slots), "restore: layer {} ring has {} tags for {} slots", l,
+               pos.size(), slots);
+      m.upload_ring(*ring, buf);
+      ring->pos = pos;
+    }
+    r.get_vec(buf, "compressed KV");
+    UF_CHECK(buf.size() % size_t(hd) == 0 && int64_t(buf.size() / size_t(hd)) <= L.ckv_cap,
+             "restore: layer {} compressed KV of {} values does not fit {} entries", l, buf.size(),
+             L.ckv_cap);
+    L.ckv_n = int64_t(buf.size() / size_t(hd));
+    if (!buf.empty())
+      UF_CUDA_CHECK(
+          cudaMemcpy(L.ckv, buf.data(), buf.size() * sizeof(float), cudaMemcpyHostToDevice));
+    r.get_vec(buf, "index keys");
+    UF_CHECK(buf.size() % size_t(ihd) == 0 &&
+                 (buf.empty() || (L.ikeys && int64_t(buf.size() / size_t(ihd)) <= L.ckv_cap)),
+             "restore: layer {} index keys of {} values do not fit", l, buf.size());
+    L.ikeys_n = int64_t(buf.size() / size_t(ihd));
+    if (!buf.empty())
+      UF_CUDA_CHECK(
+          cudaMemcpy(L.ikeys, buf.data(), buf.size() * sizeof(float), cudaMemcpyHostToDevice));
+  }
+  UF_CHECK(r.done(), "restore: {} trailing bytes after the snapshot", "some");
+  s->len = len;
+  s->cap = cap;
+  s->publisher = publisher;
+  s->toks = std::move(toks);
+  s->pending_rows = 0;
+}
+
+}  // namespace
+
+CudaBackend::CudaBackend(const std::filesystem::path& model_dir,
+                         std::vector<int64_t> engram_token_map, CudaModelOptions opts)
+    : ckpt_(model::Checkpoint::open(model_dir)) {
+  auto cfg = model::ModelConfig::load(model_dir);
+  const int n = opts.tp;
+  UF_CHECK(n >= 1, "CUDA backend: --tp {} must be at least 1", n);
+  if (n == 1) {
+    models_.push_back(
+        std::make_unique<CudaModel>(std::move(cfg), ckpt_, std::move(engram_token_map), opts));
+    return;
+  }
+  // The plan's own message names the config field that does not divide.
+  model::validate_tp(cfg, n, backend_tp_options(opts.tp_split_head));
+  const int gpus = device_count();
+  UF_CHECK(n <= gpus, "CUDA backend: --tp {} needs {} GPUs but {} are visible to this process", n,
+           n, gpus);
+  group_ = tp::TpGroup::create(n);
+  std::vector<int> devices;
+  for (int r = 0; r < n; ++r) devices.push_back(group_->device(r));
+  workers_ = std::make_unique<RankWorkers>(devices);
+  models_.resize(size_t(n));
+  // Each rank builds (shards, uploads) on its own thread and device.
+  workers_->run([&](int r) {
+    CudaModelOptions o = opts;
+    o.device = devices[size_t(r)];
+    models_[size_t(r)] =
+        std::make_unique<CudaModel>(cfg, ckpt_, engram_token_map, o, group_.get(), r);
+  });
+}
+
+CudaBackend::~CudaBackend() {
+  if (workers_) {
+    // Each model frees its device memory with its device current.
+    try {
+      workers_->run([&](int r) { models_[size_t(r)].reset(); });
+    } catch (...) {  // a destructor must not throw; the process is going down anyway
+    }
+    workers_.reset();
+  }
+  models_.clear();
+  group_.reset();
+}
+
+std::string CudaBackend::device_arch(int device) {
+  cudaDeviceProp prop{};
+  UF_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  return fmt::format("sm{}{}", prop.major, prop.minor);
+}
+
+int CudaBackend::device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) return 0;
+  return n;
+}
+
+CudaSession& CudaBackend::session(engine::SessionState& s) {
+  auto* c = dynamic_cast<CudaSession*>(&s);
+  UF_CHECK(c, "the CUDA backend was given a session of another backend (or of another TP degree)");
+  return *c;
+}
+
+CudaSession& CudaBackend::rank_session(engine::SessionState& s, int rank) {
+  if (auto* t = dynamic_cast<CudaTpSession*>(&s)) {
+    UF_CHECK(rank >= 0 && rank < int(t->ranks.size()), "TP session has no rank {}", rank);
+    return *t->ranks[size_t(rank)];
+  }
+  UF_CHECK(rank == 0, "a one-GPU CUDA session has no rank {}", rank);
+  return session(s);
+}
+
+void CudaBackend::each_rank(engine::SessionState& s,
+                            const std::function<void(int, CudaModel&, CudaSession&)>& f) const {
+  if (!workers_) {
+    f(0, *models_[0], session(s));
+    return;
+  }
+  auto* t = dynamic_cast<CudaTpSession*>(&s);
+  UF_CHECK(t && t->ranks.size() == models_.size(),
+           "the CUDA backend (TP = {}) was given a session of another backend or TP degree",
+           models_.size());
+  workers_->run([&](int r) { f(r, *models_[size_t(r)], *t->ranks[size_t(r)]); });
+}
+
+std::unique_ptr<engine::SessionState> CudaBackend::new_session(int64_t max_seq) {
+  if (!workers_) return models_[0]->new_session(max_seq);
+  auto t = std::make_unique<CudaTpSession>();
+  t->ranks.resize(models_.size());
+  for (int r = 0; r < tp(); ++r) t->devices.push_back(group_->device(r));
+  workers_->run([&](int r) { t->ranks[size_t(r)] = models_[size_t(r)]->new_session(max_seq); });
+  return t;
+}
+
+void CudaBackend::prefill(engine::SessionState& st, std::span<const int32_t> tokens,
+                          const engine::PrefillOptions& opts, std::span<float> logits) {
+  const int V = config().vocab_size;
+  const size_t rows = opts.all_logits ? tokens.size() : 1;
+  UF_CHECK(logits.size() >= rows * size_t(V), "prefill: logits buffer holds {} values, needs {}",
+           logits.size(), rows * size_t(V));
+  UF_CHECK(!tokens.empty(), "prefill: empty prompt");
+  each_rank(st, [&](int r, CudaModel& m, CudaSession& s) {
+    prefill_rank(m, s, tokens, opts, r == 0 ? logits.data() : nullptr);
+  });
+}
+
+void CudaBackend::decode_rows(engine::SessionState& st, std::span<const int32_t> tokens,
+                              std::span<float> logits) {
+  const int T = int(tokens.size()), V = config().vocab_size;
+  UF_CHECK(T >= 1 && T <= max_rows(), "decode_rows: {} rows, allowed 1..{}", T, max_rows());
+  UF_CHECK(logits.size() >= size_t(T) * size_t(V), "decode_rows: logits buffer too small");
+  each_rank(st, [&](int r, CudaModel& m, CudaSession& s) {
+    decode_rank(m, s, tokens, r == 0 ? logits.data() : nullptr);
+  });
+}
+
+void CudaBackend::commit(engine::SessionState& st, int n) {
+  each_rank(st, [&](int, CudaModel& m, CudaSession& s) { commit_rank(m, s, n); });
+}
+
+engine::DraftBlock CudaBackend::draft(engine::SessionState& st, int32_t anchor,
+                                      const engine::DraftSampler& sampler) {
+  engine::DraftBlock out;
+  each_rank(st, [&](int r, CudaModel& m, CudaSession& s) {
+    auto b = m.draft(s, anchor, sampler);
+    if (r == 0) out = std::move(b);
+  });
+  return out;
+}
+
+// Every rank holds the same state (replicated KV): the snapshot is rank 0's, in the one-GPU
+// format, so it restores at any TP degree and on the CPU backend.
+std::vector<uint8_t> CudaBackend::snapshot(const engine::SessionState& st) const {
+  auto& s = const_cast<engine::SessionState&>(st);
+  std::vector<uint8_t> out;
+  each_rank(s, [&](int r, CudaModel& m, CudaSession& rs) {
+    if (r == 0) out = snapshot_rank(m, rs);
+  });
+  return out;
+}
+
+std::vector<uint8_t> CudaBackend::snapshot_of_rank(const engine::SessionState& st, int rank) const {
+  UF_CHECK(rank >= 0 && rank < tp(), "snapshot_of_rank: rank {} outside 0..{}", rank, tp() - 1);
+  auto& s = const_cast<engine::SessionState&>(st);
+  std::vector<uint8_t> out;
+  each_rank(s, [&](int r, CudaModel& m, CudaSession& rs) {
+    if (r == rank) out = snapshot_rank(m, rs);
+  });
+  return out;
+}
+
+void CudaBackend::restore(engine::SessionState& st, std::span<const uint8_t> bytes) const {
+  each_rank(st, [&](int, CudaModel& m, CudaSession& s) { restore_rank(m, s, bytes); });
+}
+
+}  // namespace uf::cuda

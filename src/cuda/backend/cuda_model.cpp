@@ -1,0 +1,686 @@
+// The CUDA forward's host orchestration: cpu/model.cpp line by line, every op on the device.
+#include "cuda/backend/cuda_model.h"
+
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "core/error.h"
+#include "cuda/backend/backend_kernels.h"
+#include "cuda/backend/model_internal.h"
+#include "cuda/cuda_check.h"
+#include "cuda/device_weights.h"
+#include "cuda/ops/attention.h"
+#include "cuda/tp/nccl_comm.h"
+#include "cuda/weight_uploader.h"
+#include "model/rope.h"
+
+namespace uf::cuda {
+
+namespace {
+
+// Entries a query at position p can see of a ratio-r compressed stream.
+inline int64_t visible(int64_t p, int r) { return (p + 1) / r; }
+
+}  // namespace
+
+namespace {
+
+DeviceLinear make_linear(const model::Weight& w, LinearKind kind, DeviceArena& arena) {
+  if (w.empty()) return {};
+  return DeviceLinear(w, kind, arena);
+}
+
+}  // namespace
+
+CudaModel::CudaModel(model::ModelConfig cfg, const model::Checkpoint& ckpt,
+                     std::vector<int64_t> engram_token_map, CudaModelOptions opts,
+                     tp::TpGroup* group, int rank)
+    : cfg_(std::move(cfg)), opts_(opts), token_map_(std::move(engram_token_map)) {
+  UF_CHECK(!opts_.reference_index_keys,
+           "the CUDA backend implements only the owner-keys index mode; the reference's stale-key "
+           "decode quirk runs on the CPU backend (--backend cpu --reference-index-keys)");
+  UF_CHECK(opts_.max_rows >= 1 && opts_.max_rows <= engine::kMaxVerifyRows,
+           "CUDA backend: max_rows {} outside 1..{}", opts_.max_rows, engine::kMaxVerifyRows);
+  UF_CHECK(opts_.max_chunk >= 1, "CUDA backend: max_chunk {} must be positive", opts_.max_chunk);
+  int n_dev = 0;
+  UF_CUDA_CHECK(cudaGetDeviceCount(&n_dev));
+  UF_CHECK(opts_.device >= 0 && opts_.device < n_dev, "CUDA device {} requested, {} present",
+           opts_.device, n_dev);
+  UF_CUDA_CHECK(cudaSetDevice(opts_.device));
+  UF_CUDA_CHECK(cudaStreamCreate(&stream_));
+
+  w_ = model::bind_weights(cfg_, ckpt);
+  H_ = cfg_.n_heads;
+  G_ = cfg_.o_groups;
+  Hi_ = cfg_.index_n_heads;
+  inter_ = cfg_.moe_inter_dim;
+  if (group && group->size() > 1) {
+    group_ = group;
+    tp_ = group->size();
+    rank_ = rank;
+    UF_CHECK(rank >= 0 && rank < tp_ && group->device(rank) == opts_.device,
+             "CUDA TP: rank {} of {} on device {} but the group puts it on device {}", rank, tp_,
+             opts_.device, group->device(rank));
+    H_ /= tp_;
+    G_ /= tp_;
+    Hi_ /= tp_;
+    inter_ /= tp_;
+    ordered_sum_ = opts_.tp_ordered_sum || tp_ > 2;
+    split_head_ = opts_.tp_split_head;
+    shard_weights();
+  }
+  if (!cfg_.engram_layer_ids.empty()) {
+    UF_CHECK(
+        int64_t(token_map_.size()) == cfg_.vocab_size,
+        "the model has Engram layers but the Engram token map has {} entries for a vocab of {}",
+        token_map_.size(), cfg_.vocab_size);
+    hasher_.emplace(cfg_, token_map_.at(size_t(cfg_.engram_pad_id)));
+  }
+  hc_.hc = cfg_.hc_mult;
+  hc_.dim = cfg_.dim;
+  hc_.sinkhorn_iters = cfg_.hc_sinkhorn_iters;
+  hc_.norm_eps = float(cfg_.norm_eps);
+  hc_.hc_eps = float(cfg_.hc_eps);
+
+  const int B = (cfg_.n_mtp_layers > 0) ? cfg_.dspark_block_size : 0;
+  tmax_ = std::max({opts_.max_chunk, opts_.max_rows, B, 1});
+
+  // ---- weights ----
+  // Copied through pinned staging buffers by several host threads (cuda/weight_uploader.h); the
+  // scope's finish() below is the barrier before any kernel reads a weight.
+  UploaderOptions up_opts;
+  up_opts.on_progress = [rank](const UploadProgress& p) {
+    if (p.bytes_done < p.bytes_enqueued)
+      spdlog::info("rank {}: weights {:.2f} of {:.2f} GB on the device ({:.0f} s)", rank,
+                   double(p.bytes_done) * 1e-9, double(p.bytes_enqueued) * 1e-9, p.seconds);
+  };
+  UploadScope load_scope(opts_.device, up_opts);
+  embed_ = upload_weight(w_.embed, arena_);
+  norm_ = upload_weight(w_.norm, arena_);
+  head_ = DeviceLinear(w_.head, LinearKind::kF32, arena_);
+  int max_ratio = 1, max_topk = 1;
+  for (int l = 0; l < cfg_.n_total_layers(); ++l) {
+    const auto& r = cfg_.role(l);
+    const auto& L = w_.layers[size_t(l)];
+    const auto& A = L.attn;
+    auto op = std::make_unique<LayerOps>();
+    op->attn_norm = upload_weight(L.attn_norm, arena_);
+    op->ffn_norm = upload_weight(L.ffn_norm, arena_);
+    op->hc_attn_fn = upload_weight(L.hc_attn_fn, arena_);
+    op->hc_attn_scale = upload_weight(L.hc_attn_scale, arena_);
+    op->hc_attn_base = upload_weight(L.hc_attn_base, arena_);
+    op->hc_ffn_fn = upload_weight(L.hc_ffn_fn, arena_);
+    op->hc_ffn_scale = upload_weight(L.hc_ffn_scale, arena_);
+    op->hc_ffn_base = upload_weight(L.hc_ffn_base, arena_);
+    op->q_norm = upload_weight(A.q_norm, arena_);
+    op->kv_norm = upload_weight(A.kv_norm, arena_);
+    op->c_norm = upload_weight(A.c_norm, arena_);
+    op->i_k_norm = upload_weight(A.i_k_norm, arena_);
+    op->wq_a = make_linear(A.wq_a, LinearKind::kAuto, arena_);
+    op->wq_b = make_linear(A.wq_b, LinearKind::kAuto, arena_);
+    op->wkv = make_linear(A.wkv, LinearKind::kAuto, arena_);
+    op->wo_a = make_linear(A.wo_a, LinearKind::kBf16Out, arena_);
+    op->wo_b = make_linear(A.wo_b, LinearKind::kAuto, arena_);
+    // Ratio 1: cpu::linear; ratio > 1: linear_f32 (fp32 pre-pool rows).
+    op->c_wkv =
+        make_linear(A.c_wkv, r.compress_ratio > 1 ? LinearKind::kF32 : LinearKind::kAuto, arena_);
+    op->c_wgate = make_linear(A.c_wgate, LinearKind::kF32, arena_);
+    op->i_wq_b = make_linear(A.i_wq_b, LinearKind::kAuto, arena_);
+    op->i_weights_proj = make_linear(A.i_weights_proj, LinearKind::kAuto, arena_);
+    op->i_wk = make_linear(A.i_wk, LinearKind::kAuto, arena_);
+    const auto sink = A.attn_sink.to_vector();
+    op->sink = arena_.upload(sink);
+    const auto rope = model::Rope::for_layer(cfg_, l);
+    op->freqs = arena_.upload(rope.freqs());
+    op->rope_dim = rope.dim();
+    MoeShape ms;
+    ms.dim = cfg_.dim;
+    ms.inter = inter_;
+    ms.n_experts = r.n_routed_experts;
+    ms.top_k = r.n_activated_experts;
+    ms.score_func = cfg_.score_func;
+    ms.gate_temp = float(cfg_.gate_temp);
+    ms.route_scale = float(cfg_.route_scale);
+    ms.swiglu_limit = float(cfg_.swiglu_limit);
+    op->moe = std::make_unique<DeviceMoe>(L.moe, ms, arena_);
+    max_topk = std::max(max_topk, ms.top_k);
+    if (r.engram) {
+      EngramShape es;
+      es.hc = cfg_.hc_mult;
+      es.dim = cfg_.dim;
+      es.n_cols = hasher_->n_cols();
+      es.head_dim = cfg_.engram_head_dim;
+      es.norm_eps = float(cfg_.norm_eps);
+      op->engram = std::make_unique<DeviceEngram>(L.engram, es, arena_);
+    }
+    op->main_proj = make_linear(L.main_proj, LinearKind::kAuto, arena_);
+    op->markov_head = make_linear(L.markov_head, LinearKind::kF32, arena_);
+    op->main_norm = upload_weight(L.main_norm, arena_);
+    op->norm = upload_weight(L.norm, arena_);
+    if (r.kv_source && r.compress_ratio > 1) max_ratio = std::max(max_ratio, r.compress_ratio);
+    layers_.push_back(std::move(op));
+  }
+  const UploadStats loaded = load_scope.finish();
+  spdlog::info("rank {}: {:.2f} GB of weights on device {} in {:.2f} s ({:.1f} GB/s)", rank,
+               double(loaded.bytes) * 1e-9, opts_.device, loaded.seconds, loaded.gb_per_s());
+
+  // ---- fixed scratch for tmax rows ----
+  const size_t T = size_t(tmax_), hc = size_t(cfg_.hc_mult), D = size_t(cfg_.dim), H = size_t(H_),
+               hd = size_t(cfg_.head_dim);
+  X_ = arena_.alloc<float>(T * hc * D);
+  R_ = arena_.alloc<float>(T * hc * D);
+  pre_ = arena_.alloc<float>(T * hc);
+  apre_ = arena_.alloc<float>(T * hc);
+  apost_ = arena_.alloc<float>(T * hc);
+  acomb_ = arena_.alloc<float>(T * hc * hc);
+  fpost_ = arena_.alloc<float>(T * hc);
+  fcomb_ = arena_.alloc<float>(T * hc * hc);
+  x_ = arena_.alloc<float>(T * D);
+  y_ = arena_.alloc<float>(T * D);
+  qr_ = arena_.alloc<float>(T * size_t(cfg_.q_lora_rank));
+  q_ = arena_.alloc<float>(T * H * hd);
+  kv_ = arena_.alloc<float>(T * hd);
+  o_ = arena_.alloc<float>(T * H * hd);
+  o2_ = arena_.alloc<float>(T * size_t(G_) * size_t(cfg_.o_lora_rank));
+  ckv_kv_ = arena_.alloc<float>(T * hd);
+  ckv_gate_ = arena_.alloc<float>(T * hd);
+  if (!cfg_.index_source_layers.empty()) {
+    iq_ = arena_.alloc<float>(T * size_t(Hi_) * size_t(cfg_.index_head_dim));
+    iw_ = arena_.alloc<float>(T * size_t(Hi_));
+  }
+  const size_t MH = size_t(std::max(n_taps(), 1)) * D;
+  mh_ = arena_.alloc<float>(T * MH);
+  logits_ = arena_.alloc<float>(T * size_t(cfg_.vocab_size));
+  emb_ = arena_.alloc<float>(size_t(std::max(cfg_.dspark_markov_rank, 1)));
+  ids_ = arena_.alloc<int32_t>(T);
+  gate_i_ = arena_.alloc<int32_t>(T * size_t(max_topk));
+  gate_w_ = arena_.alloc<float>(T * size_t(max_topk));
+  vis_ = arena_.alloc<int32_t>(T);
+  width_ = arena_.alloc<int32_t>(T);
+  if (hasher_)
+    hash_ = arena_.alloc<int64_t>(size_t(hasher_->n_layers()) * T * size_t(hasher_->n_cols()));
+  win_ptrs_ = arena_.alloc<const float*>(T * size_t(cfg_.window_size + std::max(B, 0) + 1));
+  pool_kv_ptrs_ = arena_.alloc<const float*>(T * size_t(max_ratio));
+  pool_gate_ptrs_ = arena_.alloc<const float*>(T * size_t(max_ratio));
+  key_ptrs_ = arena_.alloc<const float*>(T);
+  topk_.assign(size_t(cfg_.n_layers), nullptr);
+  for (int l : cfg_.index_source_layers)
+    topk_[size_t(l)] = arena_.alloc<int32_t>(T * size_t(std::max(cfg_.index_topk, 1)));
+  UF_CUDA_CHECK(cudaDeviceSynchronize());
+  if (ordered_sum_) ensure_gather(T * D);
+  if (split_head_) {
+    const size_t Vl = size_t(cfg_.vocab_size / tp_);
+    head_part_ = arena_.alloc<float>(T * Vl);
+    head_gather_ = arena_.alloc<float>(size_t(tp_) * T * Vl);
+  }
+  // The device holds the shards now (uploads are synchronous): drop the host copies; no split
+  // weight is read on the host after construction (the Markov / confidence views are replicated).
+  if (tp_ > 1) {
+    for (model::Weight* w : tp_split_weights(w_, split_head_))
+      *w = model::Weight{};  // no dangling views
+    shard_bytes_.clear();
+    shard_bytes_.shrink_to_fit();
+  }
+}
+
+CudaModel::~CudaModel() {
+  if (gather_) cudaFree(gather_);
+  if (score_) cudaFree(score_);
+  if (keep_) cudaFree(keep_);
+  if (stream_) cudaStreamDestroy(stream_);
+}
+
+int64_t CudaModel::compressed_id(int32_t token) const {
+  UF_CHECK(token >= 0 && token < cfg_.vocab_size, "token id {} is outside the vocab of {}", token,
+           cfg_.vocab_size);
+  return token_map_.at(size_t(token));
+}
+
+void CudaModel::sync() {
+  UF_CUDA_CHECK(cudaGetLastError());
+  UF_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  staging_.clear();
+}
+
+void CudaModel::ensure_index_width(int64_t width) {
+  if (width <= index_width_) return;
+  if (score_) UF_CUDA_CHECK(cudaFree(score_));
+  if (keep_) UF_CUDA_CHECK(cudaFree(keep_));
+  score_ = nullptr;
+  keep_ = nullptr;
+  const size_t n = size_t(tmax_) * size_t(width);
+  UF_CUDA_CHECK(cudaMalloc(&score_, n * sizeof(float)));
+  UF_CUDA_CHECK(cudaMalloc(&keep_, n));
+  UF_CUDA_CHECK(cudaMemset(keep_, 0, n));
+  index_width_ = width;
+  // The ordered TP sum gathers whole score rows too.
+  if (ordered_sum_) ensure_gather(n);
+}
+
+std::unique_ptr<CudaSession> CudaModel::new_session(int64_t max_seq) {
+  UF_CHECK(max_seq > 0, "new_session: capacity {} must be positive", max_seq);
+  auto s = std::make_unique<CudaSession>();
+  s->cap = max_seq;
+  s->alloc_cap = max_seq;
+  s->layers.resize(size_t(cfg_.n_total_layers()));
+  int64_t width = 1;
+  for (int l = 0; l < cfg_.n_total_layers(); ++l) {
+    const auto& r = cfg_.role(l);
+    auto& L = s->layers[size_t(l)];
+    L.window.init(cfg_.window_size + opts_.max_rows, cfg_.head_dim, s->arena);
+    if (r.kv_source && r.compress_ratio > 1) {
+      L.raw_kv.init(r.compress_ratio + opts_.max_rows, cfg_.head_dim, s->arena);
+      L.raw_gate.init(r.compress_ratio + opts_.max_rows, cfg_.head_dim, s->arena);
+    }
+    if (r.kv_source && r.compress_ratio > 0) {
+      L.ckv_cap = max_seq / r.compress_ratio + 1;
+      L.ckv = s->arena.alloc<float>(size_t(L.ckv_cap) * size_t(cfg_.head_dim));
+      if (r.index_source)
+        L.ikeys = s->arena.alloc<float>(size_t(L.ckv_cap) * size_t(cfg_.index_head_dim));
+    }
+    if (l < cfg_.n_layers && r.index_source && r.compress_ratio > 0)
+      width = std::max(width, max_seq / r.compress_ratio + 1);
+  }
+  s->pending_main_hidden =
+      s->arena.alloc<float>(size_t(opts_.max_rows) * size_t(std::max(n_taps(), 1) * cfg_.dim));
+  ensure_index_width(width);
+  return s;
+}
+
+void CudaModel::download_ring(const DeviceRing& r, std::vector<float>& out) const {
+  out.resize(size_t(r.slots) * size_t(r.width));
+  if (!out.empty())
+    UF_CUDA_CHECK(
+        cudaMemcpy(out.data(), r.data, out.size() * sizeof(float), cudaMemcpyDeviceToHost));
+}
+
+void CudaModel::upload_ring(DeviceRing& r, const std::vector<float>& in) const {
+  UF_CHECK(in.size() == size_t(r.slots) * size_t(r.width),
+           "restore: ring data of {} values for {} slots of {}", in.size(), r.slots, r.width);
+  if (!in.empty())
+    UF_CUDA_CHECK(cudaMemcpy(r.data, in.data(), in.size() * sizeof(float), cudaMemcpyHostToDevice));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Projections shared by backbone and DSpark attention.
+
+void CudaModel::project_q(int l, const float* x, int T, int64_t p0, float* qr, float* q) {
+  const auto& op = *layers_[size_t(l)];
+  const int H = H_, hd = cfg_.head_dim, R = cfg_.q_lora_rank;
+  op.wq_a.apply(x, T, qr, stream_);
+  rms_norm(op.q_norm, float(cfg_.norm_eps), qr, T, R, qr, stream_);
+  op.wq_b.apply(qr, T, q, stream_);
+  rope(op.freqs, op.rope_dim, q, T, H, hd, p0, 1, false, stream_);
+}
+
+void CudaModel::project_kv(int l, const float* x, int T, int64_t p0, float* kv) {
+  const auto& op = *layers_[size_t(l)];
+  const int hd = cfg_.head_dim;
+  op.wkv.apply(x, T, kv, stream_);
+  rms_norm(op.kv_norm, float(cfg_.norm_eps), kv, T, hd, kv, stream_);
+  rope(op.freqs, op.rope_dim, kv, T, 1, hd, p0, 1, false, stream_);
+  qdq_fp8(kv, T, hd, 32, stream_);
+}
+
+void CudaModel::output_proj(int l, float* o, int T, int64_t p0, float* out) {
+  const auto& op = *layers_[size_t(l)];
+  const int H = H_, hd = cfg_.head_dim, G = G_, R = cfg_.o_lora_rank;
+  rope(op.freqs, op.rope_dim, o, T, H, hd, p0, 1, /*inverse=*/true, stream_);
+  // wo_a is block-diagonal over groups: a bf16 einsum without activation quantisation.
+  const int gin = H * hd / G;
+  for (int g = 0; g < G; ++g)
+    op.wo_a.apply_rows(int64_t(g) * R, R, o + int64_t(g) * gin, H * hd, T, o2_ + int64_t(g) * R,
+                       G * R, stream_);
+  if (tp_ > 1) {
+    // This rank's wo_b columns give an fp32 split-K partial; bf16 once after the sum.
+    op.wo_b.apply_partial(o2_, T, out, stream_);
+    all_reduce_round(out, size_t(T) * size_t(cfg_.dim));
+  } else {
+    op.wo_b.apply(o2_, T, out, stream_);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Span setup, embedding, head.
+
+void CudaModel::init_span(Span& sp, CudaSession& s, std::span<const int32_t> tokens,
+                          bool prefill_layout) {
+  sp.s = &s;
+  sp.p0 = s.len;
+  sp.T = int(tokens.size());
+  sp.prefill = prefill_layout;
+  sp.pos.resize(size_t(sp.T));
+  for (int t = 0; t < sp.T; ++t) sp.pos[size_t(t)] = sp.p0 + t;
+  sp.topk_valid.assign(size_t(cfg_.n_layers), 0);
+  sp.cand_width.assign(size_t(sp.T), 0);
+  sp.emits_any.assign(size_t(cfg_.n_layers), 0);
+  sp.kv_done.assign(size_t(cfg_.n_layers), 0);
+  sp.pub_start.assign(size_t(sp.T), s.publisher);
+  if (hasher_) {
+    const int hl = hasher_->history_len();
+    std::vector<int64_t> ctx, ids;
+    for (int64_t i = std::max<int64_t>(0, s.len - hl); i < s.len; ++i)
+      ctx.push_back(compressed_id(s.toks[size_t(i)]));
+    for (int32_t t : tokens) ids.push_back(compressed_id(t));
+    sp.hash = hasher_->hash(ctx, ids);
+    upload_hash(sp);
+  }
+}
+
+void CudaModel::upload_hash(const Span& sp) {
+  // Device layout [engram layer][row][col], so each layer's ids are one [T, n_cols] block.
+  const int nl = hasher_->n_layers(), nc = hasher_->n_cols();
+  const size_t per = hasher_->ids_per_position();
+  std::vector<int64_t> by_layer(size_t(nl) * size_t(sp.T) * size_t(nc));
+  for (int e = 0; e < nl; ++e)
+    for (int t = 0; t < sp.T; ++t)
+      std::copy_n(sp.hash.begin() + int64_t(size_t(t) * per + size_t(e) * size_t(nc)), nc,
+                  by_layer.begin() + (int64_t(e) * sp.T + t) * nc);
+  to_device(hash_, by_layer);
+}
+
+int CudaModel::last_emitter(int64_t p) const {
+  int last = -1;
+  for (int l : cfg_.kv_source_layers)
+    if ((p + 1) % cfg_.role(l).compress_ratio == 0) last = std::max(last, l);
+  return last;
+}
+
+void CudaModel::embed(const Span& sp, std::span<const int32_t> tokens, float* X, float* pre_mix) {
+  for (int t = 0; t < sp.T; ++t) {
+    const int32_t id = tokens[size_t(t)];
+    UF_CHECK(id >= 0 && id < cfg_.vocab_size,
+             "token id {} at position {} is outside the vocab of {}", id, sp.pos[size_t(t)],
+             cfg_.vocab_size);
+  }
+  to_device(ids_, std::vector<int32_t>(tokens.begin(), tokens.end()));
+  embed_rows(embed_, ids_, sp.T, cfg_.hc_mult, X, pre_mix, stream_);
+}
+
+void CudaModel::head(const float* X, const float* pre_mix, int row0, int n, float* logits_dev) {
+  const int hc = cfg_.hc_mult, D = cfg_.dim;
+  hc_pre(hc_, X + int64_t(row0) * hc * D, pre_mix + int64_t(row0) * hc, n, x_, stream_);
+  rms_norm(norm_, float(cfg_.norm_eps), x_, n, D, x_, stream_);
+  apply_head(x_, n, logits_dev);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The stack.
+
+void CudaModel::forward(CudaSession& s, std::span<const int32_t> tokens, bool prefill_layout,
+                        bool all_logits, float* logits, float* main_hidden, int* publisher) {
+  const int T = int(tokens.size());
+  UF_CHECK(T > 0, "forward: no tokens");
+  UF_CHECK(T <= tmax_, "forward: {} rows exceed the CUDA backend's span capacity of {}", T, tmax_);
+  UF_CHECK(s.len + T <= s.cap, "session of capacity {} cannot take {} more tokens after {}", s.cap,
+           T, s.len);
+  UF_CUDA_CHECK(cudaSetDevice(opts_.device));
+  Span sp;
+  init_span(sp, s, tokens, prefill_layout);
+  embed(sp, tokens, X_, pre_);
+  if (!main_hidden) main_hidden = mh_;
+  run_layers(sp, X_, pre_, 0, cfg_.n_layers, n_taps() > 0 ? main_hidden : nullptr);
+  const int V = cfg_.vocab_size;
+  const int rows = all_logits ? T : 1;
+  // A split head is a collective: every rank runs it, rank 0 alone downloads.
+  if (logits || split_head_) head(X_, pre_, all_logits ? 0 : T - 1, rows, logits_);
+  if (logits) {
+    UF_CUDA_CHECK(cudaMemcpyAsync(logits, logits_, size_t(rows) * size_t(V) * sizeof(float),
+                                  cudaMemcpyDeviceToHost, stream_));
+  }
+  sync();
+  if (publisher) {
+    for (int t = 0; t < T; ++t) {
+      int pub = sp.pub_start[size_t(t)];
+      if (prefill_layout) {
+        for (int l : cfg_.kv_source_layers)
+          if (sp.emits_any[size_t(l)]) pub = l;
+      } else if (last_emitter(sp.pos[size_t(t)]) >= 0) {
+        pub = last_emitter(sp.pos[size_t(t)]);
+      }
+      publisher[t] = pub;
+    }
+  }
+}
+
+void CudaModel::run_layers(Span& sp, float* X, float* pre_mix, int l0, int l1, float* main_hidden) {
+  const int hc = cfg_.hc_mult, D = cfg_.dim, T = sp.T;
+  for (int l = l0; l < l1; ++l) {
+    const auto& role = cfg_.role(l);
+    if (role.engram) {
+      const int64_t nc = hasher_->n_cols();
+      layers_[size_t(l)]->engram->apply(hash_ + int64_t(role.engram_index) * T * nc, X, T, X,
+                                        stream_);
+    }
+    if (role.dspark_tap && main_hidden) {
+      const auto& ids = cfg_.dspark_target_layer_ids;
+      const int tap = int(std::find(ids.begin(), ids.end(), l) - ids.begin());
+      const int MH = n_taps() * D;
+      tap_mean(X, T, hc, D, main_hidden + int64_t(tap) * D, MH, stream_);
+    }
+    block(sp, l, X, pre_mix);
+  }
+}
+
+void CudaModel::block(Span& sp, int l, float* X, float* pre_mix) {
+  const int hc = cfg_.hc_mult, D = cfg_.dim, T = sp.T;
+  const auto& op = *layers_[size_t(l)];
+  const float eps = float(cfg_.norm_eps);
+  const size_t stream_bytes = size_t(T) * size_t(hc) * size_t(D) * sizeof(float);
+  UF_CUDA_CHECK(cudaMemcpyAsync(R_, X, stream_bytes, cudaMemcpyDeviceToDevice, stream_));
+  hc_mixes(hc_, op.hc_attn_fn, op.hc_attn_scale, op.hc_attn_base, X, T, apre_, apost_, acomb_,
+           stream_);
+  hc_pre(hc_, X, pre_mix, T, x_, stream_);
+  rms_norm(op.attn_norm, eps, x_, T, D, x_, stream_);
+  attention(sp, l, x_, y_);
+  hc_post(hc_, y_, R_, apost_, acomb_, T, X, stream_);
+
+  UF_CUDA_CHECK(cudaMemcpyAsync(R_, X, stream_bytes, cudaMemcpyDeviceToDevice, stream_));
+  // As the CPU (and the reference): the FFN mixes' pre goes to pre_mix (the next layer's
+  // attention), the FFN collapses with the attention's pre.
+  hc_mixes(hc_, op.hc_ffn_fn, op.hc_ffn_scale, op.hc_ffn_base, X, T, pre_mix, fpost_, fcomb_,
+           stream_);
+  hc_pre(hc_, X, apre_, T, x_, stream_);
+  rms_norm(op.ffn_norm, eps, x_, T, D, x_, stream_);
+  op.moe->apply(x_, T, y_, gate_i_, gate_w_, stream_);
+  // TP: DeviceMoe's y is bf16(routed + shared) over this rank's intermediate slice (it rounds
+  // inside), so the ranks' bf16 partials are summed in fp32 and rounded once more.
+  if (tp_ > 1) all_reduce_round(y_, size_t(T) * size_t(D));
+  hc_post(hc_, y_, R_, fpost_, fcomb_, T, X, stream_);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Attention.
+
+void CudaModel::kv_path(Span& sp, int l, const float* x) {
+  const auto& role = cfg_.role(l);
+  const auto& op = *layers_[size_t(l)];
+  auto& st = sp.s->layers[size_t(l)];
+  const int hd = cfg_.head_dim, r = role.compress_ratio, T = sp.T;
+  const float eps = float(cfg_.norm_eps);
+  // Entries of one span are consecutive (positions, or consecutive group ends), so the latents
+  // are written straight into the compressed KV at entries[0].
+  int64_t e0 = 0;
+  int n = 0;
+  float* lat = nullptr;
+  if (r == 1) {
+    e0 = sp.pos[0];
+    n = T;
+    UF_CHECK(e0 + n <= st.ckv_cap, "layer {}: compressed KV of {} entries cannot take entry {}", l,
+             st.ckv_cap, e0 + n - 1);
+    lat = st.ckv + e0 * hd;
+    op.c_wkv.apply(x, T, lat, stream_);
+    rms_norm(op.c_norm, eps, lat, T, hd, lat, stream_);
+  } else {
+    op.c_wkv.apply(x, T, ckv_kv_, stream_);
+    op.c_wgate.apply(x, T, ckv_gate_, stream_);
+    auto row = [&](const float* local, const DeviceRing& ring, int64_t p) {
+      const float* v = p >= sp.p0 ? local + (p - sp.p0) * hd : ring.get(p);
+      UF_CHECK(v, "layer {}: the compressor's row of position {} is gone", l, p);
+      return v;
+    };
+    std::vector<const float*> kr, gr;
+    std::vector<int64_t> entries;
+    for (int t = 0; t < T; ++t) {
+      const int64_t p = sp.pos[size_t(t)];
+      if ((p + 1) % r) continue;
+      for (int i = 0; i < r; ++i) {
+        kr.push_back(row(ckv_kv_, st.raw_kv, p + 1 - r + i));
+        gr.push_back(row(ckv_gate_, st.raw_gate, p + 1 - r + i));
+      }
+      entries.push_back(p / r);
+    }
+    n = int(entries.size());
+    if (n > 0) {
+      e0 = entries[0];
+      UF_CHECK(entries.back() < st.ckv_cap,
+               "layer {}: compressed KV of {} entries cannot take entry {}", l, st.ckv_cap,
+               entries.back());
+      lat = st.ckv + e0 * hd;
+      to_device(pool_kv_ptrs_, kr);
+      to_device(pool_gate_ptrs_, gr);
+      compress_pool(pool_kv_ptrs_, pool_gate_ptrs_, n, r, hd, lat, stream_);
+      round_bf16(lat, int64_t(n) * hd, stream_);
+      rms_norm(op.c_norm, eps, lat, n, hd, lat, stream_);
+    }
+    // After the pooling (stream order): the span's rows into the rings.
+    for (int t = std::max(0, T - st.raw_kv.slots); t < T; ++t) {
+      const int64_t p = sp.pos[size_t(t)];
+      UF_CUDA_CHECK(cudaMemcpyAsync(st.raw_kv.put(p), ckv_kv_ + int64_t(t) * hd,
+                                    size_t(hd) * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
+      UF_CUDA_CHECK(cudaMemcpyAsync(st.raw_gate.put(p), ckv_gate_ + int64_t(t) * hd,
+                                    size_t(hd) * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
+    }
+  }
+  if (n == 0) return;
+  sp.emits_any[size_t(l)] = 1;
+  const int64_t need = e0 + n;
+  st.ckv_n = std::max(st.ckv_n, need);
+  if (role.index_source) {
+    const int ihd = cfg_.index_head_dim;
+    float* k = st.ikeys + e0 * ihd;
+    op.i_wk.apply(lat, n, k, stream_);
+    rms_norm(op.i_k_norm, eps, k, n, ihd, k, stream_);
+    rope(op.freqs, op.rope_dim, k, n, 1, ihd, e0 * r, r, false, stream_);
+    qdq_fp4_e8m0_scale(k, n, ihd, 32, stream_);
+    st.ikeys_n = std::max(st.ikeys_n, need);
+  }
+  rope(op.freqs, op.rope_dim, lat, n, 1, hd, e0 * r, r, false, stream_);
+  qdq_fp4_e4m3_scale(lat, n, hd, 16, stream_);
+}
+
+void CudaModel::indexer(Span& sp, int l, const float* x, const float* qr) {
+  const auto& role = cfg_.role(l);
+  const auto& op = *layers_[size_t(l)];
+  const int T = sp.T, Hi = Hi_, ihd = cfg_.index_head_dim, r = role.compress_ratio;
+  sp.topk_valid[size_t(l)] = 0;
+  const int64_t end_entries = (sp.p0 + T) / r;
+  if (sp.prefill && end_entries == 0) return;  // the reference skips the indexer entirely
+  op.i_wq_b.apply(qr, T, iq_, stream_);
+  op.i_weights_proj.apply(x, T, iw_, stream_);
+  // The whole model's index head count (not the rank's) sets the scale.
+  const float wscale =
+      float(std::pow(double(ihd), -0.5) * std::pow(double(cfg_.index_n_heads), -0.5));
+  scale_round_bf16(iw_, int64_t(T) * Hi, wscale, stream_);
+  rope(op.freqs, op.rope_dim, iq_, T, Hi, ihd, sp.p0, 1, false, stream_);
+  qdq_fp4_e8m0_scale(iq_, T, Hi * ihd, 32, stream_);
+  const int cand_src = cfg_.candidate_source_layer;
+  // Owner keys: the indexer always scores its owner's keys.
+  const int src = role.index_keys_from;
+  const auto& owner = sp.s->layers[size_t(src)];
+  std::vector<int32_t> vis(static_cast<size_t>(T)), width(static_cast<size_t>(T));
+  std::vector<const float*> keys(static_cast<size_t>(T), owner.ikeys);
+  for (int t = 0; t < T; ++t) {
+    const int64_t p = sp.pos[size_t(t)];
+    const int v = int(visible(p, r));
+    vis[size_t(t)] = v;
+    width[size_t(t)] = sp.prefill ? int(end_entries) : v;
+    UF_CHECK(owner.ikeys_n >= v,
+             "layer {}: index keys of layer {} hold {} entries, position {} needs {}", l, src,
+             owner.ikeys_n, p, v);
+    UF_CHECK(width[size_t(t)] <= index_width_,
+             "layer {}: {} index scores exceed the scratch width {}", l, width[size_t(t)],
+             index_width_);
+    if (role.candidate_restricted && cand_src >= 0 && width[size_t(t)] > 0)
+      UF_CHECK(sp.cand_width[size_t(t)] == width[size_t(t)],
+               "layer {}: candidate pool of width {} does not match {} index scores", l,
+               sp.cand_width[size_t(t)], width[size_t(t)]);
+  }
+  to_device(vis_, vis);
+  to_device(width_, width);
+  to_device(key_ptrs_, keys);
+  const int stride = int(index_width_);
+  if (tp_ > 1) {
+    // The rank's heads give an fp32 partial of the head sum; bf16 once after the sum, then every
+    // rank selects from the same scores.
+    index_scores_partial(iq_, iw_, T, Hi, ihd, key_ptrs_, vis_, width_, stride, score_, stream_);
+    all_reduce_round(score_, size_t(T) * size_t(stride));
+  } else {
+    index_scores(iq_, iw_, T, Hi, ihd, key_ptrs_, vis_, width_, stride, score_, stream_);
+  }
+  if (role.candidate_source) {
+    candidate_mask(score_, T, stride, width_, vis_, cfg_.candidate_topk_blocks,
+                   cfg_.candidate_block_size, keep_, stream_);
+    for (int t = 0; t < T; ++t) sp.cand_width[size_t(t)] = width[size_t(t)];
+  } else if (role.candidate_restricted && cand_src >= 0) {
+    mask_scores(score_, keep_, T, stride, width_, stream_);
+  }
+  topk_select(score_, T, stride, width_, cfg_.index_topk, vis_, topk_[size_t(l)], stream_);
+  sp.topk_valid[size_t(l)] = 1;
+}
+
+void CudaModel::attention(Span& sp, int l, const float* x, float* out) {
+  const auto& role = cfg_.role(l);
+  const auto& op = *layers_[size_t(l)];
+  auto& st = sp.s->layers[size_t(l)];
+  const int T = sp.T, H = H_, hd = cfg_.head_dim, W = cfg_.window_size;
+  project_q(l, x, T, sp.p0, qr_, q_);
+  project_kv(l, x, T, sp.p0, kv_);
+  const int32_t* topk = nullptr;
+  int k = 0;
+  const float* ckv = nullptr;
+  if (role.compress_ratio > 0) {
+    if (role.kv_source && !sp.kv_done[size_t(l)]) kv_path(sp, l, x);
+    if (role.index_source) indexer(sp, l, x, qr_);
+    if (role.topk_from >= 0 && sp.topk_valid[size_t(role.topk_from)]) {
+      topk = topk_[size_t(role.topk_from)];
+      k = cfg_.index_topk;  // rows with fewer selections are padded with -1 (empty slots)
+    }
+    ckv = sp.s->layers[size_t(role.kv_from)].ckv;
+  }
+  const float scale = float(std::pow(double(hd), -0.5));
+  if (!sp.prefill)
+    for (int64_t q = std::max<int64_t>(0, sp.p0 - W + 1); q < sp.p0; ++q)
+      UF_CHECK(st.window.get(q), "layer {}: window KV of position {} is gone (span at {})", l, q,
+               sp.p0);
+  auto window_row = [&](int64_t qpos) -> const float* {
+    if (qpos >= sp.p0) return kv_ + (qpos - sp.p0) * hd;
+    return st.window.get(qpos);
+  };
+  const int nw = sp.prefill ? std::min(T, W) : W;
+  std::vector<const float*> slots(size_t(T) * size_t(nw));
+  for (int t = 0; t < T; ++t) {
+    const int64_t p = sp.pos[size_t(t)];
+    const float** row = slots.data() + int64_t(t) * nw;
+    if (sp.prefill) {
+      const int64_t lo = std::max(sp.p0, p - W + 1);
+      for (int j = 0; j < nw; ++j) row[j] = lo + j <= p ? window_row(lo + j) : nullptr;
+    } else {
+      for (int j = 0; j < W; ++j) {
+        const int64_t qpos = p - W + 1 + j;
+        row[j] = qpos >= 0 ? window_row(qpos) : nullptr;
+      }
+    }
+  }
+  to_device(win_ptrs_, slots);
+  sparse_attn(q_, T, H, hd, win_ptrs_, nw, topk, k, ckv, op.sink, scale, o_, stream_);
+  // After the attention (stream order): the span's window KV into the ring.
+  for (int t = std::max(0, T - st.window.slots); t < T; ++t)
+    UF_CUDA_CHECK(cudaMemcpyAsync(st.window.put(sp.pos[size_t(t)]), kv_ + int64_t(t) * hd,
+                                  size_t(hd) * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
+  output_proj(l, o_, T, sp.p0, out);
+}
+
+}  // namespace uf::cuda

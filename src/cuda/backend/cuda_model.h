@@ -1,0 +1,210 @@
+#pragma once
+// The CUDA forward of DeepSeek-V4.1-Flash: the host orchestration of cpu::CpuModel (cpu/model.h)
+// with every op on the device (cuda/ops). The span logic is the CPU's line by line: the same
+// prefill layout (first chunk of a fresh session) and ring layout (decode, verify rows, later
+// chunks), the same slot order, the same compressor emission and the same DSpark rings. Slot lists
+// are built on the host (from the position tags) as arrays of device pointers and uploaded.
+//
+// Scratch for a span is allocated once for max_span_rows() rows, so decode steps never allocate
+// device memory; the index-score rows grow with the largest session capacity (at new_session).
+// One CUDA stream; every call that returns values to the host synchronises it first.
+//
+// Tensor parallelism (CudaBackend with CudaModelOptions::tp = N > 1): one CudaModel per rank,
+// each on its own device and stream, built from the rank's shards of model/tp_plan.h (attention
+// heads, index heads, expert intermediate rows; head, embedding and Engram replicated). Every rank
+// runs the same forward on the same tokens; the split-K partials (wo_b, the index scores, the MoE
+// output) are summed in fp32 with TpGroup::all_reduce_sum_rank on the rank's stream and rounded to
+// bf16 once after the sum. Everything else (KV, compressor, index keys, rings) is replicated: every
+// rank computes the same values. N = 1 (no group) runs no collective and is today's code path.
+//
+// Index keys: only the owner-keys mode (cpu::IndexKeys::kOwner, the default); the reference's
+// stale-key mode is not implemented on the device (use the CPU backend for it).
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "cuda/backend/cuda_session.h"
+#include "cuda/device_memory.h"
+#include "cuda/device_weights.h"
+#include "cuda/ops/elementwise.h"
+#include "cuda/ops/linear.h"
+#include "cuda/ops/moe.h"
+#include "engine/backend.h"
+#include "engine/hardware_profile.h"
+#include "model/checkpoint.h"
+#include "model/config.h"
+#include "model/engram_hash.h"
+#include "model/tp_plan.h"
+#include "model/weights.h"
+
+namespace uf::cuda {
+
+namespace tp {
+class TpGroup;
+}
+
+// The sharding options of the CUDA TP path (cuda_tp.cpp): heads, index heads and experts split;
+// head, embedding and Engram replicated.
+// split_head: head.weight by vocab rows too (all-gather of the logits; CudaModelOptions).
+model::TpOptions backend_tp_options(bool split_head = false);
+// The weights the CUDA TP path splits (attention / index heads, experts), in a fixed order.
+std::vector<model::Weight*> tp_split_weights(model::ModelWeights& w, bool split_head = false);
+// Replaces the split weights of `w` (bound on the whole checkpoint) by rank's shards of the
+// backend_tp_options() plan: host copies appended to `storage` (they must outlive the views),
+// rows / cols narrowed. Returns the tensors copied (weights and scales); throws when the plan
+// splits a tensor this path does not place. Host only (no GPU needed).
+size_t shard_model_weights(model::ModelWeights& w, const model::ModelConfig& cfg, int tp, int rank,
+                           std::vector<std::vector<uint8_t>>& storage, bool split_head = false);
+
+struct CudaModelOptions {
+  bool reference_index_keys = false;      // rejected: not implemented on the device
+  int max_rows = engine::kMaxVerifyRows;  // verify rows per step (ring slots = window + this)
+  int max_chunk = 512;                    // prefill rows per span (scratch size)
+  int device = 0;                         // CUDA device ordinal (TP: set per rank)
+  int tp = 1;  // tensor-parallel ranks (CudaBackend: devices 0..tp-1); 1 = one GPU
+  // TP sums by all-gather + an fp32 sum in rank order (sum_ranks_round_bf16) instead of NCCL's
+  // all-reduce. Always on for tp > 2: NCCL's reduction order there depends on the element count
+  // (ring chunking, algorithm choice), which would make a row depend on the span's row count
+  // (spec != plain). At tp = 2 both give a + b exactly; the option exists to test that.
+  bool tp_ordered_sum = false;
+  // TP: split head.weight by vocab rows (each rank computes vocab/tp logits, all-gathered and
+  // reordered into whole rows on every rank). Off by default (the head stays replicated).
+  bool tp_split_head = false;
+};
+
+class CudaModel {
+ public:
+  // ckpt must outlive the model (host views of the Markov embedding and confidence projection
+  // stay on it). engram_token_map: see cpu::CpuModel.
+  // group (may be null = one GPU): the TP group this model is rank `rank` of; the model then holds
+  // only its shards and runs the collectives on its stream (from its rank's own thread).
+  CudaModel(model::ModelConfig cfg, const model::Checkpoint& ckpt,
+            std::vector<int64_t> engram_token_map, CudaModelOptions opts = {},
+            tp::TpGroup* group = nullptr, int rank = 0);
+  ~CudaModel();
+  CudaModel(const CudaModel&) = delete;
+  CudaModel& operator=(const CudaModel&) = delete;
+
+  const model::ModelConfig& config() const { return cfg_; }
+  const CudaModelOptions& options() const { return opts_; }
+  cudaStream_t stream() const { return stream_; }
+  int max_span_rows() const { return tmax_; }
+  int n_taps() const { return int(cfg_.dspark_target_layer_ids.size()); }
+  int64_t compressed_id(int32_t token) const;
+  int tp_size() const { return tp_; }
+  int tp_rank() const { return rank_; }
+
+  std::unique_ptr<CudaSession> new_session(int64_t max_seq);
+
+  // As CpuModel::forward, T <= max_span_rows(). logits: HOST [T or 1, vocab], or null (TP ranks
+  // other than 0: the head is skipped). main_hidden: DEVICE
+  // [T, taps*dim] (may be null: model scratch). publisher: host [T] (may be null).
+  // Synchronises the stream before returning.
+  void forward(CudaSession& s, std::span<const int32_t> tokens, bool prefill_layout,
+               bool all_logits, float* logits, float* main_hidden, int* publisher);
+  // As CpuModel::commit; main_hidden: DEVICE rows of the forward (may be null).
+  void commit(CudaSession& s, std::span<const int32_t> tokens, const float* main_hidden, int n,
+              int publisher_after);
+  // The main hidden rows of the last forward when it was given none (prefill chunks).
+  float* scratch_main_hidden() const { return mh_; }
+  // Waits for the stream (and releases the upload staging).
+  void synchronize() { sync(); }
+
+  // CED prefill shortcut (cpu::CpuModel::prefill_ced's twin); the prompt must fit one span.
+  void prefill_ced(CudaSession& s, std::span<const int32_t> tokens, int replay, float* logits);
+
+  // One DSpark round at the last committed position (cpu::CpuModel::draft's twin). TP ranks other
+  // than 0 run the stages (their collectives) and return an empty block.
+  engine::DraftBlock draft(CudaSession& s, int32_t anchor, const engine::DraftSampler& sampler);
+
+  // Device state <-> host vectors (snapshot / restore).
+  void download_ring(const DeviceRing& r, std::vector<float>& out) const;
+  void upload_ring(DeviceRing& r, const std::vector<float>& in) const;
+
+ private:
+  struct Span;
+  struct LayerOps;
+  void init_span(Span& sp, CudaSession& s, std::span<const int32_t> tokens, bool prefill_layout);
+  void upload_hash(const Span& sp);
+  void embed(const Span& sp, std::span<const int32_t> tokens, float* X, float* pre_mix);
+  void run_layers(Span& sp, float* X, float* pre_mix, int l0, int l1, float* main_hidden);
+  void block(Span& sp, int l, float* X, float* pre_mix);
+  void attention(Span& sp, int l, const float* x, float* out);
+  void kv_path(Span& sp, int l, const float* x);
+  void indexer(Span& sp, int l, const float* x, const float* qr);
+  void head(const float* X, const float* pre_mix, int row0, int n, float* logits_dev);
+  int last_emitter(int64_t p) const;
+  void project_q(int l, const float* x, int T, int64_t p0, float* qr, float* q);
+  void project_kv(int l, const float* x, int T, int64_t p0, float* kv);
+  void output_proj(int l, float* o, int T, int64_t p0, float* out);
+  void dspark_write(CudaSession& s, const float* main_hidden, int n, int64_t p0);
+  void ensure_index_width(int64_t width);
+  // TP (cuda_tp.cpp): replaces the split weights of w_ by this rank's shards (host copies).
+  void shard_weights();
+  // TP: in-place fp32 sum over the ranks on this model's stream, then bf16 rounding of the sum.
+  // No-op at tp = 1 (callers use the one-GPU path there).
+  void all_reduce_round(float* buf, size_t n);
+  // Stream-ordered host -> device copy (the host buffer may be reused on return).
+  template <typename T>
+  void to_device(T* dst, const std::vector<T>& src);
+  void sync();
+
+  model::ModelConfig cfg_;
+  CudaModelOptions opts_;
+  model::ModelWeights w_;  // host views (Markov embedding, confidence projection)
+  tp::TpGroup* group_ = nullptr;
+  int tp_ = 1, rank_ = 0;
+  // Rank-local counts (the whole model's at tp = 1): heads, output groups, index heads, expert
+  // intermediate width.
+  int H_ = 0, G_ = 0, Hi_ = 0, inter_ = 0;
+  std::vector<std::vector<uint8_t>> shard_bytes_;  // TP: host shards, freed after the upload
+  bool ordered_sum_ = false;
+  bool split_head_ = false;
+  float* head_part_ = nullptr;    // split head: [tmax, vocab / tp] (arena)
+  float* head_gather_ = nullptr;  // split head: [tp, tmax, vocab / tp] (arena)
+  // The head GEMV (whole, or split + all-gather) into logits_dev [n, vocab]; x: [n, dim].
+  void apply_head(const float* x, int n, float* logits_dev);
+  float* gather_ = nullptr;  // ordered sum: [tp, gather_cap_] (cudaMalloc; grows with index width)
+  size_t gather_cap_ = 0;
+  void ensure_gather(size_t n);
+  std::vector<int64_t> token_map_;
+  std::optional<model::EngramHasher> hasher_;
+  HcShape hc_;
+  int tmax_ = 0;
+  cudaStream_t stream_ = nullptr;
+  DeviceArena arena_;                          // weights and fixed scratch
+  std::vector<std::vector<uint8_t>> staging_;  // host sources of uploads in flight
+
+  // Weights on the device.
+  DeviceWeight embed_, norm_;
+  DeviceLinear head_;
+  std::vector<std::unique_ptr<LayerOps>> layers_;
+
+  // Fixed scratch [tmax rows].
+  float *X_ = nullptr, *R_ = nullptr, *pre_ = nullptr, *apre_ = nullptr, *apost_ = nullptr,
+        *acomb_ = nullptr, *fpost_ = nullptr, *fcomb_ = nullptr;
+  float *x_ = nullptr, *y_ = nullptr, *qr_ = nullptr, *q_ = nullptr, *kv_ = nullptr, *o_ = nullptr,
+        *o2_ = nullptr;
+  float *ckv_kv_ = nullptr, *ckv_gate_ = nullptr, *pool_ = nullptr;
+  float *iq_ = nullptr, *iw_ = nullptr;
+  float *mh_ = nullptr, *logits_ = nullptr, *emb_ = nullptr;
+  int32_t *ids_ = nullptr, *gate_i_ = nullptr, *vis_ = nullptr, *width_ = nullptr;
+  float* gate_w_ = nullptr;
+  int64_t* hash_ = nullptr;                 // [n_engram, tmax, n_cols]
+  const float** win_ptrs_ = nullptr;        // [tmax * max(window + block, window)]
+  const float** pool_kv_ptrs_ = nullptr;    // [tmax * max ratio]
+  const float** pool_gate_ptrs_ = nullptr;  // [tmax * max ratio]
+  const float** key_ptrs_ = nullptr;        // [tmax]
+  std::vector<int32_t*> topk_;              // [layer] [tmax, index_topk] (index sources)
+  // Index scores and the candidate pool: [tmax, index_width_] (grown with session capacity).
+  int64_t index_width_ = 0;
+  float* score_ = nullptr;
+  uint8_t* keep_ = nullptr;
+};
+
+}  // namespace uf::cuda

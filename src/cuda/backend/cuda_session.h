@@ -1,0 +1,76 @@
+#pragma once
+// Per-session state of the CUDA backend: the device twin of cpu::CpuSession (cpu/session.h), with
+// the same rules (everything a rejected verify row could touch is keyed by position, so rejection
+// needs no undo). The values live in device memory (fp32, the same QDQ values as the CPU); the
+// position tag of every ring slot lives on the host, where the slot lists are built. Capacity is
+// fixed at creation: every buffer comes from the session's own DeviceArena.
+
+#include <cstdint>
+#include <vector>
+
+#include "cuda/device_memory.h"
+#include "engine/backend.h"
+
+namespace uf::cuda {
+
+// A ring of `slots` device rows of `width` floats; tags on the host (cpu::PosRing's twin).
+struct DeviceRing {
+  int slots = 0;
+  int width = 0;
+  float* data = nullptr;     // device [slots, width]
+  std::vector<int64_t> pos;  // host [slots], -1 = empty
+
+  void init(int n_slots, int w, DeviceArena& arena) {
+    slots = n_slots;
+    width = w;
+    data = arena.alloc<float>(size_t(n_slots) * size_t(w));
+    pos.assign(size_t(n_slots), -1);
+  }
+  // The slot of position p, tagged with p (the caller writes the row).
+  float* put(int64_t p) {
+    const size_t s = size_t(p % slots);
+    pos[s] = p;
+    return data + s * size_t(width);
+  }
+  // nullptr if the slot holds another position.
+  const float* get(int64_t p) const {
+    if (p < 0 || slots == 0) return nullptr;
+    const size_t s = size_t(p % slots);
+    return pos[s] == p ? data + s * size_t(width) : nullptr;
+  }
+};
+
+struct CudaLayerState {
+  DeviceRing window;            // window KV (FP8 QDQ values); DSpark stages: main_kv ring
+  DeviceRing raw_kv, raw_gate;  // ratio > 1 KV sources: pre-pool compressor rows (fp32)
+  float* ckv = nullptr;         // KV sources: compressed entries [ckv_cap, head_dim] (FP4 QDQ)
+  float* ikeys = nullptr;       // KV sources with an indexer: [ckv_cap, index_head_dim]
+  int64_t ckv_cap = 0;          // entries allocated
+  // Entries ever written (the CPU vectors' sizes: its snapshot writes that many).
+  int64_t ckv_n = 0;
+  int64_t ikeys_n = 0;
+};
+
+class CudaSession : public engine::SessionState {
+ public:
+  int64_t length() const override { return len; }
+  int64_t max_seq() const override { return cap; }
+  const std::vector<int32_t>& tokens() const override { return toks; }
+
+  int64_t len = 0;
+  int64_t cap = 0;
+  int64_t alloc_cap = 0;  // capacity the device buffers were sized for
+  std::vector<int32_t> toks;
+  std::vector<CudaLayerState> layers;  // backbone layers then DSpark stages
+  int publisher = -1;                  // kept for the snapshot format (owner keys ignore it)
+
+  // The last decode_rows call, until commit. Main hidden rows stay on the device.
+  int pending_rows = 0;
+  std::vector<int32_t> pending_tokens;
+  float* pending_main_hidden = nullptr;  // device [max_rows, taps * dim]
+  std::vector<int> pending_publisher;
+
+  DeviceArena arena;  // owns every device buffer above
+};
+
+}  // namespace uf::cuda

@@ -1,0 +1,172 @@
+// Tensor parallelism inside CudaModel: the rank's weight shards (model/tp_plan.h) and the
+// all-reduce of a split-K partial (cuda/tp/nccl_comm.h).
+//
+// Numerics against one GPU (N ranks):
+//  - wo_b: each rank's fp32 partial over its o_groups columns (DeviceLinear::apply_partial; the
+//    FP8 activation quantisation is per 32 inputs and the split is at 32-column blocks, so the
+//    quantised inputs are the same), fp32 sum over ranks, one bf16 rounding: only the fp32
+//    summation order differs.
+//  - index scores: per-rank fp32 sums of the same per-head bf16 terms, fp32 sum, one bf16
+//    rounding: again only the fp32 order differs. Every rank then runs top-k on identical scores.
+//  - MoE: DeviceMoe rounds its output to bf16 inside (routed + shared of the rank's intermediate
+//    slice; SwiGLU and its FP8 quantisation are elementwise per 32 intermediate features, the
+//    split keeps those blocks whole), so TP sums N bf16 values in fp32 and rounds once more: up to
+//    N/2 + 1/2 bf16 ulp of the output more than one GPU, not bitwise.
+//  - The sum: NCCL's fp32 all-reduce at N = 2 (a + b: exact order-free), else all-gather + an fp32
+//    sum in rank order (CudaModelOptions::tp_ordered_sum), whose order never depends on the
+//    element count. Collectives are elementwise over rows, so a row's result never depends on the
+//    other rows (spec == plain holds at every N). With 2 ranks the fp32 sum a + b is commutative,
+//    so every rank holds bitwise the same activations (NCCL's ring gives all ranks the same values
+//    for N > 2 as well), hence the same KV, index keys and top-k on every rank.
+#include <string>
+#include <unordered_map>
+
+#include "core/error.h"
+#include "cuda/backend/backend_kernels.h"
+#include "cuda/backend/cuda_model.h"
+#include "cuda/backend/model_internal.h"
+#include "cuda/ops/elementwise.h"
+#include "cuda/tp/nccl_comm.h"
+#include "model/tp_plan.h"
+
+namespace uf::cuda {
+
+namespace {
+
+// model/weights.cpp's naming: "x.weight" -> "x.scale", anything else + ".scale".
+std::string scale_name(const std::string& name) {
+  const std::string suffix = ".weight";
+  if (name.size() > suffix.size() &&
+      name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0)
+    return name.substr(0, name.size() - suffix.size()) + ".scale";
+  return name + ".scale";
+}
+
+}  // namespace
+
+model::TpOptions backend_tp_options(bool split_head) {
+  model::TpOptions o;
+  o.split_head = split_head;
+  o.split_wq_a = false;
+  o.split_engram_tables = false;
+  o.split_engram_wkv = false;
+  return o;
+}
+
+std::vector<model::Weight*> tp_split_weights(model::ModelWeights& w, bool split_head) {
+  std::vector<model::Weight*> out;
+  if (split_head) out.push_back(&w.head);
+  for (auto& L : w.layers) {
+    auto& A = L.attn;
+    for (model::Weight* x : {&A.attn_sink, &A.wq_b, &A.wo_a, &A.wo_b, &A.i_wq_b, &A.i_weights_proj})
+      out.push_back(x);
+    for (auto& e : L.moe.experts)
+      for (model::Weight* x : {&e.w1, &e.w2, &e.w3}) out.push_back(x);
+    for (model::Weight* x : {&L.moe.shared.w1, &L.moe.shared.w2, &L.moe.shared.w3})
+      out.push_back(x);
+  }
+  return out;
+}
+
+size_t shard_model_weights(model::ModelWeights& weights, const model::ModelConfig& cfg, int tp,
+                           int rank_, std::vector<std::vector<uint8_t>>& storage, bool split_head) {
+  const auto plan = model::make_tp_plan(cfg, tp, rank_, backend_tp_options(split_head));
+  std::unordered_map<std::string, const model::TensorShard*> by_name;
+  size_t n_split = 0;
+  for (const auto& s : plan.shards) {
+    by_name[s.name] = &s;
+    if (s.mode == model::ShardMode::kSplit) ++n_split;
+  }
+  size_t applied = 0;
+  auto find = [&](const std::string& name) -> const model::TensorShard& {
+    const auto it = by_name.find(name);
+    UF_CHECK(it != by_name.end(), "CUDA TP rank {}: tensor '{}' is not in the sharding plan", rank_,
+             name);
+    return *it->second;
+  };
+  auto copy = [&](const model::TensorShard& s, const uint8_t* full) {
+    auto& bytes = storage.emplace_back(size_t(s.nbytes));
+    model::copy_shard(s, full, bytes.data());
+    ++applied;
+    return bytes.data();
+  };
+  auto shard = [&](model::Weight& w) {
+    if (w.empty()) return;
+    const auto& s = find(w.name);
+    if (s.mode != model::ShardMode::kSplit) return;
+    UF_CHECK(s.dim == 0 || s.dim == 1, "CUDA TP: {} is split along dimension {}", w.name, s.dim);
+    const int64_t feats = s.feat_end - s.feat_begin;
+    UF_CHECK(feats > 0,
+             "CUDA TP rank {}: {} has an empty shard (uneven splits are not supported "
+             "for linear weights)",
+             rank_, w.name);
+    if (w.scale) {
+      const auto& sc = find(scale_name(w.name));
+      UF_CHECK(sc.mode == model::ShardMode::kSplit && sc.dim == s.dim &&
+                   sc.feat_begin == s.feat_begin && sc.feat_end == s.feat_end,
+               "CUDA TP rank {}: the scale of {} is not split with its weight (features "
+               "[{}, {}) vs [{}, {}))",
+               rank_, w.name, sc.feat_begin, sc.feat_end, s.feat_begin, s.feat_end);
+      w.scale = copy(sc, w.scale);
+    }
+    w.data = copy(s, w.data);
+    if (s.dim == 0)
+      w.rows = feats;
+    else
+      w.cols = feats;
+  };
+  for (model::Weight* x : tp_split_weights(weights, split_head)) shard(*x);
+  // Every split tensor of the plan (weights and their scales) must have been placed: a tensor the
+  // plan splits but the model kept whole would silently compute with the wrong slice count.
+  UF_CHECK(applied == n_split,
+           "CUDA TP rank {}: the plan splits {} tensors but the CUDA model sharded {}; a split "
+           "tensor (head, Engram, wq_a?) is not supported by the CUDA TP path yet",
+           rank_, n_split, applied);
+  return applied;
+}
+
+void CudaModel::shard_weights() {
+  shard_model_weights(w_, cfg_, tp_, rank_, shard_bytes_, split_head_);
+}
+
+void CudaModel::apply_head(const float* x, int n, float* logits_dev) {
+  if (!split_head_) {
+    head_.apply(x, n, logits_dev, stream_);
+    return;
+  }
+  // Rank r's logits are vocab columns [r * Vl, (r + 1) * Vl): gathered as [tp, n, Vl], then each
+  // rank's block is copied into its column range of the [n, vocab] rows.
+  const int V = cfg_.vocab_size, Vl = V / tp_;
+  head_.apply(x, n, head_part_, stream_);
+  group_->all_gather_rank(rank_, head_part_, head_gather_, size_t(n) * size_t(Vl),
+                          tp::CommDType::kF32, stream_);
+  for (int r = 0; r < tp_; ++r)
+    UF_CUDA_CHECK(cudaMemcpy2DAsync(logits_dev + int64_t(r) * Vl, size_t(V) * sizeof(float),
+                                    head_gather_ + int64_t(r) * n * Vl, size_t(Vl) * sizeof(float),
+                                    size_t(Vl) * sizeof(float), size_t(n), cudaMemcpyDeviceToDevice,
+                                    stream_));
+}
+
+void CudaModel::ensure_gather(size_t n) {
+  if (n <= gather_cap_) return;
+  // Only at construction and session creation (stream idle): decode never allocates.
+  if (gather_) UF_CUDA_CHECK(cudaFree(gather_));
+  gather_ = nullptr;
+  UF_CUDA_CHECK(cudaMalloc(&gather_, size_t(tp_) * n * sizeof(float)));
+  gather_cap_ = n;
+}
+
+void CudaModel::all_reduce_round(float* buf, size_t n) {
+  if (tp_ <= 1 || n == 0) return;
+  if (ordered_sum_) {
+    UF_CHECK(n <= gather_cap_, "CUDA TP: a sum of {} values exceeds the gather scratch of {}", n,
+             gather_cap_);
+    group_->all_gather_rank(rank_, buf, gather_, n, tp::CommDType::kF32, stream_);
+    sum_ranks_round_bf16(gather_, tp_, int64_t(n), buf, stream_);
+    return;
+  }
+  group_->all_reduce_sum_rank(rank_, buf, n, tp::CommDType::kF32, stream_);
+  round_bf16(buf, int64_t(n), stream_);
+}
+
+}  // namespace uf::cuda

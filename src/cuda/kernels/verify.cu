@@ -1,0 +1,469 @@
+// Speculative-decoding verification on the device: the port of src/sampling/{transform,verify}.cpp
+// described in src/cuda/verify.h.
+//
+// transform_kernel: one 1024-thread block per row. max (order-free), e = exp((l - m) / T) in
+// double rounded to float; top-k: the k-th largest value by bisection over the float bits (counts
+// only, exact); top-p: the largest 1024 (then 4x more, as transform.cpp) values compacted into the
+// plan's scratch, bitonic-sorted descending, and walked on thread 0; then the fixed-order sums of
+// row_ops.h on threads 0..255 (lane = thread) and the normalisation.
+// verify_kernel: one 256-thread block (lane = thread); every thread follows the same control flow
+// (all values it branches on are identical in every thread), thread 0 does the sequential walks.
+// All float arithmetic that the CPU does in a fixed order uses the explicit _rn intrinsics so that
+// no FMA contraction or fast-math flag can change a rounding.
+
+#include <cuda_runtime.h>
+
+#include <cfloat>
+#include <climits>
+
+#include "cuda/cuda_check.h"
+#include "cuda/verify.h"
+#include "sampling/row_ops.h"
+
+namespace uf::cuda {
+namespace {
+
+using sampling::kLanes;
+using sampling::kMaxDraft;
+using sampling::VerifyDraws;
+using sampling::VerifyResult;
+
+constexpr int kTransformThreads = 1024;
+constexpr int kMaxRows = 2 * kMaxDraft + 1;
+static_assert(kLanes == 256, "the device lanes mirror row_ops.h's 256 lanes");
+
+// Lane sums of row_ops.h's chunk_sums (threads 0..255) and the pairwise tree; returns the tree
+// total in every thread. With `last`, s_last[lane] = the last index of the lane's chunk with a
+// positive weight (-1 if none). Must be called by every thread of the block.
+template <typename Weight>
+__device__ float lane_sums(const Weight& weight, int64_t n, float* s_lane, float* s_tree,
+                           int* s_last) {
+  __syncthreads();  // the shared arrays may still be read from a previous call
+  const int tid = threadIdx.x;
+  if (tid < kLanes) {
+    const int64_t chunk = (n + kLanes - 1) / kLanes;
+    const int64_t begin = tid * chunk;
+    const int64_t end = begin + chunk < n ? begin + chunk : n;
+    float s = 0.0f;
+    int last = -1;
+    for (int64_t x = begin; x < end; ++x) {
+      const float w = weight(x);
+      s = __fadd_rn(s, w);
+      if (w > 0.0f) last = int(x);
+    }
+    s_lane[tid] = s;
+    s_tree[tid] = s;
+    if (s_last != nullptr) s_last[tid] = last;
+  }
+  __syncthreads();
+  for (int stride = kLanes / 2; stride > 0; stride /= 2) {
+    if (tid < stride) s_tree[tid] = __fadd_rn(s_tree[tid], s_tree[tid + stride]);
+    __syncthreads();
+  }
+  return s_tree[0];
+}
+
+struct SharedRow {
+  float lane[kLanes];
+  float tree[kLanes];
+  int last[kLanes];
+  int pick;
+  float cut;
+  int count;
+  float fval;
+  int ival;
+};
+
+// row_ops.h's inverse_cdf_pick; the result in every thread.
+template <typename Weight>
+__device__ int32_t block_inverse_cdf_pick(const Weight& weight, int64_t n, float u, SharedRow& sh) {
+  const float total = lane_sums(weight, n, sh.lane, sh.tree, sh.last);
+  if (threadIdx.x == 0) {
+    int32_t pick = -1;
+    if (total > 0.0f) {
+      const float target = __fmul_rn(u, total);
+      const int64_t chunk = (n + kLanes - 1) / kLanes;
+      float running = 0.0f;
+      int32_t last_positive = -1;
+      for (int lane = 0; lane < kLanes; ++lane) {
+        const float s = sh.lane[lane];
+        if (!(s > 0.0f)) continue;
+        const int64_t begin = lane * chunk;
+        const int64_t end = begin + chunk < n ? begin + chunk : n;
+        if (__fadd_rn(running, s) >= target) {
+          float r = running;
+          for (int64_t x = begin; x < end; ++x) {
+            const float w = weight(x);
+            if (!(w > 0.0f)) continue;
+            r = __fadd_rn(r, w);
+            last_positive = int32_t(x);
+            if (r >= target) break;
+          }
+          break;  // the walk reached the target, or rounding fell short: the last positive seen
+        }
+        running = __fadd_rn(running, s);
+        last_positive = sh.last[lane];
+      }
+      pick = last_positive;
+    }
+    sh.pick = pick;
+  }
+  __syncthreads();
+  return sh.pick;
+}
+
+// ---- transform -------------------------------------------------------------------------------
+
+// exp in double rounded to float: the correctly rounded expf but for ~2^-28 of arguments.
+__device__ __forceinline__ float exp_rounded(float z) { return float(exp(double(z))); }
+
+__global__ void exp_of_bits_kernel(uint32_t first_bits, int64_t n, float* out) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    out[i] = exp_rounded(__uint_as_float(first_bits + uint32_t(i)));
+  }
+}
+
+struct ArgMax {
+  float v;
+  int i;
+};
+
+__device__ __forceinline__ ArgMax better(ArgMax a, ArgMax b) {
+  return (b.v > a.v || (b.v == a.v && b.i < a.i)) ? b : a;
+}
+
+// Block-wide argmax (lowest index on ties) / max over 1024 threads; the result in every thread.
+__device__ ArgMax block_argmax(ArgMax a, ArgMax* s_warp) {
+  for (int o = 16; o > 0; o >>= 1) {
+    ArgMax b{__shfl_xor_sync(0xffffffffu, a.v, o), __shfl_xor_sync(0xffffffffu, a.i, o)};
+    a = better(a, b);
+  }
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) s_warp[threadIdx.x >> 5] = a;
+  __syncthreads();
+  ArgMax r = s_warp[0];
+  for (int w = 1; w < int(blockDim.x >> 5); ++w) r = better(r, s_warp[w]);
+  return r;
+}
+
+// Values here are probabilities (non-negative floats, no NaN): their bit patterns order like
+// their values, so selections work on the bits.
+
+// How many of p[0..n) have bits >= t; the result in every thread.
+__device__ int count_at_least(const float* p, int n, uint32_t t, SharedRow& sh) {
+  __syncthreads();  // sh.count may still be read from a previous call
+  if (threadIdx.x == 0) sh.count = 0;
+  __syncthreads();
+  int c = 0;
+  for (int x = threadIdx.x; x < n; x += blockDim.x) c += __float_as_uint(p[x]) >= t ? 1 : 0;
+  atomicAdd(&sh.count, c);
+  __syncthreads();
+  return sh.count;
+}
+
+// The bits of the k-th largest of p[0..n) (1 <= k <= n), with multiplicity: the largest t with
+// count(bits >= t) >= k, by bisection over the 31 value bits.
+__device__ uint32_t kth_largest_bits(const float* p, int n, int k, SharedRow& sh) {
+  uint32_t lo = 0, hi = 0x7F800000u;  // count(>= lo) >= k holds for lo = 0
+  while (lo < hi) {
+    const uint32_t mid = lo + (hi - lo + 1) / 2;
+    if (count_at_least(p, n, mid, sh) >= k) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
+// s[0..c) = the values of p[0..n) with bits >= t, sorted descending (bitonic, padded to a power
+// of two with -1); returns c. Equal values are interchangeable, so the order of the compaction
+// does not matter. __syncthreads makes the block's global writes visible to the block.
+__device__ int compact_sorted(const float* p, int n, uint32_t t, float* s, SharedRow& sh) {
+  const int tid = threadIdx.x, nt = blockDim.x;
+  __syncthreads();
+  if (tid == 0) sh.count = 0;
+  __syncthreads();
+  for (int x = tid; x < n; x += nt) {
+    const float v = p[x];
+    if (__float_as_uint(v) >= t) s[atomicAdd(&sh.count, 1)] = v;
+  }
+  __syncthreads();
+  const int c = sh.count;
+  int len = 1;
+  while (len < c) len <<= 1;
+  for (int x = c + tid; x < len; x += nt) s[x] = -1.0f;  // pads sort last
+  __syncthreads();
+  for (int k = 2; k <= len; k <<= 1) {
+    for (int j = k >> 1; j > 0; j >>= 1) {
+      for (int i = tid; i < len; i += nt) {
+        const int ixj = i ^ j;
+        if (ixj > i) {
+          const float a = s[i], b = s[ixj];
+          const bool descending = (i & k) == 0;
+          if (descending ? a < b : a > b) {
+            s[i] = b;
+            s[ixj] = a;
+          }
+        }
+      }
+      __syncthreads();
+    }
+  }
+  return c;
+}
+
+__global__ void __launch_bounds__(kTransformThreads)
+    transform_kernel(const float* logits, int vocab, float temperature, float top_p, int top_k,
+                     float* probs, float* sort_scratch, int sort_stride) {
+  __shared__ SharedRow sh;
+  __shared__ ArgMax s_warp[32];
+  const int tid = threadIdx.x;
+  const int nt = blockDim.x;
+  const float* l = logits + size_t(blockIdx.x) * vocab;
+  float* p = probs + size_t(blockIdx.x) * vocab;
+
+  if (temperature == 0.0f) {  // greedy: one-hot on the argmax, lowest index on ties
+    ArgMax a{-INFINITY, INT_MAX};
+    for (int x = tid; x < vocab; x += nt) a = better(a, ArgMax{l[x], x});
+    a = block_argmax(a, s_warp);
+    const int best = a.i == INT_MAX ? 0 : a.i;  // all -inf: the CPU keeps index 0
+    for (int x = tid; x < vocab; x += nt) p[x] = x == best ? 1.0f : 0.0f;
+    return;
+  }
+
+  ArgMax mx{-INFINITY, 0};
+  for (int x = tid; x < vocab; x += nt) mx.v = fmaxf(mx.v, l[x]);
+  const float m = block_argmax(mx, s_warp).v;
+  for (int x = tid; x < vocab; x += nt) {
+    const float z = __fdiv_rn(__fsub_rn(l[x], m), temperature);
+    p[x] = exp_rounded(z);
+  }
+
+  const bool use_k = top_k > 0 && top_k < vocab;
+  const bool use_p = top_p < 1.0f;
+  float cut = 0.0f;  // survivors are the x with p[x] >= cut
+  if (use_k || use_p) {
+    float* s = sort_scratch + size_t(blockIdx.x) * sort_stride;
+    int n = vocab;  // survivors of the top-k filter
+    if (use_k) {
+      cut = __uint_as_float(kth_largest_bits(p, vocab, top_k, sh));  // with multiplicity
+      n = count_at_least(p, vocab, __float_as_uint(cut), sh);
+    }
+    if (use_p) {
+      const float kcut = cut;
+      const float zk = lane_sums([=](int64_t x) { return p[x] >= kcut ? p[x] : 0.0f; }, vocab,
+                                 sh.lane, sh.tree, nullptr);
+      const float limit = __fmul_rn(top_p, zk);
+      // transform.cpp's top_p_cut: walk the survivors in descending order, summing in that
+      // order, until the mass reaches the limit. Like the CPU, sort only the largest `want`
+      // values (all ties of the smallest included, so the walk over them is the full walk's
+      // prefix) and widen 4x while the walk runs out below the limit.
+      for (int want = 1024;; want *= 4) {
+        const uint32_t t = want >= n ? __float_as_uint(kcut) : kth_largest_bits(p, vocab, want, sh);
+        const int c = compact_sorted(p, vocab, t, s, sh);
+        if (tid == 0) {
+          float larger = 0.0f;
+          float cv = s[0];
+          int i = 0;
+          while (i < c && larger < limit) {
+            const float value = s[i];
+            cv = value;
+            while (i < c && s[i] == value) larger = __fadd_rn(larger, s[i++]);
+          }
+          sh.cut = cv;
+          sh.ival = (larger >= limit || c == n) ? 1 : 0;
+        }
+        __syncthreads();
+        if (sh.ival) break;
+      }
+      cut = sh.cut;
+    }
+    for (int x = tid; x < vocab; x += nt) {
+      if (!(p[x] >= cut)) p[x] = 0.0f;
+    }
+  }
+  const float z = lane_sums([=](int64_t x) { return p[x]; }, vocab, sh.lane, sh.tree, nullptr);
+  for (int x = tid; x < vocab; x += nt) p[x] = __fdiv_rn(p[x], z);
+}
+
+// ---- verification ----------------------------------------------------------------------------
+
+// verify.cpp's next_weight: min(1, w * p / q), q = 0 gives 1.
+__device__ __forceinline__ float next_weight(float w, float p, float q) {
+  const float num = __fmul_rn(w, p);
+  return num >= q ? 1.0f : __fdiv_rn(num, q);
+}
+
+struct Residual {
+  const float* p;
+  const float* q;
+  float scale;
+  __device__ float operator()(int64_t x) const {
+    const float r = __fsub_rn(__fmul_rn(scale, p[x]), q[x]);
+    return r > 0.0f ? r : 0.0f;
+  }
+};
+
+struct Plain {
+  const float* p;
+  __device__ float operator()(int64_t x) const { return p[x]; }
+};
+
+__device__ float residual_mass(const float* p, const float* q, float scale, int64_t v,
+                               SharedRow& sh) {
+  return lane_sums(Residual{p, q, scale}, v, sh.lane, sh.tree, nullptr);
+}
+
+__device__ int32_t sample_residual(const float* p, const float* q, float scale, int64_t v, float u,
+                                   SharedRow& sh) {
+  const int32_t y = block_inverse_cdf_pick(Residual{p, q, scale}, v, u, sh);
+  if (y >= 0) return y;
+  return block_inverse_cdf_pick(Plain{p}, v, u, sh);
+}
+
+__global__ void __launch_bounds__(kLanes)
+    verify_kernel(bool block_mode, const float* p, const float* q, const int32_t* tokens, int g,
+                  int vocab, const unsigned long long* seed_step, const VerifyDraws* draws_in,
+                  VerifyResult* out, VerifyDraws* draws_used) {
+  __shared__ SharedRow sh;
+  const VerifyDraws d =
+      draws_in != nullptr ? *draws_in : sampling::make_verify_draws(seed_step[0], seed_step[1]);
+  const int64_t v = vocab;
+  float weight[kMaxDraft + 1], threshold[kMaxDraft + 1], resid[kMaxDraft + 1];
+  for (int i = 0; i <= kMaxDraft; ++i) weight[i] = threshold[i] = resid[i] = 0.0f;
+  weight[0] = 1.0f;
+  threshold[0] = 1.0f;
+  for (int i = 1; i <= g; ++i) {
+    const int32_t x = tokens[i - 1];
+    weight[i] = next_weight(weight[i - 1], p[(i - 1) * v + x], q[(i - 1) * v + x]);
+  }
+
+  int tau = 0;
+  int32_t extra = -1;
+  if (!block_mode) {
+    tau = g;
+    for (int i = 1; i <= g; ++i) {
+      const int32_t x = tokens[i - 1];
+      threshold[i] = next_weight(1.0f, p[(i - 1) * v + x], q[(i - 1) * v + x]);
+    }
+    for (int i = 1; i <= g; ++i) {
+      if (!(d.eta[i - 1] <= threshold[i])) {
+        tau = i - 1;
+        break;
+      }
+    }
+    if (tau < g) {
+      resid[tau] = residual_mass(p + tau * v, q + tau * v, 1.0f, v, sh);
+      extra = sample_residual(p + tau * v, q + tau * v, 1.0f, v, d.u_extra, sh);
+    } else {
+      extra = block_inverse_cdf_pick(Plain{p + g * v}, v, d.u_extra, sh);
+    }
+  } else {
+    for (int i = 1; i <= g; ++i) {
+      if (i < g) {
+        const float z = residual_mass(p + i * v, q + i * v, weight[i], v, sh);
+        const float den = __fadd_rn(z, __fsub_rn(1.0f, weight[i]));
+        resid[i] = z;
+        threshold[i] = den > 0.0f ? __fdiv_rn(z, den) : 1.0f;
+      } else {
+        threshold[i] = weight[i];
+      }
+      if (d.eta[i - 1] <= threshold[i]) tau = i;  // no break: tau is the last such i
+    }
+    if (tau < g) {
+      if (tau == 0) resid[0] = residual_mass(p, q, 1.0f, v, sh);
+      extra = sample_residual(p + tau * v, q + tau * v, weight[tau], v, d.u_extra, sh);
+    } else {
+      extra = block_inverse_cdf_pick(Plain{p + g * v}, v, d.u_extra, sh);
+    }
+  }
+  if (threadIdx.x == 0) {
+    out->accepted = tau;
+    out->extra_token = extra;
+    for (int i = 0; i <= kMaxDraft; ++i) {
+      out->weight[i] = weight[i];
+      out->threshold[i] = threshold[i];
+      out->residual_mass[i] = resid[i];
+    }
+    if (draws_used != nullptr) *draws_used = d;
+  }
+}
+
+int next_pow2(int n) {
+  int p = 1;
+  while (p < n) p <<= 1;
+  return p;
+}
+
+}  // namespace
+
+VerifyPlan::VerifyPlan(int max_vocab) : max_vocab_(max_vocab), sort_stride_(next_pow2(max_vocab)) {
+  require(max_vocab >= 1 && max_vocab <= (1 << 30), "VerifyPlan: max_vocab = %d is out of range",
+          max_vocab);
+  UF_CUDA_CHECK(cudaMalloc(&probs_, size_t(kMaxRows) * max_vocab_ * sizeof(float)));
+  UF_CUDA_CHECK(cudaMalloc(&sort_, size_t(kMaxRows) * sort_stride_ * sizeof(float)));
+}
+
+VerifyPlan::~VerifyPlan() {
+  cudaFree(probs_);
+  cudaFree(sort_);
+}
+
+void logits_to_probs_on_device(const VerifyPlan& plan, const float* logits, int rows, int vocab,
+                               const sampling::SamplingParams& params, float* probs,
+                               cudaStream_t stream) {
+  require(rows >= 0 && rows <= kMaxRows && vocab >= 1 && vocab <= plan.max_vocab(),
+          "logits_to_probs_on_device: rows = %d must be in 0..%d and vocab = %d in 1..%d", rows,
+          kMaxRows, vocab, plan.max_vocab());
+  if (rows == 0) return;
+  transform_kernel<<<rows, kTransformThreads, 0, stream>>>(logits, vocab, params.temperature,
+                                                           params.top_p, params.top_k, probs,
+                                                           plan.sort_scratch(), plan.sort_stride());
+  UF_CUDA_CHECK(cudaGetLastError());
+}
+
+void exp_of_bits_on_device(uint32_t first_bits, int64_t n, float* out, cudaStream_t stream) {
+  require(n >= 0 && uint64_t(first_bits) + uint64_t(n) <= (uint64_t(1) << 32),
+          "exp_of_bits_on_device: %lld values from 0x%08x run past 2^32", (long long)n, first_bits);
+  if (n == 0) return;
+  exp_of_bits_kernel<<<1024, 256, 0, stream>>>(first_bits, n, out);
+  UF_CUDA_CHECK(cudaGetLastError());
+}
+
+void verify_probs_on_device(sampling::VerifyMode mode, const float* target, const float* draft,
+                            const int32_t* tokens, int g, int vocab,
+                            const unsigned long long* seed_step, const VerifyDraws* draws,
+                            VerifyResult* out, VerifyDraws* draws_used, cudaStream_t stream) {
+  require(g >= 0 && g <= kMaxDraft && vocab >= 1,
+          "verify_probs_on_device: g = %d must be in 0..%d and vocab = %d >= 1", g, kMaxDraft,
+          vocab);
+  require(draws != nullptr || seed_step != nullptr,
+          "verify_probs_on_device: needs either explicit draws or {seed, step}");
+  require(g == 0 || (draft != nullptr && tokens != nullptr),
+          "verify_probs_on_device: g = %d drafts need draft rows and tokens", g);
+  verify_kernel<<<1, kLanes, 0, stream>>>(mode == sampling::VerifyMode::kBlock, target, draft,
+                                          tokens, g, vocab, seed_step, draws, out, draws_used);
+  UF_CUDA_CHECK(cudaGetLastError());
+}
+
+void verify_on_device(const VerifyPlan& plan, sampling::VerifyMode mode, const float* target_logits,
+                      const float* draft_logits, const int32_t* tokens, int g, int vocab,
+                      const sampling::SamplingParams& params, const unsigned long long* seed_step,
+                      VerifyResult* out, cudaStream_t stream) {
+  require(g >= 0 && g <= kMaxDraft && vocab >= 1 && vocab <= plan.max_vocab(),
+          "verify_on_device: g = %d must be in 0..%d and vocab = %d in 1..%d", g, kMaxDraft, vocab,
+          plan.max_vocab());
+  require(seed_step != nullptr, "verify_on_device: seed_step (device {seed, step}) is null");
+  // Two launches (target rows, draft rows): they live in separate caller buffers. Both reuse the
+  // sort scratch from row 0, which is safe because launches on one stream run in order.
+  logits_to_probs_on_device(plan, target_logits, g + 1, vocab, params, plan.target_probs(), stream);
+  if (g > 0) {
+    logits_to_probs_on_device(plan, draft_logits, g, vocab, params, plan.draft_probs(), stream);
+  }
+  verify_probs_on_device(mode, plan.target_probs(), plan.draft_probs(), tokens, g, vocab, seed_step,
+                         nullptr, out, nullptr, stream);
+}
+
+}  // namespace uf::cuda

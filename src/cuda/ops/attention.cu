@@ -1,0 +1,151 @@
+// sparse_attn: the device twin of cpu::sparse_attn_row over T rows (ops/attention.h).
+//
+// Layout: one block of kThreads threads per (row, head); the block walks the row's slot list
+// (window slots, then top-k entries) in blocks of 64 exactly as the CPU does, so the online
+// softmax sees the same block boundaries (empty slots included: they keep their place in the
+// list, score -inf, probability 0, and add nothing to P.V).
+//
+// Arithmetic order, chosen to reproduce the CPU bit for bit (uf_cpu builds with
+// -ffp-contract=off, so every step here uses __fmul_rn / __fadd_rn to forbid FMA contraction):
+//  - q.k: cpu dot_f32 = dot8: eight partial sums, lane L holding the terms i = L mod 8 in
+//    increasing i, combined as ((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7)); one thread per (slot, lane).
+//  - block max, m_new = max(m, bmax), sc = exp(m - m_new), p_j = exp(s_j - m_new) (0 if empty),
+//    psum summed in slot order by one thread, sum = sum * sc + psum.
+//  - P.V: one thread per output dim d: tmp = sum_j bf16(p_j) * k_j[d] in slot order, then
+//    acc = acc * sc + tmp; out = bf16(acc / (sum + exp(sink - m))).
+// exp: the CPU calls glibc expf (< 0.502 ulp); here exp runs in double and rounds once to fp32,
+// i.e. correctly rounded, so the two agree except when the exact value is within ~0.002 ulp of a
+// rounding boundary. That is the only source of difference from the CPU (tests allow 1 bf16 ulp).
+//
+// A row's result depends on its own inputs only (spec == plain). No allocation, no atomics.
+
+#include <cuda_runtime.h>
+
+#include "cuda/cuda_check.h"
+#include "cuda/kernels/common.cuh"
+#include "cuda/ops/attention.h"
+
+namespace uf::cuda {
+namespace {
+
+constexpr int kBlock = 64;  // cpu::kAttnBlock
+constexpr int kThreads = 256;
+constexpr int kMaxHeadDim = 1024;
+
+__device__ __forceinline__ float exp_rn(float x) { return float(exp(double(x))); }
+
+__global__ void __launch_bounds__(kThreads)
+    sparse_attn_kernel(const float* __restrict__ q, int H, int hd, const float* const* window,
+                       int n_window, const int32_t* __restrict__ topk, int k,
+                       const float* __restrict__ ckv, const float* __restrict__ sink, float scale,
+                       float* __restrict__ out) {
+  extern __shared__ float smem[];
+  float* qs = smem;        // [hd]
+  float* acc = smem + hd;  // [hd]
+  __shared__ const float* slot[kBlock];
+  __shared__ float part[kBlock * 8];
+  __shared__ float s[kBlock];
+  __shared__ float pb[kBlock];
+  __shared__ float m_sh, sum_sh, sc_sh, mnew_sh;
+
+  const int t = blockIdx.x / H, h = blockIdx.x % H, tid = threadIdx.x;
+  const float* qh = q + (int64_t(t) * H + h) * hd;
+  for (int d = tid; d < hd; d += kThreads) {
+    qs[d] = qh[d];
+    acc[d] = 0.f;
+  }
+  if (tid == 0) {
+    m_sh = -1e30f;
+    sum_sh = 0.f;
+  }
+  __syncthreads();
+  const int n_slots = n_window + k;
+  for (int b0 = 0; b0 < n_slots; b0 += kBlock) {
+    const int nb = min(kBlock, n_slots - b0);
+    if (tid < nb) {
+      const int j = b0 + tid;
+      const float* p = nullptr;
+      if (j < n_window) {
+        p = window[int64_t(t) * n_window + j];
+      } else {
+        const int32_t e = topk[int64_t(t) * k + (j - n_window)];
+        p = e >= 0 ? ckv + int64_t(e) * hd : nullptr;
+      }
+      slot[tid] = p;
+    }
+    __syncthreads();
+    // Partial dot products: work item w = (slot j, lane L).
+    for (int w = tid; w < nb * 8; w += kThreads) {
+      const int j = w >> 3, lane = w & 7;
+      const float* kp = slot[j];
+      float a = 0.f;
+      if (kp)
+        for (int i = lane; i < hd; i += 8) a = __fadd_rn(a, __fmul_rn(qs[i], kp[i]));
+      part[w] = a;
+    }
+    __syncthreads();
+    if (tid < nb) {
+      const float* pp = part + tid * 8;
+      const float dot = __fadd_rn(__fadd_rn(__fadd_rn(pp[0], pp[1]), __fadd_rn(pp[2], pp[3])),
+                                  __fadd_rn(__fadd_rn(pp[4], pp[5]), __fadd_rn(pp[6], pp[7])));
+      s[tid] = slot[tid] ? __fmul_rn(dot, scale) : -INFINITY;
+    }
+    __syncthreads();
+    if (tid == 0) {
+      float bmax = -INFINITY;
+      for (int j = 0; j < nb; ++j) bmax = bmax < s[j] ? s[j] : bmax;  // std::max(bmax, s[j])
+      const float m = m_sh;
+      mnew_sh = m < bmax ? bmax : m;  // std::max(m, bmax)
+    }
+    __syncthreads();
+    const float m_new = mnew_sh;
+    if (tid < nb) pb[tid] = slot[tid] ? exp_rn(__fadd_rn(s[tid], -m_new)) : 0.f;
+    __syncthreads();
+    if (tid == 0) {
+      const float sc = exp_rn(__fadd_rn(m_sh, -m_new));
+      float psum = 0.f;
+      for (int j = 0; j < nb; ++j) psum = __fadd_rn(psum, pb[j]);
+      sum_sh = __fadd_rn(__fmul_rn(sum_sh, sc), psum);
+      sc_sh = sc;
+      m_sh = m_new;
+    }
+    __syncthreads();
+    if (tid < nb) pb[tid] = detail::round_bf16(pb[tid]);
+    __syncthreads();
+    const float sc = sc_sh;
+    for (int d = tid; d < hd; d += kThreads) {
+      float tmp = 0.f;
+      for (int j = 0; j < nb; ++j) {
+        const float* kp = slot[j];
+        if (kp) tmp = __fadd_rn(tmp, __fmul_rn(pb[j], kp[d]));
+      }
+      acc[d] = __fadd_rn(__fmul_rn(acc[d], sc), tmp);
+    }
+    __syncthreads();  // slot / part / pb are rewritten by the next block
+  }
+  const float sum = __fadd_rn(sum_sh, exp_rn(__fadd_rn(sink[h], -m_sh)));
+  float* o = out + (int64_t(t) * H + h) * hd;
+  for (int d = tid; d < hd; d += kThreads) o[d] = detail::round_bf16(__fdiv_rn(acc[d], sum));
+}
+
+}  // namespace
+
+void sparse_attn(const float* q, int T, int H, int hd, const float* const* window, int n_window,
+                 const int32_t* topk, int k, const float* ckv, const float* sink, float scale,
+                 float* out, cudaStream_t stream) {
+  require(T >= 0 && H > 0 && hd > 0 && hd <= kMaxHeadDim && n_window >= 0 && k >= 0,
+          "sparse_attn: unsupported shape T=%d H=%d hd=%d n_window=%d k=%d (hd <= %d)", T, H, hd,
+          n_window, k, kMaxHeadDim);
+  require(n_window == 0 || window, "sparse_attn: n_window=%d but no window slot array", n_window);
+  require(k == 0 || (topk && ckv), "sparse_attn: k=%d but topk or ckv is null", k);
+  if (T == 0) return;
+  const int64_t blocks = int64_t(T) * H;
+  require(blocks < (int64_t(1) << 31), "sparse_attn: T*H=%lld blocks is too many",
+          static_cast<long long>(blocks));
+  const size_t smem = size_t(2) * size_t(hd) * sizeof(float);
+  sparse_attn_kernel<<<unsigned(blocks), kThreads, smem, stream>>>(q, H, hd, window, n_window, topk,
+                                                                   k, ckv, sink, scale, out);
+  UF_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace uf::cuda

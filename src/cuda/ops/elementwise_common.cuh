@@ -1,0 +1,149 @@
+#pragma once
+// Device helpers of the elementwise ops (ops/norm_rope.cu, quant.cu, mhc.cu, misc.cu): scalar
+// formats and weight dequantisation mirroring core/dtypes.h and model::Weight::at bit for bit,
+// and a fixed-order block reduction.
+//
+// Exactness: nvcc contracts a * b + c into an FMA by default (-fmad=true) while the CPU reference
+// is built with -ffp-contract=off, so every product or sum whose bits matter goes through the
+// explicitly rounded intrinsics below (never contracted). Subnormals are kept (no -ftz).
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/device_weights.h"
+
+namespace uf::cuda::ew {
+
+__device__ __forceinline__ float fmul(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ float fadd(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ float fsub(float a, float b) { return __fsub_rn(a, b); }
+__device__ __forceinline__ float fdiv(float a, float b) { return __fdiv_rn(a, b); }
+// std::max / std::min / std::clamp semantics (the first argument wins unless strictly beaten).
+__device__ __forceinline__ float smax(float a, float b) { return a < b ? b : a; }
+__device__ __forceinline__ float sclamp(float v, float lo, float hi) {
+  return v < lo ? lo : (hi < v ? hi : v);
+}
+
+// core::round_bf16: round to nearest even, NaN kept quiet with the same bits.
+__device__ __forceinline__ float round_bf16(float f) {
+  uint32_t b = __float_as_uint(f);
+  if ((b & 0x7fffffffu) > 0x7f800000u) return __uint_as_float(((b >> 16) | 0x40u) << 16);
+  b += 0x7fffu + ((b >> 16) & 1u);
+  return __uint_as_float(b & 0xffff0000u);
+}
+
+__device__ __forceinline__ float bf16_to_f32(uint16_t h) {
+  return __uint_as_float(uint32_t(h) << 16);
+}
+
+// core::decode_e4m3_fields.
+__device__ __forceinline__ float e4m3_to_f32(uint8_t c) {
+  const int s = c >> 7, e = (c >> 3) & 15, m = c & 7;
+  if (e == 15 && m == 7) return __uint_as_float(0x7fc00000u);
+  const float mag = e == 0 ? float(m) / 512.0f
+                           : (1.0f + float(m) / 8.0f) *
+                                 (e >= 7 ? float(1 << (e - 7)) : 1.0f / float(1 << (7 - e)));
+  return s ? -mag : mag;
+}
+
+// core::float_to_e4m3: saturating, round to nearest even, NaN -> 0x7f.
+__device__ __forceinline__ uint8_t f32_to_e4m3(float f) {
+  if (isnan(f)) return 0x7f;
+  const uint8_t sign = signbit(f) ? 0x80 : 0x00;
+  const float a = fabsf(f);
+  if (a >= 448.0f) return sign | 0x7e;
+  int e;
+  frexpf(a, &e);
+  int exp2 = e - 1;
+  if (exp2 < -6) exp2 = -6;
+  const float quantum = ldexpf(1.0f, exp2 - 3);
+  const float q = rintf(fdiv(a, quantum));  // exact division by a power of two; RNE
+  const float r = fmul(q, quantum);
+  if (r >= 448.0f) return sign | 0x7e;
+  if (r == 0.f) return sign;
+  if (r < ldexpf(1.0f, -6)) return sign | uint8_t(q);
+  frexpf(r, &e);
+  const int ebits = (e - 1) + 7;
+  const int mbits = int(fmul(ldexpf(r, -(e - 1)), 8.0f)) - 8;
+  return sign | uint8_t(ebits << 3) | uint8_t(mbits);
+}
+__device__ __forceinline__ float round_e4m3(float f) { return e4m3_to_f32(f32_to_e4m3(f)); }
+
+// core::e8m0_to_float: 0 -> 2^-127 (fp32 subnormal), 255 -> NaN.
+__device__ __forceinline__ float e8m0_to_f32(uint8_t c) {
+  if (c == 255) return __uint_as_float(0x7fc00000u);
+  if (c == 0) return __uint_as_float(0x00400000u);
+  return __uint_as_float(uint32_t(c) << 23);
+}
+
+// core::e2m1_to_float: magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6}; -0 decodes to +0.
+__device__ __forceinline__ float e2m1_to_f32(uint8_t code) {
+  const int e = (code >> 1) & 3, m = code & 1;
+  const float mag = e == 0 ? 0.5f * float(m) : (1.0f + 0.5f * float(m)) * float(1 << (e - 1));
+  return (code & 8) && mag != 0.f ? -mag : mag;
+}
+// core::float_to_e2m1: midpoints, ties to the even code; saturates to 6; NaN -> 7.
+__device__ __forceinline__ uint8_t f32_to_e2m1(float f) {
+  if (isnan(f)) return 7;
+  const float a = fabsf(f);
+  const float mid[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
+  uint8_t code = 0;
+#pragma unroll
+  for (int i = 0; i < 7; ++i)
+    if (a > mid[i] || (a == mid[i] && (i & 1))) code = uint8_t(i + 1);
+  return code | (signbit(f) ? 8 : 0);
+}
+__device__ __forceinline__ float round_e2m1(float f) { return e2m1_to_f32(f32_to_e2m1(f)); }
+
+// core::pow2_scale: 2^ceil(log2(amax * max_inv)) from the bits of the fp32 product.
+__device__ __forceinline__ float pow2_scale(float amax, float max_inv) {
+  const uint32_t bits = __float_as_uint(fmul(amax, max_inv));
+  const int exp = int((bits >> 23) & 0xff);
+  const int man = int(bits & 0x7fffff);
+  const int log2_ceil = exp - 127 + (man != 0 ? 1 : 0);
+  return __uint_as_float(uint32_t(log2_ceil + 127) << 23);
+}
+
+// model::Weight::at(r, c) on a DeviceWeight (the product of code and scale is exact in fp32).
+__device__ __forceinline__ float weight_at(const DeviceWeight& w, int64_t r, int64_t c) {
+  switch (w.format) {
+    case model::WFormat::kF32:
+      return reinterpret_cast<const float*>(w.data)[r * w.cols + c];
+    case model::WFormat::kBF16:
+      return bf16_to_f32(reinterpret_cast<const uint16_t*>(w.data)[r * w.cols + c]);
+    case model::WFormat::kFP8: {
+      const int64_t sc = (w.cols + 31) / 32;
+      return fmul(e4m3_to_f32(w.data[r * w.cols + c]),
+                  e8m0_to_f32(w.scale[(w.row_scale ? r : r / 32) * sc + c / 32]));
+    }
+    case model::WFormat::kFP4: {
+      const uint8_t byte = w.data[r * (w.cols / 2) + c / 2];
+      const uint8_t code = (c & 1) ? uint8_t(byte >> 4) : uint8_t(byte & 15);
+      return fmul(e2m1_to_f32(code), e8m0_to_f32(w.scale[r * (w.cols / 32) + c / 32]));
+    }
+  }
+  return 0.f;
+}
+// Element i of model::Weight::to_vector() (row-major; 1-D parameters are [n, 1]).
+__device__ __forceinline__ float weight_flat(const DeviceWeight& w, int64_t i) {
+  return weight_at(w, i / w.cols, i % w.cols);
+}
+
+// Sum of one value per thread over a block of kThreads (a multiple of 32), in a fixed order that
+// depends only on kThreads: butterfly within each warp (lane 0's result), then warps in order.
+// Every thread gets the same bits. smem: kThreads / 32 floats; reusable after the call.
+template <int kThreads>
+__device__ __forceinline__ float block_sum(float v, float* smem) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fadd(v, __shfl_xor_sync(0xffffffffu, v, o));
+  if ((threadIdx.x & 31) == 0) smem[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float s = smem[0];
+#pragma unroll
+  for (int w = 1; w < kThreads / 32; ++w) s = fadd(s, smem[w]);
+  __syncthreads();
+  return s;
+}
+
+}  // namespace uf::cuda::ew

@@ -1,0 +1,147 @@
+// DeviceEngram (ops/moe.h): cpu::engram_forward on the device, by chunks of kMaxDecodeRows rows.
+//
+// Per chunk: gather_kernel dequantises the hashed table rows (FP8 with per-row E8M0 scales, or
+// BF16 / F32) to bf16 values; DeviceLinear(wkv) projects them (the CPU's linear() dispatch);
+// gate_kernel (one block per (row, hc copy)) computes the copy's gate with the CPU's exact fp32
+// order (dot8 partial sums for |h|^2, |k|^2 and the weighted dot, threads 0..7 = partials 0..7)
+// and writes out = bf16(h + gate * value). expf may differ from glibc by an ulp.
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "cuda/cuda_check.h"
+#include "cuda/gemv.h"
+#include "cuda/kernels/common.cuh"
+#include "cuda/ops/moe.h"
+#include "cuda/ops/weight_access.cuh"
+
+namespace uf::cuda {
+
+namespace {
+
+using ops_detail::WeightRef;
+
+// e[t, c * head_dim + i] = bf16(table[ids[t, c], i]). grid (m * n_cols), block 128. An id outside
+// the table writes NaN (the CPU throws; a device kernel cannot, so the error shows downstream).
+__global__ void gather_kernel(WeightRef table, int64_t table_rows, const int64_t* ids, int n_cols,
+                              int head_dim, float* e) {
+  const int item = blockIdx.x;  // t * n_cols + c
+  const int64_t row = ids[item];
+  float* dst = e + int64_t(item) * head_dim;
+  const bool ok = row >= 0 && row < table_rows;
+  for (int i = threadIdx.x; i < head_dim; i += blockDim.x)
+    dst[i] =
+        ok ? detail::round_bf16(ops_detail::element(table, row, i)) : __uint_as_float(0x7fc00000u);
+}
+
+// One block per (t, copy c): X [m, hc, D], kv [m, (hc + 1) * D], wt [hc, D] = q_weight * k_weight.
+__global__ void gate_kernel(const float* X, const float* kv, const float* wt, int hc, int D,
+                            float eps, float dim_scale, float* out) {
+  __shared__ float s_hh[8], s_kk[8], s_hk[8];
+  __shared__ float s_gate;
+  const int t = blockIdx.x / hc, c = blockIdx.x % hc, tid = threadIdx.x;
+  const float* h = X + (int64_t(t) * hc + c) * D;
+  const float* key = kv + int64_t(t) * (hc + 1) * D;
+  const float* k = key + int64_t(c) * D;
+  const float* value = key + int64_t(hc) * D;
+  const float* w = wt + int64_t(c) * D;
+  if (tid < 8) {
+    float hh = 0.f, kk = 0.f, hk = 0.f;
+    for (int d = tid; d < D; d += 8) {
+      hh = __fadd_rn(hh, __fmul_rn(h[d], h[d]));
+      kk = __fadd_rn(kk, __fmul_rn(k[d], k[d]));
+      hk = __fadd_rn(hk, __fmul_rn(__fmul_rn(h[d], w[d]), k[d]));
+    }
+    s_hh[tid] = hh;
+    s_kk[tid] = kk;
+    s_hk[tid] = hk;
+  }
+  __syncthreads();
+  if (tid == 0) {
+    auto tree = [](const float* s) {
+      return __fadd_rn(__fadd_rn(__fadd_rn(s[0], s[1]), __fadd_rn(s[2], s[3])),
+                       __fadd_rn(__fadd_rn(s[4], s[5]), __fadd_rn(s[6], s[7])));
+    };
+    const float fd = float(D);
+    const float rstd =
+        __fmul_rn(__fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(tree(s_hh), fd), eps))),
+                  __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(tree(s_kk), fd), eps))));
+    const float dot = __fmul_rn(__fmul_rn(tree(s_hk), rstd), dim_scale);
+    const float mag = __fsqrt_rn(fmaxf(fabsf(dot), 1e-6f));
+    s_gate = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-copysignf(mag, dot))));
+  }
+  __syncthreads();
+  const float gate = s_gate;
+  float* o = out + (int64_t(t) * hc + c) * D;
+  // Each element is read (h) and written (o) by the same thread: out may alias X.
+  for (int d = tid; d < D; d += blockDim.x)
+    o[d] = detail::round_bf16(__fadd_rn(h[d], __fmul_rn(gate, value[d])));
+}
+
+}  // namespace
+
+struct DeviceEngram::Impl {
+  EngramShape s;
+  DeviceWeight table;
+  DeviceLinear wkv;
+  float* wt = nullptr;  // [hc, D]
+  float dim_scale = 0;
+  float* e = nullptr;   // [8, n_cols * head_dim]
+  float* kv = nullptr;  // [8, (hc + 1) * D]
+};
+
+DeviceEngram::DeviceEngram(const model::EngramWeights& w, const EngramShape& shape,
+                           DeviceArena& arena)
+    : impl_(std::make_unique<Impl>()) {
+  Impl& m = *impl_;
+  m.s = shape;
+  const int hc = shape.hc, D = shape.dim, K = shape.n_cols * shape.head_dim;
+  require(hc > 0 && D > 0 && shape.n_cols > 0 && shape.head_dim > 0,
+          "DeviceEngram: empty shape (hc %d, dim %d, n_cols %d, head_dim %d)", hc, D, shape.n_cols,
+          shape.head_dim);
+  require(w.table.cols == shape.head_dim && !w.table.empty(),
+          "DeviceEngram: table '%s' has %lld columns, expected head_dim %d", w.table.name.c_str(),
+          static_cast<long long>(w.table.cols), shape.head_dim);
+  require(w.wkv.cols == K && w.wkv.rows == int64_t(hc + 1) * D,
+          "DeviceEngram: wkv '%s' is [%lld, %lld], expected [%d, %d]", w.wkv.name.c_str(),
+          static_cast<long long>(w.wkv.rows), static_cast<long long>(w.wkv.cols), (hc + 1) * D, K);
+  m.table = upload_weight(w.table, arena);
+  m.wkv = DeviceLinear(w.wkv, LinearKind::kAuto, arena);
+  const std::vector<float> qw = w.q_weight.to_vector(), kw = w.k_weight.to_vector();
+  require(qw.size() == size_t(hc) * D && kw.size() == size_t(hc) * D,
+          "DeviceEngram: q_weight / k_weight have %zu / %zu values, expected %d", qw.size(),
+          kw.size(), hc * D);
+  std::vector<float> wt(qw.size());
+  for (size_t i = 0; i < wt.size(); ++i) wt[i] = qw[i] * kw[i];
+  m.wt = arena.upload(wt);
+  m.dim_scale = float(std::pow(double(D), -0.5));
+  m.e = arena.alloc<float>(size_t(kMaxDecodeRows) * K);
+  m.kv = arena.alloc<float>(size_t(kMaxDecodeRows) * (hc + 1) * D);
+}
+
+DeviceEngram::~DeviceEngram() = default;
+DeviceEngram::DeviceEngram(DeviceEngram&&) noexcept = default;
+DeviceEngram& DeviceEngram::operator=(DeviceEngram&&) noexcept = default;
+
+void DeviceEngram::apply(const int64_t* ids, const float* X, int T, float* out,
+                         cudaStream_t stream) const {
+  const Impl& m = *impl_;
+  const int hc = m.s.hc, D = m.s.dim;
+  for (int t0 = 0; t0 < T; t0 += kMaxDecodeRows) {
+    const int rows = std::min(kMaxDecodeRows, T - t0);
+    gather_kernel<<<rows * m.s.n_cols, 128, 0, stream>>>(
+        ops_detail::weight_ref(m.table), m.table.rows, ids + int64_t(t0) * m.s.n_cols, m.s.n_cols,
+        m.s.head_dim, m.e);
+    UF_CUDA_CHECK(cudaGetLastError());
+    m.wkv.apply(m.e, rows, m.kv, stream);
+    const int64_t off = int64_t(t0) * hc * D;
+    gate_kernel<<<rows * hc, 256, 0, stream>>>(X + off, m.kv, m.wt, hc, D, m.s.norm_eps,
+                                               m.dim_scale, out + off);
+    UF_CUDA_CHECK(cudaGetLastError());
+  }
+}
+
+}  // namespace uf::cuda

@@ -1,0 +1,29 @@
+#pragma once
+// Generic linear kernels shared by the ops (ops/linear.cu, ops/moe_ops.cu, ops/engram.cu). They
+// reproduce cpu/linear.cpp bit for bit: the same fp32 operations in the same order (dot8's eight
+// interleaved partial sums, no FMA contraction, per-32-block partial products scaled and added in K
+// order). Used where the fast kernels (Fp8Gemv, MoeFp4) do not fit the shape or the format.
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "cuda/device_weights.h"
+
+namespace uf::cuda::ops_detail {
+
+// y[t * y_stride + j] = post(dot8(x[t * x_stride, :K], W[r0 + j, :])) for t < m, j < n; post is
+// bf16 rounding when round_bf16, else identity (cpu::gemm_rows). Any format, any m.
+void dense_rows(const DeviceWeight& w, int64_t r0, int64_t n, const float* x, int64_t x_stride,
+                int m, float* y, int64_t y_stride, bool round_bf16, cudaStream_t stream);
+
+// cpu::linear_quant on pre-quantised activations (codes [m, K] E4M3, scales [m, K/32]): FP8 (block
+// or row scales) and FP4 weights. y [m, y_stride], bf16 values.
+void quant_rows(const DeviceWeight& w, const uint8_t* codes, const float* scales, int m, float* y,
+                int64_t y_stride, cudaStream_t stream);
+
+// In place: y[i] = bf16(y[i]) for i < n.
+void round_bf16_inplace(float* y, size_t n, cudaStream_t stream);
+
+}  // namespace uf::cuda::ops_detail

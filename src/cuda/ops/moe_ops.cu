@@ -1,0 +1,284 @@
+// DeviceMoe (ops/moe.h): cpu::moe_forward on the device, by chunks of kMaxDecodeRows rows.
+//
+// Per chunk of m <= 8 rows:
+//   1. gate scores: DeviceLinear kF32 (bitwise cpu::linear_f32);
+//   2. route_kernel, one block per row: score function, selection bias, top-k (ties to the lower
+//      expert id, as the CPU's partial_sort comparator), normalisation (+1e-20) and route_scale,
+//      the same fp32 operations as cpu::moe_route (expf / log1pf may differ from glibc by an ulp);
+//   3. routed experts: MoeFp4 (MXFP4 W4A8; input FP8-quantised per 32 exactly as linear_quant;
+//      g/u rounded to bf16, clamps, h = bf16(weight * (silu(g) * u)), w2 output rounded to bf16,
+//      expert outputs summed in fp32 in ascending expert id from 0: all as cpu::expert_forward /
+//      moe_forward; only the order of a block's 32 products and the K-split grouping differ);
+//   4. shared expert: DeviceLinear w1, w3 (kQuant, bf16 outputs), swiglu_kernel
+//      (h = bf16(silu(min(g, L)) * clamp(u, -L, L))), DeviceLinear w2 (bf16 output);
+//   5. combine_kernel: y = bf16(routed + shared).
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "cuda/cuda_check.h"
+#include "cuda/gemv.h"
+#include "cuda/kernels/common.cuh"
+#include "cuda/moe.h"
+#include "cuda/ops/moe.h"
+
+namespace uf::cuda {
+
+using model::WFormat;
+
+namespace {
+
+constexpr int kRouteThreads = 256;
+constexpr int kMaxTopK = 8;  // MoeFp4: 8 rows * top_k <= 64
+enum ScoreFunc { kSqrtSoftplus = 0, kSoftmax = 1, kSigmoid = 2 };
+
+__device__ __forceinline__ bool better(float va, int ia, float vb, int ib) {
+  // cpu::moe_route's comparator; an unset candidate (index < 0) loses to anything.
+  if (ib < 0) return ia >= 0;
+  if (ia < 0) return false;
+  return va > vb || (va == vb && ia < ib);
+}
+
+// One block per row: scores [m, E] (gate outputs) -> gate_i / gate_w [m, K].
+__global__ void __launch_bounds__(kRouteThreads)
+    route_kernel(const float* scores, const float* bias, int E, int K, int func, float gate_temp,
+                 float route_scale, int32_t* gate_i, float* gate_w) {
+  extern __shared__ float smem[];
+  float* sc = smem;          // [E] scores after the score function
+  float* biased = smem + E;  // [E] scores + bias (selection only)
+  __shared__ int s_sel[kMaxTopK];
+  __shared__ float s_wv[kRouteThreads / 32];
+  __shared__ int s_wi[kRouteThreads / 32];
+  const int t = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const float* row = scores + size_t(t) * E;
+  for (int e = tid; e < E; e += blockDim.x) {
+    float v = __fdiv_rn(row[e], gate_temp);
+    if (func == kSigmoid)
+      v = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-v)));
+    else if (func == kSqrtSoftplus)
+      v = __fsqrt_rn(v > 20.f ? v : log1pf(expf(v)));
+    sc[e] = v;
+  }
+  __syncthreads();
+  if (func == kSoftmax) {
+    if (tid == 0) {  // sequential, in the CPU's order
+      float mx = sc[0];
+      for (int e = 1; e < E; ++e) mx = fmaxf(mx, sc[e]);
+      float sum = 0.f;
+      for (int e = 0; e < E; ++e) {
+        sc[e] = expf(__fsub_rn(sc[e], mx));
+        sum = __fadd_rn(sum, sc[e]);
+      }
+      for (int e = 0; e < E; ++e) sc[e] = __fdiv_rn(sc[e], sum);
+    }
+    __syncthreads();
+  }
+  for (int e = tid; e < E; e += blockDim.x) biased[e] = __fadd_rn(sc[e], bias[e]);
+  __syncthreads();
+  for (int k = 0; k < K; ++k) {
+    float bv = 0.f;
+    int bi = -1;
+    for (int e = tid; e < E; e += blockDim.x) {
+      bool taken = false;
+      for (int j = 0; j < k; ++j) taken |= s_sel[j] == e;
+      if (!taken && better(biased[e], e, bv, bi)) {
+        bv = biased[e];
+        bi = e;
+      }
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+      if (better(ov, oi, bv, bi)) {
+        bv = ov;
+        bi = oi;
+      }
+    }
+    if (lane == 0) {
+      s_wv[warp] = bv;
+      s_wi[warp] = bi;
+    }
+    __syncthreads();
+    if (tid == 0) {
+      float v = s_wv[0];
+      int i = s_wi[0];
+      for (int w = 1; w < int(blockDim.x / 32); ++w)
+        if (better(s_wv[w], s_wi[w], v, i)) {
+          v = s_wv[w];
+          i = s_wi[w];
+        }
+      s_sel[k] = i;
+    }
+    __syncthreads();
+  }
+  if (tid == 0) {
+    float* gw = gate_w + size_t(t) * K;
+    int32_t* gi = gate_i + size_t(t) * K;
+    for (int k = 0; k < K; ++k) {
+      gi[k] = s_sel[k];
+      gw[k] = sc[s_sel[k]];
+    }
+    if (K > 1) {  // norm_topk_prob (always on for this model)
+      float sum = 0.f;
+      for (int k = 0; k < K; ++k) sum = __fadd_rn(sum, gw[k]);
+      sum = __fadd_rn(sum, 1e-20f);
+      for (int k = 0; k < K; ++k) gw[k] = __fdiv_rn(gw[k], sum);
+    }
+    for (int k = 0; k < K; ++k) gw[k] = __fmul_rn(gw[k], route_scale);
+  }
+}
+
+// Shared expert SwiGLU on bf16 g / u (cpu::expert_forward without a routing weight).
+__global__ void swiglu_kernel(const float* g, const float* u, size_t n, float lim, float* h) {
+  const size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  float gv = g[i], uv = u[i];
+  if (lim > 0.f) {
+    uv = fminf(fmaxf(uv, -lim), lim);
+    gv = fminf(gv, lim);
+  }
+  h[i] = detail::round_bf16(__fmul_rn(__fdiv_rn(gv, __fadd_rn(1.0f, expf(-gv))), uv));
+}
+
+__global__ void combine_kernel(const float* routed, const float* shared, size_t n, float* y) {
+  const size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) y[i] = detail::round_bf16(__fadd_rn(routed[i], shared[i]));
+}
+
+unsigned blocks_for(size_t n, int threads) { return unsigned((n + threads - 1) / threads); }
+
+// One stacked expert matrix [E, rows, cols] (FP4) and its scales [E, rows, cols / 32].
+struct Stacked {
+  uint8_t* data = nullptr;
+  uint8_t* scale = nullptr;
+};
+
+Stacked stack_experts(const std::vector<model::ExpertWeights>& experts,
+                      model::Weight model::ExpertWeights::*which, int64_t rows, int64_t cols,
+                      DeviceArena& arena) {
+  const size_t E = experts.size();
+  const size_t data_bytes = size_t(rows) * size_t(cols / 2),
+               scale_bytes = size_t(rows) * (cols / 32);
+  Stacked s;
+  s.data = arena.alloc<uint8_t>(E * data_bytes);
+  s.scale = arena.alloc<uint8_t>(E * scale_bytes);
+  for (size_t e = 0; e < E; ++e) {
+    const model::Weight& w = experts[e].*which;
+    require(w.format == WFormat::kFP4 && w.rows == rows && w.cols == cols && w.data && w.scale,
+            "DeviceMoe: routed expert weight '%s' must be FP4 [%lld, %lld] (MoeFp4)",
+            w.name.c_str(), static_cast<long long>(rows), static_cast<long long>(cols));
+    // Through the loader's UploadScope when there is one (cuda/device_weights.h), else synchronous.
+    copy_to_device(s.data + e * data_bytes, w.data, data_bytes);
+    copy_to_device(s.scale + e * scale_bytes, w.scale, scale_bytes);
+  }
+  return s;
+}
+
+}  // namespace
+
+struct DeviceMoe::Impl {
+  MoeShape s;
+  int func = kSqrtSoftplus;
+  DeviceLinear gate;
+  float* bias = nullptr;  // [E]
+  Stacked w1, w3, w2;
+  std::unique_ptr<MoeFp4> moe;
+  DeviceLinear sw1, sw3, sw2;
+  // Workspace for one chunk of kMaxDecodeRows rows.
+  float* scores = nullptr;    // [8, E]
+  int32_t* gi = nullptr;      // [8, K] (when the caller passes no gate_i / gate_w)
+  float* gw = nullptr;        // [8, K]
+  uint8_t* xcodes = nullptr;  // [8, dim]
+  float* xscales = nullptr;   // [8, dim / 32]
+  float* routed = nullptr;    // [8, dim]
+  float* g = nullptr;         // [8, inter] shared expert
+  float* u = nullptr;
+  float* h = nullptr;
+  float* shared = nullptr;  // [8, dim]
+};
+
+DeviceMoe::DeviceMoe(const model::MoeWeights& w, const MoeShape& shape, DeviceArena& arena)
+    : impl_(std::make_unique<Impl>()) {
+  Impl& m = *impl_;
+  m.s = shape;
+  const int E = shape.n_experts, K = shape.top_k, D = shape.dim, I = shape.inter;
+  require(E > 0 && K >= 1 && K <= kMaxTopK && K <= E && int(w.experts.size()) == E,
+          "DeviceMoe: %d experts (weights for %zu), top-%d: need 1 <= top_k <= min(8, experts)", E,
+          w.experts.size(), K);
+  require(w.gate.rows == E && w.gate.cols == D,
+          "DeviceMoe: gate '%s' is [%lld, %lld], expected [%d, %d]", w.gate.name.c_str(),
+          static_cast<long long>(w.gate.rows), static_cast<long long>(w.gate.cols), E, D);
+  require(!w.shared.w1.empty() && !w.shared.w2.empty() && !w.shared.w3.empty(),
+          "DeviceMoe: the shared expert is missing");
+  m.func = shape.score_func == "softmax"   ? kSoftmax
+           : shape.score_func == "sigmoid" ? kSigmoid
+                                           : kSqrtSoftplus;
+  m.gate = DeviceLinear(w.gate, LinearKind::kF32, arena);
+  std::vector<float> bias(size_t(E), 0.f);
+  if (!w.gate_bias.empty()) {
+    bias = w.gate_bias.to_vector();
+    require(int64_t(bias.size()) == E, "DeviceMoe: gate bias '%s' has %zu values, expected %d",
+            w.gate_bias.name.c_str(), bias.size(), E);
+  }
+  m.bias = arena.upload(bias);
+  m.w1 = stack_experts(w.experts, &model::ExpertWeights::w1, I, D, arena);
+  m.w3 = stack_experts(w.experts, &model::ExpertWeights::w3, I, D, arena);
+  m.w2 = stack_experts(w.experts, &model::ExpertWeights::w2, D, I, arena);
+  m.moe = std::make_unique<MoeFp4>(D, I, K, device_sm_count());
+  m.sw1 = DeviceLinear(w.shared.w1, LinearKind::kAuto, arena);
+  m.sw3 = DeviceLinear(w.shared.w3, LinearKind::kAuto, arena);
+  m.sw2 = DeviceLinear(w.shared.w2, LinearKind::kAuto, arena);
+  require(m.sw1.rows() == I && m.sw1.cols() == D && m.sw3.rows() == I && m.sw3.cols() == D &&
+              m.sw2.rows() == D && m.sw2.cols() == I,
+          "DeviceMoe: shared expert shapes do not match dim %d / inter %d", D, I);
+  const size_t R = kMaxDecodeRows;
+  m.scores = arena.alloc<float>(R * E);
+  m.gi = arena.alloc<int32_t>(R * K);
+  m.gw = arena.alloc<float>(R * K);
+  m.xcodes = arena.alloc<uint8_t>(R * D);
+  m.xscales = arena.alloc<float>(R * D / 32);
+  m.routed = arena.alloc<float>(R * D);
+  m.g = arena.alloc<float>(R * I);
+  m.u = arena.alloc<float>(R * I);
+  m.h = arena.alloc<float>(R * I);
+  m.shared = arena.alloc<float>(R * D);
+}
+
+DeviceMoe::~DeviceMoe() = default;
+DeviceMoe::DeviceMoe(DeviceMoe&&) noexcept = default;
+DeviceMoe& DeviceMoe::operator=(DeviceMoe&&) noexcept = default;
+
+void DeviceMoe::apply(const float* x, int T, float* y, int32_t* gate_i, float* gate_w,
+                      cudaStream_t stream) const {
+  const Impl& m = *impl_;
+  const int E = m.s.n_experts, K = m.s.top_k, D = m.s.dim, I = m.s.inter;
+  const Fp4ExpertsView experts{m.w1.data,  m.w1.scale, m.w3.data, m.w3.scale, m.w2.data,
+                               m.w2.scale, E,          D,         I};
+  for (int t0 = 0; t0 < T; t0 += kMaxDecodeRows) {
+    const int rows = std::min(kMaxDecodeRows, T - t0);
+    const float* xc = x + int64_t(t0) * D;
+    int32_t* gi = gate_i ? gate_i + int64_t(t0) * K : m.gi;
+    float* gw = gate_w ? gate_w + int64_t(t0) * K : m.gw;
+    m.gate.apply(xc, rows, m.scores, stream);
+    route_kernel<<<rows, kRouteThreads, 2 * sizeof(float) * E, stream>>>(
+        m.scores, m.bias, E, K, m.func, m.s.gate_temp, m.s.route_scale, gi, gw);
+    UF_CUDA_CHECK(cudaGetLastError());
+    act_quant_fp8_f32(xc, rows, D, m.xcodes, m.xscales, stream);
+    m.moe->run(experts, QuantActView{m.xcodes, m.xscales, rows, D}, gi, gw, m.s.swiglu_limit,
+               m.routed, stream);
+    m.sw1.apply(xc, rows, m.g, stream);
+    m.sw3.apply(xc, rows, m.u, stream);
+    const size_t nh = size_t(rows) * I, ny = size_t(rows) * D;
+    swiglu_kernel<<<blocks_for(nh, 256), 256, 0, stream>>>(m.g, m.u, nh, m.s.swiglu_limit, m.h);
+    UF_CUDA_CHECK(cudaGetLastError());
+    m.sw2.apply(m.h, rows, m.shared, stream);
+    combine_kernel<<<blocks_for(ny, 256), 256, 0, stream>>>(m.routed, m.shared, ny,
+                                                            y + int64_t(t0) * D);
+    UF_CUDA_CHECK(cudaGetLastError());
+  }
+}
+
+}  // namespace uf::cuda

@@ -1,0 +1,100 @@
+#pragma once
+// Speculative-decoding verification on the device: a port of src/sampling/verify.{h,cpp}
+// (token-wise and block verification, Sun et al. 2024) and of the transform it needs
+// (src/sampling/transform.h: temperature incl. greedy, top-k, top-p), so that from the raw logits
+// rows on the device it computes what the CPU path of src/engine/generation_loop.cpp computes:
+//   p_i = logits_to_probs(target_logits_i), q_i = logits_to_probs(draft_logits_i),
+//   r = sampling::verify(mode, {g, V, p, q, tokens}, make_verify_draws(seed, step)).
+// Kernel: src/cuda/kernels/verify.cu. Tests: tests/cuda/test_verify.cpp.
+//
+// Exactness. Everything after exp() follows the CPU's operation order bit for bit:
+//   - sums use the fixed order of sampling/row_ops.h (256 lanes of contiguous chunks, each lane
+//     in index order, then the pairwise tree stride 128..1, the shared-memory tree of a block);
+//   - inverse-CDF draws walk the lane sums then one chunk in index order on one thread;
+//   - the top-k cut is the k-th largest value (bisection over the float bits, exact); the top-p
+//     walk sums the survivors in descending value order on one thread (the largest values are
+//     selected, then bitonic-sorted in the plan's scratch), as transform.cpp's top_p_cut does;
+//   - products that the CPU rounds before a subtraction (w * p(x) - q(x)) use __fmul_rn, so nvcc
+//     cannot contract them into an FMA;
+//   - the draws are make_verify_draws(seed, step) of sampling/rng.h (integer Philox, exact
+//     uniform conversion), evaluated on the device from {seed, step} in device memory.
+// The one step that is not bit-identical by construction is exp(): the CPU calls glibc's expf,
+// the device evaluates exp in double and rounds to float (the correctly rounded value but for
+// ~2^-28 of arguments; test DeviceExpMatchesHostDoubleExp counts them over all arguments).
+// glibc's expf is not correctly rounded for ~6e-4 of the arguments in [-128, -2^-7] (exhaustive
+// host check over all negative floats: 97,052 of 2^31 differ by 1 ulp from float(exp(double))),
+// so on raw logits the device p, q rows differ from the CPU's by 1 ulp in about that fraction of
+// entries, and tau / the extra token can then (rarely) differ. Given the same p, q rows, tau, the
+// extra token and all diagnostics are bitwise the CPU's. If the CPU transform used
+// float(std::exp(double(z))) as well, the two paths would agree on the rows too.
+//
+// Layout: one 1024-thread block per row for the transform (2g + 1 rows), then one 256-thread
+// block for the verification. No allocation inside the calls (the plan owns the scratch); seed
+// and step are read from device memory at run time, so the calls are graph-capturable (one graph
+// per (g, mode, params), as those are launch arguments).
+// Speed is not the goal yet: the selection, the sort and the sequential walks are simple.
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "sampling/rng.h"
+#include "sampling/transform.h"
+#include "sampling/verify.h"
+
+namespace uf::cuda {
+
+// Scratch for one verification at a time, sized once for max_vocab (the real vocab, 129280).
+class VerifyPlan {
+ public:
+  explicit VerifyPlan(int max_vocab);
+  ~VerifyPlan();
+  VerifyPlan(const VerifyPlan&) = delete;
+  VerifyPlan& operator=(const VerifyPlan&) = delete;
+
+  int max_vocab() const { return max_vocab_; }
+  // After verify_on_device: the transformed rows p_0..p_g ([kMaxDraft + 1, V]) and q_1..q_g
+  // ([kMaxDraft, V]), row-major with row stride V (the vocab of the call).
+  float* target_probs() const { return probs_; }
+  float* draft_probs() const { return probs_ + size_t(sampling::kMaxDraft + 1) * max_vocab_; }
+  float* sort_scratch() const { return sort_; }
+  int sort_stride() const { return sort_stride_; }
+
+ private:
+  int max_vocab_ = 0;
+  int sort_stride_ = 0;     // next power of two >= max_vocab
+  float* probs_ = nullptr;  // (2 kMaxDraft + 1) rows of max_vocab
+  float* sort_ = nullptr;   // (2 kMaxDraft + 1) rows of sort_stride_
+};
+
+// probs[r] = sampling::logits_to_probs(logits[r]) for r < rows (row stride vocab for both).
+// rows <= 2 kMaxDraft + 1, vocab <= plan.max_vocab(); uses the plan's sort scratch.
+void logits_to_probs_on_device(const VerifyPlan& plan, const float* logits, int rows, int vocab,
+                               const sampling::SamplingParams& params, float* probs,
+                               cudaStream_t stream);
+
+// sampling::verify on rows already transformed (device pointers, row stride vocab):
+// target [(g + 1), vocab], draft [g, vocab] (may be null when g = 0), tokens [g] (X_1..X_g).
+// Draws: `draws` (device) when not null, else make_verify_draws(seed_step[0], seed_step[1]).
+// out (device): the same VerifyResult as the CPU (accepted, extra_token, diagnostics).
+// draws_used (device, optional) receives the draws the kernel used.
+void verify_probs_on_device(sampling::VerifyMode mode, const float* target, const float* draft,
+                            const int32_t* tokens, int g, int vocab,
+                            const unsigned long long* seed_step, const sampling::VerifyDraws* draws,
+                            sampling::VerifyResult* out, sampling::VerifyDraws* draws_used,
+                            cudaStream_t stream);
+
+// The engine's step: transform target_logits [(g + 1), vocab] and draft_logits [g, vocab] (the
+// exact logits each draft was sampled from, Markov bias included) into plan.target_probs() /
+// plan.draft_probs(), then verify with make_verify_draws(seed, step), seed_step = device
+// {seed, step}. tokens [g] device. out (device) receives the result.
+void verify_on_device(const VerifyPlan& plan, sampling::VerifyMode mode, const float* target_logits,
+                      const float* draft_logits, const int32_t* tokens, int g, int vocab,
+                      const sampling::SamplingParams& params, const unsigned long long* seed_step,
+                      sampling::VerifyResult* out, cudaStream_t stream);
+
+// Test hook: out[i] = the transform's exp of the float with bit pattern first_bits + i (i < n),
+// so a test can compare every argument with the CPU's.
+void exp_of_bits_on_device(uint32_t first_bits, int64_t n, float* out, cudaStream_t stream);
+
+}  // namespace uf::cuda

@@ -1,0 +1,127 @@
+#pragma once
+// Host-side checkpoint-format weights for the ops tests (test_ops_linear.cpp, test_ops_moe.cpp):
+// owned byte buffers plus a model::Weight view over them, random activations, and the comparison
+// helpers (bf16 ulp, error report).
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/dtypes.h"
+#include "cuda_test_util.h"
+#include "model/weights.h"
+
+namespace uf::cuda::test {
+
+// A weight in checkpoint format: the bytes live here, `w` views them.
+struct HostWeight {
+  std::vector<uint8_t> data, scale;
+  model::Weight w;
+};
+
+// scale_lo..scale_hi: E8M0 codes (127 = 1.0) of the FP8 / FP4 block scales.
+inline std::unique_ptr<HostWeight> make_weight(model::WFormat f, int64_t rows, int64_t cols,
+                                               std::mt19937& rng, int scale_lo = 118,
+                                               int scale_hi = 122, bool row_scale = false,
+                                               const std::string& name = "test") {
+  auto h = std::make_unique<HostWeight>();
+  std::normal_distribution<float> nd(0.f, 1.f);
+  const size_t n = size_t(rows) * size_t(cols);
+  switch (f) {
+    case model::WFormat::kF32: {
+      h->data.resize(4 * n);
+      float* p = reinterpret_cast<float*>(h->data.data());
+      for (size_t i = 0; i < n; ++i) p[i] = nd(rng) * 0.1f;
+      break;
+    }
+    case model::WFormat::kBF16: {
+      h->data.resize(2 * n);
+      uint16_t* p = reinterpret_cast<uint16_t*>(h->data.data());
+      for (size_t i = 0; i < n; ++i) p[i] = core::float_to_bf16(nd(rng) * 0.1f);
+      break;
+    }
+    case model::WFormat::kFP8: {
+      h->data = random_e4m3(n, rng);
+      const size_t sr = row_scale ? size_t(rows) : size_t((rows + 31) / 32);
+      h->scale = random_bytes(sr * size_t((cols + 31) / 32), rng, scale_lo, scale_hi);
+      break;
+    }
+    case model::WFormat::kFP4:
+      h->data = random_bytes(n / 2, rng);
+      h->scale = random_bytes(size_t(rows) * size_t(cols / 32), rng, scale_lo, scale_hi);
+      break;
+  }
+  h->w.format = f;
+  h->w.rows = rows;
+  h->w.cols = cols;
+  h->w.data = h->data.data();
+  h->w.scale = h->scale.empty() ? nullptr : h->scale.data();
+  h->w.row_scale = row_scale;
+  h->w.name = name;
+  return h;
+}
+
+// Activations: bf16 values whose rows and 32-blocks span several magnitudes.
+inline std::vector<float> random_acts(int T, int64_t K, std::mt19937& rng, float scale = 1.f,
+                                      bool bf16 = true) {
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::uniform_real_distribution<float> mag(-3.f, 3.f);
+  std::vector<float> x(size_t(T) * size_t(K));
+  for (size_t b = 0; b < x.size(); b += 32) {
+    const float m = scale * std::exp2(mag(rng));
+    for (size_t i = b; i < std::min(x.size(), b + 32); ++i) {
+      const float v = nd(rng) * m;
+      x[i] = bf16 ? core::round_bf16(v) : v;
+    }
+  }
+  return x;
+}
+
+// One bf16 ulp at |v| (the spacing of bf16 values there).
+inline float bf16_ulp(float v) {
+  const float a = std::fabs(v);
+  if (!(a > 0x1p-126f)) return 0x1p-133f;
+  return std::exp2(std::floor(std::log2(a)) - 7.f);
+}
+
+// Error summary of got vs want; `ok(i)` says whether element i is within its tolerance.
+struct Compare {
+  size_t n = 0, exact = 0, bad = 0, nan = 0;
+  long first_bad = -1;
+  float max_abs = 0, max_ulps = 0;
+  template <typename Ok>
+  Compare(const std::vector<float>& got, const std::vector<float>& want, Ok ok) {
+    n = want.size();
+    for (size_t i = 0; i < n; ++i) {
+      if (!std::isfinite(got[i])) {
+        ++nan;
+        if (first_bad < 0) first_bad = long(i);
+        continue;
+      }
+      if (bits_equal(got[i], want[i])) ++exact;
+      const float d = std::fabs(got[i] - want[i]);
+      max_abs = std::max(max_abs, d);
+      max_ulps = std::max(max_ulps, d / bf16_ulp(std::max(std::fabs(want[i]), std::fabs(got[i]))));
+      if (!ok(i)) {
+        ++bad;
+        if (first_bad < 0) first_bad = long(i);
+      }
+    }
+  }
+  std::string report(const std::vector<float>& got, const std::vector<float>& want) const {
+    char buf[400];
+    std::snprintf(buf, sizeof buf,
+                  "n=%zu exact=%zu bad=%zu nan=%zu max_abs=%g max_bf16_ulps=%g first_bad=%ld "
+                  "(got %g want %g)",
+                  n, exact, bad, nan, double(max_abs), double(max_ulps), first_bad,
+                  first_bad >= 0 ? double(got[size_t(first_bad)]) : 0.0,
+                  first_bad >= 0 ? double(want[size_t(first_bad)]) : 0.0);
+    return buf;
+  }
+};
+
+}  // namespace uf::cuda::test

@@ -1,0 +1,257 @@
+// The CUDA backend end to end on the tiny-a fixture model (window 8, so the rings wrap many times
+// over the 41-token prompt), through the engine::Backend interface:
+//  (a) spec == plain: k verify rows equal k plain single-row steps bit for bit, k = 1..max_rows;
+//  (b) CUDA vs the CPU reference: prefill and decode logits within the fixture's end-to-end bounds
+//      (two faithful implementations differ by at most the manifest's noise floor x 1.5, the
+//      bound check-fixture applies against the reference) and argmax agreement;
+//  (c) snapshot / restore: bitwise identical next-step logits, and the byte format is the CPU's
+//      (a CUDA snapshot restores on the CPU backend and snapshots back to the same bytes);
+//  (d) a DSpark round: finite logits close to the CPU's for the same anchor and draft tokens;
+//  (e) the CED prefill shortcut close to the CPU's.
+// Every comparison prints max abs / rms-rel / NaN count / first differing index.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <memory>
+
+#include "../cpu/tiny_a.h"
+#include "cpu/cpu_backend.h"
+#include "cuda/backend/cuda_backend.h"
+#include "cuda_test_util.h"
+#include "model/golden.h"
+
+namespace uf::cuda {
+namespace {
+
+using uf::testing::tiny_a_dir;
+using uf::testing::tiny_a_golden_i64;
+
+struct Cmp {
+  double maxabs = 0, rms_rel = 0;
+  size_t nan = 0;
+  int64_t first_diff = -1;  // first index whose bits differ
+  std::string str() const {
+    return "maxabs " + std::to_string(maxabs) + ", rms-rel " + std::to_string(rms_rel) + ", " +
+           std::to_string(nan) + " non-finite, first differing index " + std::to_string(first_diff);
+  }
+};
+
+Cmp compare(const float* a, const float* ref, size_t n) {
+  Cmp c;
+  double sq = 0, rr = 0;
+  for (size_t i = 0; i < n; ++i) {
+    if (!std::isfinite(a[i])) ++c.nan;
+    if (c.first_diff < 0 && !test::bits_equal(a[i], ref[i])) c.first_diff = int64_t(i);
+    const double d = double(a[i]) - double(ref[i]);
+    if (std::isfinite(d)) {
+      c.maxabs = std::max(c.maxabs, std::fabs(d));
+      sq += d * d;
+    }
+    rr += double(ref[i]) * double(ref[i]);
+  }
+  c.rms_rel = rr > 0 ? std::sqrt(sq / rr) : std::sqrt(sq);
+  return c;
+}
+
+// Index of the first differing byte (-1: equal), so a failure does not print whole snapshots.
+int64_t first_byte_diff(const std::vector<uint8_t>& a, const std::vector<uint8_t>& b) {
+  const size_t n = std::min(a.size(), b.size());
+  for (size_t i = 0; i < n; ++i)
+    if (a[i] != b[i]) return int64_t(i);
+  return a.size() == b.size() ? -1 : int64_t(n);
+}
+
+int argmax(const float* v, int n) { return int(std::max_element(v, v + n) - v); }
+
+class CudaBackendTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    UF_REQUIRE_GPU();
+    map_ = tiny_a_golden_i64("engram_token_map");
+    be_ = std::make_unique<CudaBackend>(tiny_a_dir(), map_);
+    const auto p = tiny_a_golden_i64("prompt_ids");
+    prompt_.assign(p.begin(), p.end());
+    const auto d = tiny_a_golden_i64("decode_ids");
+    next_.assign(d.begin(), d.end());
+    V_ = be_->config().vocab_size;
+    bounds_ = model::e2e_bounds(model::golden_agreement(tiny_a_dir() / "golden"), 1.5);
+  }
+  std::unique_ptr<engine::SessionState> prefilled(engine::Backend& be, std::vector<float>* all) {
+    auto s = be.new_session(128);
+    engine::PrefillOptions o;
+    o.all_logits = all != nullptr;
+    std::vector<float> last(static_cast<size_t>(V_));
+    if (all) all->assign(prompt_.size() * size_t(V_), 0.f);
+    be.prefill(*s, prompt_, o, all ? std::span<float>(*all) : std::span<float>(last));
+    return s;
+  }
+  std::vector<int64_t> map_;
+  std::unique_ptr<CudaBackend> be_;
+  std::vector<int32_t> prompt_, next_;
+  int V_ = 0;
+  model::E2eBounds bounds_;
+};
+
+TEST_F(CudaBackendTest, VerifyRowsEqualPlainDecodeBitwise) {
+  const int M = be_->max_rows();
+  ASSERT_GE(int(next_.size()), M);
+  auto s0 = prefilled(*be_, nullptr);
+  const auto snap = be_->snapshot(*s0);
+  auto fresh = [&] {
+    auto s = be_->new_session(128);
+    be_->restore(*s, snap);
+    return s;
+  };
+  std::vector<float> plain(size_t(M) * size_t(V_));
+  auto sp = fresh();
+  for (int i = 0; i < M; ++i) {
+    be_->decode_rows(*sp, std::span<const int32_t>(&next_[size_t(i)], 1),
+                     std::span<float>(plain.data() + int64_t(i) * V_, size_t(V_)));
+    be_->commit(*sp, 1);
+  }
+  for (int k = 1; k <= M; ++k) {
+    auto sv = fresh();
+    std::vector<float> rows(size_t(k) * size_t(V_), NAN);
+    be_->decode_rows(*sv, std::span<const int32_t>(next_.data(), size_t(k)), rows);
+    for (int i = 0; i < k; ++i) {
+      const Cmp c =
+          compare(rows.data() + int64_t(i) * V_, plain.data() + int64_t(i) * V_, size_t(V_));
+      EXPECT_EQ(c.first_diff, -1) << "k=" << k << " row " << i << ": " << c.str();
+      EXPECT_EQ(c.nan, 0u) << "k=" << k << " row " << i;
+    }
+    // Rejecting the rows must leave the committed state as it was.
+    be_->commit(*sv, 0);
+    std::vector<float> again(static_cast<size_t>(V_));
+    be_->decode_rows(*sv, std::span<const int32_t>(next_.data(), 1), again);
+    const Cmp c = compare(again.data(), plain.data(), size_t(V_));
+    EXPECT_EQ(c.first_diff, -1) << "after rejecting " << k << " rows: " << c.str();
+  }
+}
+
+TEST_F(CudaBackendTest, MatchesCpuBackend) {
+  cpu::CpuBackend cpu_be(tiny_a_dir(), map_);
+  std::vector<float> gl, cl;
+  auto gs = prefilled(*be_, &gl);
+  auto cs = prefilled(cpu_be, &cl);
+  const int S = int(prompt_.size());
+  const Cmp pc = compare(gl.data(), cl.data(), gl.size());
+  int agree = 0;
+  for (int t = 0; t < S; ++t)
+    agree += argmax(gl.data() + int64_t(t) * V_, V_) == argmax(cl.data() + int64_t(t) * V_, V_);
+  EXPECT_EQ(pc.nan, 0u) << "prefill: " << pc.str();
+  EXPECT_LT(pc.maxabs, bounds_.prefill.maxabs) << "prefill: " << pc.str();
+  EXPECT_LT(pc.rms_rel, bounds_.prefill.rms) << "prefill: " << pc.str();
+  EXPECT_GE(double(agree) / S, 0.85) << agree << "/" << S << " prefill rows agree on argmax";
+  std::printf("prefill CUDA vs CPU: %s, argmax %d/%d\n", pc.str().c_str(), agree, S);
+
+  std::vector<float> g(static_cast<size_t>(V_)), c(static_cast<size_t>(V_));
+  int dagree = 0;
+  const int N = int(next_.size());
+  for (int k = 0; k < N; ++k) {
+    const std::span<const int32_t> tok(&next_[size_t(k)], 1);
+    be_->decode_rows(*gs, tok, g);
+    be_->commit(*gs, 1);
+    cpu_be.decode_rows(*cs, tok, c);
+    cpu_be.commit(*cs, 1);
+    const Cmp dc = compare(g.data(), c.data(), size_t(V_));
+    EXPECT_EQ(dc.nan, 0u) << "decode step " << k << ": " << dc.str();
+    EXPECT_LT(dc.maxabs, bounds_.decode.maxabs) << "decode step " << k << ": " << dc.str();
+    EXPECT_LT(dc.rms_rel, bounds_.decode.rms) << "decode step " << k << ": " << dc.str();
+    dagree += argmax(g.data(), V_) == argmax(c.data(), V_);
+    std::printf("decode step %d CUDA vs CPU: %s\n", k, dc.str().c_str());
+  }
+  EXPECT_GE(double(dagree) / N, 0.85) << dagree << "/" << N << " decode steps agree on argmax";
+  EXPECT_EQ(gs->length(), cs->length());
+  EXPECT_EQ(gs->tokens(), cs->tokens());
+}
+
+TEST_F(CudaBackendTest, SnapshotRestoreRoundTrip) {
+  auto s = prefilled(*be_, nullptr);
+  std::vector<float> lg(static_cast<size_t>(V_));
+  for (int k = 0; k < 2; ++k) {
+    be_->decode_rows(*s, std::span<const int32_t>(&next_[size_t(k)], 1), lg);
+    be_->commit(*s, 1);
+  }
+  const auto snap = be_->snapshot(*s);
+  auto r = be_->new_session(128);
+  be_->restore(*r, snap);
+  const auto again = be_->snapshot(*r);
+  EXPECT_EQ(first_byte_diff(again, snap), -1) << "restore then snapshot must give the same bytes ("
+                                              << again.size() << " vs " << snap.size() << ")";
+  std::vector<float> a(static_cast<size_t>(V_)), b(static_cast<size_t>(V_));
+  be_->decode_rows(*s, std::span<const int32_t>(&next_[2], 1), a);
+  be_->decode_rows(*r, std::span<const int32_t>(&next_[2], 1), b);
+  const Cmp c = compare(b.data(), a.data(), size_t(V_));
+  EXPECT_EQ(c.first_diff, -1) << c.str();
+  EXPECT_EQ(c.nan, 0u);
+  // The byte format is the CPU backend's.
+  cpu::CpuBackend cpu_be(tiny_a_dir(), map_);
+  auto cs = cpu_be.new_session(128);
+  cpu_be.restore(*cs, snap);
+  const auto via_cpu = cpu_be.snapshot(*cs);
+  EXPECT_EQ(first_byte_diff(via_cpu, snap), -1)
+      << "a CUDA snapshot must round-trip through the CPU (" << via_cpu.size() << " vs "
+      << snap.size() << " bytes)";
+}
+
+TEST_F(CudaBackendTest, DraftCloseToCpu) {
+  if (be_->config().n_mtp_layers == 0 || be_->config().dspark_block_size == 0)
+    GTEST_SKIP() << "no DSpark stages";
+  cpu::CpuBackend cpu_be(tiny_a_dir(), map_);
+  auto gs = prefilled(*be_, nullptr);
+  auto cs = prefilled(cpu_be, nullptr);
+  std::vector<float> lg(static_cast<size_t>(V_));
+  be_->decode_rows(*gs, std::span<const int32_t>(&next_[0], 1), lg);
+  be_->commit(*gs, 1);
+  cpu_be.decode_rows(*cs, std::span<const int32_t>(&next_[0], 1), lg);
+  cpu_be.commit(*cs, 1);
+  // The same tokens drive both Markov chains, whatever the logits say.
+  auto fixed = [&](int slot, std::span<const float>) {
+    return next_[size_t(slot + 2) % next_.size()];
+  };
+  const auto g = be_->draft(*gs, next_[1], fixed);
+  const auto c = cpu_be.draft(*cs, next_[1], fixed);
+  ASSERT_EQ(g.tokens, c.tokens);
+  ASSERT_EQ(g.logits.size(), c.logits.size());
+  ASSERT_EQ(g.confidence.size(), c.confidence.size());
+  const Cmp lc = compare(g.logits.data(), c.logits.data(), g.logits.size());
+  EXPECT_EQ(lc.nan, 0u) << lc.str();
+  EXPECT_LT(lc.maxabs, bounds_.dspark.maxabs) << "draft logits: " << lc.str();
+  EXPECT_LT(lc.rms_rel, bounds_.dspark.rms) << "draft logits: " << lc.str();
+  // The Markov bias is an fp32 lookup-and-GEMV of the same tokens: summation order only.
+  const Cmp bc = compare(g.markov_bias.data(), c.markov_bias.data(), g.markov_bias.size());
+  EXPECT_LT(bc.maxabs, 1e-4) << "markov bias: " << bc.str();
+  const Cmp cc = compare(g.confidence.data(), c.confidence.data(), g.confidence.size());
+  EXPECT_EQ(cc.nan, 0u);
+  EXPECT_LT(cc.maxabs, bounds_.dspark.maxabs) << "confidence: " << cc.str();
+  std::printf("draft CUDA vs CPU: logits %s; bias maxabs %g; confidence maxabs %g\n",
+              lc.str().c_str(), bc.maxabs, cc.maxabs);
+}
+
+// The CED prefill shortcut: the same shortcut on both backends, so within the prefill bounds.
+TEST_F(CudaBackendTest, CedShortcutCloseToCpu) {
+  cpu::CpuBackend cpu_be(tiny_a_dir(), map_);
+  engine::PrefillOptions o;
+  o.ced_shortcut = true;
+  std::vector<float> g(static_cast<size_t>(V_)), c(static_cast<size_t>(V_));
+  auto gs = be_->new_session(128);
+  auto cs = cpu_be.new_session(128);
+  be_->prefill(*gs, prompt_, o, g);
+  cpu_be.prefill(*cs, prompt_, o, c);
+  const Cmp cc = compare(g.data(), c.data(), size_t(V_));
+  EXPECT_EQ(cc.nan, 0u) << cc.str();
+  EXPECT_LT(cc.maxabs, bounds_.prefill.maxabs) << "CED last logits: " << cc.str();
+  EXPECT_LT(cc.rms_rel, bounds_.prefill.rms) << "CED last logits: " << cc.str();
+  EXPECT_EQ(gs->length(), cs->length());
+  // Decoding on from the CED state.
+  be_->decode_rows(*gs, std::span<const int32_t>(&next_[0], 1), g);
+  cpu_be.decode_rows(*cs, std::span<const int32_t>(&next_[0], 1), c);
+  const Cmp dc = compare(g.data(), c.data(), size_t(V_));
+  EXPECT_EQ(dc.nan, 0u) << dc.str();
+  EXPECT_LT(dc.rms_rel, bounds_.decode.rms) << "decode after CED: " << dc.str();
+  std::printf("CED CUDA vs CPU: %s; next step %s\n", cc.str().c_str(), dc.str().c_str());
+}
+
+}  // namespace
+}  // namespace uf::cuda

@@ -1,0 +1,511 @@
+// Device sparse attention and indexer ops (cuda/ops/attention.h) against their CPU reference
+// (cpu/attention.h, cpu/indexer.h) on seeded random inputs: empty slots, rows of different
+// widths, widths > 100k, exact ties. Outputs are poisoned with NaN (0xFF bytes) first; any NaN
+// fails; entries a call must leave untouched must still hold the poison. Every op is also
+// checked for spec == plain: a row's result is bitwise the same in a 1-row call.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "core/dtypes.h"
+#include "cpu/attention.h"
+#include "cpu/indexer.h"
+#include "cuda/ops/attention.h"
+#include "cuda_test_util.h"
+
+namespace uf::cuda::test {
+namespace {
+
+constexpr uint32_t kPoisonF32 = 0xffffffffu;
+
+uint32_t bits_of(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+// Distance in bf16 steps between two bf16-valued floats (signed-magnitude order, -0 == +0).
+int64_t bf16_ulps(float a, float b) {
+  auto ord = [](float f) {
+    const uint32_t c = bits_of(f) >> 16;
+    return (c & 0x8000u) ? -int64_t(c & 0x7fffu) : int64_t(c & 0x7fffu);
+  };
+  return std::llabs(ord(a) - ord(b));
+}
+
+std::vector<float> normal_bf16(size_t n, std::mt19937& rng, float sd) {
+  std::normal_distribution<float> d(0.f, sd);
+  std::vector<float> v(n);
+  for (auto& x : v) x = core::round_bf16(d(rng));
+  return v;
+}
+
+// ------------------------------------------------------------------------------------------
+// sparse_attn
+
+struct AttnCase {
+  const char* name;
+  int T, H, hd, W, k, entries;
+};
+
+void check_sparse_attn(const AttnCase& c, uint32_t seed) {
+  SCOPED_TRACE(c.name);
+  std::mt19937 rng(seed);
+  const int T = c.T, H = c.H, hd = c.hd, W = c.W, k = c.k;
+  const int n_win_vecs = std::max(1, T * W);
+  // q is scaled up so that some rows have peaked softmaxes (scores of several units).
+  const auto q = normal_bf16(size_t(T) * H * hd, rng, 2.5f);
+  const auto wbank = normal_bf16(size_t(n_win_vecs) * hd, rng, 1.f);
+  const auto ckv = normal_bf16(size_t(std::max(1, c.entries)) * hd, rng, 1.f);
+  const auto sink = normal_bf16(size_t(H), rng, 1.f);
+  const float scale = float(std::pow(double(hd), -0.5));
+
+  // Slot patterns per row (t % 5): 0 leading empty window slots (decode near the start),
+  // 1 all present, 2 everything empty (output must be 0), 3 random holes, 4 trailing holes.
+  std::uniform_int_distribution<int> coin(0, 3), ent(0, std::max(0, c.entries - 1));
+  std::vector<int> win(size_t(T) * W, -1);
+  std::vector<int32_t> topk(size_t(T) * std::max(k, 1), -1);
+  for (int t = 0; t < T; ++t) {
+    const int pat = t % 5;
+    for (int j = 0; j < W; ++j) {
+      bool present = true;
+      if (pat == 0) present = j >= W / 2 + 1;
+      if (pat == 2) present = false;
+      if (pat == 3) present = coin(rng) != 0;
+      if (present) win[size_t(t) * W + j] = t * W + j;
+    }
+    for (int j = 0; j < k; ++j) {
+      bool present = true;
+      if (pat == 2) present = false;
+      if (pat == 3) present = coin(rng) != 0;
+      if (pat == 4) present = j < k / 3;
+      if (present && c.entries > 0) topk[size_t(t) * k + j] = ent(rng);
+    }
+  }
+
+  DeviceBuffer<float> dq(q), dwbank(wbank), dckv(ckv), dsink(sink);
+  std::vector<const float*> wptr(std::max<size_t>(1, win.size()), nullptr);
+  for (size_t i = 0; i < win.size(); ++i)
+    wptr[i] = win[i] >= 0 ? dwbank.get() + int64_t(win[i]) * hd : nullptr;
+  DeviceBuffer<const float*> dwin(wptr);
+  DeviceBuffer<int32_t> dtopk(topk);
+  DeviceBuffer<float> dout(size_t(T) * H * hd);
+  dout.poison();
+  sparse_attn(dq.get(), T, H, hd, W > 0 ? dwin.get() : nullptr, W, k > 0 ? dtopk.get() : nullptr, k,
+              dckv.get(), dsink.get(), scale, dout.get(), nullptr);
+  sync_and_check();
+  const auto got = dout.download();
+
+  std::vector<float> ref(size_t(T) * H * hd);
+  for (int t = 0; t < T; ++t) {
+    std::vector<const float*> slots;
+    for (int j = 0; j < W; ++j) {
+      const int w = win[size_t(t) * W + j];
+      slots.push_back(w >= 0 ? wbank.data() + int64_t(w) * hd : nullptr);
+    }
+    for (int j = 0; j < k; ++j) {
+      const int32_t e = topk[size_t(t) * k + j];
+      slots.push_back(e >= 0 ? ckv.data() + int64_t(e) * hd : nullptr);
+    }
+    cpu::sparse_attn_row(q.data() + int64_t(t) * H * hd, H, hd, slots.data(), int(slots.size()),
+                         sink.data(), scale, ref.data() + int64_t(t) * H * hd);
+  }
+
+  // Tolerance 1 bf16 ulp: the kernel repeats the CPU's arithmetic order step by step (dot8
+  // lanes, slot-order sums, no FMA), except exp: glibc expf (< 0.502 ulp) vs a correctly
+  // rounded exp here. A 1-fp32-ulp change of p or of the denominator moves the output by far
+  // less than a bf16 ulp, so at most one bf16 rounding flips.
+  int64_t max_ulp = 0, n_nan = 0, n_diff = 0, first_bad = -1;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (std::isnan(got[i])) {
+      ++n_nan;
+      if (first_bad < 0) first_bad = int64_t(i);
+      continue;
+    }
+    const int64_t u = bf16_ulps(got[i], ref[i]);
+    if (!bits_equal(got[i], ref[i])) ++n_diff;
+    max_ulp = std::max(max_ulp, u);
+    if (u > 1 && first_bad < 0) first_bad = int64_t(i);
+  }
+  int64_t n_nonzero_empty = 0;  // all-empty rows: exactly 0 (running max -1e30, denominator inf)
+  for (int t = 0; t < T; ++t)
+    if (t % 5 == 2)
+      for (int i = 0; i < H * hd; ++i)
+        n_nonzero_empty += got[size_t(t) * H * hd + size_t(i)] != 0.f;
+  EXPECT_EQ(n_nonzero_empty, 0) << "all-empty rows must give 0";
+  std::printf("[sparse_attn %s] %zu outputs: max %lld bf16 ulp, %lld not bitwise, %lld NaN\n",
+              c.name, got.size(), (long long)max_ulp, (long long)n_diff, (long long)n_nan);
+  EXPECT_EQ(n_nan, 0);
+  EXPECT_LE(max_ulp, 1);
+  if (first_bad >= 0) {
+    const int64_t i = first_bad, t = i / (H * hd), h = (i / hd) % H, d = i % hd;
+    ADD_FAILURE() << "first bad output: row " << t << " head " << h << " dim " << d << ": gpu "
+                  << got[size_t(i)] << " cpu " << ref[size_t(i)];
+  }
+
+  // spec == plain: every row alone.
+  DeviceBuffer<float> d1(size_t(H) * hd);
+  for (int t = 0; t < T; ++t) {
+    d1.poison();
+    sparse_attn(dq.get() + int64_t(t) * H * hd, 1, H, hd,
+                W > 0 ? dwin.get() + int64_t(t) * W : nullptr, W,
+                k > 0 ? dtopk.get() + int64_t(t) * k : nullptr, k, dckv.get(), dsink.get(), scale,
+                d1.get(), nullptr);
+    sync_and_check();
+    const auto one = d1.download();
+    for (int i = 0; i < H * hd; ++i)
+      if (!bits_equal(one[size_t(i)], got[size_t(t) * H * hd + size_t(i)])) {
+        ADD_FAILURE() << "spec != plain: row " << t << " index " << i << ": 1-row "
+                      << one[size_t(i)] << " vs " << T << "-row " << got[size_t(t) * H * hd + i];
+        break;
+      }
+  }
+}
+
+TEST(CudaOpsAttention, SparseAttnTiny) {
+  UF_REQUIRE_GPU();
+  check_sparse_attn({"tiny", 10, 4, 128, 8, 8, 40}, 101);
+}
+
+TEST(CudaOpsAttention, SparseAttnRealPerRank) {
+  UF_REQUIRE_GPU();
+  // 128 window + 512 top-k = 640 slots = 10 blocks of 64.
+  check_sparse_attn({"real-tp8", 5, 8, 512, 128, 512, 3000}, 102);
+}
+
+TEST(CudaOpsAttention, SparseAttnRealAllHeads) {
+  UF_REQUIRE_GPU();
+  check_sparse_attn({"real-64h", 3, 64, 512, 128, 512, 700}, 103);
+}
+
+TEST(CudaOpsAttention, SparseAttnOddShapes) {
+  UF_REQUIRE_GPU();
+  check_sparse_attn({"window-only", 5, 8, 512, 128, 0, 0}, 104);
+  // head_dim not a multiple of 8 (dot8 tail), slot count not a multiple of 64.
+  check_sparse_attn({"odd", 6, 3, 100, 37, 50, 90}, 105);
+}
+
+// ------------------------------------------------------------------------------------------
+// index_scores
+
+struct IndexCase {
+  const char* name;
+  int n_heads, hd;
+  std::vector<int> vis, width;
+};
+
+void check_index_scores(const IndexCase& c, uint32_t seed) {
+  SCOPED_TRACE(c.name);
+  std::mt19937 rng(seed);
+  const int T = int(c.vis.size()), Hi = c.n_heads, hd = c.hd;
+  const int max_width = *std::max_element(c.width.begin(), c.width.end()) + 3;
+  const int max_vis = std::max(1, *std::max_element(c.vis.begin(), c.vis.end()));
+  const auto q = normal_bf16(size_t(T) * Hi * hd, rng, 1.f);
+  const auto w = normal_bf16(size_t(T) * Hi, rng, 0.1f);  // negative weights included
+  // Two key banks; row t reads bank t % 2 (rows of a call may read different layers' keys).
+  const auto bank0 = normal_bf16(size_t(max_vis) * hd, rng, 1.f);
+  const auto bank1 = normal_bf16(size_t(max_vis) * hd, rng, 1.f);
+  DeviceBuffer<float> dq(q), dw(w), db0(bank0), db1(bank1);
+  std::vector<const float*> kp(static_cast<size_t>(T));
+  for (int t = 0; t < T; ++t) kp[size_t(t)] = t % 2 ? db1.get() : db0.get();
+  DeviceBuffer<const float*> dkeys(kp);
+  DeviceBuffer<int32_t> dvis(std::vector<int32_t>(c.vis.begin(), c.vis.end()));
+  DeviceBuffer<int32_t> dwidth(std::vector<int32_t>(c.width.begin(), c.width.end()));
+  DeviceBuffer<float> dscore(size_t(T) * max_width);
+  dscore.poison();
+  index_scores(dq.get(), dw.get(), T, Hi, hd, dkeys.get(), dvis.get(), dwidth.get(), max_width,
+               dscore.get(), nullptr);
+  sync_and_check();
+  const auto got = dscore.download();
+
+  // Tolerance 0: the kernel reproduces the CPU's summation order exactly (dot8 lanes and their
+  // fixed pairing, bf16 roundings, heads in order, no FMA), so the scores are bitwise equal.
+  int64_t n_bad = 0, n_nan = 0, max_ulp = 0;
+  for (int t = 0; t < T; ++t) {
+    const int wd = c.width[size_t(t)];
+    std::vector<float> ref(size_t(std::max(wd, 1)));
+    if (wd > 0)
+      cpu::index_scores_row(q.data() + int64_t(t) * Hi * hd, w.data() + int64_t(t) * Hi, Hi, hd,
+                            t % 2 ? bank1.data() : bank0.data(), c.vis[size_t(t)], wd, ref.data());
+    const float* g = got.data() + int64_t(t) * max_width;
+    for (int i = 0; i < max_width; ++i) {
+      if (i >= wd) {
+        if (bits_of(g[i]) != kPoisonF32 && n_bad++ == 0)
+          ADD_FAILURE() << "row " << t << " entry " << i << " past width " << wd
+                        << " was written: " << g[i];
+        continue;
+      }
+      if (std::isnan(g[i])) {
+        if (n_nan++ == 0) ADD_FAILURE() << "NaN at row " << t << " entry " << i;
+        continue;
+      }
+      if (std::isinf(ref[size_t(i)]) || std::isinf(g[i])) {
+        if (!bits_equal(g[i], ref[size_t(i)]) && n_bad++ == 0)
+          ADD_FAILURE() << "-inf pattern differs at row " << t << " entry " << i << ": gpu " << g[i]
+                        << " cpu " << ref[size_t(i)];
+        continue;
+      }
+      const int64_t u = bf16_ulps(g[i], ref[size_t(i)]);
+      max_ulp = std::max(max_ulp, u);
+      if (!bits_equal(g[i], ref[size_t(i)]) && n_bad++ == 0)
+        ADD_FAILURE() << "first bad score: row " << t << " entry " << i << ": gpu " << g[i]
+                      << " cpu " << ref[size_t(i)] << " (" << u << " bf16 ulp)";
+    }
+  }
+  std::printf("[index_scores %s] %d rows, max width %d: %lld bad, max %lld bf16 ulp, %lld NaN\n",
+              c.name, T, max_width, (long long)n_bad, (long long)max_ulp, (long long)n_nan);
+  EXPECT_EQ(n_bad, 0);
+  EXPECT_EQ(n_nan, 0);
+
+  DeviceBuffer<float> d1(static_cast<size_t>(max_width));
+  for (int t = 0; t < T; ++t) {
+    d1.poison();
+    index_scores(dq.get() + int64_t(t) * Hi * hd, dw.get() + int64_t(t) * Hi, 1, Hi, hd,
+                 dkeys.get() + t, dvis.get() + t, dwidth.get() + t, max_width, d1.get(), nullptr);
+    sync_and_check();
+    const auto one = d1.download();
+    for (int i = 0; i < max_width; ++i)
+      if (!bits_equal(one[size_t(i)], got[size_t(t) * max_width + size_t(i)])) {
+        ADD_FAILURE() << "spec != plain: row " << t << " entry " << i;
+        break;
+      }
+  }
+}
+
+TEST(CudaOpsAttention, IndexScoresTiny) {
+  UF_REQUIRE_GPU();
+  // (vis, width): decode rows (vis == width), prefill rows (vis < width), nothing visible.
+  check_index_scores({"tiny", 8, 128, {0, 1, 5, 37, 64, 65, 100}, {7, 1, 5, 64, 64, 130, 100}},
+                     201);
+}
+
+TEST(CudaOpsAttention, IndexScoresReal) {
+  UF_REQUIRE_GPU();
+  check_index_scores({"real", 32, 128, {3000, 129, 2500, 0, 17}, {3000, 2600, 2600, 2600, 17}},
+                     202);
+}
+
+// ------------------------------------------------------------------------------------------
+// topk_select and candidate_mask: score rows of several kinds.
+
+enum class RowKind { kNormal, kFewValues, kAllEqual, kAllNegInf, kSignedZeros };
+
+// Row scores as the indexer produces them: bf16 values, -inf at i >= vis, and (masked) random
+// -inf holes.
+std::vector<float> make_row(RowKind kind, int width, int vis, std::mt19937& rng) {
+  std::vector<float> s(static_cast<size_t>(width));
+  std::normal_distribution<float> nd(0.f, 3.f);
+  std::uniform_int_distribution<int> few(0, 5), hole(0, 9);
+  for (int i = 0; i < width; ++i) {
+    switch (kind) {
+      case RowKind::kNormal:
+        s[size_t(i)] = core::round_bf16(nd(rng));
+        break;
+      case RowKind::kFewValues:
+        s[size_t(i)] = 0.5f * float(few(rng));
+        break;  // heavy ties
+      case RowKind::kAllEqual:
+        s[size_t(i)] = 1.25f;
+        break;
+      case RowKind::kAllNegInf:
+        s[size_t(i)] = -INFINITY;
+        break;
+      case RowKind::kSignedZeros: {
+        const int v = few(rng);
+        s[size_t(i)] = v == 0 ? -0.f : (v == 1 ? 0.f : -0.5f * float(v));
+        break;
+      }
+    }
+    if (kind != RowKind::kAllEqual && hole(rng) == 0) s[size_t(i)] = -INFINITY;
+    if (i >= vis) s[size_t(i)] = -INFINITY;
+  }
+  return s;
+}
+
+struct SelRow {
+  int width, vis;
+  RowKind kind;
+};
+
+struct SelData {
+  int T = 0, max_width = 0;
+  std::vector<float> score;  // [T, max_width], NaN padding past width
+  std::vector<int32_t> width, vis;
+};
+
+SelData make_rows(const std::vector<SelRow>& rows, std::mt19937& rng) {
+  SelData d;
+  d.T = int(rows.size());
+  for (const auto& r : rows) d.max_width = std::max(d.max_width, r.width);
+  d.max_width += 5;
+  d.score.assign(size_t(d.T) * d.max_width, NAN);  // past width: must never be read
+  for (int t = 0; t < d.T; ++t) {
+    const auto s = make_row(rows[size_t(t)].kind, rows[size_t(t)].width, rows[size_t(t)].vis, rng);
+    std::copy(s.begin(), s.end(), d.score.begin() + int64_t(t) * d.max_width);
+    d.width.push_back(rows[size_t(t)].width);
+    d.vis.push_back(rows[size_t(t)].vis);
+  }
+  return d;
+}
+
+const std::vector<SelRow> kSelRows = {
+    {0, 0, RowKind::kNormal},           {1, 1, RowKind::kNormal},
+    {7, 0, RowKind::kNormal},  // prefill row that sees nothing yet
+    {8, 3, RowKind::kFewValues},        {9, 9, RowKind::kAllEqual},
+    {600, 600, RowKind::kFewValues},    {600, 550, RowKind::kSignedZeros},
+    {5000, 4000, RowKind::kNormal},     {5000, 5000, RowKind::kAllNegInf},
+    {16384, 16384, RowKind::kAllEqual}, {150001, 149990, RowKind::kFewValues},
+    {262144, 262144, RowKind::kNormal}, {262144, 200003, RowKind::kFewValues},
+};
+
+void check_topk(const std::vector<SelRow>& rows, int k, uint32_t seed) {
+  std::mt19937 rng(seed);
+  const SelData d = make_rows(rows, rng);
+  DeviceBuffer<float> dscore(d.score);
+  DeviceBuffer<int32_t> dwidth(d.width), dvis(d.vis);
+  DeviceBuffer<int32_t> dout(size_t(d.T) * k);
+  dout.poison();
+  topk_select(dscore.get(), d.T, d.max_width, dwidth.get(), k, dvis.get(), dout.get(), nullptr);
+  sync_and_check();
+  const auto got = dout.download();
+  // Exact: the selection is a strict total order (score desc, position asc).
+  int n_bad_rows = 0;
+  for (int t = 0; t < d.T; ++t) {
+    const int wd = d.width[size_t(t)], kk = std::min(k, wd);
+    std::vector<int32_t> ref(size_t(k), -1);
+    if (kk > 0)
+      cpu::topk_select(d.score.data() + int64_t(t) * d.max_width, wd, kk, d.vis[size_t(t)],
+                       ref.data());
+    for (int j = 0; j < k; ++j) {
+      const int32_t g = got[size_t(t) * k + size_t(j)];
+      if (g != ref[size_t(j)]) {
+        ++n_bad_rows;
+        const float* s = d.score.data() + int64_t(t) * d.max_width;
+        auto sc = [&](int32_t p) { return p >= 0 && p < wd ? s[p] : NAN; };
+        ADD_FAILURE() << "topk k=" << k << " row " << t << " (width " << wd << ", vis "
+                      << d.vis[size_t(t)] << ") slot " << j << ": gpu " << g << " (score " << sc(g)
+                      << ") cpu " << ref[size_t(j)] << " (score " << sc(ref[size_t(j)]) << ")";
+        break;
+      }
+    }
+  }
+  std::printf("[topk_select k=%d] %d rows, max width %d: %d bad rows\n", k, d.T, d.max_width,
+              n_bad_rows);
+
+  DeviceBuffer<int32_t> d1(static_cast<size_t>(k));
+  for (int t = 0; t < d.T; ++t) {
+    d1.poison();
+    topk_select(dscore.get() + int64_t(t) * d.max_width, 1, d.max_width, dwidth.get() + t, k,
+                dvis.get() + t, d1.get(), nullptr);
+    sync_and_check();
+    const auto one = d1.download();
+    EXPECT_TRUE(std::equal(one.begin(), one.end(), got.begin() + int64_t(t) * k))
+        << "spec != plain: topk row " << t;
+  }
+}
+
+TEST(CudaOpsAttention, TopkSelectReal) {
+  UF_REQUIRE_GPU();
+  check_topk(kSelRows, 512, 301);
+}
+
+TEST(CudaOpsAttention, TopkSelectTiny) {
+  UF_REQUIRE_GPU();
+  check_topk(kSelRows, 8, 302);
+  check_topk({{1, 1, RowKind::kNormal}, {3, 2, RowKind::kAllEqual}}, 1, 303);
+}
+
+void check_candidate(const std::vector<SelRow>& rows, int topk_blocks, int block_size,
+                     uint32_t seed) {
+  std::mt19937 rng(seed);
+  const SelData d = make_rows(rows, rng);
+  DeviceBuffer<float> dscore(d.score);
+  DeviceBuffer<int32_t> dwidth(d.width), dvis(d.vis);
+  DeviceBuffer<uint8_t> dkeep(size_t(d.T) * d.max_width);
+  dkeep.poison();
+  candidate_mask(dscore.get(), d.T, d.max_width, dwidth.get(), dvis.get(), topk_blocks, block_size,
+                 dkeep.get(), nullptr);
+  sync_and_check();
+  const auto got = dkeep.download();
+  int n_bad_rows = 0;
+  for (int t = 0; t < d.T; ++t) {
+    const int wd = d.width[size_t(t)];
+    std::vector<uint8_t> ref(static_cast<size_t>(wd));
+    if (wd > 0)
+      cpu::candidate_mask(d.score.data() + int64_t(t) * d.max_width, wd, d.vis[size_t(t)],
+                          topk_blocks, block_size, ref.data());
+    int kept = 0;
+    for (int i = 0; i < d.max_width; ++i) {
+      const uint8_t g = got[size_t(t) * d.max_width + size_t(i)];
+      const uint8_t r = i < wd ? ref[size_t(i)] : uint8_t(0xff);  // past width: untouched
+      kept += i < wd && g == 1;
+      if (g != r) {
+        ++n_bad_rows;
+        ADD_FAILURE() << "candidate_mask (" << topk_blocks << " x " << block_size << ") row " << t
+                      << " (width " << wd << ", vis " << d.vis[size_t(t)] << ") entry " << i
+                      << " (block " << i / block_size << "): gpu " << int(g) << " cpu " << int(r);
+        break;
+      }
+    }
+    std::printf("[candidate_mask %d x %d] row %d width %d: %d kept\n", topk_blocks, block_size, t,
+                wd, kept);
+  }
+  EXPECT_EQ(n_bad_rows, 0);
+
+  DeviceBuffer<uint8_t> d1(static_cast<size_t>(d.max_width));
+  for (int t = 0; t < d.T; ++t) {
+    d1.poison();
+    candidate_mask(dscore.get() + int64_t(t) * d.max_width, 1, d.max_width, dwidth.get() + t,
+                   dvis.get() + t, topk_blocks, block_size, d1.get(), nullptr);
+    sync_and_check();
+    const auto one = d1.download();
+    EXPECT_TRUE(std::equal(one.begin(), one.end(), got.begin() + int64_t(t) * d.max_width))
+        << "spec != plain: candidate row " << t;
+  }
+}
+
+TEST(CudaOpsAttention, CandidateMaskReal) {
+  UF_REQUIRE_GPU();
+  check_candidate(kSelRows, 2048, 8, 401);
+}
+
+TEST(CudaOpsAttention, CandidateMaskTiny) {
+  UF_REQUIRE_GPU();
+  check_candidate(kSelRows, 3, 4, 402);
+  // The pinned block (holding compress_len - 1) mid-block and in the last partial block.
+  check_candidate({{30, 13, RowKind::kFewValues}, {30, 30, RowKind::kNormal}}, 2, 4, 403);
+}
+
+TEST(CudaOpsAttention, MaskScores) {
+  UF_REQUIRE_GPU();
+  std::mt19937 rng(501);
+  const std::vector<int32_t> width = {0, 5, 300, 1000};
+  const int T = int(width.size()), max_width = 1003;
+  auto score = normal_bf16(size_t(T) * max_width, rng, 1.f);
+  std::vector<uint8_t> keep = random_bytes(size_t(T) * max_width, rng, 0, 1);
+  DeviceBuffer<float> dscore(score);
+  DeviceBuffer<uint8_t> dkeep(keep);
+  DeviceBuffer<int32_t> dwidth(width);
+  mask_scores(dscore.get(), dkeep.get(), T, max_width, dwidth.get(), nullptr);
+  sync_and_check();
+  const auto got = dscore.download();
+  for (int t = 0; t < T; ++t)
+    for (int i = 0; i < max_width; ++i) {
+      const size_t o = size_t(t) * max_width + size_t(i);
+      const float want = i < width[size_t(t)] && !keep[o] ? -INFINITY : score[o];
+      if (!bits_equal(got[o], want)) {
+        ADD_FAILURE() << "mask_scores row " << t << " entry " << i << ": " << got[o] << " want "
+                      << want;
+        return;
+      }
+    }
+}
+
+}  // namespace
+}  // namespace uf::cuda::test

@@ -1,0 +1,299 @@
+// DeviceMoe and DeviceEngram (cuda/ops/moe.h) against cpu::moe_forward and cpu::engram_forward:
+// routing (score functions, bias, top-k, normalisation, route_scale), MXFP4 routed experts with
+// the clamps firing, the FP8 shared expert; rows 1, 3, 8, 20 (chunks of 8), outputs poisoned with
+// NaN, spec == plain bitwise.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <vector>
+
+#include "cpu/engram.h"
+#include "cpu/linear.h"
+#include "cpu/moe.h"
+#include "cuda/ops/moe.h"
+#include "cuda_test_util.h"
+#include "ops_test_weights.h"
+
+namespace uf::cuda::test {
+namespace {
+
+using model::WFormat;
+
+struct MoeCase {
+  const char* name;
+  int E, K, dim, inter;
+  const char* score_func;
+  float gate_temp, route_scale, limit;
+  int routed_scale_lo, routed_scale_hi;  // E8M0 codes of the FP4 expert scales
+};
+
+struct HostMoe {
+  std::vector<std::unique_ptr<HostWeight>> keep;
+  model::MoeWeights w;
+  model::Weight add(std::unique_ptr<HostWeight> h) {
+    keep.push_back(std::move(h));
+    return keep.back()->w;
+  }
+};
+
+std::unique_ptr<HostMoe> make_moe(const MoeCase& c, std::mt19937& rng) {
+  auto m = std::make_unique<HostMoe>();
+  m->w.gate = m->add(make_weight(WFormat::kBF16, c.E, c.dim, rng, 0, 0, false, "gate"));
+  m->w.gate_bias = m->add(make_weight(WFormat::kF32, c.E, 1, rng, 0, 0, false, "gate.bias"));
+  for (int e = 0; e < c.E; ++e) {
+    model::ExpertWeights x;
+    x.w1 = m->add(make_weight(WFormat::kFP4, c.inter, c.dim, rng, c.routed_scale_lo,
+                              c.routed_scale_hi, false, "w1"));
+    x.w3 = m->add(make_weight(WFormat::kFP4, c.inter, c.dim, rng, c.routed_scale_lo,
+                              c.routed_scale_hi, false, "w3"));
+    x.w2 = m->add(make_weight(WFormat::kFP4, c.dim, c.inter, rng, 118, 122, false, "w2"));
+    m->w.experts.push_back(x);
+  }
+  m->w.shared.w1 = m->add(make_weight(WFormat::kFP8, c.inter, c.dim, rng, 118, 122, false, "s1"));
+  m->w.shared.w3 = m->add(make_weight(WFormat::kFP8, c.inter, c.dim, rng, 118, 122, false, "s3"));
+  m->w.shared.w2 = m->add(make_weight(WFormat::kFP8, c.dim, c.inter, rng, 116, 120, false, "s2"));
+  return m;
+}
+
+// The CPU router's biased scores of row t (to recognise near-ties).
+std::vector<float> biased_scores(const model::MoeWeights& w, const MoeCase& c, const float* x) {
+  std::vector<float> s(static_cast<size_t>(c.E));
+  cpu::linear_f32(w.gate, x, 1, s.data());
+  const std::vector<float> bias = w.gate_bias.to_vector();
+  const std::string f = c.score_func;
+  float mx = -INFINITY, sum = 0;
+  for (float& v : s) v /= c.gate_temp, mx = std::max(mx, v);
+  if (f == "softmax") {
+    for (float& v : s) sum += (v = std::exp(v - mx));
+    for (float& v : s) v /= sum;
+  }
+  for (size_t e = 0; e < s.size(); ++e) {
+    float v = s[e];
+    if (f == "sigmoid") v = 1.f / (1.f + std::exp(-v));
+    if (f == "sqrtsoftplus") v = std::sqrt(v > 20.f ? v : std::log1p(std::exp(v)));
+    s[e] = v + bias[e];
+  }
+  return s;
+}
+
+bool near_tie(std::vector<float> b, int K) {
+  std::sort(b.begin(), b.end(), std::greater<float>());
+  for (int k = 0; k < K && k + 1 < int(b.size()); ++k)
+    if (std::fabs(b[size_t(k)] - b[size_t(k + 1)]) <=
+        1e-5f * std::max(1.f, std::fabs(b[size_t(k)])))
+      return true;
+  return false;
+}
+
+class OpsMoe : public ::testing::TestWithParam<MoeCase> {};
+
+TEST_P(OpsMoe, MatchesCpuAndSpecEqualsPlain) {
+  UF_REQUIRE_GPU();
+  const MoeCase c = GetParam();
+  std::mt19937 rng(4321);
+  auto hm = make_moe(c, rng);
+  const MoeShape shape{c.dim, c.inter, c.E, c.K, c.score_func, c.gate_temp, c.route_scale, c.limit};
+  const cpu::MoeParams p{c.E, c.K, c.score_func, c.gate_temp, c.route_scale, c.limit, true};
+  DeviceArena arena;
+  DeviceMoe moe(hm->w, shape, arena);
+  size_t total_within = 0, total_compared = 0;
+  for (int T : {1, 3, 8, 20}) {
+    const std::vector<float> x = random_acts(T, c.dim, rng);
+    std::vector<float> want(size_t(T) * c.dim), want_w(size_t(T) * c.K);
+    std::vector<int32_t> want_i(size_t(T) * c.K);
+    cpu::moe_forward(hm->w, p, x.data(), T, c.dim, c.inter, want.data(), want_i.data(),
+                     want_w.data());
+    if (c.limit > 0 && T == 20) {  // the clamps must fire (shared expert's gate as a witness)
+      std::vector<float> g(size_t(T) * c.inter);
+      cpu::linear(hm->w.shared.w1, x.data(), T, g.data());
+      const auto fired = std::count_if(g.begin(), g.end(), [&](float v) { return v > c.limit; });
+      EXPECT_GT(fired, 0) << c.name << ": no gate value above the clamp limit";
+    }
+    DeviceBuffer<float> dx(x), dy(size_t(T) * c.dim), dw(size_t(T) * c.K);
+    DeviceBuffer<int32_t> di(size_t(T) * c.K);
+    dy.poison();
+    dw.poison();
+    UF_CUDA_CHECK(cudaMemset(di.get(), 0xFF, di.size() * sizeof(int32_t)));
+    moe.apply(dx.get(), T, dy.get(), di.get(), dw.get(), nullptr);
+    sync_and_check();
+    const std::vector<float> got = dy.download(), got_w = dw.download();
+    const std::vector<int32_t> got_i = di.download();
+
+    // Routing: identical choice unless the CPU's biased scores are near-tied (expf / log1pf
+    // on the device may differ from glibc by an ulp or two; the gate GEMV itself is bitwise).
+    // Weights: a few ulps of fp32 (same operations, those functions' ulps).
+    std::vector<bool> same_route(static_cast<size_t>(T), true);
+    int ties = 0;
+    for (int t = 0; t < T; ++t) {
+      for (int k = 0; k < c.K; ++k)
+        if (got_i[size_t(t * c.K + k)] != want_i[size_t(t * c.K + k)])
+          same_route[size_t(t)] = false;
+      if (!same_route[size_t(t)]) {
+        ++ties;
+        EXPECT_TRUE(near_tie(biased_scores(hm->w, c, &x[size_t(t) * c.dim]), c.K))
+            << c.name << " T=" << T << " row " << t << ": expert choice differs from the CPU "
+            << "(first: got " << got_i[size_t(t * c.K)] << " want " << want_i[size_t(t * c.K)]
+            << ") without a near-tie";
+        continue;
+      }
+      for (int k = 0; k < c.K; ++k) {
+        const float g = got_w[size_t(t * c.K + k)], wv = want_w[size_t(t * c.K + k)];
+        ASSERT_TRUE(std::isfinite(g)) << c.name << " gate_w NaN at row " << t << " k " << k;
+        EXPECT_LE(std::fabs(g - wv), 1e-5f * std::fabs(wv))
+            << c.name << " T=" << T << " gate_w row " << t << " k " << k;
+      }
+    }
+    EXPECT_LE(ties, 1) << c.name << " T=" << T;
+
+    // Output: where the routing agrees, the same operations except the order of a block's 32
+    // products in the tensor cores (MoeFp4, Fp8Gemv), the K-split grouping and expf's ulp. Each
+    // can flip a bf16 rounding of g / u / h (rare: the fp32 value must sit within ~2^-16 of a
+    // midpoint); a flipped h may change its FP8 code (one e4m3 step of one of `inter` terms of a
+    // w2 output: ~1% of the row's rms on average, up to ~10% where that h is the row's largest)
+    // or, rarely, its block scale; such a flip moves a whole row by a few ulps. So: all elements
+    // within 2 ulps + 15% of the row's rms, and >= 90% of all the case's elements (over every T)
+    // within one bf16 ulp. Wrong semantics (weight after w2, missing clamp, unrounded g/u) change
+    // many h codes in every row and move most elements by several ulps.
+    std::vector<double> rms(static_cast<size_t>(T), 0.0);
+    for (int t = 0; t < T; ++t) {
+      for (int d = 0; d < c.dim; ++d)
+        rms[size_t(t)] += double(want[size_t(t * c.dim + d)]) * want[size_t(t * c.dim + d)];
+      rms[size_t(t)] = std::sqrt(rms[size_t(t)] / c.dim);
+    }
+    size_t within_ulp = 0, compared = 0;
+    const Compare cmp(got, want, [&](size_t i) {
+      const size_t t = i / size_t(c.dim);
+      if (!same_route[t]) return true;
+      ++compared;
+      const float d = std::fabs(got[i] - want[i]);
+      const float u = bf16_ulp(std::max(std::fabs(got[i]), std::fabs(want[i])));
+      if (d <= u) ++within_ulp;
+      return d <= 2 * u + float(0.15 * rms[t]);
+    });
+    EXPECT_EQ(cmp.nan, 0u) << c.name << " T=" << T << " " << cmp.report(got, want);
+    EXPECT_EQ(cmp.bad, 0u) << c.name << " T=" << T << " " << cmp.report(got, want);
+    total_within += within_ulp;
+    total_compared += compared;
+    std::printf("[ops_moe] %s T=%d: %s within_1ulp=%zu/%zu route_mismatch_rows=%d\n", c.name, T,
+                cmp.report(got, want).c_str(), within_ulp, compared, ties);
+
+    if (T == 20) {  // spec == plain: each row alone gives the same bits
+      DeviceBuffer<float> oy(static_cast<size_t>(c.dim)), ow(static_cast<size_t>(c.K));
+      DeviceBuffer<int32_t> oi(static_cast<size_t>(c.K));
+      for (int r = 0; r < T; ++r) {
+        oy.poison();
+        moe.apply(dx.get() + int64_t(r) * c.dim, 1, oy.get(), oi.get(), ow.get(), nullptr);
+        sync_and_check();
+        const std::vector<float> y1 = oy.download(), w1 = ow.download();
+        const std::vector<int32_t> i1 = oi.download();
+        for (int k = 0; k < c.K; ++k) {
+          ASSERT_EQ(i1[size_t(k)], got_i[size_t(r * c.K + k)]) << c.name << " row " << r;
+          ASSERT_TRUE(bits_equal(w1[size_t(k)], got_w[size_t(r * c.K + k)]))
+              << c.name << " row " << r;
+        }
+        for (int d = 0; d < c.dim; ++d)
+          ASSERT_TRUE(bits_equal(y1[size_t(d)], got[size_t(r * c.dim + d)]))
+              << c.name << " row " << r << " d " << d << ": alone " << y1[size_t(d)]
+              << ", in a 20-row call " << got[size_t(r * c.dim + d)];
+      }
+    }
+  }
+  EXPECT_GE(double(total_within), 0.9 * double(total_compared))
+      << c.name << ": " << total_within << " of " << total_compared
+      << " outputs within one bf16 ulp";
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Configs, OpsMoe,
+    ::testing::Values(
+        // the tiny fixture's backbone MoE, scales raised so that both clamps fire
+        MoeCase{"e8_top2_clamp", 8, 2, 256, 128, "sqrtsoftplus", 1.f, 1.5f, 10.f, 121, 125},
+        // the released model's 384 experts / top-6, small dims
+        MoeCase{"e384_top6", 384, 6, 256, 64, "sqrtsoftplus", 1.f, 2.5f, 10.f, 119, 123},
+        MoeCase{"e8_softmax_temp", 8, 2, 256, 128, "softmax", 0.7f, 1.f, 0.f, 118, 122},
+        // DSpark stage MoE: 4 experts
+        MoeCase{"e4_sigmoid", 4, 2, 128, 64, "sigmoid", 1.f, 1.5f, 10.f, 120, 124}),
+    [](const ::testing::TestParamInfo<MoeCase>& i) { return std::string(i.param.name); });
+
+// Engram: FP8 table with per-row scales, FP8 wkv (Fp8Gemv), BF16 q/k weights.
+TEST(OpsEngram, MatchesCpuAliasingAndSpecEqualsPlain) {
+  UF_REQUIRE_GPU();
+  std::mt19937 rng(777);
+  const int hc = 4, D = 64, n_cols = 4, head_dim = 64, rows = 500;
+  std::vector<std::unique_ptr<HostWeight>> keep;
+  auto add = [&](std::unique_ptr<HostWeight> h) {
+    keep.push_back(std::move(h));
+    return keep.back()->w;
+  };
+  model::EngramWeights w;
+  w.table = add(make_weight(WFormat::kFP8, rows, head_dim, rng, 118, 124, true, "engram.embed"));
+  w.wkv = add(make_weight(WFormat::kFP8, (hc + 1) * D, n_cols * head_dim, rng, 116, 120, false,
+                          "engram.wkv"));
+  w.q_weight = add(make_weight(WFormat::kBF16, hc, D, rng, 0, 0, false, "q_weight"));
+  w.k_weight = add(make_weight(WFormat::kBF16, hc, D, rng, 0, 0, false, "k_weight"));
+  const EngramShape shape{hc, D, n_cols, head_dim, 1e-6f};
+  const cpu::EngramParams p{hc, D, n_cols, head_dim, 1e-6f};
+  DeviceArena arena;
+  DeviceEngram eng(w, shape, arena);
+  std::uniform_int_distribution<int64_t> id(0, rows - 1);
+  size_t total_exact = 0, total_n = 0;
+  for (int T : {1, 3, 8, 20}) {
+    std::vector<int64_t> ids(size_t(T) * n_cols);
+    for (auto& v : ids) v = id(rng);
+    const std::vector<float> X = random_acts(T * hc, D, rng);
+    std::vector<float> want(X.size());
+    cpu::engram_forward(w, p, ids.data(), X.data(), T, want.data());
+    DeviceBuffer<int64_t> dids(ids);
+    DeviceBuffer<float> dX(X), dout(X.size());
+    dout.poison();
+    eng.apply(dids.get(), dX.get(), T, dout.get(), nullptr);
+    sync_and_check();
+    const std::vector<float> got = dout.download();
+    // wkv runs on Fp8Gemv (fp32 order of a block's products differs, a bf16 rounding of a key or
+    // value may flip, rarely); the gate's fp32 arithmetic is the CPU's, expf up to an ulp apart.
+    // A flipped key moves its copy's gate slightly (a few of that copy's outputs flip by an ulp).
+    // So all within 2 bf16 ulps + 2^-7 of the copy's largest output, and >= 97% bitwise over all
+    // the test's outputs (expected ~0.5% flipped).
+    std::vector<float> row_max(size_t(T) * hc, 0.f);
+    for (size_t i = 0; i < want.size(); ++i)
+      row_max[i / D] = std::max(row_max[i / D], std::fabs(want[i]));
+    const Compare cmp(got, want, [&](size_t i) {
+      const float u = bf16_ulp(std::max(std::fabs(got[i]), std::fabs(want[i])));
+      return std::fabs(got[i] - want[i]) <= 2 * u + 0x1p-7f * row_max[i / D];
+    });
+    EXPECT_EQ(cmp.nan, 0u) << "T=" << T << " " << cmp.report(got, want);
+    EXPECT_EQ(cmp.bad, 0u) << "T=" << T << " " << cmp.report(got, want);
+    total_exact += cmp.exact;
+    total_n += cmp.n;
+    std::printf("[ops_engram] T=%d: %s\n", T, cmp.report(got, want).c_str());
+
+    // out aliasing X gives the same bits.
+    DeviceBuffer<float> dA(X);
+    eng.apply(dids.get(), dA.get(), T, dA.get(), nullptr);
+    sync_and_check();
+    const std::vector<float> aliased = dA.download();
+    for (size_t i = 0; i < got.size(); ++i)
+      ASSERT_TRUE(bits_equal(aliased[i], got[i])) << "aliased output differs at " << i;
+
+    if (T == 20) {  // spec == plain
+      DeviceBuffer<float> one(size_t(hc) * D);
+      for (int r = 0; r < T; ++r) {
+        one.poison();
+        eng.apply(dids.get() + int64_t(r) * n_cols, dX.get() + int64_t(r) * hc * D, 1, one.get(),
+                  nullptr);
+        sync_and_check();
+        const std::vector<float> o = one.download();
+        for (int i = 0; i < hc * D; ++i)
+          ASSERT_TRUE(bits_equal(o[size_t(i)], got[size_t(r * hc * D + i)]))
+              << "row " << r << " element " << i;
+      }
+    }
+  }
+  EXPECT_GE(double(total_exact), 0.97 * double(total_n))
+      << total_exact << " of " << total_n << " outputs bitwise equal";
+}
+
+}  // namespace
+}  // namespace uf::cuda::test
