@@ -19,8 +19,8 @@
 #include <vector>
 
 #include "cpu/mhc.h"
-#include "cpu/moe.h"
 #include "cpu/model_types.h"
+#include "cpu/moe.h"
 #include "cpu/session.h"
 #include "engine/backend.h"
 #include "engine/hardware_profile.h"
