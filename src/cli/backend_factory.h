@@ -16,6 +16,7 @@ struct BackendChoice {
   bool reference_index_keys = false;  // the reference's stale-index-key decode quirk (CPU only)
   int max_chunk = 0;  // CUDA: prefill rows per span (its scratch size); 0 = the backend's default
   int tp = 1;         // CUDA: tensor-parallel GPUs (devices 0..tp-1); CPU: must be 1
+  bool cuda_graphs = true;  // CUDA: decode / verify steps replay CUDA graphs (off: eager launches)
 };
 
 struct LoadedBackend {

@@ -28,6 +28,7 @@ struct GenerateArgs {
   int top_k = 0;
   uint64_t seed = 0;
   bool no_spec = false;
+  bool no_cuda_graphs = false;
   std::string verify = "block";
   int draft_tokens = 0;
   bool ced = false;
@@ -41,6 +42,7 @@ void run_generate(const GenerateArgs& a) {
   const auto tok = uf::tokenizer::Tokenizer::from_file(dir / "tokenizer.json");
   uf::cli::BackendChoice choice{a.backend, a.reference_keys};
   choice.tp = a.tp;
+  choice.cuda_graphs = !a.no_cuda_graphs;
   auto loaded = uf::cli::load_backend(dir, choice);
   auto& be = *loaded.backend;
   const auto& cfg = be.config();
@@ -108,6 +110,8 @@ void setup_generate(CLI::App& app, int& exit_code) {
   cmd->add_option("--top-k", a->top_k, "Top-k filter (0 = off)")->capture_default_str();
   cmd->add_option("--seed", a->seed, "Sampling seed (Philox streams)")->capture_default_str();
   cmd->add_flag("--no-spec", a->no_spec, "Plain decoding: one token per step, no drafting");
+  cmd->add_flag("--no-cuda-graphs", a->no_cuda_graphs,
+                "--backend cuda: launch every kernel of a step instead of replaying a CUDA graph");
   cmd->add_option("--verify", a->verify, "Draft verification: block or token (token-wise)")
       ->capture_default_str()
       ->check(CLI::IsMember({"block", "token"}));

@@ -5,16 +5,17 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <fstream>
 #include <map>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <span>
 
 #include "core/error.h"
 #include "cpu/cpu_backend.h"
 #include "cpu/indexer.h"
 #include "cpu/model.h"
-#include "model/checkpoint.h"
+#include "engine/fixture_e2e.h"
 #include "model/golden.h"
 #include "tokenizer/engram_token_map.h"
 #include "tokenizer/tokenizer.h"
@@ -26,11 +27,9 @@ namespace fs = std::filesystem;
 namespace {
 
 // The shared fixture pieces (model/golden.h).
-using model::Bounds;
 using model::Diff;
 using model::Golden;
 using model::LogitStats;
-using model::manifest_bounds;
 
 struct SetStats {
   size_t rows = 0, exact = 0;
@@ -283,6 +282,94 @@ bool obeys_tie_rule(const float* score, int width, const std::vector<int32_t>& s
   return true;
 }
 
+// The CPU backend with the fixture's taps on every forward of the end-to-end run (observing only:
+// the hooks of that run substitute nothing). The generic check sees the Backend interface alone,
+// and CpuBackend has no way to pass hooks, hence the two overrides; without hooks they are
+// CpuBackend's own steps.
+class TappedCpuBackend final : public CpuBackend {
+ public:
+  using CpuBackend::CpuBackend;
+  Hooks* hooks = nullptr;
+
+  void prefill(engine::SessionState& st, std::span<const int32_t> tokens,
+               const engine::PrefillOptions& opts, std::span<float> logits) override {
+    if (!hooks) return CpuBackend::prefill(st, tokens, opts, logits);
+    // The check prefills the whole prompt as one span with every position's logits.
+    auto& s = session(st);
+    const int T = int(tokens.size()), V = config().vocab_size;
+    UF_CHECK(s.len == 0 && opts.all_logits && !opts.ced_shortcut &&
+                 (opts.chunk <= 0 || opts.chunk >= T) && logits.size() >= size_t(T) * size_t(V),
+             "fixture check: a tapped prefill must be one span of a fresh session with all logits");
+    const int MH = model().n_taps() * config().dim;
+    std::vector<float> mh(size_t(T) * size_t(std::max(MH, 1)));
+    std::vector<int> pub(static_cast<size_t>(T));
+    s.pending_rows = 0;
+    model().forward(s, tokens, true, true, logits.data(), mh.data(), pub.data(), hooks);
+    model().commit(s, tokens, MH ? mh.data() : nullptr, T, pub.back());
+  }
+
+  void decode_rows(engine::SessionState& st, std::span<const int32_t> tokens,
+                   std::span<float> logits) override {
+    if (!hooks) return CpuBackend::decode_rows(st, tokens, logits);
+    auto& s = session(st);
+    const int T = int(tokens.size()), V = config().vocab_size;
+    UF_CHECK(T >= 1 && T <= max_rows() && logits.size() >= size_t(T) * size_t(V),
+             "fixture check: tapped decode_rows got {} rows", T);
+    const int MH = model().n_taps() * config().dim;
+    s.pending_tokens.assign(tokens.begin(), tokens.end());
+    s.pending_main_hidden.assign(size_t(T) * size_t(std::max(MH, 1)), 0.f);
+    s.pending_publisher.assign(size_t(T), -1);
+    model().forward(s, tokens, false, true, logits.data(), s.pending_main_hidden.data(),
+                    s.pending_publisher.data(), hooks);
+    s.pending_rows = T;
+  }
+};
+
+struct KeyVariant {
+  const char* name;
+  IndexKeys keys;
+  const Golden* g;
+};
+
+// The CPU's additions to the generic end-to-end run: the index-key switch per variant, and the
+// selections (top-k, hash routing) of the free-running model against the recorded ones, reported.
+class E2eTaps final : public engine::E2eObserver {
+ public:
+  E2eTaps(TappedCpuBackend& be, const Golden& ref, const std::vector<KeyVariant>& variants)
+      : be_(be), ref_(ref), variants_(variants) {}
+
+  void begin_prefill() override { tap(ref_); }
+  void end_prefill(FixtureReport& rep) override { report("e2e", rep); }
+  void begin_variant(const engine::E2eVariant& v) override {
+    for (const auto& kv : variants_)
+      if (v.name == kv.name) be_.model().set_index_keys(kv.keys);
+    tap(*v.golden);
+  }
+  void begin_decode_step(int k) override { hooks_->set_decode_step(k); }
+  void end_variant(const engine::E2eVariant& v, FixtureReport& rep) override {
+    report(fmt::format("e2e [{}]", v.name), rep);
+  }
+
+ private:
+  void tap(const Golden& decode_golden) {
+    hooks_ = std::make_unique<FixtureHooks>(ref_, decode_golden, be_.config(), false);
+    be_.hooks = hooks_.get();
+  }
+  void report(const std::string& prefix, FixtureReport& rep) {
+    for (const auto& [k, st] : hooks_->sets)
+      rep.lines.push_back({fmt::format("{} {} exact rows", prefix, k),
+                           double(st.exact) / double(std::max<size_t>(st.rows, 1)), 0, true, true,
+                           fmt::format("mean Jaccard {:.4f} over {} rows", st.jaccard(), st.rows)});
+    be_.hooks = nullptr;
+    hooks_.reset();
+  }
+
+  TappedCpuBackend& be_;
+  const Golden& ref_;
+  const std::vector<KeyVariant>& variants_;
+  std::unique_ptr<FixtureHooks> hooks_;
+};
+
 }  // namespace
 
 FixtureReport check_fixture(const fs::path& dir, const FixtureCheckOptions& opts) {
@@ -294,17 +381,10 @@ FixtureReport check_fixture(const fs::path& dir, const FixtureCheckOptions& opts
   auto info = [&](std::string name, double v, std::string detail = "") {
     rep.lines.push_back({std::move(name), v, 0, true, true, std::move(detail)});
   };
-  const fs::path gd = dir / "golden";
-  Golden ref(gd / "reference.safetensors");
-  Golden own(gd / "reference_ownerkeys.safetensors");
-  nlohmann::json manifest;
-  {
-    std::ifstream f(gd / "manifest.json");
-    if (f) manifest = nlohmann::json::parse(f, nullptr, false);
-  }
-  const nlohmann::json agreement = manifest.is_object() && manifest.contains("agreement")
-                                       ? manifest["agreement"]
-                                       : nlohmann::json::object();
+  const engine::GoldenFixture fx(dir);
+  const Golden& ref = fx.ref;
+  const Golden& own = fx.own;
+  const nlohmann::json& agreement = fx.agreement;
 
   // Does the fixture store every prompt position (then attention history is teacher-forced too)?
   const bool full_history = !ref.has("prefill_positions");
@@ -366,79 +446,39 @@ FixtureReport check_fixture(const fs::path& dir, const FixtureCheckOptions& opts
                      cfg0.engram_compressed_vocab_size));
   }
 
-  model::Checkpoint ckpt = model::Checkpoint::open(dir);
-  CpuModel mdl(cfg0, ckpt, map64);
+  TappedCpuBackend be(dir, map64);
+  CpuModel& mdl = be.model();
   const auto& cfg = mdl.config();
   const int V = cfg.vocab_size, D = cfg.dim, MH = mdl.n_taps() * D;
-  const auto& prompt64 = ref.i64("prompt_ids");
-  const auto& dec64 = ref.i64("decode_ids");
-  const std::vector<int32_t> prompt(prompt64.begin(), prompt64.end());
-  const std::vector<int32_t> dec_ids(dec64.begin(), dec64.end());
+  const auto& prompt = fx.prompt;
+  const auto& dec_ids = fx.decode_ids;
   const int S = int(prompt.size()), N = int(dec_ids.size());
-  std::vector<int64_t> stored_pos;
-  if (ref.has("prefill_positions"))
-    stored_pos = ref.i64("prefill_positions");
-  else
-    for (int i = 0; i < S; ++i) stored_pos.push_back(i);
-  const auto& ref_prefill_logits = ref.f32("prefill_logits");
+  const auto& stored_pos = fx.stored_pos;
 
-  struct Variant {
-    const char* name;
-    IndexKeys keys;
-    const Golden* g;
-    const char* suffix;
-  };
-  std::vector<Variant> variants = {{"owner keys", IndexKeys::kOwner, &own, "_ownerkeys"}};
-  if (opts.run_reference_keys)
-    variants.push_back({"reference keys", IndexKeys::kReference, &ref, "_official"});
+  std::vector<KeyVariant> variants = {{"owner keys", IndexKeys::kOwner, &own}};
+  if (opts.run_reference_keys) variants.push_back({"reference keys", IndexKeys::kReference, &ref});
 
-  // Fallbacks when a manifest has no agreement figures: tiny-a README §5's suggested bounds.
-  const Bounds pre_b =
-      manifest_bounds(agreement, "prefill", opts.bound_margin, {0.5, 0.06, "default bounds"});
-  const Bounds dec_bv =
-      manifest_bounds(agreement, "decode", opts.bound_margin, {0.6, 0.10, "default bounds"});
-  const Bounds ds_b = manifest_bounds(agreement, "dspark", opts.bound_margin, dec_bv);
-
-  std::vector<float> my_last_prefill(static_cast<size_t>(V));
-  for (int tf = 1; tf >= 0; --tf) {
-    const std::string mode = tf ? "tf" : "e2e";
-    // Prefill once; both decode variants continue from a snapshot of it.
-    FixtureHooks ph(ref, ref, cfg, tf);
+  // ---- teacher-forced: every sublayer fed the recorded inputs ----
+  {
+    // Prefill once; both decode variants continue from a copy of it.
+    FixtureHooks ph(ref, ref, cfg, true);
     auto s0 = mdl.new_session(S + N + 8);
     std::vector<float> logits(size_t(S) * size_t(V)), mh(size_t(S) * size_t(std::max(MH, 1)));
     std::vector<int> pub(static_cast<size_t>(S));
     mdl.forward(*s0, prompt, true, true, logits.data(), mh.data(), pub.data(), &ph);
     mdl.commit(*s0, prompt, MH ? mh.data() : nullptr, S, pub.back());
-    if (!tf) std::copy_n(logits.data() + int64_t(S - 1) * V, V, my_last_prefill.begin());
-    LogitStats pl;
-    for (size_t j = 0; j < stored_pos.size(); ++j)
-      pl.add(logits.data() + stored_pos[j] * V, ref_prefill_logits.data() + int64_t(j) * V, V);
-    if (tf) {
-      // Teacher-forced sublayer figures (prefill).
-      for (const auto& [k, d] : ph.diffs) tf_line("tf " + k, k, d, ph.worst[k]);
-      for (const auto& [k, st] : ph.sets) set_line("tf " + k, k, st);
-      if (ph.hash_rows)
-        line("engram hash ids prefill (exact)", double(ph.hash_bad), 0, ph.hash_bad == 0,
-             fmt::format("{} rows", ph.hash_rows));
-    } else {
-      line("e2e prefill logits maxabs", pl.d.maxabs, pre_b.maxabs, pl.d.maxabs < pre_b.maxabs,
-           pre_b.from);
-      line("e2e prefill logits rms-rel", pl.d.rms_rel(), pre_b.rms, pl.d.rms_rel() < pre_b.rms,
-           fmt::format("{} rows", pl.rows));
-      line("e2e prefill argmax agreement", pl.argmax(), 0.85, pl.argmax() >= 0.85);
-      for (const auto& [k, st] : ph.sets)
-        info(fmt::format("e2e {} exact rows", k),
-             double(st.exact) / double(std::max<size_t>(st.rows, 1)),
-             fmt::format("mean Jaccard {:.4f} over {} rows", st.jaccard(), st.rows));
-    }
+    for (const auto& [k, d] : ph.diffs) tf_line("tf " + k, k, d, ph.worst[k]);
+    for (const auto& [k, st] : ph.sets) set_line("tf " + k, k, st);
+    if (ph.hash_rows)
+      line("engram hash ids prefill (exact)", double(ph.hash_bad), 0, ph.hash_bad == 0,
+           fmt::format("{} rows", ph.hash_rows));
     for (const auto& var : variants) {
       auto s = mdl.new_session(S + N + 8);
       *s = *s0;  // copy of the prefilled state
       mdl.set_index_keys(var.keys);
-      FixtureHooks dh(ref, *var.g, cfg, tf);
+      FixtureHooks dh(ref, *var.g, cfg, true);
       LogitStats dl, dsl, dsh;
       Diff bias, conf;
-      size_t draft_agree = 0, draft_n = 0;
       const auto& rl = var.g->f32("decode_logits");
       const auto& anchors = var.g->i64("dspark_anchor");
       const auto& drafts = var.g->i64("dspark_draft_tokens");
@@ -460,14 +500,10 @@ FixtureReport check_fixture(const fs::path& dir, const FixtureCheckOptions& opts
           dl.add(lg.data(), rl.data() + int64_t(k) * V, V);
         }
         if (B == 0 || cfg.n_mtp_layers == 0) continue;
-        // Teacher-forced tokens: the reference's anchor, and its drafts feed the Markov chain.
+        // The reference's anchor and drafts (the Markov chain's input) are fed back.
         auto blk =
-            mdl.draft(*s, int32_t(anchors[size_t(r)]), [&](int slot, std::span<const float> l) {
-              const int32_t mine = int32_t(std::max_element(l.begin(), l.end()) - l.begin());
-              const int32_t theirs = int32_t(drafts[size_t(r * B + slot)]);
-              ++draft_n;
-              draft_agree += mine == theirs;
-              return theirs;
+            mdl.draft(*s, int32_t(anchors[size_t(r)]), [&](int slot, std::span<const float>) {
+              return int32_t(drafts[size_t(r * B + slot)]);
             });
         for (int i = 0; i < B; ++i) {
           const int64_t off = (int64_t(r) * B + i) * V;
@@ -481,50 +517,30 @@ FixtureReport check_fixture(const fs::path& dir, const FixtureCheckOptions& opts
         conf.add(blk.confidence.data(), d_conf.data() + int64_t(r) * B, size_t(B));
       }
       const std::string vn = var.name;
-      if (tf) {
-        for (const auto& [k, d] : dh.diffs)
-          tf_line(fmt::format("tf [{}] {}", vn, k), k, d, dh.worst[k]);
-        for (const auto& [k, st] : dh.sets) set_line(fmt::format("tf [{}] {}", vn, k), k, st);
-        if (dh.hash_rows)
-          line(fmt::format("[{}] engram hash ids decode (exact)", vn), double(dh.hash_bad), 0,
-               dh.hash_bad == 0, fmt::format("{} rows", dh.hash_rows));
-        // From the recorded final hidden state the head is one fp32 GEMM.
-        line(fmt::format("tf [{}] decode logits rms-rel", vn), dl.d.rms_rel(), 1e-5,
-             dl.d.rms_rel() < 1e-5, fmt::format("maxabs {:.3g}", dl.d.maxabs));
-        info(fmt::format("tf [{}] dspark logits rms-rel", vn), dsl.d.rms_rel(),
-             fmt::format("maxabs {:.3g}; head {:.3g}; markov bias {:.3g}; confidence {:.3g}",
-                         dsl.d.maxabs, dsh.d.rms_rel(), bias.rms_rel(), conf.rms_rel()));
-      } else {
-        line(fmt::format("e2e [{}] decode logits maxabs", vn), dl.d.maxabs, dec_bv.maxabs,
-             dl.d.maxabs < dec_bv.maxabs, dec_bv.from);
-        line(fmt::format("e2e [{}] decode logits rms-rel", vn), dl.d.rms_rel(), dec_bv.rms,
-             dl.d.rms_rel() < dec_bv.rms, fmt::format("{} steps", dl.rows));
-        info(fmt::format("e2e [{}] decode argmax agreement", vn), dl.argmax());
-        if (dsl.rows) {
-          line(fmt::format("e2e [{}] dspark logits maxabs", vn), dsl.d.maxabs, ds_b.maxabs,
-               dsl.d.maxabs < ds_b.maxabs, ds_b.from);
-          line(fmt::format("e2e [{}] dspark logits rms-rel", vn), dsl.d.rms_rel(), ds_b.rms,
-               dsl.d.rms_rel() < ds_b.rms, fmt::format("{} slots", dsl.rows));
-          line(fmt::format("e2e [{}] dspark head logits rms-rel", vn), dsh.d.rms_rel(), ds_b.rms,
-               dsh.d.rms_rel() < ds_b.rms);
-          // The Markov bias is a pure fp32 lookup-and-GEMV of the same token: only summation
-          // order separates it from the reference.
-          line(fmt::format("e2e [{}] markov bias maxabs", vn), bias.maxabs, 1e-4,
-               bias.maxabs < 1e-4);
-          line(fmt::format("e2e [{}] confidence logits maxabs", vn), conf.maxabs, ds_b.maxabs,
-               conf.maxabs < ds_b.maxabs, fmt::format("rms-rel {:.3g}", conf.rms_rel()));
-          info(fmt::format("e2e [{}] draft token agreement", vn),
-               double(draft_agree) / double(std::max<size_t>(draft_n, 1)),
-               fmt::format("{}/{} slots", draft_agree, draft_n));
-        }
-        for (const auto& [k, st] : dh.sets)
-          info(fmt::format("e2e [{}] {} exact rows", vn, k),
-               double(st.exact) / double(std::max<size_t>(st.rows, 1)),
-               fmt::format("mean Jaccard {:.4f} over {} rows", st.jaccard(), st.rows));
-      }
+      for (const auto& [k, d] : dh.diffs)
+        tf_line(fmt::format("tf [{}] {}", vn, k), k, d, dh.worst[k]);
+      for (const auto& [k, st] : dh.sets) set_line(fmt::format("tf [{}] {}", vn, k), k, st);
+      if (dh.hash_rows)
+        line(fmt::format("[{}] engram hash ids decode (exact)", vn), double(dh.hash_bad), 0,
+             dh.hash_bad == 0, fmt::format("{} rows", dh.hash_rows));
+      // From the recorded final hidden state the head is one fp32 GEMM.
+      line(fmt::format("tf [{}] decode logits rms-rel", vn), dl.d.rms_rel(), 1e-5,
+           dl.d.rms_rel() < 1e-5, fmt::format("maxabs {:.3g}", dl.d.maxabs));
+      info(fmt::format("tf [{}] dspark logits rms-rel", vn), dsl.d.rms_rel(),
+           fmt::format("maxabs {:.3g}; head {:.3g}; markov bias {:.3g}; confidence {:.3g}",
+                       dsl.d.maxabs, dsh.d.rms_rel(), bias.rms_rel(), conf.rms_rel()));
     }
     mdl.set_index_keys(IndexKeys::kOwner);
   }
+
+  // ---- end to end: the generic check through the Backend interface, with the CPU's taps ----
+  E2eTaps taps(be, ref, variants);
+  engine::E2eOptions eo;
+  eo.bound_margin = opts.bound_margin;
+  eo.observer = &taps;
+  for (const auto& var : variants) eo.variants.push_back({var.name, var.g});
+  const auto my_last_prefill = engine::check_e2e(be, fx, eo, rep);
+  mdl.set_index_keys(IndexKeys::kOwner);
 
   // The selection op on the reference's own stored scores: it must obey the top-k rule
   // {score > v} in selection in {score >= v}, and differ from the recorded selection only where
@@ -577,37 +593,7 @@ FixtureReport check_fixture(const fs::path& dir, const FixtureCheckOptions& opts
          unexplained == 0, "differences not explained by a tie");
   }
 
-  if (opts.run_ced) {
-    auto s = mdl.new_session(S + N + 8);
-    std::vector<float> lg(static_cast<size_t>(V));
-    mdl.prefill_ced(*s, prompt, 0, lg.data());
-    LogitStats c;
-    c.add(lg.data(), my_last_prefill.data(), V);
-    info("ced shortcut vs full prefill, last logits", c.d.rms_rel(),
-         fmt::format("rms-rel; maxabs {:.3g}, argmax {}", c.d.maxabs,
-                     c.agree ? "same" : "different"));
-    LogitStats cr;
-    cr.add(lg.data(), ref_prefill_logits.data() + int64_t(stored_pos.size() - 1) * V, V);
-    info("ced shortcut vs reference, last logits", cr.d.rms_rel(),
-         fmt::format("rms-rel; maxabs {:.3g}", cr.d.maxabs));
-    // Decoding on from the CED state (owner keys), against the reference's decode logits.
-    mdl.set_index_keys(IndexKeys::kOwner);
-    const auto& rl = own.f32("decode_logits");
-    LogitStats cd;
-    std::vector<float> m1(static_cast<size_t>(std::max(MH, 1)));
-    for (int k = 0; k < N; ++k) {
-      int p1 = 0;
-      mdl.forward(*s, std::span<const int32_t>(&dec_ids[size_t(k)], 1), false, false, lg.data(),
-                  m1.data(), &p1);
-      mdl.commit(*s, std::span<const int32_t>(&dec_ids[size_t(k)], 1), MH ? m1.data() : nullptr, 1,
-                 p1);
-      cd.add(lg.data(), rl.data() + int64_t(k) * V, V);
-    }
-    info("ced shortcut then decode vs reference", cd.d.rms_rel(),
-         fmt::format("rms-rel over {} steps; maxabs {:.3g}, argmax {:.2f} (full prefill: see e2e "
-                     "[owner keys] decode)",
-                     N, cd.d.maxabs, cd.argmax()));
-  }
+  if (opts.run_ced) engine::check_ced(be, fx, my_last_prefill, true, rep);
   rep.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return rep;
 }

@@ -5,11 +5,13 @@
 // For each row t and each selected expert e (weight w):
 //   g = bf16(w1_e . x), u = bf16(w3_e . x)                  (FP4 x FP8 block-scaled GEMVs)
 //   u = clamp(u, -L, L); g = min(g, L)                      (L = swiglu_limit; L <= 0: no clamp)
-//   h = bf16(w * silu(g) * u)                               (weight BEFORE w2: it changes h's
-//   quant) y_e = bf16(w2_e . fp8_quant(h))
+//   h = bf16(w * silu(g) * u)                  (weight BEFORE w2: it changes h's quantisation)
+//   y_e = bf16(w2_e . fp8_quant(h))
 // out[t] = sum over t's experts in ascending expert id of y_e (fp32, starting from 0), as the
-// reference's loop over experts. Experts chosen by several rows are read once (rows become the
-// mma columns); a row's result never depends on the other rows.
+// reference's loop over experts. run_partial / run_experts: the same without y_e's bf16 rounding
+// (tensor parallelism over the intermediate dim: the rounding follows the sum over ranks).
+// Experts chosen by several rows are read once (rows become the mma columns); a row's result
+// never depends on the other rows.
 
 #include <cuda_runtime.h>
 
@@ -48,10 +50,27 @@ class MoeFp4 {
   // row) and topk_w [m, topk] fp32 routing weights, on the device. out [m, dim] fp32.
   void run(const Fp4ExpertsView& w, const QuantActView& x, const int* topk_idx, const float* topk_w,
            float swiglu_limit, float* out, cudaStream_t stream) const;
+  // run() without the bf16 rounding of each expert's w2 output: out[t] = sum over t's experts in
+  // ascending expert id of the fp32 w2 accumulator (from 0). With `inter` a tensor-parallel slice,
+  // that rounding belongs to the whole w2 product (it can only follow the sum over ranks), so a
+  // rank's split-K partial must not carry it. Same kernels, same accumulation order.
+  void run_partial(const Fp4ExpertsView& w, const QuantActView& x, const int* topk_idx,
+                   const float* topk_w, float swiglu_limit, float* out, cudaStream_t stream) const;
+  // No combine: each (row t, k) pair's unrounded fp32 w2 accumulator goes to
+  // out[t * row_stride + k * dim + n] (row_stride >= topk * dim floats), k in topk_idx order.
+  // Pairs whose expert id is invalid (< 0 or >= num_experts) are not written.
+  void run_experts(const Fp4ExpertsView& w, const QuantActView& x, const int* topk_idx,
+                   const float* topk_w, float swiglu_limit, float* out, int64_t row_stride,
+                   cudaStream_t stream) const;
 
   int w13_splits() const { return splits_; }
 
  private:
+  // w13 + w2 (kernels 1, 2): w2 outputs of pair (t, k) to y[t * y_row_stride + k * dim],
+  // bf16-rounded when round_w2.
+  void run_experts_impl(const Fp4ExpertsView& w, const QuantActView& x, const int* topk_idx,
+                        const float* topk_w, float swiglu_limit, bool round_w2, float* y,
+                        int64_t y_row_stride, cudaStream_t stream) const;
   int dim_, inter_, topk_, splits_, kb_per_split_;
   void* plan_ = nullptr;        // the routing plan (moe_fp4.cu MoePlan)
   uint8_t* h_codes_ = nullptr;  // [8 * topk slots][inter]

@@ -253,6 +253,17 @@ std::vector<TensorEntry> load_file(const MappedFile& f, const std::string& file)
 
 }  // namespace
 
+Checkpoint Checkpoint::from_views(std::filesystem::path dir, std::vector<TensorEntry> entries) {
+  Checkpoint ck;
+  ck.dir_ = std::move(dir);
+  for (auto& e : entries) {
+    std::string name = e.name;
+    UF_CHECK(ck.tensors_.emplace(name, std::move(e)).second,
+             "checkpoint {}: tensor {} appears twice", ck.dir_.string(), name);
+  }
+  return ck;
+}
+
 Checkpoint Checkpoint::open(const std::filesystem::path& path) {
   Checkpoint ck;
   UF_CHECK(fs::exists(path), "checkpoint path {} does not exist", path.string());

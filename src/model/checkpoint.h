@@ -35,6 +35,9 @@ class Checkpoint {
  public:
   // `path` is a folder (with an index, or a single model.safetensors) or one .safetensors file.
   static Checkpoint open(const std::filesystem::path& path);
+  // A checkpoint over tensors held in memory elsewhere (model/synthetic.h's random weights): the
+  // views must outlive the checkpoint; `dir` only names it. Throws on a duplicate name.
+  static Checkpoint from_views(std::filesystem::path dir, std::vector<TensorEntry> entries);
 
   Checkpoint(Checkpoint&&) noexcept;
   Checkpoint& operator=(Checkpoint&&) noexcept;

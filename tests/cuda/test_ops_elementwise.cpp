@@ -418,10 +418,13 @@ TEST(CudaOpsElementwise, HcMixesMatchesCpu) {
         const DeviceWeight dfn = upload_weight(fn.w, arena), dsc = upload_weight(scale.w, arena),
                            dbs = upload_weight(base.w, arena);
         DeviceBuffer<float> dX(X), pre(wpre.size()), post(wpost.size()), comb(wcomb.size());
+        DeviceBuffer<float> scratch(hc_mixes_scratch_floats(p, T));
+        scratch.poison();
         pre.poison();
         post.poison();
         comb.poison();
-        hc_mixes(p, dfn, dsc, dbs, dX.get(), T, pre.get(), post.get(), comb.get(), nullptr);
+        hc_mixes(p, dfn, dsc, dbs, dX.get(), T, pre.get(), post.get(), comb.get(), scratch.get(),
+                 nullptr);
         sync_and_check();
         const auto gpre = pre.download(), gpost = post.download(), gcomb = comb.download();
         EXPECT_TRUE(check_close(what + " pre", gpre, wpre, tol));
@@ -434,7 +437,7 @@ TEST(CudaOpsElementwise, HcMixesMatchesCpu) {
           q1.poison();
           c1.poison();
           hc_mixes(p, dfn, dsc, dbs, dX.get() + int64_t(k) * n, 1, p1.get(), q1.get(), c1.get(),
-                   nullptr);
+                   scratch.get(), nullptr);
           sync_and_check();
           const std::string rk = what + " row " + std::to_string(k) + " alone";
           EXPECT_TRUE(

@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "cuda/backend/backend_kernels.h"
 #include "cuda/backend/cuda_model.h"
 #include "cuda/backend/model_internal.h"
 #include "cuda/cuda_check.h"
@@ -60,86 +61,120 @@ void CudaModel::dspark_write(CudaSession& s, const float* main_hidden, int n, in
   sync();
 }
 
+CudaModel::SpanBlock CudaModel::draft_block() const {
+  const int B = cfg_.dspark_block_size;
+  SpanBlock b;
+  b.T = B;
+  size_t off = 0;
+  auto add = [&](size_t count, size_t elem) {
+    const size_t at = (off + 15) / 16 * 16;
+    off = at + count * elem;
+    return at;
+  };
+  b.p0 = add(1, sizeof(int64_t));
+  b.ids = add(size_t(B), sizeof(int32_t));
+  b.pos = add(size_t(B), sizeof(int64_t));
+  for (int st = 0; st < cfg_.n_mtp_layers; ++st) b.stage_window.push_back(add(1, sizeof(void*)));
+  b.bytes = (off + 15) / 16 * 16;
+  return b;
+}
+
+// The stages on the block (anchor + noise), non-causal over the stage's window ring and the block
+// itself; every input that depends on the position or the session comes from the block.
+void CudaModel::draft_program(const SpanBlock& b, bool head_rows) {
+  const int B = b.T, hc = cfg_.hc_mult, D = cfg_.dim, H = H_, hd = cfg_.head_dim,
+            W = cfg_.window_size;
+  const float eps = float(cfg_.norm_eps);
+  UF_CUDA_CHECK(cudaMemcpyAsync(block_dev_, block_host_, b.bytes, cudaMemcpyHostToDevice, stream_));
+  const int64_t* pos = b.at<int64_t>(block_dev_, b.pos);
+  // Embed the block and expand to hc copies; pre_mix starts one-hot and is carried across stages.
+  embed_rows(embed_, b.at<int32_t>(block_dev_, b.ids), B, hc, X_, pre_, stream_);
+  const float scale = float(std::pow(double(hd), -0.5));
+  const size_t stream_bytes = size_t(B) * size_t(hc) * size_t(D) * sizeof(float);
+  for (int st = 0; st < cfg_.n_mtp_layers; ++st) {
+    const int l = cfg_.n_layers + st;
+    const auto& op = *layers_[size_t(l)];
+    // --- attention sublayer (window ring + the block itself, non-causal) ---
+    UF_CUDA_CHECK(cudaMemcpyAsync(R_, X_, stream_bytes, cudaMemcpyDeviceToDevice, stream_));
+    hc_mixes(hc_, op.hc_attn_fn, op.hc_attn_scale, op.hc_attn_base, X_, B, apre_, apost_, acomb_,
+             mix_scratch_, stream_);
+    hc_pre(hc_, X_, pre_, B, x_, stream_);
+    rms_norm(op.attn_norm, eps, x_, B, D, x_, stream_);
+    project_q(l, x_, B, 0, qr_, q_, pos);
+    project_kv(l, x_, B, 0, kv_, pos);
+    // Slots: ring slots 0 .. min(W, p+1)-1 in slot order (slot k holds the latest position
+    // congruent to k), then the block's own entries; the same list for every row.
+    build_draft_slots(b.at<int64_t>(block_dev_, b.p0), W, B,
+                      b.at<float*>(block_dev_, b.stage_window[size_t(st)]), W + opts_.max_rows, kv_,
+                      hd, win_ptrs_, stream_);
+    sparse_attn(q_, B, H, hd, win_ptrs_, W + B, nullptr, 0, nullptr, op.sink, scale, o_, stream_,
+                nullptr, attn_scratch_);
+    output_proj(l, o_, B, 0, y_, pos);
+    hc_post(hc_, y_, R_, apost_, acomb_, B, X_, stream_);
+    // --- MoE sublayer ---
+    UF_CUDA_CHECK(cudaMemcpyAsync(R_, X_, stream_bytes, cudaMemcpyDeviceToDevice, stream_));
+    hc_mixes(hc_, op.hc_ffn_fn, op.hc_ffn_scale, op.hc_ffn_base, X_, B, pre_, fpost_, fcomb_,
+             mix_scratch_, stream_);
+    hc_pre(hc_, X_, apre_, B, x_, stream_);
+    rms_norm(op.ffn_norm, eps, x_, B, D, x_, stream_);
+    moe(l, x_, B, y_);
+    hc_post(hc_, y_, R_, fpost_, fcomb_, B, X_, stream_);
+  }
+  if (!head_rows) return;
+  // --- head of the last stage: x5 stays in x_, xn in y_ ---
+  const auto& LS = *layers_[size_t(cfg_.n_layers + cfg_.n_mtp_layers - 1)];
+  hc_pre(hc_, X_, pre_, B, x_, stream_);          // x5
+  rms_norm(LS.norm, eps, x_, B, D, y_, stream_);  // xn
+  apply_head(y_, B, logits_);
+}
+
 engine::DraftBlock CudaModel::draft(CudaSession& s, int32_t anchor,
                                     const engine::DraftSampler& sampler) {
   UF_CHECK(cfg_.n_mtp_layers > 0 && cfg_.dspark_block_size > 0,
            "draft: the model has no DSpark stages");
   UF_CHECK(s.len > 0, "draft: the session has no committed position yet");
   UF_CUDA_CHECK(cudaSetDevice(opts_.device));
-  const int B = cfg_.dspark_block_size, hc = cfg_.hc_mult, D = cfg_.dim, H = H_, hd = cfg_.head_dim,
-            W = cfg_.window_size, V = cfg_.vocab_size;
-  const float eps = float(cfg_.norm_eps);
+  const int B = cfg_.dspark_block_size, D = cfg_.dim, W = cfg_.window_size, V = cfg_.vocab_size;
   const int64_t p = s.len - 1;
   engine::DraftBlock out;
   out.position = p;
   out.anchor = anchor;
-  std::vector<int32_t> ids(size_t(B), cfg_.dspark_noise_token_id);
-  ids[0] = anchor;
-  for (int i = 0; i < B; ++i)
-    UF_CHECK(ids[size_t(i)] >= 0 && ids[size_t(i)] < V, "draft: token {} outside the vocab",
-             ids[size_t(i)]);
-  // Embed the block and expand to hc copies; pre_mix starts one-hot and is carried across stages.
-  to_device(ids_, ids);
-  embed_rows(embed_, ids_, B, hc, X_, pre_, stream_);
-  const float scale = float(std::pow(double(hd), -0.5));
-  const size_t stream_bytes = size_t(B) * size_t(hc) * size_t(D) * sizeof(float);
+  // The block's inputs (host checks as the CPU's draft: the ring holds every slot it lists).
+  const SpanBlock b = draft_block();
+  UF_CHECK(b.bytes <= block_bytes_, "draft program: a block of {} bytes exceeds {}", b.bytes,
+           block_bytes_);
+  uint8_t* h = block_host_;
+  *b.at<int64_t>(h, b.p0) = p;
+  for (int i = 0; i < B; ++i) {
+    const int32_t id = i == 0 ? anchor : cfg_.dspark_noise_token_id;
+    UF_CHECK(id >= 0 && id < V, "draft: token {} outside the vocab", id);
+    b.at<int32_t>(h, b.ids)[i] = id;
+    b.at<int64_t>(h, b.pos)[i] = p + 1 + i;
+  }
+  const int64_t nring = std::min<int64_t>(W, p + 1);
   for (int st = 0; st < cfg_.n_mtp_layers; ++st) {
-    const int l = cfg_.n_layers + st;
-    const auto& op = *layers_[size_t(l)];
-    const auto& ring = s.layers[size_t(l)].window;
-    // --- attention sublayer (window ring + the block itself, non-causal) ---
-    UF_CUDA_CHECK(cudaMemcpyAsync(R_, X_, stream_bytes, cudaMemcpyDeviceToDevice, stream_));
-    hc_mixes(hc_, op.hc_attn_fn, op.hc_attn_scale, op.hc_attn_base, X_, B, apre_, apost_, acomb_,
-             stream_);
-    hc_pre(hc_, X_, pre_, B, x_, stream_);
-    rms_norm(op.attn_norm, eps, x_, B, D, x_, stream_);
-    project_q(l, x_, B, p + 1, qr_, q_);
-    project_kv(l, x_, B, p + 1, kv_);
-    // Slots: ring slots 0 .. min(W, p+1)-1 in slot order (slot k holds the latest position
-    // congruent to k), then the block's own entries; the same list for every row.
-    std::vector<const float*> one;
-    const int64_t nring = std::min<int64_t>(W, p + 1);
+    const auto& ring = s.layers[size_t(cfg_.n_layers + st)].window;
+    UF_CHECK(ring.slots == W + opts_.max_rows,
+             "draft: DSpark stage {} ring of {} slots, the draft program expects {}", st,
+             ring.slots, W + opts_.max_rows);
     for (int64_t k = 0; k < nring; ++k) {
       const int64_t qpos = p - ((p - k) % W);
-      const float* v = ring.get(qpos);
-      UF_CHECK(v, "draft: DSpark stage {} ring lacks position {}", st, qpos);
-      one.push_back(v);
+      UF_CHECK(ring.get(qpos), "draft: DSpark stage {} ring lacks position {}", st, qpos);
     }
-    for (int i = 0; i < B; ++i) one.push_back(kv_ + int64_t(i) * hd);
-    const int n_slots = int(one.size());
-    std::vector<const float*> slots;
-    slots.reserve(size_t(B) * one.size());
-    for (int i = 0; i < B; ++i) slots.insert(slots.end(), one.begin(), one.end());
-    to_device(win_ptrs_, slots);
-    sparse_attn(q_, B, H, hd, win_ptrs_, n_slots, nullptr, 0, nullptr, op.sink, scale, o_, stream_);
-    output_proj(l, o_, B, p + 1, y_);
-    hc_post(hc_, y_, R_, apost_, acomb_, B, X_, stream_);
-    // --- MoE sublayer ---
-    UF_CUDA_CHECK(cudaMemcpyAsync(R_, X_, stream_bytes, cudaMemcpyDeviceToDevice, stream_));
-    hc_mixes(hc_, op.hc_ffn_fn, op.hc_ffn_scale, op.hc_ffn_base, X_, B, pre_, fpost_, fcomb_,
-             stream_);
-    hc_pre(hc_, X_, apre_, B, x_, stream_);
-    rms_norm(op.ffn_norm, eps, x_, B, D, x_, stream_);
-    op.moe->apply(x_, B, y_, gate_i_, gate_w_, stream_);
-    if (tp_ > 1) all_reduce_round(y_, size_t(B) * size_t(D));  // as CudaModel::block
-    hc_post(hc_, y_, R_, fpost_, fcomb_, B, X_, stream_);
+    *b.at<float*>(h, b.stage_window[size_t(st)]) = ring.data;
   }
-  if (rank_ != 0 && !split_head_) {  // TP: rank 0 alone runs the replicated head, Markov loop
+  // TP: rank 0 alone runs the replicated head and the Markov loop; a split head is a collective
+  // every rank runs.
+  const bool head_rows = rank_ == 0 || split_head_;
+  launch_program(head_rows ? 1 : 0, [&] { draft_program(b, head_rows); });
+  if (rank_ != 0) {
     sync();
     return out;
   }
-  // --- head of the last stage ---
   const int last = cfg_.n_layers + cfg_.n_mtp_layers - 1;
   const auto& LS = *layers_[size_t(last)];
   const auto& LW = w_.layers[size_t(last)];
   const int Rk = cfg_.dspark_markov_rank;
-  hc_pre(hc_, X_, pre_, B, x_, stream_);          // x5
-  rms_norm(LS.norm, eps, x_, B, D, y_, stream_);  // xn
-  apply_head(y_, B, logits_);
-  if (rank_ != 0) {  // split head: every rank ran it (a collective); rank 0 goes on alone
-    sync();
-    return out;
-  }
   out.logits.resize(size_t(B) * size_t(V));
   out.markov_bias.resize(size_t(B) * size_t(V));
   std::vector<float> x5(size_t(B) * size_t(D));

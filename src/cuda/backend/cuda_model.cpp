@@ -205,6 +205,19 @@ CudaModel::CudaModel(model::ModelConfig cfg, const model::Checkpoint& ckpt,
   pool_kv_ptrs_ = arena_.alloc<const float*>(T * size_t(max_ratio));
   pool_gate_ptrs_ = arena_.alloc<const float*>(T * size_t(max_ratio));
   key_ptrs_ = arena_.alloc<const float*>(T);
+  mix_scratch_ = arena_.alloc<float>(hc_mixes_scratch_floats(hc_, tmax_));
+  // Decode and verify steps (<= max_rows rows) and draft blocks attend in split mode: T * H CTAs
+  // alone would leave most SMs idle.
+  attn_scratch_ = arena_.alloc<float>(
+      sparse_attn_scratch_floats(std::max(opts_.max_rows, B), H_, cfg_.head_dim,
+                                 cfg_.window_size + std::max(cfg_.index_topk, std::max(B, 0))));
+  emit_ = arena_.alloc<float>(T * hd);
+  if (!cfg_.index_source_layers.empty())
+    emit_keys_ = arena_.alloc<float>(T * size_t(cfg_.index_head_dim));
+  block_bytes_ = span_block(tmax_).bytes;
+  block_dev_ = arena_.alloc<uint8_t>(block_bytes_);
+  UF_CUDA_CHECK(
+      cudaHostAlloc(reinterpret_cast<void**>(&block_host_), block_bytes_, cudaHostAllocDefault));
   topk_.assign(size_t(cfg_.n_layers), nullptr);
   for (int l : cfg_.index_source_layers)
     topk_[size_t(l)] = arena_.alloc<int32_t>(T * size_t(std::max(cfg_.index_topk, 1)));
@@ -226,6 +239,8 @@ CudaModel::CudaModel(model::ModelConfig cfg, const model::Checkpoint& ckpt,
 }
 
 CudaModel::~CudaModel() {
+  drop_graphs();
+  if (block_host_) cudaFreeHost(block_host_);
   if (gather_) cudaFree(gather_);
   if (score_) cudaFree(score_);
   if (keep_) cudaFree(keep_);
@@ -246,6 +261,7 @@ void CudaModel::sync() {
 
 void CudaModel::ensure_index_width(int64_t width) {
   if (width <= index_width_) return;
+  drop_graphs();  // they hold the score buffers and their row stride
   if (score_) UF_CUDA_CHECK(cudaFree(score_));
   if (keep_) UF_CUDA_CHECK(cudaFree(keep_));
   score_ = nullptr;
@@ -306,28 +322,30 @@ void CudaModel::upload_ring(DeviceRing& r, const std::vector<float>& in) const {
 // ---------------------------------------------------------------------------------------------
 // Projections shared by backbone and DSpark attention.
 
-void CudaModel::project_q(int l, const float* x, int T, int64_t p0, float* qr, float* q) {
+void CudaModel::project_q(int l, const float* x, int T, int64_t p0, float* qr, float* q,
+                          const int64_t* pos) {
   const auto& op = *layers_[size_t(l)];
   const int H = H_, hd = cfg_.head_dim, R = cfg_.q_lora_rank;
   op.wq_a.apply(x, T, qr, stream_);
   rms_norm(op.q_norm, float(cfg_.norm_eps), qr, T, R, qr, stream_);
   op.wq_b.apply(qr, T, q, stream_);
-  rope(op.freqs, op.rope_dim, q, T, H, hd, p0, 1, false, stream_);
+  rope(op.freqs, op.rope_dim, q, T, H, hd, p0, 1, false, stream_, pos);
 }
 
-void CudaModel::project_kv(int l, const float* x, int T, int64_t p0, float* kv) {
+void CudaModel::project_kv(int l, const float* x, int T, int64_t p0, float* kv,
+                           const int64_t* pos) {
   const auto& op = *layers_[size_t(l)];
   const int hd = cfg_.head_dim;
   op.wkv.apply(x, T, kv, stream_);
   rms_norm(op.kv_norm, float(cfg_.norm_eps), kv, T, hd, kv, stream_);
-  rope(op.freqs, op.rope_dim, kv, T, 1, hd, p0, 1, false, stream_);
+  rope(op.freqs, op.rope_dim, kv, T, 1, hd, p0, 1, false, stream_, pos);
   qdq_fp8(kv, T, hd, 32, stream_);
 }
 
-void CudaModel::output_proj(int l, float* o, int T, int64_t p0, float* out) {
+void CudaModel::output_proj(int l, float* o, int T, int64_t p0, float* out, const int64_t* pos) {
   const auto& op = *layers_[size_t(l)];
   const int H = H_, hd = cfg_.head_dim, G = G_, R = cfg_.o_lora_rank;
-  rope(op.freqs, op.rope_dim, o, T, H, hd, p0, 1, /*inverse=*/true, stream_);
+  rope(op.freqs, op.rope_dim, o, T, H, hd, p0, 1, /*inverse=*/true, stream_, pos);
   // wo_a is block-diagonal over groups: a bf16 einsum without activation quantisation.
   const int gin = H * hd / G;
   for (int g = 0; g < G; ++g)
@@ -346,7 +364,7 @@ void CudaModel::output_proj(int l, float* o, int T, int64_t p0, float* out) {
 // Span setup, embedding, head.
 
 void CudaModel::init_span(Span& sp, CudaSession& s, std::span<const int32_t> tokens,
-                          bool prefill_layout) {
+                          bool prefill_layout, bool upload) {
   sp.s = &s;
   sp.p0 = s.len;
   sp.T = int(tokens.size());
@@ -365,7 +383,7 @@ void CudaModel::init_span(Span& sp, CudaSession& s, std::span<const int32_t> tok
       ctx.push_back(compressed_id(s.toks[size_t(i)]));
     for (int32_t t : tokens) ids.push_back(compressed_id(t));
     sp.hash = hasher_->hash(ctx, ids);
-    upload_hash(sp);
+    if (upload) upload_hash(sp);
   }
 }
 
@@ -417,6 +435,11 @@ void CudaModel::forward(CudaSession& s, std::span<const int32_t> tokens, bool pr
   UF_CHECK(s.len + T <= s.cap, "session of capacity {} cannot take {} more tokens after {}", s.cap,
            T, s.len);
   UF_CUDA_CHECK(cudaSetDevice(opts_.device));
+  if (!prefill_layout) {
+    forward_ring(s, tokens, all_logits, logits, main_hidden, publisher);
+    return;
+  }
+  // The prefill layout (the first chunk of a fresh session, CED) stays host-driven.
   Span sp;
   init_span(sp, s, tokens, prefill_layout);
   embed(sp, tokens, X_, pre_);
@@ -432,16 +455,10 @@ void CudaModel::forward(CudaSession& s, std::span<const int32_t> tokens, bool pr
   }
   sync();
   if (publisher) {
-    for (int t = 0; t < T; ++t) {
-      int pub = sp.pub_start[size_t(t)];
-      if (prefill_layout) {
-        for (int l : cfg_.kv_source_layers)
-          if (sp.emits_any[size_t(l)]) pub = l;
-      } else if (last_emitter(sp.pos[size_t(t)]) >= 0) {
-        pub = last_emitter(sp.pos[size_t(t)]);
-      }
-      publisher[t] = pub;
-    }
+    int pub = sp.pub_start.empty() ? s.publisher : sp.pub_start[0];
+    for (int l : cfg_.kv_source_layers)
+      if (sp.emits_any[size_t(l)]) pub = l;
+    std::fill_n(publisher, T, pub);
   }
 }
 
@@ -451,7 +468,9 @@ void CudaModel::run_layers(Span& sp, float* X, float* pre_mix, int l0, int l1, f
     const auto& role = cfg_.role(l);
     if (role.engram) {
       const int64_t nc = hasher_->n_cols();
-      layers_[size_t(l)]->engram->apply(hash_ + int64_t(role.engram_index) * T * nc, X, T, X,
+      const int64_t* hash =
+          sp.program ? sp.program->at<int64_t>(block_dev_, sp.program->hash) : hash_;
+      layers_[size_t(l)]->engram->apply(hash + int64_t(role.engram_index) * T * nc, X, T, X,
                                         stream_);
     }
     if (role.dspark_tap && main_hidden) {
@@ -471,7 +490,7 @@ void CudaModel::block(Span& sp, int l, float* X, float* pre_mix) {
   const size_t stream_bytes = size_t(T) * size_t(hc) * size_t(D) * sizeof(float);
   UF_CUDA_CHECK(cudaMemcpyAsync(R_, X, stream_bytes, cudaMemcpyDeviceToDevice, stream_));
   hc_mixes(hc_, op.hc_attn_fn, op.hc_attn_scale, op.hc_attn_base, X, T, apre_, apost_, acomb_,
-           stream_);
+           mix_scratch_, stream_);
   hc_pre(hc_, X, pre_mix, T, x_, stream_);
   rms_norm(op.attn_norm, eps, x_, T, D, x_, stream_);
   attention(sp, l, x_, y_);
@@ -481,14 +500,22 @@ void CudaModel::block(Span& sp, int l, float* X, float* pre_mix) {
   // As the CPU (and the reference): the FFN mixes' pre goes to pre_mix (the next layer's
   // attention), the FFN collapses with the attention's pre.
   hc_mixes(hc_, op.hc_ffn_fn, op.hc_ffn_scale, op.hc_ffn_base, X, T, pre_mix, fpost_, fcomb_,
-           stream_);
+           mix_scratch_, stream_);
   hc_pre(hc_, X, apre_, T, x_, stream_);
   rms_norm(op.ffn_norm, eps, x_, T, D, x_, stream_);
-  op.moe->apply(x_, T, y_, gate_i_, gate_w_, stream_);
-  // TP: DeviceMoe's y is bf16(routed + shared) over this rank's intermediate slice (it rounds
-  // inside), so the ranks' bf16 partials are summed in fp32 and rounded once more.
-  if (tp_ > 1) all_reduce_round(y_, size_t(T) * size_t(D));
+  moe(l, x_, T, y_);
   hc_post(hc_, y_, R_, fpost_, fcomb_, T, X, stream_);
+}
+
+void CudaModel::moe(int l, const float* x, int T, float* y) {
+  const auto& op = *layers_[size_t(l)];
+  if (tp_ > 1) {
+    // The rank's fp32 partial (no rounding after w2), summed over the ranks, rounded once.
+    op.moe->apply_partial(x, T, y, gate_i_, gate_w_, stream_);
+    all_reduce_round(y, size_t(T) * size_t(cfg_.dim));
+  } else {
+    op.moe->apply(x, T, y, gate_i_, gate_w_, stream_);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -632,6 +659,10 @@ void CudaModel::indexer(Span& sp, int l, const float* x, const float* qr) {
 }
 
 void CudaModel::attention(Span& sp, int l, const float* x, float* out) {
+  if (sp.program) {
+    attention_program(*sp.program, l, x, out);
+    return;
+  }
   const auto& role = cfg_.role(l);
   const auto& op = *layers_[size_t(l)];
   auto& st = sp.s->layers[size_t(l)];
@@ -651,28 +682,14 @@ void CudaModel::attention(Span& sp, int l, const float* x, float* out) {
     ckv = sp.s->layers[size_t(role.kv_from)].ckv;
   }
   const float scale = float(std::pow(double(hd), -0.5));
-  if (!sp.prefill)
-    for (int64_t q = std::max<int64_t>(0, sp.p0 - W + 1); q < sp.p0; ++q)
-      UF_CHECK(st.window.get(q), "layer {}: window KV of position {} is gone (span at {})", l, q,
-               sp.p0);
-  auto window_row = [&](int64_t qpos) -> const float* {
-    if (qpos >= sp.p0) return kv_ + (qpos - sp.p0) * hd;
-    return st.window.get(qpos);
-  };
-  const int nw = sp.prefill ? std::min(T, W) : W;
+  // The prefill layout: row t sees the span's own rows from max(p0, p - W + 1) to p.
+  const int nw = std::min(T, W);
   std::vector<const float*> slots(size_t(T) * size_t(nw));
   for (int t = 0; t < T; ++t) {
     const int64_t p = sp.pos[size_t(t)];
     const float** row = slots.data() + int64_t(t) * nw;
-    if (sp.prefill) {
-      const int64_t lo = std::max(sp.p0, p - W + 1);
-      for (int j = 0; j < nw; ++j) row[j] = lo + j <= p ? window_row(lo + j) : nullptr;
-    } else {
-      for (int j = 0; j < W; ++j) {
-        const int64_t qpos = p - W + 1 + j;
-        row[j] = qpos >= 0 ? window_row(qpos) : nullptr;
-      }
-    }
+    const int64_t lo = std::max(sp.p0, p - W + 1);
+    for (int j = 0; j < nw; ++j) row[j] = lo + j <= p ? kv_ + (lo + j - sp.p0) * hd : nullptr;
   }
   to_device(win_ptrs_, slots);
   sparse_attn(q_, T, H, hd, win_ptrs_, nw, topk, k, ckv, op.sink, scale, o_, stream_);

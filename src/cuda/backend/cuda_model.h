@@ -23,6 +23,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <span>
@@ -75,6 +76,10 @@ struct CudaModelOptions {
   // TP: split head.weight by vocab rows (each rank computes vocab/tp logits, all-gathered and
   // reordered into whole rows on every rank). Off by default (the head stays replicated).
   bool tp_split_head = false;
+  // Ring-layout spans of up to max_rows rows (decode and verify steps) replay one CUDA graph per
+  // (rows, all_logits), captured at first use (cuda_ring_span.cpp). Off: the same launches run
+  // eagerly (the graph and the eager path are the same code). Graphs run at tp = 1 only for now.
+  bool cuda_graphs = true;
 };
 
 class CudaModel {
@@ -126,10 +131,41 @@ class CudaModel {
   void download_ring(const DeviceRing& r, std::vector<float>& out) const;
   void upload_ring(DeviceRing& r, const std::vector<float>& in) const;
 
+  // Benchmarks only: makes `s` hold `len` committed tokens (random ids from `seed`) without running
+  // the model: ring tags and entry counts as after a real prefill, device state zeroed. The
+  // step cost at a context then depends on len exactly as after a real prefill of len tokens.
+  void fast_forward(CudaSession& s, int64_t len, uint64_t seed);
+  // CUDA graphs captured so far (one per (rows, all_logits) used).
+  int graphs_captured() const { return int(graphs_.size()); }
+
  private:
   struct Span;
   struct LayerOps;
-  void init_span(Span& sp, CudaSession& s, std::span<const int32_t> tokens, bool prefill_layout);
+  struct SpanBlock;
+  // The CUDA-graph span program of ring-layout spans (cuda_ring_span.cpp): the host writes every
+  // position- and session-dependent input into one pinned block (plan_ring_span), the program
+  // copies it to the device and launches kernels that read it there (ring_program), so its
+  // launches depend on (rows, all_logits) only and replay as one graph.
+  SpanBlock span_block(int T) const;
+  void forward_ring(CudaSession& s, std::span<const int32_t> tokens, bool all_logits, float* logits,
+                    float* main_hidden, int* publisher);
+  void plan_ring_span(Span& sp, const SpanBlock& b, std::span<const int32_t> tokens);
+  void ring_program(const SpanBlock& b, bool all_logits, bool head);
+  void attention_program(const SpanBlock& b, int l, const float* x, float* out);
+  void kv_program(const SpanBlock& b, int l, const float* x);
+  void indexer_program(const SpanBlock& b, int l, const float* x, const float* qr);
+  void drop_graphs();
+  // The DSpark stages of a draft round as a program (cuda_dspark.cpp): block = draft_block(),
+  // inputs p0 = the last committed position, ids = anchor + noise, pos = p0 + 1 + i, the stages'
+  // rings; output: the last stage's x5 rows in x_ and, with head_rows, its head logits in logits_.
+  SpanBlock draft_block() const;
+  void draft_program(const SpanBlock& b, bool head_rows);
+  // Replays the graph `key` (captured from `program` at first use) or runs `program` eagerly.
+  template <typename Program>
+  void launch_program(int key, Program&& program);
+  // upload_hash: also copy the Engram ids to hash_ (the host-driven path).
+  void init_span(Span& sp, CudaSession& s, std::span<const int32_t> tokens, bool prefill_layout,
+                 bool upload_hash = true);
   void upload_hash(const Span& sp);
   void embed(const Span& sp, std::span<const int32_t> tokens, float* X, float* pre_mix);
   void run_layers(Span& sp, float* X, float* pre_mix, int l0, int l1, float* main_hidden);
@@ -139,9 +175,15 @@ class CudaModel {
   void indexer(Span& sp, int l, const float* x, const float* qr);
   void head(const float* X, const float* pre_mix, int row0, int n, float* logits_dev);
   int last_emitter(int64_t p) const;
-  void project_q(int l, const float* x, int T, int64_t p0, float* qr, float* q);
-  void project_kv(int l, const float* x, int T, int64_t p0, float* kv);
-  void output_proj(int l, float* o, int T, int64_t p0, float* out);
+  // Rows t < T at positions p0 + t, or at pos[t] (device) when pos is given (span programs).
+  void project_q(int l, const float* x, int T, int64_t p0, float* qr, float* q,
+                 const int64_t* pos = nullptr);
+  void project_kv(int l, const float* x, int T, int64_t p0, float* kv,
+                  const int64_t* pos = nullptr);
+  void output_proj(int l, float* o, int T, int64_t p0, float* out, const int64_t* pos = nullptr);
+  // The MoE sublayer y [T, dim] of x (one GPU: DeviceMoe::apply; TP: the ranks' fp32 partials
+  // summed and rounded once).
+  void moe(int l, const float* x, int T, float* y);
   void dspark_write(CudaSession& s, const float* main_hidden, int n, int64_t p0);
   void ensure_index_width(int64_t width);
   // TP (cuda_tp.cpp): replaces the split weights of w_ by this rank's shards (host copies).
@@ -192,6 +234,8 @@ class CudaModel {
         *o2_ = nullptr;
   float *ckv_kv_ = nullptr, *ckv_gate_ = nullptr, *pool_ = nullptr;
   float *iq_ = nullptr, *iw_ = nullptr;
+  float* mix_scratch_ = nullptr;   // hc_mixes' split-K partials
+  float* attn_scratch_ = nullptr;  // sparse_attn's split mode (span and draft programs)
   float *mh_ = nullptr, *logits_ = nullptr, *emb_ = nullptr;
   int32_t *ids_ = nullptr, *gate_i_ = nullptr, *vis_ = nullptr, *width_ = nullptr;
   float* gate_w_ = nullptr;
@@ -205,6 +249,15 @@ class CudaModel {
   int64_t index_width_ = 0;
   float* score_ = nullptr;
   uint8_t* keep_ = nullptr;
+
+  // Span programs: the inputs block (pinned host + device, sized for tmax rows), the emitted
+  // compressed entries before they are copied into the session ([tmax, head_dim] and
+  // [tmax, index_head_dim]), and the captured graphs by (rows, all_logits).
+  uint8_t* block_host_ = nullptr;
+  uint8_t* block_dev_ = nullptr;
+  size_t block_bytes_ = 0;
+  float *emit_ = nullptr, *emit_keys_ = nullptr;
+  std::map<int, cudaGraphExec_t> graphs_;  // key: rows * 4 + all_logits * 2 + head
 };
 
 }  // namespace uf::cuda

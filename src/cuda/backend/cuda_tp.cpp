@@ -8,10 +8,12 @@
 //    summation order differs.
 //  - index scores: per-rank fp32 sums of the same per-head bf16 terms, fp32 sum, one bf16
 //    rounding: again only the fp32 order differs. Every rank then runs top-k on identical scores.
-//  - MoE: DeviceMoe rounds its output to bf16 inside (routed + shared of the rank's intermediate
-//    slice; SwiGLU and its FP8 quantisation are elementwise per 32 intermediate features, the
-//    split keeps those blocks whole), so TP sums N bf16 values in fp32 and rounds once more: up to
-//    N/2 + 1/2 bf16 ulp of the output more than one GPU, not bitwise.
+//  - MoE: DeviceMoe::apply_partial, the rank's routed + shared output in fp32 with no rounding
+//    after w2 (SwiGLU and its FP8 quantisation are per 32 intermediate features and the split keeps
+//    those blocks whole, so they are one GPU's), fp32 sum over ranks, one bf16 rounding. It drops
+//    the per-expert bf16 roundings of apply() (the reference rounds each expert's output), which a
+//    split-K product cannot keep: closer to exact arithmetic, not bitwise one GPU's. (DeviceMoe's
+//    apply_partial_experts + combine_experts would be bitwise, at a (top_k + 1)x larger reduce.)
 //  - The sum: NCCL's fp32 all-reduce at N = 2 (a + b: exact order-free), else all-gather + an fp32
 //    sum in rank order (CudaModelOptions::tp_ordered_sum), whose order never depends on the
 //    element count. Collectives are elementwise over rows, so a row's result never depends on the

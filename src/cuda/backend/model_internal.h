@@ -2,6 +2,9 @@
 // Internal to CudaModel (cuda_model.cpp, cuda_dspark.cpp, cuda_ced.cpp): the per-layer device
 // weights, the span's host-side bookkeeping and the stream-ordered upload helper.
 
+#include <spdlog/spdlog.h>
+
+#include <chrono>
 #include <memory>
 #include <vector>
 
@@ -41,7 +44,79 @@ struct CudaModel::Span {
   std::vector<uint8_t> emits_any;   // [layer]
   std::vector<int> pub_start;       // [row]
   std::vector<uint8_t> kv_done;     // [layer]
+  // Span programs: the device block whose fields the layers read (null: the host-driven path).
+  const SpanBlock* program = nullptr;
 };
+
+// Where a span program's inputs sit in the block (byte offsets; the layout depends on the row
+// count and the config only). Written on the host by plan_ring_span, read on the device.
+struct CudaModel::SpanBlock {
+  int T = 0;
+  size_t bytes = 0;
+  size_t p0 = 0;    // int64: the span's first position
+  size_t ids = 0;   // int32 [T]: token ids
+  size_t pos = 0;   // int64 [T]: positions p0 + t
+  size_t hash = 0;  // int64 [engram layers, T, n_cols]: Engram ids (CudaModel::upload_hash order)
+  struct Layer {
+    int gmax = 0;         // KV sources: compressed entries the program computes (>= emitted)
+    size_t window = 0;    // float*: the window ring's rows
+    size_t raw_kv = 0;    // float*: ratio > 1, the compressor's pre-pool ring (kv, gate)
+    size_t raw_gate = 0;  //
+    size_t pool_kv = 0;   // const float* [gmax * ratio]: pooled rows (padding: any valid row)
+    size_t pool_gate = 0;
+    size_t n_emit = 0;    // int32: entries this span emits (<= gmax)
+    size_t emit_pos = 0;  // int64 [gmax]: RoPE position of each emitted entry (entry * ratio)
+    size_t ckv_dst = 0;   // float*: where the first emitted entry goes in the compressed KV
+    size_t ikey_dst = 0;  // float*: ... in the index keys
+    size_t ckv_src = 0;   // const float*: the compressed KV the layer's top-k indexes
+    size_t vis = 0;       // indexer: int32 [T] visible entries, int32 [T] scored width,
+    size_t width = 0;     //          const float* [T] key banks
+    size_t keys = 0;
+  };
+  std::vector<Layer> layers;         // backbone layers (span programs)
+  std::vector<size_t> stage_window;  // float*: each DSpark stage's window ring (draft programs)
+
+  template <typename V>
+  V* at(uint8_t* base, size_t off) const {
+    return reinterpret_cast<V*>(base + off);
+  }
+};
+
+// Graph keys: span programs use rows * 4 + all_logits * 2 + head (>= 4); draft programs 0 / 1
+// (without / with the head). Capture runs the program on the model's stream in thread-local mode
+// (TP ranks capture on their own threads); graphs run at tp = 1 only for now.
+template <typename Program>
+void CudaModel::launch_program(int key, Program&& program) {
+  if (!opts_.cuda_graphs || tp_ != 1) {
+    program();
+    return;
+  }
+  auto it = graphs_.find(key);
+  if (it == graphs_.end()) {
+    const auto t0 = std::chrono::steady_clock::now();
+    cudaGraph_t graph = nullptr;
+    UF_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+    try {
+      program();
+    } catch (...) {
+      cudaStreamEndCapture(stream_, &graph);
+      if (graph) cudaGraphDestroy(graph);
+      throw;
+    }
+    UF_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
+    cudaGraphExec_t exec = nullptr;
+    const cudaError_t err = cudaGraphInstantiate(&exec, graph, 0);
+    size_t nodes = 0;
+    cudaGraphGetNodes(graph, nullptr, &nodes);
+    cudaGraphDestroy(graph);
+    UF_CUDA_CHECK(err);
+    it = graphs_.emplace(key, exec).first;
+    spdlog::info(
+        "CUDA graph {} captured: {} nodes in {:.1f} ms", key, nodes,
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+  }
+  UF_CUDA_CHECK(cudaGraphLaunch(it->second, stream_));
+}
 
 template <typename T>
 inline void CudaModel::to_device(T* dst, const std::vector<T>& src) {

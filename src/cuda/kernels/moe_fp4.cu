@@ -26,8 +26,11 @@
 //   FP8 quantization of h per 32 rows (one warp per token column, lane = row).
 // Kernel 2, w2: block = 8 warps, each warp kW2TilesPerWarp 16-row tiles of the K output rows in
 //   one cp.async stream, grid = (K/16 / (8 * kW2TilesPerWarp), P); K loop over all of I (no
-//   split). y[pair] = bf16(acc) as fp32.
-// Kernel 3, combine: out[t] = sum over t's experts in ascending expert id of y (fp32, from 0).
+//   split). y[pair] = bf16(acc) as fp32 (run), or acc itself (run_partial / run_experts: a
+//   tensor-parallel rank's split-K partial of the expert's w2 product, rounded after the sum).
+//   Pair (t, k) goes to y + t * y_row_stride + k * dim (internal y_: y_row_stride = topk * dim).
+// Kernel 3, combine: out[t] = sum over t's experts in ascending expert id of y (fp32, from 0);
+//   run_experts skips it.
 //
 // Reduction order: per output, acc = 0; for kb in K order acc += (partial * a_scale) * w_scale
 // (per-row weight scale); w13 splits (S from K only, never from M or the routing) summed in split
@@ -299,6 +302,9 @@ struct W2Params {
   const uint8_t* h_codes;
   const float* h_scales;
   float* y;
+  int64_t y_row_stride;
+  int topk;
+  bool round;
 };
 
 __global__ void __launch_bounds__(kW2Warps * 32) moe_w2_kernel(const W2Params p) {
@@ -354,15 +360,18 @@ __global__ void __launch_bounds__(kW2Warps * 32) moe_w2_kernel(const W2Params p)
     if (c % cpt == cpt - 1) {  // tile done: bf16-rounded outputs, then a fresh accumulator
       const int row0 = tile * 16;
       const int c0 = 2 * t, c1 = 2 * t + 1;
+      auto out = [&](int pair) {
+        return p.y + (pair / p.topk) * p.y_row_stride + size_t(pair % p.topk) * p.dim + row0;
+      };
       if (c0 < r.count) {
-        float* y = p.y + size_t(r.pair[c0]) * p.dim + row0;
-        y[g] = round_bf16(acc[0]);
-        y[g + 8] = round_bf16(acc[2]);
+        float* y = out(r.pair[c0]);
+        y[g] = p.round ? round_bf16(acc[0]) : acc[0];
+        y[g + 8] = p.round ? round_bf16(acc[2]) : acc[2];
       }
       if (c1 < r.count) {
-        float* y = p.y + size_t(r.pair[c1]) * p.dim + row0;
-        y[g] = round_bf16(acc[1]);
-        y[g + 8] = round_bf16(acc[3]);
+        float* y = out(r.pair[c1]);
+        y[g] = p.round ? round_bf16(acc[1]) : acc[1];
+        y[g + 8] = p.round ? round_bf16(acc[3]) : acc[3];
       }
       acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
     }
@@ -470,12 +479,16 @@ MoeFp4::~MoeFp4() {
   cudaFree(counters_);
 }
 
-void MoeFp4::run(const Fp4ExpertsView& w, const QuantActView& x, const int* topk_idx,
-                 const float* topk_w, float swiglu_limit, float* out, cudaStream_t stream) const {
+void MoeFp4::run_experts_impl(const Fp4ExpertsView& w, const QuantActView& x, const int* topk_idx,
+                              const float* topk_w, float swiglu_limit, bool round_w2, float* y,
+                              int64_t y_row_stride, cudaStream_t stream) const {
   require(w.dim == dim_ && w.inter == inter_ && x.k == dim_ && x.m >= 1 && x.m <= kMaxDecodeRows,
           "MoeFp4::run: experts [dim %d, inter %d] / input [%d, %d] do not match the plan "
           "[dim %d, inter %d]",
           w.dim, w.inter, x.m, x.k, dim_, inter_);
+  require(y_row_stride >= int64_t(topk_) * dim_,
+          "MoeFp4::run_experts: row stride %lld < topk %d * dim %d",
+          static_cast<long long>(y_row_stride), topk_, dim_);
   const int P = x.m * topk_;
   launch_pdl(moe_plan_kernel, dim3(1), dim3(kMaxPairs), 0, stream, topk_idx, topk_w, P, topk_,
              w.num_experts, static_cast<MoePlan*>(plan_));
@@ -485,11 +498,34 @@ void MoeFp4::run(const Fp4ExpertsView& w, const QuantActView& x, const int* topk
               h_codes_, h_scales_,  partials_, counters_,  kb_per_split_, splits_};
   launch_pdl(moe_w13_kernel, dim3(inter_ / 32, splits_, P), dim3(kW13Warps * 32), kW13Smem, stream,
              a);
-  W2Params b{w.w2, w.w2_scale, w.num_experts, dim_, inter_, x.m, plan, h_codes_, h_scales_, y_};
+  W2Params b{w.w2,      w.w2_scale, w.num_experts, dim_,  inter_,  x.m, plan, h_codes_,
+             h_scales_, y,          y_row_stride,  topk_, round_w2};
   const int w2_blocks = (dim_ / 16 + kW2Warps * kW2TilesPerWarp - 1) / (kW2Warps * kW2TilesPerWarp);
   launch_pdl(moe_w2_kernel, dim3(w2_blocks, P), dim3(kW2Warps * 32), kW2Smem, stream, b);
+}
+
+void MoeFp4::run(const Fp4ExpertsView& w, const QuantActView& x, const int* topk_idx,
+                 const float* topk_w, float swiglu_limit, float* out, cudaStream_t stream) const {
+  run_experts_impl(w, x, topk_idx, topk_w, swiglu_limit, /*round_w2=*/true, y_,
+                   int64_t(topk_) * dim_, stream);
   launch_pdl(moe_combine_kernel, dim3((dim_ + 255) / 256, x.m), dim3(256), 0, stream,
              static_cast<const float*>(y_), topk_idx, topk_, w.num_experts, dim_, out);
+}
+
+void MoeFp4::run_partial(const Fp4ExpertsView& w, const QuantActView& x, const int* topk_idx,
+                         const float* topk_w, float swiglu_limit, float* out,
+                         cudaStream_t stream) const {
+  run_experts_impl(w, x, topk_idx, topk_w, swiglu_limit, /*round_w2=*/false, y_,
+                   int64_t(topk_) * dim_, stream);
+  launch_pdl(moe_combine_kernel, dim3((dim_ + 255) / 256, x.m), dim3(256), 0, stream,
+             static_cast<const float*>(y_), topk_idx, topk_, w.num_experts, dim_, out);
+}
+
+void MoeFp4::run_experts(const Fp4ExpertsView& w, const QuantActView& x, const int* topk_idx,
+                         const float* topk_w, float swiglu_limit, float* out, int64_t row_stride,
+                         cudaStream_t stream) const {
+  run_experts_impl(w, x, topk_idx, topk_w, swiglu_limit, /*round_w2=*/false, out, row_stride,
+                   stream);
 }
 
 void swiglu_quant_fp8(const float* gu, int m, int inter, float swiglu_limit, uint8_t* codes,

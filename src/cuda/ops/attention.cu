@@ -17,9 +17,17 @@
 // i.e. correctly rounded, so the two agree except when the exact value is within ~0.002 ulp of a
 // rounding boundary. That is the only source of difference from the CPU (tests allow 1 bf16 ulp).
 //
+// Split mode (a scratch buffer given): one CTA per (row, head, slot block of 64) and a merge
+// kernel, for the decode shapes where T * H CTAs leave most of the GPU idle (T = 1, 8 heads of a
+// TP8 rank: 8 CTAs walking 640 slots, 0.2 ms a layer). The merge re-associates the online
+// softmax's sums, so split results are the CPU's to fp32 order only (a rare bf16 flip), not bit
+// for bit; their order depends on the slot count only, never on T.
+//
 // A row's result depends on its own inputs only (spec == plain). No allocation, no atomics.
 
 #include <cuda_runtime.h>
+
+#include <algorithm>
 
 #include "cuda/cuda_check.h"
 #include "cuda/kernels/common.cuh"
@@ -36,9 +44,10 @@ __device__ __forceinline__ float exp_rn(float x) { return float(exp(double(x)));
 
 __global__ void __launch_bounds__(kThreads)
     sparse_attn_kernel(const float* __restrict__ q, int H, int hd, const float* const* window,
-                       int n_window, const int32_t* __restrict__ topk, int k,
-                       const float* __restrict__ ckv, const float* __restrict__ sink, float scale,
-                       float* __restrict__ out) {
+                       int n_window, const int32_t* __restrict__ topk, int k, const float* ckv,
+                       const float* const* ckv_ref, const float* __restrict__ sink, float scale,
+                       float* __restrict__ out, float* __restrict__ partial) {
+  if (ckv_ref) ckv = *ckv_ref;
   extern __shared__ float smem[];
   float* qs = smem;        // [hd]
   float* acc = smem + hd;  // [hd]
@@ -60,7 +69,10 @@ __global__ void __launch_bounds__(kThreads)
   }
   __syncthreads();
   const int n_slots = n_window + k;
-  for (int b0 = 0; b0 < n_slots; b0 += kBlock) {
+  // Split mode (partial != null): this CTA walks the slot block blockIdx.y only.
+  const int b_begin = partial ? int(blockIdx.y) * kBlock : 0;
+  const int b_end = partial ? min(n_slots, b_begin + kBlock) : n_slots;
+  for (int b0 = b_begin; b0 < b_end; b0 += kBlock) {
     const int nb = min(kBlock, n_slots - b0);
     if (tid < nb) {
       const int j = b0 + tid;
@@ -123,29 +135,75 @@ __global__ void __launch_bounds__(kThreads)
     }
     __syncthreads();  // slot / part / pb are rewritten by the next block
   }
+  if (partial) {  // (m, sum, acc[hd]) of this slot block, merged by sparse_attn_merge_kernel
+    float* rec = partial + (int64_t(blockIdx.x) * gridDim.y + blockIdx.y) * (hd + 2);
+    if (tid == 0) {
+      rec[0] = m_sh;
+      rec[1] = sum_sh;
+    }
+    for (int d = tid; d < hd; d += kThreads) rec[2 + d] = acc[d];
+    return;
+  }
   const float sum = __fadd_rn(sum_sh, exp_rn(__fadd_rn(sink[h], -m_sh)));
   float* o = out + (int64_t(t) * H + h) * hd;
   for (int d = tid; d < hd; d += kThreads) o[d] = detail::round_bf16(__fdiv_rn(acc[d], sum));
+}
+
+// Split mode: the slot blocks' states of one (row, head) merged in block order, as the online
+// softmax merges two states: m = max m_s, sum = sum_s sum_s * exp(m_s - m), acc likewise; then the
+// sink and the division as the single-CTA path. With one block it is that path, bit for bit.
+__global__ void __launch_bounds__(kThreads)
+    sparse_attn_merge_kernel(const float* __restrict__ partial, int n_split, int H, int hd,
+                             const float* __restrict__ sink, float* __restrict__ out) {
+  const int th = blockIdx.x, h = th % H, tid = threadIdx.x;
+  const float* rec = partial + int64_t(th) * n_split * (hd + 2);
+  float m = -INFINITY;
+  for (int s = 0; s < n_split; ++s) m = m < rec[s * (hd + 2)] ? rec[s * (hd + 2)] : m;
+  float sum = 0.f;
+  for (int s = 0; s < n_split; ++s)
+    sum =
+        __fadd_rn(sum, __fmul_rn(rec[s * (hd + 2) + 1], exp_rn(__fadd_rn(rec[s * (hd + 2)], -m))));
+  sum = __fadd_rn(sum, exp_rn(__fadd_rn(sink[h], -m)));
+  float* o = out + int64_t(th) * hd;
+  for (int d = tid; d < hd; d += kThreads) {
+    float a = 0.f;
+    for (int s = 0; s < n_split; ++s)
+      a = __fadd_rn(a,
+                    __fmul_rn(rec[s * (hd + 2) + 2 + d], exp_rn(__fadd_rn(rec[s * (hd + 2)], -m))));
+    o[d] = detail::round_bf16(__fdiv_rn(a, sum));
+  }
 }
 
 }  // namespace
 
 void sparse_attn(const float* q, int T, int H, int hd, const float* const* window, int n_window,
                  const int32_t* topk, int k, const float* ckv, const float* sink, float scale,
-                 float* out, cudaStream_t stream) {
+                 float* out, cudaStream_t stream, const float* const* ckv_ref,
+                 float* split_scratch) {
   require(T >= 0 && H > 0 && hd > 0 && hd <= kMaxHeadDim && n_window >= 0 && k >= 0,
           "sparse_attn: unsupported shape T=%d H=%d hd=%d n_window=%d k=%d (hd <= %d)", T, H, hd,
           n_window, k, kMaxHeadDim);
   require(n_window == 0 || window, "sparse_attn: n_window=%d but no window slot array", n_window);
-  require(k == 0 || (topk && ckv), "sparse_attn: k=%d but topk or ckv is null", k);
+  require(k == 0 || (topk && (ckv || ckv_ref)), "sparse_attn: k=%d but topk or ckv is null", k);
   if (T == 0) return;
   const int64_t blocks = int64_t(T) * H;
   require(blocks < (int64_t(1) << 31), "sparse_attn: T*H=%lld blocks is too many",
           static_cast<long long>(blocks));
   const size_t smem = size_t(2) * size_t(hd) * sizeof(float);
-  sparse_attn_kernel<<<unsigned(blocks), kThreads, smem, stream>>>(q, H, hd, window, n_window, topk,
-                                                                   k, ckv, sink, scale, out);
+  const int n_split = split_scratch ? std::max(1, (n_window + k + kBlock - 1) / kBlock) : 1;
+  sparse_attn_kernel<<<dim3(unsigned(blocks), unsigned(n_split)), kThreads, smem, stream>>>(
+      q, H, hd, window, n_window, topk, k, ckv, ckv_ref, sink, scale, out, split_scratch);
   UF_CUDA_CHECK(cudaGetLastError());
+  if (split_scratch) {
+    sparse_attn_merge_kernel<<<unsigned(blocks), kThreads, 0, stream>>>(split_scratch, n_split, H,
+                                                                        hd, sink, out);
+    UF_CUDA_CHECK(cudaGetLastError());
+  }
+}
+
+size_t sparse_attn_scratch_floats(int T, int H, int hd, int n_slots) {
+  const int n_split = std::max(1, (n_slots + kBlock - 1) / kBlock);
+  return size_t(std::max(T, 0)) * size_t(H) * size_t(n_split) * size_t(hd + 2);
 }
 
 }  // namespace uf::cuda

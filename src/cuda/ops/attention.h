@@ -6,6 +6,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
 
 namespace uf::cuda {
@@ -19,9 +20,16 @@ namespace uf::cuda {
 // accumulator bitwise unchanged), so a top-k row of k slots padded with -1 gives exactly the
 // CPU result for its min(k, width) list. Matches the CPU bitwise except where glibc expf and the
 // kernel's correctly rounded exp differ (rare; <= 1 bf16 ulp).
+// ckv_ref (optional, device): where to read the ckv base pointer when the kernel runs, for CUDA
+// graphs replayed against different sessions (ckv is then ignored).
+// split_scratch (optional, device, sparse_attn_scratch_floats(T, H, hd, n_window + k) floats):
+// split mode, one CTA per slot block of 64 and a merge (ops/attention.cu): the CPU's result to
+// fp32 order (a rare bf16 ulp), no longer bit for bit, for decode shapes with few rows and heads.
 void sparse_attn(const float* q, int T, int H, int hd, const float* const* window, int n_window,
                  const int32_t* topk, int k, const float* ckv, const float* sink, float scale,
-                 float* out, cudaStream_t stream);
+                 float* out, cudaStream_t stream, const float* const* ckv_ref = nullptr,
+                 float* split_scratch = nullptr);
+size_t sparse_attn_scratch_floats(int T, int H, int hd, int n_slots);
 
 // cpu::index_scores_row for T rows: score[t, i] for i < width[t] (i >= vis[t]: -inf); entries
 // width[t] <= i < max_width are left untouched. q: [T, n_heads, head_dim] (FP4 QDQ values),

@@ -7,6 +7,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
 
 #include "cuda/device_weights.h"
@@ -22,8 +23,10 @@ void rms_norm(const DeviceWeight& weight, float eps, const float* x, int T, int 
 // the last rope_dim channels of each are rotated by the angle fp32(pos_t) * freqs[i] (pos_t =
 // p0 + t * stride; inverse = conjugate rotation) and rounded to bf16 as the CPU does.
 // freqs: device [rope_dim / 2] (model::Rope::freqs()).
+// positions (device [T], optional): row t's position is positions[t] instead of p0 + t * stride,
+// so a captured CUDA graph can rotate rows at positions it reads when replayed.
 void rope(const float* freqs, int rope_dim, float* v, int T, int count, int n, int64_t p0,
-          int64_t stride, bool inverse, cudaStream_t stream);
+          int64_t stride, bool inverse, cudaStream_t stream, const int64_t* positions = nullptr);
 
 // core/quant.h fake quantisation in place, per row of n values in blocks along the row:
 //   fake_quant_fp8 (E4M3, UE8M0 power-of-two scale per `block`),
@@ -45,9 +48,11 @@ struct HcShape {
 };
 // cpu::hc_mixes: pre [T, hc], post [T, hc], comb [T, hc, hc]. fn / scale / base as bound by
 // model::bind_weights (hc_attn_fn, hc_attn_scale, hc_attn_base or the ffn ones).
+// scratch: device, hc_mixes_scratch_floats(p, T) floats (the K-split partial sums).
 void hc_mixes(const HcShape& p, const DeviceWeight& fn, const DeviceWeight& scale,
               const DeviceWeight& base, const float* X, int T, float* pre, float* post, float* comb,
-              cudaStream_t stream);
+              float* scratch, cudaStream_t stream);
+size_t hc_mixes_scratch_floats(const HcShape& p, int T);
 // cpu::hc_pre: y[T, dim] = bf16(sum_c pre[c] * X[c]).
 void hc_pre(const HcShape& p, const float* X, const float* pre, int T, float* y,
             cudaStream_t stream);

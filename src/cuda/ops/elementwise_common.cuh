@@ -1,7 +1,7 @@
 #pragma once
-// Device helpers of the elementwise ops (ops/norm_rope.cu, quant.cu, mhc.cu, misc.cu): scalar
-// formats and weight dequantisation mirroring core/dtypes.h and model::Weight::at bit for bit,
-// and a fixed-order block reduction.
+// Device helpers of the ops (ops/*.cu): the scalar formats of core/dtypes.h and the one device
+// decoder of checkpoint weight formats (weight_at: model::Weight::at and cpu weight_row bit for
+// bit), exact fp32 arithmetic, and a fixed-order block reduction.
 //
 // Exactness: nvcc contracts a * b + c into an FMA by default (-fmad=true) while the CPU reference
 // is built with -ffp-contract=off, so every product or sum whose bits matter goes through the
@@ -37,14 +37,13 @@ __device__ __forceinline__ float bf16_to_f32(uint16_t h) {
   return __uint_as_float(uint32_t(h) << 16);
 }
 
-// core::decode_e4m3_fields.
-__device__ __forceinline__ float e4m3_to_f32(uint8_t c) {
-  const int s = c >> 7, e = (c >> 3) & 15, m = c & 7;
-  if (e == 15 && m == 7) return __uint_as_float(0x7fc00000u);
-  const float mag = e == 0 ? float(m) / 512.0f
-                           : (1.0f + float(m) / 8.0f) *
-                                 (e >= 7 ? float(1 << (e - 7)) : 1.0f / float(1 << (7 - e)));
-  return s ? -mag : mag;
+// core::e4m3_to_float, every code bit for bit (NaN codes, either sign, give the positive quiet
+// NaN): the value is assembled from the bits, no arithmetic.
+__device__ __forceinline__ float e4m3_to_f32(uint32_t c) {
+  const uint32_t e = (c >> 3) & 15u, m = c & 7u;
+  if ((c & 0x7fu) == 0x7fu) return __uint_as_float(0x7fc00000u);
+  const float mag = e == 0 ? float(m) * 0x1p-9f : __uint_as_float(((e + 120u) << 23) | (m << 20));
+  return (c & 0x80u) ? -mag : mag;
 }
 
 // core::float_to_e4m3: saturating, round to nearest even, NaN -> 0x7f.
@@ -77,7 +76,8 @@ __device__ __forceinline__ float e8m0_to_f32(uint8_t c) {
   return __uint_as_float(uint32_t(c) << 23);
 }
 
-// core::e2m1_to_float: magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6}; -0 decodes to +0.
+// core::e2m1_to_float: magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6}; code 8 (-0) decodes to +0, as on
+// the CPU.
 __device__ __forceinline__ float e2m1_to_f32(uint8_t code) {
   const int e = (code >> 1) & 3, m = code & 1;
   const float mag = e == 0 ? 0.5f * float(m) : (1.0f + 0.5f * float(m)) * float(1 << (e - 1));
@@ -105,28 +105,45 @@ __device__ __forceinline__ float pow2_scale(float amax, float max_inv) {
   return __uint_as_float(uint32_t(log2_ceil + 127) << 23);
 }
 
-// model::Weight::at(r, c) on a DeviceWeight (the product of code and scale is exact in fp32).
-__device__ __forceinline__ float weight_at(const DeviceWeight& w, int64_t r, int64_t c) {
+// ---- checkpoint weight formats (model::WFormat) on a DeviceWeight ----
+// FP8 / FP4 elements are a code times the E8M0 scale of their 32-block (exact in fp32); F32 /
+// BF16 elements are their value.
+__device__ __forceinline__ bool weight_is_scaled(const DeviceWeight& w) {
+  return w.format == model::WFormat::kFP8 || w.format == model::WFormat::kFP4;
+}
+// Element (r, c) before its block scale: the code's value (FP8 / FP4), or the exact value.
+__device__ __forceinline__ float weight_code(const DeviceWeight& w, int64_t r, int64_t c) {
   switch (w.format) {
     case model::WFormat::kF32:
       return reinterpret_cast<const float*>(w.data)[r * w.cols + c];
     case model::WFormat::kBF16:
       return bf16_to_f32(reinterpret_cast<const uint16_t*>(w.data)[r * w.cols + c]);
-    case model::WFormat::kFP8: {
-      const int64_t sc = (w.cols + 31) / 32;
-      return fmul(e4m3_to_f32(w.data[r * w.cols + c]),
-                  e8m0_to_f32(w.scale[(w.row_scale ? r : r / 32) * sc + c / 32]));
-    }
+    case model::WFormat::kFP8:
+      return e4m3_to_f32(w.data[r * w.cols + c]);
     case model::WFormat::kFP4: {
-      const uint8_t byte = w.data[r * (w.cols / 2) + c / 2];
-      const uint8_t code = (c & 1) ? uint8_t(byte >> 4) : uint8_t(byte & 15);
-      return fmul(e2m1_to_f32(code), e8m0_to_f32(w.scale[r * (w.cols / 32) + c / 32]));
+      const uint8_t byte = w.data[r * (w.cols / 2) + c / 2];  // low nibble: the even element
+      return e2m1_to_f32((c & 1) ? uint8_t(byte >> 4) : uint8_t(byte & 15));
     }
   }
   return 0.f;
 }
+// The E8M0 scale of row r's 32-column block cb (FP8: per row or per 32x32 tile; FP4: per row).
+__device__ __forceinline__ float weight_block_scale(const DeviceWeight& w, int64_t r, int64_t cb) {
+  if (w.format == model::WFormat::kFP8)
+    return e8m0_to_f32(w.scale[(w.row_scale ? r : r / 32) * ((w.cols + 31) / 32) + cb]);
+  return e8m0_to_f32(w.scale[r * (w.cols / 32) + cb]);
+}
+// model::Weight::at(r, c).
+__device__ __forceinline__ float weight_at(const DeviceWeight& w, int64_t r, int64_t c) {
+  const float v = weight_code(w, r, c);
+  return weight_is_scaled(w) ? fmul(v, weight_block_scale(w, r, c / 32)) : v;
+}
 // Element i of model::Weight::to_vector() (row-major; 1-D parameters are [n, 1]).
 __device__ __forceinline__ float weight_flat(const DeviceWeight& w, int64_t i) {
+  // Unscaled formats are contiguous: no 64-bit division (norm weights are read per element).
+  if (w.format == model::WFormat::kF32) return reinterpret_cast<const float*>(w.data)[i];
+  if (w.format == model::WFormat::kBF16)
+    return bf16_to_f32(reinterpret_cast<const uint16_t*>(w.data)[i]);
   return weight_at(w, i / w.cols, i % w.cols);
 }
 

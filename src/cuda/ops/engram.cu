@@ -15,26 +15,23 @@
 #include "cuda/cuda_check.h"
 #include "cuda/gemv.h"
 #include "cuda/kernels/common.cuh"
+#include "cuda/ops/elementwise_common.cuh"
 #include "cuda/ops/moe.h"
-#include "cuda/ops/weight_access.cuh"
 
 namespace uf::cuda {
 
 namespace {
 
-using ops_detail::WeightRef;
-
 // e[t, c * head_dim + i] = bf16(table[ids[t, c], i]). grid (m * n_cols), block 128. An id outside
 // the table writes NaN (the CPU throws; a device kernel cannot, so the error shows downstream).
-__global__ void gather_kernel(WeightRef table, int64_t table_rows, const int64_t* ids, int n_cols,
-                              int head_dim, float* e) {
+__global__ void gather_kernel(DeviceWeight table, int64_t table_rows, const int64_t* ids,
+                              int n_cols, int head_dim, float* e) {
   const int item = blockIdx.x;  // t * n_cols + c
   const int64_t row = ids[item];
   float* dst = e + int64_t(item) * head_dim;
   const bool ok = row >= 0 && row < table_rows;
   for (int i = threadIdx.x; i < head_dim; i += blockDim.x)
-    dst[i] =
-        ok ? detail::round_bf16(ops_detail::element(table, row, i)) : __uint_as_float(0x7fc00000u);
+    dst[i] = ok ? detail::round_bf16(ew::weight_at(table, row, i)) : __uint_as_float(0x7fc00000u);
 }
 
 // One block per (t, copy c): X [m, hc, D], kv [m, (hc + 1) * D], wt [hc, D] = q_weight * k_weight.
@@ -133,8 +130,7 @@ void DeviceEngram::apply(const int64_t* ids, const float* X, int T, float* out,
   for (int t0 = 0; t0 < T; t0 += kMaxDecodeRows) {
     const int rows = std::min(kMaxDecodeRows, T - t0);
     gather_kernel<<<rows * m.s.n_cols, 128, 0, stream>>>(
-        ops_detail::weight_ref(m.table), m.table.rows, ids + int64_t(t0) * m.s.n_cols, m.s.n_cols,
-        m.s.head_dim, m.e);
+        m.table, m.table.rows, ids + int64_t(t0) * m.s.n_cols, m.s.n_cols, m.s.head_dim, m.e);
     UF_CUDA_CHECK(cudaGetLastError());
     m.wkv.apply(m.e, rows, m.kv, stream);
     const int64_t off = int64_t(t0) * hc * D;

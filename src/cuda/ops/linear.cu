@@ -1,11 +1,13 @@
 // DeviceLinear (ops/linear.h) and the generic linear kernels (ops/linear_kernels.h).
 //
-// Generic kernels, bitwise equal to cpu/linear.cpp (same fp32 operations in the same order, no FMA
-// contraction: every product and sum is an explicit __fmul_rn / __fadd_rn):
-//   dense_rows_kernel: 8 lanes per output feature, lane j owns dot8's partial sum j (elements
-//     k = j mod 8, in K order); the 8 partials are combined as ((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7))
-//     through width-8 shuffles. Up to 8 token rows per launch share each weight load.
-//   quant_rows_kernel: one warp per output feature, lane i = element i of a 32-block; the block's
+// Generic kernels:
+//   dense_rows_kernel (kBf16Out, kF32): the CPU's products, summed in another fp32 order (K split
+//     over a block's warps, below); the order depends on K only, so a row's bits never depend on
+//     the other rows of the call. It replaced a kernel that restated cpu::dot8's order bit for
+//     bit: 8 lanes per row with strided 2-byte loads ran the released router gate [384, 5120] in
+//     267 us and the head at ~550 GB/s (session 3's profile); the fp32 order is not worth that.
+//   quant_rows_kernel (bitwise equal to cpu/linear.cpp): one warp per output feature, lane i =
+//   element i of a 32-block; the block's
 //     32 exact products are summed in dot8's order (chains j, j+8, j+16, j+24, then the pair tree),
 //     then acc += (partial * a_scale) * w_scale in K order (cpu::quant_row_tile).
 // The fast path of kQuant is Fp8Gemv (FP8 32x32-block weights, rows % 16 == 0): it differs from the
@@ -15,13 +17,14 @@
 
 #include <algorithm>
 #include <memory>
+#include <type_traits>
 
 #include "cuda/cuda_check.h"
 #include "cuda/gemv.h"
 #include "cuda/kernels/common.cuh"
+#include "cuda/ops/elementwise_common.cuh"
 #include "cuda/ops/linear.h"
 #include "cuda/ops/linear_kernels.h"
-#include "cuda/ops/weight_access.cuh"
 
 namespace uf::cuda {
 
@@ -30,40 +33,109 @@ using model::WFormat;
 namespace ops_detail {
 namespace {
 
-constexpr int kDenseThreads = 128;  // 16 output features per block
+// Dense GEMV (every kind but kQuant): block = kDenseWarps warps on R output rows; the warps split
+// K in interleaved 256-element chunks (warp w: chunks w, w + 8, ...; lane l: 8 consecutive
+// elements of each), so a row's weights are read once with 16-byte loads and the x values a lane
+// loads serve R rows. Per lane fp32 FMAs in K order, warps by butterfly, then the warps' sums in
+// warp order: a fixed order that depends on (K) only, never on m (spec == plain).
+constexpr int kDenseWarps = 8;
+constexpr int kDenseChunk = 256;  // elements per warp and step (32 lanes x 8)
 
-__global__ void __launch_bounds__(kDenseThreads)
-    dense_rows_kernel(WeightRef w, int64_t r0, int64_t n, const float* x, int64_t x_stride, int m,
-                      float* y, int64_t y_stride, bool round) {
-  const int j8 = threadIdx.x & 7;
-  const int64_t j = int64_t(blockIdx.x) * (kDenseThreads / 8) + (threadIdx.x >> 3);
-  const bool active = j < n;
-  float s[kMaxDecodeRows];
+// Elements k .. k + 7 of weight row r (fp32 values of model::Weight::at).
+__device__ __forceinline__ void load8(const DeviceWeight& w, int64_t r, int64_t k, float (&v)[8]) {
+  if (k + 8 <= w.cols) {
+    if (w.format == WFormat::kBF16 && w.cols % 8 == 0) {
+      const uint4 q = __ldg(reinterpret_cast<const uint4*>(w.data + (r * w.cols + k) * 2));
+      const uint32_t u[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
-  for (int t = 0; t < kMaxDecodeRows; ++t) s[t] = 0.f;
-  if (active) {
-    const int64_t r = r0 + j;
-    for (int64_t k = j8; k < w.cols; k += 8) {
-      const float wv = element(w, r, k);
+      for (int i = 0; i < 4; ++i) {
+        v[2 * i] = __uint_as_float(u[i] << 16);
+        v[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
+      }
+      return;
+    }
+    if (w.format == WFormat::kFP8 && w.cols % 8 == 0) {  // 8 codes share one block scale
+      const uint2 q = __ldg(reinterpret_cast<const uint2*>(w.data + r * w.cols + k));
+      const float sc = ew::weight_block_scale(w, r, k / 32);
 #pragma unroll
-      for (int t = 0; t < kMaxDecodeRows; ++t)
-        if (t < m) s[t] = __fadd_rn(s[t], __fmul_rn(x[t * x_stride + k], wv));
+      for (int i = 0; i < 8; ++i)
+        v[i] =
+            ew::fmul(ew::e4m3_to_f32(uint8_t(((i < 4 ? q.x : q.y) >> (8 * (i & 3))) & 0xff)), sc);
+      return;
+    }
+    if (w.format == WFormat::kF32 && w.cols % 4 == 0) {
+      const float4* p = reinterpret_cast<const float4*>(w.data + (r * w.cols + k) * 4);
+      const float4 a = __ldg(p), b = __ldg(p + 1);
+      v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z,
+      v[7] = b.w;
+      return;
     }
   }
 #pragma unroll
-  for (int t = 0; t < kMaxDecodeRows; ++t) {
-    float v = s[t];
-    v = __fadd_rn(v, __shfl_down_sync(0xffffffffu, v, 1, 8));
-    v = __fadd_rn(v, __shfl_down_sync(0xffffffffu, v, 2, 8));
-    v = __fadd_rn(v, __shfl_down_sync(0xffffffffu, v, 4, 8));
-    if (active && j8 == 0 && t < m) y[t * y_stride + j] = round ? detail::round_bf16(v) : v;
+  for (int i = 0; i < 8; ++i) v[i] = k + i < w.cols ? ew::weight_at(w, r, k + i) : 0.f;
+}
+
+// MT: token rows the registers are sized for (m <= MT); a row's arithmetic does not depend on it.
+template <int R, int MT>
+__global__ void __launch_bounds__(kDenseWarps * 32)
+    dense_rows_kernel(DeviceWeight w, int64_t r0, int64_t n, const float* x, int64_t x_stride,
+                      int m, float* y, int64_t y_stride, bool round) {
+  __shared__ float red[kDenseWarps][R][MT];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t j0 = int64_t(blockIdx.x) * R;
+  const int64_t K = w.cols;
+  float acc[R][MT];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int t = 0; t < MT; ++t) acc[r][t] = 0.f;
+  for (int64_t k = int64_t(warp) * kDenseChunk + lane * 8; k < K;
+       k += int64_t(kDenseWarps) * kDenseChunk) {
+    float wv[R][8];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      if (j0 + r < n) {
+        load8(w, r0 + j0 + r, k, wv[r]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) wv[r][i] = 0.f;
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < MT; ++t) {
+      if (t >= m) break;
+      float xv[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) xv[i] = k + i < K ? x[t * x_stride + k + i] : 0.f;
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[r][t] = fmaf(xv[i], wv[r][i], acc[r][t]);
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int t = 0; t < MT; ++t) {
+      float v = acc[r][t];
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, o));
+      if (lane == 0) red[warp][r][t] = v;
+    }
+  __syncthreads();
+  for (int i = threadIdx.x; i < R * m; i += blockDim.x) {
+    const int r = i / m, t = i % m;
+    if (j0 + r >= n) continue;
+    float v = red[0][r][t];
+    for (int q = 1; q < kDenseWarps; ++q) v = __fadd_rn(v, red[q][r][t]);
+    y[t * y_stride + j0 + r] = round ? detail::round_bf16(v) : v;
   }
 }
 
 constexpr int kQuantWarps = 4;
 
 __global__ void __launch_bounds__(kQuantWarps * 32)
-    quant_rows_kernel(WeightRef w, int64_t n, const uint8_t* codes, const float* scales, int m,
+    quant_rows_kernel(DeviceWeight w, int64_t n, const uint8_t* codes, const float* scales, int m,
                       float* y, int64_t y_stride, bool round) {
   const int lane = threadIdx.x & 31;
   const int64_t r = int64_t(blockIdx.x) * kQuantWarps + (threadIdx.x >> 5);
@@ -74,12 +146,12 @@ __global__ void __launch_bounds__(kQuantWarps * 32)
   for (int t = 0; t < kMaxDecodeRows; ++t) acc[t] = 0.f;
   for (int64_t kb = 0; kb < KB; ++kb) {
     const int64_t k = kb * 32 + lane;
-    const float wv = raw_element(w, r, k);
-    const float sw = block_scale(w, r, kb);
+    const float wv = ew::weight_code(w, r, k);
+    const float sw = ew::weight_block_scale(w, r, kb);
 #pragma unroll
     for (int t = 0; t < kMaxDecodeRows; ++t) {
       if (t >= m) break;  // uniform
-      const float p = __fmul_rn(e4m3_value(codes[t * K + k]), wv);
+      const float p = __fmul_rn(ew::e4m3_to_f32(codes[t * K + k]), wv);
       // dot8 over 32 elements: chain j = ((0 + p_j) + p_{j+8}) + p_{j+16}) + p_{j+24}.
       const float q8 = __shfl_down_sync(0xffffffffu, p, 8);
       const float q16 = __shfl_down_sync(0xffffffffu, p, 16);
@@ -105,12 +177,33 @@ __global__ void round_bf16_kernel(float* y, size_t n) {
 void dense_rows(const DeviceWeight& w, int64_t r0, int64_t n, const float* x, int64_t x_stride,
                 int m, float* y, int64_t y_stride, bool round_bf16, cudaStream_t stream) {
   if (n <= 0 || m <= 0) return;
-  const unsigned blocks = unsigned((n + kDenseThreads / 8 - 1) / (kDenseThreads / 8));
+  // Four rows per block where there are rows enough to fill the GPU (the x values a lane loads
+  // then serve four weight rows); one otherwise, for parallelism.
+  const bool wide = n >= 4096;
   for (int t0 = 0; t0 < m; t0 += kMaxDecodeRows) {
     const int mc = std::min(kMaxDecodeRows, m - t0);
-    dense_rows_kernel<<<blocks, kDenseThreads, 0, stream>>>(weight_ref(w), r0, n, x + t0 * x_stride,
-                                                            x_stride, mc, y + t0 * y_stride,
-                                                            y_stride, round_bf16);
+    const float* xc = x + t0 * x_stride;
+    float* yc = y + t0 * y_stride;
+    // Registers for 1, 2, 4 or 8 token rows: fewer registers, more warps in flight at small m.
+    auto launch = [&](auto r_rows, auto m_rows) {
+      constexpr int R = decltype(r_rows)::value, MT = decltype(m_rows)::value;
+      dense_rows_kernel<R, MT><<<unsigned((n + R - 1) / R), kDenseWarps * 32, 0, stream>>>(
+          w, r0, n, xc, x_stride, mc, yc, y_stride, round_bf16);
+    };
+    auto by_rows = [&](auto r_rows) {
+      if (mc == 1)
+        launch(r_rows, std::integral_constant<int, 1>{});
+      else if (mc <= 2)
+        launch(r_rows, std::integral_constant<int, 2>{});
+      else if (mc <= 4)
+        launch(r_rows, std::integral_constant<int, 4>{});
+      else
+        launch(r_rows, std::integral_constant<int, kMaxDecodeRows>{});
+    };
+    if (wide)
+      by_rows(std::integral_constant<int, 4>{});
+    else
+      by_rows(std::integral_constant<int, 1>{});
     UF_CUDA_CHECK(cudaGetLastError());
   }
 }
@@ -120,8 +213,8 @@ void quant_rows_impl(const DeviceWeight& w, const uint8_t* codes, const float* s
                      float* y, int64_t y_stride, bool round, cudaStream_t stream) {
   require(m >= 1 && m <= kMaxDecodeRows, "quant_rows: m = %d must be in 1..8", m);
   const unsigned blocks = unsigned((w.rows + kQuantWarps - 1) / kQuantWarps);
-  quant_rows_kernel<<<blocks, kQuantWarps * 32, 0, stream>>>(weight_ref(w), w.rows, codes, scales,
-                                                             m, y, y_stride, round);
+  quant_rows_kernel<<<blocks, kQuantWarps * 32, 0, stream>>>(w, w.rows, codes, scales, m, y,
+                                                             y_stride, round);
   UF_CUDA_CHECK(cudaGetLastError());
 }
 }  // namespace

@@ -34,7 +34,8 @@ class DeviceLinear {
   // y[T, rows()] from x[T, cols()]; x and y must not alias. kQuant uses this object's
   // workspace (act quant, Fp8Gemv split counters): one apply() at a time per DeviceLinear.
   // Paths: kQuant on FP8 32x32-block weights with rows % 16 == 0 -> Fp8Gemv (+ bf16 rounding);
-  // every other kind/format -> generic kernels bitwise equal to cpu/linear.cpp (ops/linear.cu).
+  // other kQuant weights -> quant_rows, bitwise equal to cpu/linear.cpp; kBf16Out / kF32 ->
+  // dense_rows, the CPU's products in another fp32 order (ops/linear.cu).
   void apply(const float* x, int T, float* y, cudaStream_t stream) const;
   // apply() without the final bf16 rounding of kQuant / kBf16Out (kF32: the same as apply): the
   // fp32 split-K partial of a tensor-parallel rank, to be summed over ranks and then rounded

@@ -1,8 +1,8 @@
 #pragma once
-// Generic linear kernels shared by the ops (ops/linear.cu, ops/moe_ops.cu, ops/engram.cu). They
-// reproduce cpu/linear.cpp bit for bit: the same fp32 operations in the same order (dot8's eight
-// interleaved partial sums, no FMA contraction, per-32-block partial products scaled and added in K
-// order). Used where the fast kernels (Fp8Gemv, MoeFp4) do not fit the shape or the format.
+// Generic linear kernels shared by the ops (ops/linear.cu, ops/moe_ops.cu, ops/engram.cu), used
+// where the fast kernels (Fp8Gemv, MoeFp4) do not fit the shape or the format. quant_rows
+// reproduces cpu/linear.cpp bit for bit (per-32-block partial products scaled and added in K
+// order); dense_rows computes the same products in another fp32 order (ops/linear.cu says why).
 
 #include <cuda_runtime.h>
 
@@ -13,8 +13,9 @@
 
 namespace uf::cuda::ops_detail {
 
-// y[t * y_stride + j] = post(dot8(x[t * x_stride, :K], W[r0 + j, :])) for t < m, j < n; post is
-// bf16 rounding when round_bf16, else identity (cpu::gemm_rows). Any format, any m.
+// y[t * y_stride + j] = post(x[t * x_stride, :K] . W[r0 + j, :]) for t < m, j < n, fp32 (the
+// order of cpu::gemm_rows' dot8 is not kept); post is bf16 rounding when round_bf16, else
+// identity. Any format, any m.
 void dense_rows(const DeviceWeight& w, int64_t r0, int64_t n, const float* x, int64_t x_stride,
                 int m, float* y, int64_t y_stride, bool round_bf16, cudaStream_t stream);
 

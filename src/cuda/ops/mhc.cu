@@ -1,17 +1,22 @@
 // hc_mixes, hc_pre and hc_post of ops/elementwise.h (cpu/mhc.cpp on the device).
 //
-// hc_mixes: one block of 256 threads per row. Thread i accumulates, over the flattened stream's
-// elements i, i + 256, ..., the (2 + hc) * hc dot products with fn's rows and the sum of squares,
-// in fp32; warps reduce by butterfly, then one thread adds the warps' partials in order, applies
+// hc_mixes: K split in chunks of 256 stream elements, one block of 256 threads per (chunk, row)
+// (a row alone used to be one block streaming the 2 MB fn: 0.8 ms at the released dims). Thread i
+// accumulates its elements' (2 + hc) * hc dot products with fn's rows and the sum of squares in
+// fp32; warps reduce by butterfly, the warps' partials are added in order into the chunk's
+// partial; a second kernel adds the chunks' partials in chunk order, applies
 // r = 1 / sqrt(sumsq / n + norm_eps) and runs hc_split_sinkhorn exactly as the CPU writes it
-// (same operation order, expf for std::exp). The dot products' summation order differs from the
-// CPU's linear_f32 and CUDA's expf may differ from glibc's by an ulp or two, so the mixes agree to
-// fp32 rounding, not bitwise (tests/cuda/test_ops_elementwise.cpp states the bound).
+// (same operation order, expf for std::exp). The order depends on (hc, dim) only, never on T. The
+// dot products' summation order differs from the CPU's linear_f32 and CUDA's expf may differ from
+// glibc's by an ulp or two, so the mixes agree to fp32 rounding, not bitwise
+// (tests/cuda/test_ops_elementwise.cpp states the bound).
 //
 // hc_pre, hc_post: one thread per (row, channel), the CPU's sums in the CPU's order with no
 // contraction: bitwise equal to the CPU. hc_post's thread loads R[t, j, d] for every j into
 // registers before writing out[t, k, d] for any k, and no other thread touches those elements,
 // so out may alias R.
+
+#include <algorithm>
 
 #include "cuda/cuda_check.h"
 #include "cuda/ops/elementwise.h"
@@ -24,71 +29,77 @@ namespace {
 constexpr int kMixThreads = 256;
 constexpr int kMixWarps = kMixThreads / 32;
 constexpr int kMaxHc = 8;
+constexpr int kMixChunk = 256;  // stream elements per hc_mixes block (one per thread)
+
+int mix_splits(const HcShape& p) { return (p.hc * p.dim + kMixChunk - 1) / kMixChunk; }
 
 __device__ __forceinline__ float sigmoid(float x) {
   return ew::fdiv(1.0f, ew::fadd(1.0f, expf(-x)));
 }
 
-// cpu::hc_split_sinkhorn for one row, m: (2 + HC) * HC mixes (already multiplied by r).
+// cpu::hc_split_sinkhorn for one row on one warp, m: (2 + HC) * HC mixes (already multiplied by
+// r), c: shared [HC * HC], sums: shared [HC]. Each sum and each element keeps the CPU's operation
+// order (lane j owns row j's softmax and row sums, lane k column k's sums, lane i element i's
+// divisions), so the result is the serial loop's, bit for bit, in ~1/16 of its time.
 template <int HC>
-__device__ void split_sinkhorn(const HcShape& p, const float* m, const float* sc,
-                               const DeviceWeight& base, float* pre, float* post, float* comb) {
+__device__ void split_sinkhorn_warp(const HcShape& p, const float* m, const float* sc,
+                                    const DeviceWeight& base, float* c, float* sums, float* pre,
+                                    float* post, float* comb) {
+  const int lane = threadIdx.x & 31;
   const float eps = p.hc_eps;
-  for (int i = 0; i < HC; ++i)
-    pre[i] = ew::fadd(sigmoid(ew::fadd(ew::fmul(m[i], sc[0]), ew::weight_flat(base, i))), eps);
-  for (int i = 0; i < HC; ++i)
-    post[i] = ew::fmul(
-        2.0f, sigmoid(ew::fadd(ew::fmul(m[HC + i], sc[1]), ew::weight_flat(base, HC + i))));
-  float c[HC * HC];
-  for (int i = 0; i < HC * HC; ++i)
+  if (lane < HC) {
+    pre[lane] =
+        ew::fadd(sigmoid(ew::fadd(ew::fmul(m[lane], sc[0]), ew::weight_flat(base, lane))), eps);
+    post[lane] = ew::fmul(
+        2.0f, sigmoid(ew::fadd(ew::fmul(m[HC + lane], sc[1]), ew::weight_flat(base, HC + lane))));
+  }
+  for (int i = lane; i < HC * HC; i += 32)
     c[i] = ew::fadd(ew::fmul(m[2 * HC + i], sc[2]), ew::weight_flat(base, 2 * HC + i));
-  // softmax over each row, + eps
-  for (int j = 0; j < HC; ++j) {
-    float mx = c[j * HC];
-    for (int k = 1; k < HC; ++k) mx = ew::smax(mx, c[j * HC + k]);
-    for (int k = 0; k < HC; ++k) c[j * HC + k] = expf(ew::fsub(c[j * HC + k], mx));
+  __syncwarp();
+  if (lane < HC) {  // softmax over row `lane`, + eps
+    float* row = c + lane * HC;
+    float mx = row[0];
+    for (int k = 1; k < HC; ++k) mx = ew::smax(mx, row[k]);
+    for (int k = 0; k < HC; ++k) row[k] = expf(ew::fsub(row[k], mx));
     float s = 0.f;
-    for (int k = 0; k < HC; ++k) s = ew::fadd(s, c[j * HC + k]);
-    for (int k = 0; k < HC; ++k) c[j * HC + k] = ew::fadd(ew::fdiv(c[j * HC + k], s), eps);
+    for (int k = 0; k < HC; ++k) s = ew::fadd(s, row[k]);
+    for (int k = 0; k < HC; ++k) row[k] = ew::fadd(ew::fdiv(row[k], s), eps);
   }
-  float sums[HC];
-  auto norm_cols = [&] {
-    for (int k = 0; k < HC; ++k) {
+  __syncwarp();
+  auto norm = [&](bool cols) {
+    if (lane < HC) {
       float s = 0.f;
-      for (int j = 0; j < HC; ++j) s = ew::fadd(s, c[j * HC + k]);
-      sums[k] = ew::fadd(s, eps);
+      for (int j = 0; j < HC; ++j) s = ew::fadd(s, cols ? c[j * HC + lane] : c[lane * HC + j]);
+      sums[lane] = ew::fadd(s, eps);
     }
-    for (int j = 0; j < HC; ++j)
-      for (int k = 0; k < HC; ++k) c[j * HC + k] = ew::fdiv(c[j * HC + k], sums[k]);
+    __syncwarp();
+    for (int i = lane; i < HC * HC; i += 32) c[i] = ew::fdiv(c[i], sums[cols ? i % HC : i / HC]);
+    __syncwarp();
   };
-  auto norm_rows = [&] {
-    for (int j = 0; j < HC; ++j) {
-      float s = 0.f;
-      for (int k = 0; k < HC; ++k) s = ew::fadd(s, c[j * HC + k]);
-      sums[j] = ew::fadd(s, eps);
-    }
-    for (int j = 0; j < HC; ++j)
-      for (int k = 0; k < HC; ++k) c[j * HC + k] = ew::fdiv(c[j * HC + k], sums[j]);
-  };
-  norm_cols();
+  norm(true);
   for (int it = 0; it < p.sinkhorn_iters - 1; ++it) {
-    norm_rows();
-    norm_cols();
+    norm(false);
+    norm(true);
   }
-  for (int i = 0; i < HC * HC; ++i) comb[i] = c[i];
+  for (int i = lane; i < HC * HC; i += 32) comb[i] = c[i];
 }
 
+// Split K: block (s, t) sums its kMixChunk elements of row t into kMix + 1 partials (the mixes'
+// dot products and the sum of squares), one element per thread, then warps by
+// butterfly and the 8 warps in order. partial[(t * S + s) * (kMix + 1) + m].
 template <int HC>
-__global__ void hc_mixes_kernel(HcShape p, DeviceWeight fn, DeviceWeight scale, DeviceWeight base,
-                                const float* X, float* pre, float* post, float* comb) {
+__global__ void __launch_bounds__(kMixThreads)
+    hc_mixes_partial_kernel(HcShape p, DeviceWeight fn, const float* X, float* partial) {
   constexpr int kMix = (2 + HC) * HC;
   __shared__ float red[(kMix + 1) * kMixWarps];
-  const int n = HC * p.dim;
-  const float* x = X + int64_t(blockIdx.x) * n;
+  const int n = HC * p.dim, s = blockIdx.x, S = gridDim.x;
+  const int64_t t = blockIdx.y;
+  const float* x = X + t * n;
   float acc[kMix + 1];
 #pragma unroll
   for (int m = 0; m <= kMix; ++m) acc[m] = 0.f;
-  for (int c = threadIdx.x; c < n; c += kMixThreads) {
+  const int c0 = s * kMixChunk;
+  for (int c = c0 + threadIdx.x; c < min(n, c0 + kMixChunk); c += kMixThreads) {
     const float v = x[c];
     acc[kMix] = ew::fadd(acc[kMix], ew::fmul(v, v));
 #pragma unroll
@@ -103,26 +114,48 @@ __global__ void hc_mixes_kernel(HcShape p, DeviceWeight fn, DeviceWeight scale, 
     if (lane == 0) red[m * kMixWarps + warp] = v;
   }
   __syncthreads();
-  if (threadIdx.x != 0) return;
-  float mix[kMix + 1];
-  for (int m = 0; m <= kMix; ++m) {
-    float s = red[m * kMixWarps];
-    for (int w = 1; w < kMixWarps; ++w) s = ew::fadd(s, red[m * kMixWarps + w]);
-    mix[m] = s;
+  for (int m = threadIdx.x; m <= kMix; m += kMixThreads) {
+    float v = red[m * kMixWarps];
+    for (int w = 1; w < kMixWarps; ++w) v = ew::fadd(v, red[m * kMixWarps + w]);
+    partial[(t * S + s) * (kMix + 1) + m] = v;
   }
+}
+
+// One warp per row: the splits' partials in split order (lane m owns mix m), then r and the
+// Sinkhorn (split_sinkhorn_warp).
+template <int HC>
+__global__ void hc_mixes_finish_kernel(HcShape p, DeviceWeight scale, DeviceWeight base, int S,
+                                       const float* partial, float* pre, float* post, float* comb) {
+  constexpr int kMix = (2 + HC) * HC;
+  __shared__ float mix[kMix + 1], c[HC * HC], sums[HC];
+  const int64_t t = blockIdx.x;
+  const int lane = threadIdx.x;
+  const int n = HC * p.dim;
+  const float* pt = partial + t * S * (kMix + 1);
+  for (int m = lane; m <= kMix; m += 32) {
+    float v = pt[m];
+    for (int s = 1; s < S; ++s) v = ew::fadd(v, pt[s * (kMix + 1) + m]);
+    mix[m] = v;
+  }
+  __syncwarp();
   const float r = ew::fdiv(1.0f, __fsqrt_rn(ew::fadd(ew::fdiv(mix[kMix], float(n)), p.norm_eps)));
-  for (int m = 0; m < kMix; ++m) mix[m] = ew::fmul(mix[m], r);
+  __syncwarp();
+  for (int m = lane; m < kMix; m += 32) mix[m] = ew::fmul(mix[m], r);
+  __syncwarp();
   const float sc[3] = {ew::weight_flat(scale, 0), ew::weight_flat(scale, 1),
                        ew::weight_flat(scale, 2)};
-  const int64_t t = blockIdx.x;
-  split_sinkhorn<HC>(p, mix, sc, base, pre + t * HC, post + t * HC, comb + t * HC * HC);
+  split_sinkhorn_warp<HC>(p, mix, sc, base, c, sums, pre + t * HC, post + t * HC,
+                          comb + t * HC * HC);
 }
 
 template <int HC>
 void launch_mixes(const HcShape& p, const DeviceWeight& fn, const DeviceWeight& scale,
                   const DeviceWeight& base, const float* X, int T, float* pre, float* post,
-                  float* comb, cudaStream_t stream) {
-  hc_mixes_kernel<HC><<<T, kMixThreads, 0, stream>>>(p, fn, scale, base, X, pre, post, comb);
+                  float* comb, float* scratch, cudaStream_t stream) {
+  const int S = mix_splits(p);
+  hc_mixes_partial_kernel<HC><<<dim3(S, T), kMixThreads, 0, stream>>>(p, fn, X, scratch);
+  UF_CUDA_CHECK(cudaGetLastError());
+  hc_mixes_finish_kernel<HC><<<T, 32, 0, stream>>>(p, scale, base, S, scratch, pre, post, comb);
 }
 
 constexpr int kThreads = 256;
@@ -169,10 +202,15 @@ void check_shape(const char* name, const HcShape& p) {
 
 }  // namespace
 
+size_t hc_mixes_scratch_floats(const HcShape& p, int T) {
+  return size_t(std::max(T, 0)) * size_t(mix_splits(p)) * size_t((2 + p.hc) * p.hc + 1);
+}
+
 void hc_mixes(const HcShape& p, const DeviceWeight& fn, const DeviceWeight& scale,
               const DeviceWeight& base, const float* X, int T, float* pre, float* post, float* comb,
-              cudaStream_t stream) {
+              float* scratch, cudaStream_t stream) {
   check_shape("hc_mixes", p);
+  require(T <= 0 || scratch, "hc_mixes: no scratch (hc_mixes_scratch_floats(p, %d) floats)", T);
   const int mix = (2 + p.hc) * p.hc;
   require(fn.rows == mix && fn.cols == int64_t(p.hc) * p.dim,
           "hc_mixes: fn is [%lld, %lld], expected [%d, %lld]", (long long)fn.rows,
@@ -183,28 +221,28 @@ void hc_mixes(const HcShape& p, const DeviceWeight& fn, const DeviceWeight& scal
   if (T <= 0) return;
   switch (p.hc) {
     case 1:
-      launch_mixes<1>(p, fn, scale, base, X, T, pre, post, comb, stream);
+      launch_mixes<1>(p, fn, scale, base, X, T, pre, post, comb, scratch, stream);
       break;
     case 2:
-      launch_mixes<2>(p, fn, scale, base, X, T, pre, post, comb, stream);
+      launch_mixes<2>(p, fn, scale, base, X, T, pre, post, comb, scratch, stream);
       break;
     case 3:
-      launch_mixes<3>(p, fn, scale, base, X, T, pre, post, comb, stream);
+      launch_mixes<3>(p, fn, scale, base, X, T, pre, post, comb, scratch, stream);
       break;
     case 4:
-      launch_mixes<4>(p, fn, scale, base, X, T, pre, post, comb, stream);
+      launch_mixes<4>(p, fn, scale, base, X, T, pre, post, comb, scratch, stream);
       break;
     case 5:
-      launch_mixes<5>(p, fn, scale, base, X, T, pre, post, comb, stream);
+      launch_mixes<5>(p, fn, scale, base, X, T, pre, post, comb, scratch, stream);
       break;
     case 6:
-      launch_mixes<6>(p, fn, scale, base, X, T, pre, post, comb, stream);
+      launch_mixes<6>(p, fn, scale, base, X, T, pre, post, comb, scratch, stream);
       break;
     case 7:
-      launch_mixes<7>(p, fn, scale, base, X, T, pre, post, comb, stream);
+      launch_mixes<7>(p, fn, scale, base, X, T, pre, post, comb, scratch, stream);
       break;
     default:
-      launch_mixes<8>(p, fn, scale, base, X, T, pre, post, comb, stream);
+      launch_mixes<8>(p, fn, scale, base, X, T, pre, post, comb, scratch, stream);
       break;
   }
   UF_CUDA_CHECK(cudaGetLastError());

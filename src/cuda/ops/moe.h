@@ -41,8 +41,47 @@ class DeviceMoe {
   void apply(const float* x, int T, float* y, int32_t* gate_i, float* gate_w,
              cudaStream_t stream) const;
 
+  // Tensor parallelism over the expert intermediate dim (this object holds the rank's slice of
+  // every expert's w1 / w3 rows and w2 columns). SwiGLU, its clamps, the routing weight and h's
+  // bf16 rounding and FP8 quantisation are per intermediate feature (quantisation per 32: the
+  // split keeps those blocks whole), so each rank computes them exactly as one GPU would. What a
+  // rank cannot do is any rounding of a w2 output: w2 is a split-K product over the ranks.
+  // apply() rounds three kinds of w2-side values: each routed expert's output (bf16, the
+  // reference's Expert returns bf16), the shared expert's output (bf16), and the final sum.
+  //
+  // apply_partial: y[T, dim] fp32 = (sum over the row's experts in ascending id, from 0, of the
+  // UNROUNDED w2 accumulator) + the UNROUNDED shared w2 output: no rounding after w2 at all.
+  // TP sum: round_bf16(sum over ranks). Differs from apply() even at one rank: the per-expert
+  // and shared bf16 roundings are gone (each up to 2^-8 |y_e|, so up to 2^-8 * (sum |y_e| +
+  // |shared|) in all), i.e. tp = 1 is NOT bitwise apply(); it is closer to exact arithmetic.
+  // Cheap: the all-reduce stays [T, dim].
+  void apply_partial(const float* x, int T, float* y, int32_t* gate_i, float* gate_w,
+                     cudaStream_t stream) const;
+
+  // The exact variant. slots [T, top_k + 1, dim] fp32: slot k < top_k = the UNROUNDED w2 output
+  // (routing weight included) of expert gate_i[t, k], slot top_k = the UNROUNDED shared expert
+  // output. gate_i must not be null (combine_experts reads it). TP sum: sum the slots over ranks
+  // (optionally rounding to bf16: combine rounds each slot anyway, and bf16 rounding is
+  // idempotent), then combine_experts.
+  void apply_partial_experts(const float* x, int T, float* slots, int32_t* gate_i, float* gate_w,
+                             cudaStream_t stream) const;
+  // y[t] = bf16(sum over k in ascending gate_i[t, k] (from 0) of bf16(slots[t, k]) +
+  // bf16(slots[t, top_k])): apply()'s roundings and order, so at tp = 1
+  // combine_experts(apply_partial_experts(x)) == apply(x) bitwise, and at tp > 1 the result
+  // differs from one GPU only in the fp32 order inside each w2 product (an occasional bf16 flip
+  // of one expert's output). Invalid expert ids (< 0, >= n_experts) are skipped. y may not alias
+  // slots.
+  void combine_experts(const float* slots, const int32_t* gate_i, int T, float* y,
+                       cudaStream_t stream) const;
+  // Floats per row of apply_partial_experts' slots: (top_k + 1) * dim.
+  int64_t slot_floats_per_row() const;
+  int top_k() const;
+
  private:
   struct Impl;
+  enum class Out { kRounded, kPartialSum, kPartialSlots };
+  void run(const float* x, int T, Out mode, float* out, int32_t* gate_i, float* gate_w,
+           cudaStream_t stream) const;
   std::unique_ptr<Impl> impl_;
 };
 

@@ -12,6 +12,10 @@
 //   4. shared expert: DeviceLinear w1, w3 (kQuant, bf16 outputs), swiglu_kernel
 //      (h = bf16(silu(min(g, L)) * clamp(u, -L, L))), DeviceLinear w2 (bf16 output);
 //   5. combine_kernel: y = bf16(routed + shared).
+// Tensor-parallel partials (ops/moe.h): apply_partial skips every rounding after a w2 product
+// (MoeFp4::run_partial, DeviceLinear::apply_partial, combine without rounding);
+// apply_partial_experts writes each expert's unrounded w2 output to its own slot
+// (MoeFp4::run_experts) and combine_experts applies apply()'s roundings after the ranks' sum.
 
 #include <cuda_runtime.h>
 
@@ -143,9 +147,50 @@ __global__ void swiglu_kernel(const float* g, const float* u, size_t n, float li
   h[i] = detail::round_bf16(__fmul_rn(__fdiv_rn(gv, __fadd_rn(1.0f, expf(-gv))), uv));
 }
 
-__global__ void combine_kernel(const float* routed, const float* shared, size_t n, float* y) {
+__global__ void combine_kernel(const float* routed, const float* shared, size_t n, bool round,
+                               float* y) {
   const size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < n) y[i] = detail::round_bf16(__fadd_rn(routed[i], shared[i]));
+  if (i >= n) return;
+  const float v = __fadd_rn(routed[i], shared[i]);
+  y[i] = round ? detail::round_bf16(v) : v;
+}
+
+// slots [T, K + 1, D] -> y [T, D]: MoeFp4's combine (ascending expert id, fp32 from 0) over
+// bf16-rounded slots, then combine_kernel's bf16(routed + bf16(shared)). grid (D / 256, rows).
+__global__ void combine_experts_kernel(const float* slots, const int32_t* gate_i, int T, int K,
+                                       int E, int D, float* y) {
+  __shared__ int s_k[kMaxTopK];
+  __shared__ int s_n;
+  const int col = blockIdx.x * blockDim.x + threadIdx.x;
+  for (int t = blockIdx.y; t < T; t += gridDim.y) {
+    __syncthreads();  // s_k of the previous row is no longer read
+    if (threadIdx.x == 0) {
+      int ids[kMaxTopK], ks[kMaxTopK], n = 0;
+      for (int k = 0; k < K; ++k) {  // insertion sort by expert id, as moe_combine_kernel
+        const int e = gate_i[int64_t(t) * K + k];
+        if (e < 0 || e >= E) continue;
+        int j = n++;
+        while (j > 0 && ids[j - 1] > e) {
+          ids[j] = ids[j - 1];
+          ks[j] = ks[j - 1];
+          --j;
+        }
+        ids[j] = e;
+        ks[j] = k;
+      }
+      for (int j = 0; j < n; ++j) s_k[j] = ks[j];
+      s_n = n;
+    }
+    __syncthreads();
+    if (col < D) {
+      const float* row = slots + int64_t(t) * (K + 1) * D + col;
+      float sum = 0.f;
+      for (int j = 0; j < s_n; ++j)
+        sum = __fadd_rn(sum, detail::round_bf16(row[int64_t(s_k[j]) * D]));
+      y[int64_t(t) * D + col] =
+          detail::round_bf16(__fadd_rn(sum, detail::round_bf16(row[int64_t(K) * D])));
+    }
+  }
 }
 
 unsigned blocks_for(size_t n, int threads) { return unsigned((n + threads - 1) / threads); }
@@ -253,6 +298,40 @@ DeviceMoe& DeviceMoe::operator=(DeviceMoe&&) noexcept = default;
 
 void DeviceMoe::apply(const float* x, int T, float* y, int32_t* gate_i, float* gate_w,
                       cudaStream_t stream) const {
+  run(x, T, Out::kRounded, y, gate_i, gate_w, stream);
+}
+
+void DeviceMoe::apply_partial(const float* x, int T, float* y, int32_t* gate_i, float* gate_w,
+                              cudaStream_t stream) const {
+  run(x, T, Out::kPartialSum, y, gate_i, gate_w, stream);
+}
+
+void DeviceMoe::apply_partial_experts(const float* x, int T, float* slots, int32_t* gate_i,
+                                      float* gate_w, cudaStream_t stream) const {
+  require(gate_i != nullptr,
+          "DeviceMoe::apply_partial_experts: gate_i must be given (combine_experts reads it)");
+  run(x, T, Out::kPartialSlots, slots, gate_i, gate_w, stream);
+}
+
+void DeviceMoe::combine_experts(const float* slots, const int32_t* gate_i, int T, float* y,
+                                cudaStream_t stream) const {
+  if (T <= 0) return;
+  const Impl& m = *impl_;
+  const int D = m.s.dim;
+  const dim3 grid(blocks_for(size_t(D), 256), unsigned(std::min(T, 65535)));
+  combine_experts_kernel<<<grid, 256, 0, stream>>>(slots, gate_i, T, m.s.top_k, m.s.n_experts, D,
+                                                   y);
+  UF_CUDA_CHECK(cudaGetLastError());
+}
+
+int DeviceMoe::top_k() const { return impl_->s.top_k; }
+
+int64_t DeviceMoe::slot_floats_per_row() const {
+  return int64_t(impl_->s.top_k + 1) * impl_->s.dim;
+}
+
+void DeviceMoe::run(const float* x, int T, Out mode, float* out, int32_t* gate_i, float* gate_w,
+                    cudaStream_t stream) const {
   const Impl& m = *impl_;
   const int E = m.s.n_experts, K = m.s.top_k, D = m.s.dim, I = m.s.inter;
   const Fp4ExpertsView experts{m.w1.data,  m.w1.scale, m.w3.data, m.w3.scale, m.w2.data,
@@ -267,16 +346,33 @@ void DeviceMoe::apply(const float* x, int T, float* y, int32_t* gate_i, float* g
         m.scores, m.bias, E, K, m.func, m.s.gate_temp, m.s.route_scale, gi, gw);
     UF_CUDA_CHECK(cudaGetLastError());
     act_quant_fp8_f32(xc, rows, D, m.xcodes, m.xscales, stream);
-    m.moe->run(experts, QuantActView{m.xcodes, m.xscales, rows, D}, gi, gw, m.s.swiglu_limit,
-               m.routed, stream);
+    const QuantActView act{m.xcodes, m.xscales, rows, D};
+    const int64_t slot_row = int64_t(K + 1) * D;  // kPartialSlots: floats per row of `out`
+    if (mode == Out::kRounded)
+      m.moe->run(experts, act, gi, gw, m.s.swiglu_limit, m.routed, stream);
+    else if (mode == Out::kPartialSum)
+      m.moe->run_partial(experts, act, gi, gw, m.s.swiglu_limit, m.routed, stream);
+    else
+      m.moe->run_experts(experts, act, gi, gw, m.s.swiglu_limit, out + t0 * slot_row, slot_row,
+                         stream);
     m.sw1.apply(xc, rows, m.g, stream);
     m.sw3.apply(xc, rows, m.u, stream);
     const size_t nh = size_t(rows) * I, ny = size_t(rows) * D;
     swiglu_kernel<<<blocks_for(nh, 256), 256, 0, stream>>>(m.g, m.u, nh, m.s.swiglu_limit, m.h);
     UF_CUDA_CHECK(cudaGetLastError());
-    m.sw2.apply(m.h, rows, m.shared, stream);
-    combine_kernel<<<blocks_for(ny, 256), 256, 0, stream>>>(m.routed, m.shared, ny,
-                                                            y + int64_t(t0) * D);
+    if (mode == Out::kRounded)
+      m.sw2.apply(m.h, rows, m.shared, stream);
+    else
+      m.sw2.apply_partial(m.h, rows, m.shared, stream);
+    if (mode == Out::kPartialSlots) {  // the shared expert into slot K of each row
+      UF_CUDA_CHECK(cudaMemcpy2DAsync(out + t0 * slot_row + int64_t(K) * D,
+                                      size_t(slot_row) * sizeof(float), m.shared,
+                                      size_t(D) * sizeof(float), size_t(D) * sizeof(float),
+                                      size_t(rows), cudaMemcpyDeviceToDevice, stream));
+      continue;
+    }
+    combine_kernel<<<blocks_for(ny, 256), 256, 0, stream>>>(
+        m.routed, m.shared, ny, mode == Out::kRounded, out + int64_t(t0) * D);
     UF_CUDA_CHECK(cudaGetLastError());
   }
 }

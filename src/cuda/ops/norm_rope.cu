@@ -42,10 +42,10 @@ constexpr int kRopeThreads = 256;
 constexpr int kRopeMaxHalf = 256;  // Rope allows rope_dim <= 512
 
 __global__ void rope_kernel(const float* freqs, int rope_dim, float* v, int count, int n,
-                            int64_t p0, int64_t stride, bool inverse) {
+                            int64_t p0, int64_t stride, bool inverse, const int64_t* positions) {
   __shared__ float cs[kRopeMaxHalf], sn[kRopeMaxHalf];
   const int half = rope_dim / 2;
-  const int64_t pos = p0 + int64_t(blockIdx.x) * stride;
+  const int64_t pos = positions ? positions[blockIdx.x] : p0 + int64_t(blockIdx.x) * stride;
   for (int i = threadIdx.x; i < half; i += kRopeThreads) {
     const float angle = ew::fmul(float(pos), freqs[i]);
     double s, c;
@@ -78,11 +78,12 @@ void rms_norm(const DeviceWeight& weight, float eps, const float* x, int T, int 
 }
 
 void rope(const float* freqs, int rope_dim, float* v, int T, int count, int n, int64_t p0,
-          int64_t stride, bool inverse, cudaStream_t stream) {
+          int64_t stride, bool inverse, cudaStream_t stream, const int64_t* positions) {
   require(rope_dim > 0 && rope_dim % 2 == 0 && rope_dim <= 2 * kRopeMaxHalf && rope_dim <= n,
           "rope: %d rotated channels of %d; expected an even count up to min(512, n)", rope_dim, n);
   if (T <= 0 || count <= 0) return;
-  rope_kernel<<<T, kRopeThreads, 0, stream>>>(freqs, rope_dim, v, count, n, p0, stride, inverse);
+  rope_kernel<<<T, kRopeThreads, 0, stream>>>(freqs, rope_dim, v, count, n, p0, stride, inverse,
+                                              positions);
   UF_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -1,0 +1,485 @@
+// `ultrafast bench --synthetic tp8-rank`: the decode step of one rank of an 8-GPU tensor-parallel
+// server, on ONE GPU, against its memory floor.
+//
+// Builds the weights rank 0 of a TP8 server holds for the released DeepSeek-V4.1-Flash
+// (model/synthetic.h: rank_slice_config, real dimensions, random values in the checkpoint
+// formats, Engram tables shrunk to --engram-rows), loads them into a cuda::CudaModel (tp 1),
+// brings a session to --context committed tokens, then times the verify forward of T rows (for
+// each T of --rows) and one DSpark draft round. The floor of each is the bytes the step must read
+// (model::step_floor, per component) over the device copy bandwidth measured here (a 16-byte
+// vector copy kernel and cudaMemcpy over 2 GiB buffers, read + write bytes, the better of the
+// two), as bench/bench_cuda_decode does. No collectives run: a real rank adds their latency.
+//
+// Timing: steady_clock around each call (forward and draft synchronise their stream before they
+// return), --warmup calls first, then median and min of --iters. The session is never committed,
+// so every call sees the same state. Each forward also copies its T x vocab fp32 logits to the
+// host (pinned buffer); the "no head" column runs the same forward with no logits (the head and
+// the copy are skipped) against the floor without the head. The session comes from
+// CudaModel::fast_forward (ring tags and entry counts of a real prefill, device state zeroed).
+// --no-graphs sets CudaModelOptions::cuda_graphs = false (the verify spans then launch eagerly).
+//
+// --floor-only prints the floors (bytes per component) without a GPU.
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <fstream>
+#include <iostream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <span>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "cli/command_registry.h"
+#include "core/error.h"
+#include "model/config.h"
+#include "model/synthetic.h"
+#include "model/tensor_contract.h"
+
+#ifdef UF_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include "cuda/backend/cuda_model.h"
+#include "cuda/cuda_check.h"
+#include "cuda/device_fill.h"
+#endif
+
+namespace {
+
+using nlohmann::json;
+using uf::model::ModelConfig;
+using uf::model::StepFloor;
+
+struct BenchArgs {
+  std::string synthetic;
+  std::string rows = "1,2,3,4,5,6,7,8";
+  int64_t context = 8192;
+  int iters = 20;
+  int warmup = 3;
+  int64_t engram_rows = int64_t(1) << 22;
+  bool no_graphs = false;
+  bool floor_only = false;
+  std::string json_file;
+  uint64_t seed = 1;
+  int device = 0;
+};
+
+std::vector<int> parse_rows(const std::string& s) {
+  std::vector<int> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    int v = 0;
+    try {
+      size_t used = 0;
+      v = std::stoi(item, &used);
+      UF_CHECK(used == item.size(), "bench: --rows entry '{}' is not an integer", item);
+    } catch (const std::logic_error&) {
+      uf::core::fail("bench: --rows entry '{}' is not an integer", item);
+    }
+    UF_CHECK(v >= 1 && v <= 8, "bench: --rows entry {} is outside 1..8 (verify rows per step)", v);
+    out.push_back(v);
+  }
+  UF_CHECK(!out.empty(), "bench: --rows '{}' lists no row count", s);
+  return out;
+}
+
+// The bench's model: rank 0 of TP8 of the released config, Engram tables shrunk.
+ModelConfig bench_config(const BenchArgs& a) {
+  UF_CHECK(a.synthetic == "tp8-rank",
+           "bench: --synthetic '{}' is not known (the only synthetic model is tp8-rank)",
+           a.synthetic);
+  const auto full = ModelConfig::deepseek_v41_flash();
+  return uf::model::with_engram_rows(uf::model::rank_slice_config(full, 8), a.engram_rows);
+}
+
+json floor_json(const std::vector<uf::model::FloorItem>& items, double bw_gbs) {
+  json j = json::array();
+  for (const auto& i : items) {
+    json e = {{"name", i.name}, {"bytes", i.bytes}, {"detail", i.detail}};
+    if (bw_gbs > 0) e["floor_us"] = i.bytes / (bw_gbs * 1e3);
+    j.push_back(e);
+  }
+  return j;
+}
+
+double us_of(double bytes, double bw_gbs) { return bw_gbs > 0 ? bytes / (bw_gbs * 1e3) : 0; }
+
+// Per-component floors: one row per component, one column per T (MB, or us at bw_gbs > 0).
+void print_components(const std::vector<StepFloor>& floors, double bw_gbs, int block) {
+  if (floors.empty()) return;
+  const bool us = bw_gbs > 0;
+  auto& out = std::cout;
+  auto table = [&](const char* title, auto pick) {
+    out << fmt::format("\n{} floor by component ({}):\n{:<24}", title, us ? "us" : "MB",
+                       "component");
+    for (const auto& f : floors) out << fmt::format(" {:>9}", fmt::format("T={}", f.rows));
+    out << "\n";
+    for (size_t i = 0; i < pick(floors[0]).size(); ++i) {
+      out << fmt::format("{:<24}", pick(floors[0])[i].name);
+      for (const auto& f : floors) {
+        const double b = pick(f)[i].bytes;
+        out << fmt::format(" {:>9.1f}", us ? us_of(b, bw_gbs) : b * 1e-6);
+      }
+      out << "\n";
+    }
+  };
+  table(
+      "verify", [](const StepFloor& f) -> const auto& { return f.verify; });
+  const auto& f0 = floors[0];
+  out << fmt::format("\ndraft floor by component (one DSpark round, {} rows):\n", block);
+  for (const auto& i : f0.draft)
+    out << fmt::format("{:<24} {:>9.1f} {}  ({})\n", i.name,
+                       us ? us_of(i.bytes, bw_gbs) : i.bytes * 1e-6, us ? "us" : "MB", i.detail);
+  for (const auto& i : f0.commit)
+    out << fmt::format("{:<24} {:>9.1f} {}  (not timed: {})\n", i.name,
+                       us ? us_of(i.bytes, bw_gbs) : i.bytes * 1e-6, us ? "us" : "MB", i.detail);
+}
+
+#ifdef UF_HAVE_CUDA
+
+using Clock = std::chrono::steady_clock;
+
+struct Stats {
+  double median_us = 0, min_us = 0, mean_us = 0;
+  std::vector<double> samples;
+};
+
+template <typename F>
+Stats time_calls(int warmup, int iters, F&& f) {
+  for (int i = 0; i < warmup; ++i) f();
+  Stats s;
+  for (int i = 0; i < iters; ++i) {
+    const auto t0 = Clock::now();
+    f();
+    s.samples.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+  }
+  auto v = s.samples;
+  std::sort(v.begin(), v.end());
+  s.median_us = v[v.size() / 2];
+  s.min_us = v.front();
+  for (double x : v) s.mean_us += x / double(v.size());
+  return s;
+}
+
+json stats_json(const Stats& s) {
+  return {{"median_us", s.median_us},
+          {"min_us", s.min_us},
+          {"mean_us", s.mean_us},
+          {"samples_us", s.samples}};
+}
+
+struct Bandwidth {
+  double memcpy_gbs = 0, copy_kernel_gbs = 0;
+  double best() const { return std::max(memcpy_gbs, copy_kernel_gbs); }
+};
+
+// Read + write bytes per second of a 2 GiB device-to-device copy (median of 10 after 2 warm-ups),
+// by cudaMemcpyAsync and by the 16-byte vector copy kernel.
+Bandwidth measure_bandwidth(int device) {
+  UF_CUDA_CHECK(cudaSetDevice(device));
+  const size_t n = size_t(2) << 30;
+  void *src = nullptr, *dst = nullptr;
+  UF_CUDA_CHECK(cudaMalloc(&src, n));
+  UF_CUDA_CHECK(cudaMalloc(&dst, n));
+  cudaStream_t s;
+  UF_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  uf::cuda::fill_random_bytes(static_cast<uint8_t*>(src), n, 99, 0, 255, s);
+  cudaEvent_t a, b;
+  UF_CUDA_CHECK(cudaEventCreate(&a));
+  UF_CUDA_CHECK(cudaEventCreate(&b));
+  auto gbs = [&](auto&& body) {
+    std::vector<float> t;
+    for (int i = 0; i < 12; ++i) {
+      UF_CUDA_CHECK(cudaEventRecord(a, s));
+      body();
+      UF_CUDA_CHECK(cudaEventRecord(b, s));
+      UF_CUDA_CHECK(cudaEventSynchronize(b));
+      float ms = 0;
+      UF_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+      if (i >= 2) t.push_back(ms);
+    }
+    std::sort(t.begin(), t.end());
+    return 2.0 * double(n) / (double(t[t.size() / 2]) * 1e-3) / 1e9;
+  };
+  Bandwidth bw;
+  bw.memcpy_gbs =
+      gbs([&] { UF_CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice, s)); });
+  bw.copy_kernel_gbs = gbs([&] { uf::cuda::device_copy(dst, src, n, s); });
+  UF_CUDA_CHECK(cudaEventDestroy(a));
+  UF_CUDA_CHECK(cudaEventDestroy(b));
+  UF_CUDA_CHECK(cudaStreamDestroy(s));
+  UF_CUDA_CHECK(cudaFree(src));
+  UF_CUDA_CHECK(cudaFree(dst));
+  return bw;
+}
+
+double device_used_gb(int device) {
+  UF_CUDA_CHECK(cudaSetDevice(device));
+  size_t free_b = 0, total_b = 0;
+  UF_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+  return double(total_b - free_b) * 1e-9;
+}
+
+int run_cuda(const BenchArgs& a, const ModelConfig& cfg, const std::vector<int>& rows, json& out) {
+  int n_dev = 0;
+  const cudaError_t e = cudaGetDeviceCount(&n_dev);
+  UF_CHECK(e == cudaSuccess && n_dev > 0, "bench: no CUDA device is visible ({})",
+           e == cudaSuccess ? "0 devices" : cudaGetErrorString(e));
+  UF_CHECK(a.device >= 0 && a.device < n_dev, "bench: --device {} but {} device(s) are visible",
+           a.device, n_dev);
+  cudaDeviceProp prop{};
+  UF_CUDA_CHECK(cudaGetDeviceProperties(&prop, a.device));
+  std::cout << fmt::format("device {}: {}, {} SMs, {:.1f} GB, L2 {} MB\n", a.device, prop.name,
+                           prop.multiProcessorCount, double(prop.totalGlobalMem) * 1e-9,
+                           prop.l2CacheSize >> 20);
+  out["device"] = {{"index", a.device},
+                   {"name", prop.name},
+                   {"sms", prop.multiProcessorCount},
+                   {"memory_bytes", prop.totalGlobalMem}};
+
+  spdlog::info("bench: measuring the device copy bandwidth (2 GiB buffers)");
+  const Bandwidth bw = measure_bandwidth(a.device);
+  std::cout << fmt::format(
+      "copy bandwidth (read + write): cudaMemcpy D2D {:.0f} GB/s, copy kernel {:.0f} GB/s; floor "
+      "uses {:.0f} GB/s\n",
+      bw.memcpy_gbs, bw.copy_kernel_gbs, bw.best());
+  out["bandwidth"] = {{"memcpy_gbs", bw.memcpy_gbs},
+                      {"copy_kernel_gbs", bw.copy_kernel_gbs},
+                      {"floor_gbs", bw.best()}};
+  const double bwg = bw.best();
+
+  spdlog::info("bench: building the synthetic checkpoint (seed {})", a.seed);
+  const auto ck = uf::model::synthetic_checkpoint(cfg, a.seed);
+  spdlog::info("bench: {} tensors, {:.2f} GB of views", ck.size(), double(ck.total_bytes()) * 1e-9);
+
+  uf::cuda::CudaModelOptions opts;
+  opts.device = a.device;
+  opts.cuda_graphs = !a.no_graphs;
+  out["cuda_graphs"] = opts.cuda_graphs;
+  UF_CUDA_CHECK(cudaSetDevice(a.device));
+  const double used0 = device_used_gb(a.device);
+  {
+    size_t free_b = 0, total_b = 0;
+    UF_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+    // Weights plus ~2 GB of scratch, session and index scores.
+    const double need = double(ck.total_bytes()) + 2e9;
+    UF_CHECK(double(free_b) >= need,
+             "bench: device {} has {:.2f} GB free but the rank slice needs about {:.2f} GB "
+             "(weights {:.2f} GB + scratch); lower --engram-rows or free the device",
+             a.device, double(free_b) * 1e-9, need * 1e-9, double(ck.total_bytes()) * 1e-9);
+  }
+  spdlog::info("bench: loading the rank slice on device {} ({:.2f} GB in use before)", a.device,
+               used0);
+  const auto t_load = Clock::now();
+  auto model = std::make_unique<uf::cuda::CudaModel>(
+      cfg, ck, uf::model::synthetic_engram_token_map(cfg), opts);
+  const double load_s = std::chrono::duration<double>(Clock::now() - t_load).count();
+  const double used_model = device_used_gb(a.device);
+  std::cout << fmt::format("model loaded in {:.1f} s: {:.2f} GB of device memory in use\n", load_s,
+                           used_model);
+
+  const int64_t cap = a.context + 64;
+  auto s = model->new_session(cap);
+  const double used_session = device_used_gb(a.device);
+  std::cout << fmt::format("session of capacity {}: {:.2f} GB in use\n", cap, used_session);
+  spdlog::info("bench: fast_forward to {} committed tokens", a.context);
+  model->fast_forward(*s, a.context, a.seed);
+  UF_CHECK(s->len == a.context, "bench: the session holds {} tokens after fast forward, not {}",
+           s->len, a.context);
+  out["memory_gb"] = {{"before_load", used0},
+                      {"after_load", used_model},
+                      {"after_session", used_session},
+                      {"after_fast_forward", device_used_gb(a.device)}};
+  out["load_seconds"] = load_s;
+
+  const int V = cfg.vocab_size;
+  float* host_logits = nullptr;
+  UF_CUDA_CHECK(cudaMallocHost(&host_logits, size_t(8) * size_t(V) * sizeof(float)));
+  std::mt19937_64 rng(a.seed + 17);
+
+  std::vector<StepFloor> floors;
+  json jrows = json::array();
+  std::cout << fmt::format(
+      "\nverify forward at context {} ({} iterations after {} warm-up; us):\n{:>2} {:>9} {:>9} "
+      "{:>9} {:>7} | {:>9} {:>9} {:>7}\n",
+      a.context, a.iters, a.warmup, "T", "step", "min", "floor", "x floor", "no head", "floor",
+      "x floor");
+  for (int T : rows) {
+    std::vector<int32_t> toks(static_cast<size_t>(T));
+    for (auto& t : toks) t = int32_t(3 + rng() % uint64_t(V - 3));
+    spdlog::info("bench: verify T = {}", T);
+    const Stats st = time_calls(a.warmup, a.iters, [&] {
+      model->forward(*s, toks, /*prefill_layout=*/false, /*all_logits=*/true, host_logits, nullptr,
+                     nullptr);
+    });
+    const Stats nh = time_calls(a.warmup, a.iters, [&] {
+      model->forward(*s, toks, false, true, nullptr, nullptr, nullptr);
+    });
+    UF_CHECK(s->len == a.context, "bench: the verify forward committed tokens (len {} != {})",
+             s->len, a.context);
+    const auto f = uf::model::step_floor(cfg, T, a.context);
+    double head_bytes = 0;
+    for (const auto& i : f.verify)
+      if (i.name == "head") head_bytes = i.bytes;
+    const double fl = us_of(f.verify_bytes(), bwg),
+                 fl_nh = us_of(f.verify_bytes() - head_bytes, bwg);
+    std::cout << fmt::format(
+                     "{:>2} {:>9.1f} {:>9.1f} {:>9.1f} {:>7.2f} | {:>9.1f} {:>9.1f} {:>7.2f}\n", T,
+                     st.median_us, st.min_us, fl, st.median_us / fl, nh.median_us, fl_nh,
+                     nh.median_us / fl_nh)
+              << std::flush;
+    jrows.push_back({{"rows", T},
+                     {"step", stats_json(st)},
+                     {"no_head", stats_json(nh)},
+                     {"floor_bytes", f.verify_bytes()},
+                     {"floor_us", fl},
+                     {"no_head_floor_us", fl_nh},
+                     {"x_floor", st.median_us / fl},
+                     {"routed_experts", f.routed_experts},
+                     {"components", floor_json(f.verify, bwg)}});
+    floors.push_back(f);
+  }
+  out["verify"] = jrows;
+
+  // One DSpark round from the last committed position, greedy on the host.
+  const auto f1 = uf::model::step_floor(cfg, 1, a.context);
+  const int32_t anchor = int32_t(3 + rng() % uint64_t(V - 3));
+  const uf::engine::DraftSampler greedy = [](int, std::span<const float> lg) {
+    return int32_t(std::max_element(lg.begin(), lg.end()) - lg.begin());
+  };
+  spdlog::info("bench: DSpark draft");
+  size_t drafted = 0;
+  const Stats ds = time_calls(a.warmup, a.iters,
+                              [&] { drafted = model->draft(*s, anchor, greedy).tokens.size(); });
+  const double dfl = us_of(f1.draft_bytes(), bwg);
+  std::cout << fmt::format(
+      "\nDSpark draft ({} tokens): {:.1f} us median, {:.1f} min; floor {:.1f} us; x floor {:.2f}\n",
+      drafted, ds.median_us, ds.min_us, dfl, ds.median_us / dfl);
+  out["draft"] = {{"time", stats_json(ds)},
+                  {"tokens", drafted},
+                  {"floor_bytes", f1.draft_bytes()},
+                  {"floor_us", dfl},
+                  {"x_floor", ds.median_us / dfl},
+                  {"experts_per_stage", f1.dspark_experts},
+                  {"components", floor_json(f1.draft, bwg)},
+                  {"commit_components", floor_json(f1.commit, bwg)}};
+  print_components(floors, bwg, cfg.dspark_block_size);
+  std::cout << fmt::format("\nCUDA graphs captured: {}\n", model->graphs_captured());
+  out["graphs_captured"] = model->graphs_captured();
+  UF_CUDA_CHECK(cudaFreeHost(host_logits));
+  return 0;
+}
+
+#endif  // UF_HAVE_CUDA
+
+void write_json(const std::string& file, const json& out) {
+  if (file.empty()) return;
+  std::ofstream f(file);
+  UF_CHECK(f.good(), "bench: cannot write --json file {}", file);
+  f << out.dump(2) << "\n";
+  spdlog::info("bench: wrote {}", file);
+}
+
+int run_bench(const BenchArgs& a) {
+  std::cout << std::unitbuf;  // tables interleave with the log lines: keep them in order
+  const auto rows = parse_rows(a.rows);
+  UF_CHECK(a.context >= 1, "bench: --context {} must be at least 1", a.context);
+  UF_CHECK(a.iters >= 1 && a.warmup >= 0, "bench: --iters {} / --warmup {} must be >= 1 / >= 0",
+           a.iters, a.warmup);
+  const ModelConfig cfg = bench_config(a);
+  uint64_t bytes = 0;
+  for (const auto& e : uf::model::tensor_contract(cfg)) bytes += e.nbytes();
+  std::cout << fmt::format(
+      "synthetic tp8-rank: DeepSeek-V4.1-Flash rank 0 of TP8 on one GPU: {} heads, {} output "
+      "groups, {} index heads, expert inter {}; Engram tables {} / {} rows; {:.2f} GB of weights\n",
+      cfg.n_heads, cfg.o_groups, cfg.index_n_heads, cfg.moe_inter_dim,
+      cfg.engram_num_embeddings.empty() ? 0 : cfg.engram_num_embeddings[0],
+      cfg.engram_num_embeddings.size() > 1 ? cfg.engram_num_embeddings[1] : 0,
+      double(bytes) * 1e-9);
+  json out = {{"model", "synthetic tp8-rank"},
+              {"context", a.context},
+              {"iters", a.iters},
+              {"warmup", a.warmup},
+              {"engram_rows", cfg.engram_num_embeddings},
+              {"weight_bytes", bytes},
+              {"seed", a.seed}};
+  json pools = json::array();
+  for (const auto& p : uf::model::synthetic_pools(cfg))
+    pools.push_back({{"kind", p.kind},
+                     {"largest", p.largest},
+                     {"span_bytes", p.span_bytes},
+                     {"physical_bytes", p.physical_bytes}});
+  out["host_pools"] = pools;
+  for (const auto& p : uf::model::synthetic_pools(cfg))
+    std::cout << fmt::format("host pool {:<10} {:>6.1f} MB physical behind {:>9.1f} MB ({})\n",
+                             p.kind, p.physical_bytes * 1e-6, p.span_bytes * 1e-6, p.largest);
+
+  int rc = 0;
+  if (a.floor_only) {
+    std::vector<StepFloor> floors;
+    json jf = json::array();
+    for (int T : rows) {
+      floors.push_back(uf::model::step_floor(cfg, T, a.context));
+      jf.push_back({{"rows", T},
+                    {"floor_bytes", floors.back().verify_bytes()},
+                    {"routed_experts", floors.back().routed_experts},
+                    {"components", floor_json(floors.back().verify, 0)}});
+    }
+    for (const auto& f : floors)
+      std::cout << fmt::format("T={}: verify floor {:.1f} MB, draft floor {:.1f} MB\n", f.rows,
+                               f.verify_bytes() * 1e-6, f.draft_bytes() * 1e-6);
+    print_components(floors, 0, cfg.dspark_block_size);
+    out["verify"] = jf;
+    out["draft"] = {{"floor_bytes", floors.front().draft_bytes()},
+                    {"components", floor_json(floors.front().draft, 0)}};
+  } else {
+#ifdef UF_HAVE_CUDA
+    try {
+      rc = run_cuda(a, cfg, rows, out);
+    } catch (const std::exception& e) {
+      // Keep the figures measured before the failure.
+      out["error"] = e.what();
+      write_json(a.json_file, out);
+      throw;
+    }
+#else
+    uf::core::fail(
+        "bench: this binary was built without CUDA (configure with -DUF_ENABLE_CUDA=ON); "
+        "--floor-only prints the floors without a GPU");
+#endif
+  }
+  write_json(a.json_file, out);
+  return rc;
+}
+
+void setup_bench(CLI::App& app, int& exit_code) {
+  auto* cmd = app.add_subcommand(
+      "bench", "Time a decode step (verify rows, DSpark draft) against its memory floor");
+  auto a = std::make_shared<BenchArgs>();
+  cmd->add_option("--synthetic", a->synthetic,
+                  "Synthetic model: tp8-rank (rank 0 of TP8 of DeepSeek-V4.1-Flash, one GPU)")
+      ->required();
+  cmd->add_option("--rows", a->rows, "Verify rows per step to time, comma-separated (1..8)");
+  cmd->add_option("--context", a->context, "Committed tokens in the session before the step");
+  cmd->add_option("--iters", a->iters, "Timed calls per measurement (median and min reported)");
+  cmd->add_option("--warmup", a->warmup, "Untimed calls before each measurement");
+  cmd->add_option("--engram-rows", a->engram_rows,
+                  "Rows per Engram table (released: ~384M, 98 GB each; a step gathers 24 rows per "
+                  "token, so the time hardly depends on it)");
+  cmd->add_flag("--no-graphs", a->no_graphs, "Run the decode path without CUDA graphs");
+  cmd->add_flag("--floor-only", a->floor_only, "Print the floors (bytes per component); no GPU");
+  cmd->add_option("--json", a->json_file, "Write every figure to this JSON file");
+  cmd->add_option("--seed", a->seed, "Seed of the synthetic weights and tokens");
+  cmd->add_option("--device", a->device, "CUDA device ordinal");
+  cmd->callback([a, &exit_code] { exit_code = run_bench(*a); });
+}
+
+UF_REGISTER_COMMAND("bench", setup_bench);
+
+}  // namespace

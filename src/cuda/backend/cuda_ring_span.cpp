@@ -1,0 +1,424 @@
+// Ring-layout spans (decode steps, verify rows, prefill chunks after the first) as a span program.
+//
+// The host-driven path (cuda_model.cpp) passes positions as kernel arguments and builds slot lists
+// of session pointers per layer, so its launches differ at every step. Here the host writes every
+// input that depends on the position or the session into one pinned block (plan_ring_span: ids,
+// positions, Engram ids, ring and compressed-KV base pointers, the compressor's pooled rows, the
+// indexer's widths) and does all the bookkeeping and checks of the CPU's span logic; the program
+// (ring_program) copies the block to the device and launches kernels that read it there. The
+// program's launches depend on (rows, all_logits, head) only, so they are captured once as a CUDA
+// graph and replayed for every step of every session: a decode step is one memcpy node plus
+// kernels, launched by one cudaGraphLaunch.
+//
+// Work that a position may or may not need (a compressor emitting 0 or more entries) always runs
+// on the largest count the row count allows (SpanBlock::Layer::gmax) into model scratch; a copy
+// kernel moves the first n_emit rows into the session. A row's values never depend on the other
+// rows of its call, so padding rows change nothing (spec == plain holds as before).
+#include <algorithm>
+#include <cmath>
+#include <random>
+
+#include "core/error.h"
+#include "cuda/backend/backend_kernels.h"
+#include "cuda/backend/cuda_model.h"
+#include "cuda/backend/model_internal.h"
+#include "cuda/cuda_check.h"
+#include "cuda/ops/attention.h"
+
+namespace uf::cuda {
+
+namespace {
+
+// Entries a query at position p can see of a ratio-r compressed stream.
+inline int64_t visible(int64_t p, int r) { return (p + 1) / r; }
+
+// The most compressed entries T consecutive positions can emit at ratio r (multiples of r).
+inline int max_emitted(int T, int r) { return r == 1 ? T : (T + r - 1) / r; }
+
+// Appends 16-byte aligned arrays to a block layout.
+class Packer {
+ public:
+  size_t add(size_t count, size_t elem) {
+    const size_t off = align(bytes_);
+    bytes_ = off + count * elem;
+    return off;
+  }
+  size_t bytes() const { return align(bytes_); }
+
+ private:
+  static size_t align(size_t n) { return (n + 15) / 16 * 16; }
+  size_t bytes_ = 0;
+};
+
+constexpr size_t kPtr = sizeof(void*);
+
+}  // namespace
+
+CudaModel::SpanBlock CudaModel::span_block(int T) const {
+  SpanBlock b;
+  b.T = T;
+  Packer pk;
+  b.p0 = pk.add(1, sizeof(int64_t));
+  b.ids = pk.add(size_t(T), sizeof(int32_t));
+  b.pos = pk.add(size_t(T), sizeof(int64_t));
+  if (hasher_)
+    b.hash = pk.add(size_t(hasher_->n_layers()) * size_t(T) * size_t(hasher_->n_cols()),
+                    sizeof(int64_t));
+  b.layers.resize(size_t(cfg_.n_layers));
+  for (int l = 0; l < cfg_.n_layers; ++l) {
+    const auto& role = cfg_.role(l);
+    auto& L = b.layers[size_t(l)];
+    L.window = pk.add(1, kPtr);
+    if (role.compress_ratio <= 0) continue;
+    L.ckv_src = pk.add(1, kPtr);
+    if (role.kv_source) {
+      const int r = role.compress_ratio;
+      L.gmax = max_emitted(T, r);
+      L.n_emit = pk.add(1, sizeof(int32_t));
+      L.emit_pos = pk.add(size_t(L.gmax), sizeof(int64_t));
+      L.ckv_dst = pk.add(1, kPtr);
+      if (role.index_source) L.ikey_dst = pk.add(1, kPtr);
+      if (r > 1) {
+        L.raw_kv = pk.add(1, kPtr);
+        L.raw_gate = pk.add(1, kPtr);
+        L.pool_kv = pk.add(size_t(L.gmax) * size_t(r), kPtr);
+        L.pool_gate = pk.add(size_t(L.gmax) * size_t(r), kPtr);
+      }
+    }
+    if (role.index_source) {
+      L.vis = pk.add(size_t(T), sizeof(int32_t));
+      L.width = pk.add(size_t(T), sizeof(int32_t));
+      L.keys = pk.add(size_t(T), kPtr);
+    }
+  }
+  b.bytes = pk.bytes();
+  return b;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host: the span's inputs and the CPU span logic's bookkeeping (cpu/model.cpp, ring layout).
+
+void CudaModel::plan_ring_span(Span& sp, const SpanBlock& b, std::span<const int32_t> tokens) {
+  CudaSession& s = *sp.s;
+  uint8_t* h = block_host_;
+  const int T = sp.T, hd = cfg_.head_dim, ihd = cfg_.index_head_dim, W = cfg_.window_size;
+  const int64_t p0 = sp.p0;
+  *b.at<int64_t>(h, b.p0) = p0;
+  for (int t = 0; t < T; ++t) {
+    const int32_t id = tokens[size_t(t)];
+    UF_CHECK(id >= 0 && id < cfg_.vocab_size,
+             "token id {} at position {} is outside the vocab of {}", id, p0 + t, cfg_.vocab_size);
+    b.at<int32_t>(h, b.ids)[t] = id;
+    b.at<int64_t>(h, b.pos)[t] = p0 + t;
+  }
+  if (hasher_) {  // [engram layer][row][col], as upload_hash
+    const int nl = hasher_->n_layers(), nc = hasher_->n_cols();
+    const size_t per = hasher_->ids_per_position();
+    int64_t* dst = b.at<int64_t>(h, b.hash);
+    for (int e = 0; e < nl; ++e)
+      for (int t = 0; t < T; ++t)
+        std::copy_n(sp.hash.begin() + int64_t(size_t(t) * per + size_t(e) * size_t(nc)), nc,
+                    dst + (int64_t(e) * T + t) * nc);
+  }
+  for (int l = 0; l < cfg_.n_layers; ++l) {
+    const auto& role = cfg_.role(l);
+    const auto& L = b.layers[size_t(l)];
+    auto& st = s.layers[size_t(l)];
+    *b.at<float*>(h, L.window) = st.window.data;
+    if (role.compress_ratio > 0) {
+      const int r = role.compress_ratio;
+      if (role.kv_source) {
+        // CudaModel::kv_path: the entries this span emits are consecutive from e0.
+        int64_t e0 = 0;
+        int n = 0;
+        int64_t* epos = b.at<int64_t>(h, L.emit_pos);
+        if (r == 1) {
+          e0 = p0;
+          n = T;
+          for (int t = 0; t < T; ++t) epos[t] = p0 + t;
+        } else {
+          auto row = [&](float* local, const DeviceRing& ring, int64_t p) -> const float* {
+            const float* v = p >= p0 ? local + (p - p0) * hd : ring.get(p);
+            UF_CHECK(v, "layer {}: the compressor's row of position {} is gone", l, p);
+            return v;
+          };
+          const float** kr = b.at<const float*>(h, L.pool_kv);
+          const float** gr = b.at<const float*>(h, L.pool_gate);
+          for (int t = 0; t < T; ++t) {
+            const int64_t p = p0 + t;
+            if ((p + 1) % r) continue;
+            for (int i = 0; i < r; ++i) {
+              kr[n * r + i] = row(ckv_kv_, st.raw_kv, p + 1 - r + i);
+              gr[n * r + i] = row(ckv_gate_, st.raw_gate, p + 1 - r + i);
+            }
+            if (n == 0) e0 = p / r;
+            epos[n] = (p / r) * r;
+            ++n;
+          }
+          for (int g = n; g < L.gmax; ++g) {  // padding groups pool scratch rows (discarded)
+            for (int i = 0; i < r; ++i) {
+              kr[g * r + i] = ckv_kv_;
+              gr[g * r + i] = ckv_gate_;
+            }
+            epos[g] = 0;
+          }
+          *b.at<float*>(h, L.raw_kv) = st.raw_kv.data;
+          *b.at<float*>(h, L.raw_gate) = st.raw_gate.data;
+          for (int t = std::max(0, T - st.raw_kv.slots); t < T; ++t) {
+            st.raw_kv.put(p0 + t);
+            st.raw_gate.put(p0 + t);
+          }
+        }
+        UF_CHECK(n <= L.gmax, "layer {}: {} compressed entries from {} rows (at most {})", l, n, T,
+                 L.gmax);
+        UF_CHECK(n == 0 || e0 + n <= st.ckv_cap,
+                 "layer {}: compressed KV of {} entries cannot take entry {}", l, st.ckv_cap,
+                 e0 + n - 1);
+        *b.at<int32_t>(h, L.n_emit) = n;
+        *b.at<float*>(h, L.ckv_dst) = st.ckv + e0 * hd;
+        if (role.index_source) *b.at<float*>(h, L.ikey_dst) = st.ikeys + e0 * ihd;
+        if (n > 0) {
+          sp.emits_any[size_t(l)] = 1;
+          st.ckv_n = std::max(st.ckv_n, e0 + n);
+          if (role.index_source) st.ikeys_n = std::max(st.ikeys_n, e0 + n);
+        }
+      }
+      if (role.index_source) {
+        // CudaModel::indexer, ring layout: every row scores its visible entries.
+        const auto& owner = s.layers[size_t(role.index_keys_from)];
+        const int cand_src = cfg_.candidate_source_layer;
+        for (int t = 0; t < T; ++t) {
+          const int64_t p = p0 + t;
+          const int v = int(visible(p, r));
+          UF_CHECK(owner.ikeys_n >= v,
+                   "layer {}: index keys of layer {} hold {} entries, position {} needs {}", l,
+                   role.index_keys_from, owner.ikeys_n, p, v);
+          UF_CHECK(v <= index_width_, "layer {}: {} index scores exceed the scratch width {}", l, v,
+                   index_width_);
+          if (role.candidate_restricted && cand_src >= 0 && v > 0)
+            UF_CHECK(sp.cand_width[size_t(t)] == v,
+                     "layer {}: candidate pool of width {} does not match {} index scores", l,
+                     sp.cand_width[size_t(t)], v);
+          b.at<int32_t>(h, L.vis)[t] = v;
+          b.at<int32_t>(h, L.width)[t] = v;
+          b.at<const float*>(h, L.keys)[t] = owner.ikeys;
+          if (role.candidate_source) sp.cand_width[size_t(t)] = v;
+        }
+        sp.topk_valid[size_t(l)] = 1;
+      }
+      UF_CHECK(role.topk_from < 0 || sp.topk_valid[size_t(role.topk_from)],
+               "layer {}: its top-k comes from layer {}, which has not run its indexer", l,
+               role.topk_from);
+      *b.at<const float*>(h, L.ckv_src) = s.layers[size_t(role.kv_from)].ckv;
+    }
+    // The window rows before the span must still be in the ring; then the span's rows go in.
+    for (int64_t q = std::max<int64_t>(0, p0 - W + 1); q < p0; ++q)
+      UF_CHECK(st.window.get(q), "layer {}: window KV of position {} is gone (span at {})", l, q,
+               p0);
+    UF_CHECK(st.window.slots == W + opts_.max_rows,
+             "layer {}: window ring of {} slots, the span program expects {}", l, st.window.slots,
+             W + opts_.max_rows);
+    for (int t = std::max(0, T - st.window.slots); t < T; ++t) st.window.put(p0 + t);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Device: launches only, every varying input read from block_dev_.
+
+void CudaModel::ring_program(const SpanBlock& b, bool all_logits, bool head_rows) {
+  const int T = b.T;
+  UF_CUDA_CHECK(cudaMemcpyAsync(block_dev_, block_host_, b.bytes, cudaMemcpyHostToDevice, stream_));
+  Span sp;
+  sp.T = T;
+  sp.program = &b;
+  embed_rows(embed_, b.at<int32_t>(block_dev_, b.ids), T, cfg_.hc_mult, X_, pre_, stream_);
+  run_layers(sp, X_, pre_, 0, cfg_.n_layers, n_taps() > 0 ? mh_ : nullptr);
+  if (head_rows) head(X_, pre_, all_logits ? 0 : T - 1, all_logits ? T : 1, logits_);
+}
+
+void CudaModel::attention_program(const SpanBlock& b, int l, const float* x, float* out) {
+  const auto& role = cfg_.role(l);
+  const auto& op = *layers_[size_t(l)];
+  const auto& L = b.layers[size_t(l)];
+  const int T = b.T, H = H_, hd = cfg_.head_dim, W = cfg_.window_size;
+  const int64_t* pos = b.at<int64_t>(block_dev_, b.pos);
+  project_q(l, x, T, 0, qr_, q_, pos);
+  project_kv(l, x, T, 0, kv_, pos);
+  const int32_t* topk = nullptr;
+  int k = 0;
+  const float* const* ckv = nullptr;
+  if (role.compress_ratio > 0) {
+    if (role.kv_source) kv_program(b, l, x);
+    if (role.index_source) indexer_program(b, l, x, qr_);
+    if (role.topk_from >= 0) {  // plan_ring_span checked that its indexer ran
+      topk = topk_[size_t(role.topk_from)];
+      k = cfg_.index_topk;
+    }
+    ckv = b.at<const float*>(block_dev_, L.ckv_src);
+  }
+  const int slots = W + opts_.max_rows;  // CudaSession window rings (new_session)
+  float* const* ring = b.at<float*>(block_dev_, L.window);
+  build_window_slots(pos, b.at<int64_t>(block_dev_, b.p0), T, W, ring, slots, kv_, hd, win_ptrs_,
+                     stream_);
+  const float scale = float(std::pow(double(hd), -0.5));
+  // Steps of up to max_rows rows attend in split mode (one CTA per 64 slots); longer chunks have
+  // CTAs enough without it.
+  float* split = T <= opts_.max_rows ? attn_scratch_ : nullptr;
+  sparse_attn(q_, T, H, hd, win_ptrs_, W, topk, k, nullptr, op.sink, scale, o_, stream_, ckv,
+              split);
+  put_ring_rows(kv_, T, hd, pos, ring, slots, stream_);  // after the attention read the ring
+  output_proj(l, o_, T, 0, out, pos);
+}
+
+void CudaModel::kv_program(const SpanBlock& b, int l, const float* x) {
+  const auto& role = cfg_.role(l);
+  const auto& op = *layers_[size_t(l)];
+  const auto& L = b.layers[size_t(l)];
+  const int T = b.T, hd = cfg_.head_dim, r = role.compress_ratio, G = L.gmax;
+  const float eps = float(cfg_.norm_eps);
+  const int64_t* pos = b.at<int64_t>(block_dev_, b.pos);
+  if (r == 1) {
+    op.c_wkv.apply(x, T, emit_, stream_);
+    rms_norm(op.c_norm, eps, emit_, T, hd, emit_, stream_);
+  } else {
+    op.c_wkv.apply(x, T, ckv_kv_, stream_);
+    op.c_wgate.apply(x, T, ckv_gate_, stream_);
+    compress_pool(b.at<const float*>(block_dev_, L.pool_kv),
+                  b.at<const float*>(block_dev_, L.pool_gate), G, r, hd, emit_, stream_);
+    round_bf16(emit_, int64_t(G) * hd, stream_);
+    rms_norm(op.c_norm, eps, emit_, G, hd, emit_, stream_);
+    // After the pooling read them: the span's pre-pool rows into the rings.
+    const int raw_slots = r + opts_.max_rows;  // new_session
+    put_ring_rows(ckv_kv_, T, hd, pos, b.at<float*>(block_dev_, L.raw_kv), raw_slots, stream_);
+    put_ring_rows(ckv_gate_, T, hd, pos, b.at<float*>(block_dev_, L.raw_gate), raw_slots, stream_);
+  }
+  const int32_t* n = b.at<int32_t>(block_dev_, L.n_emit);
+  const int64_t* epos = b.at<int64_t>(block_dev_, L.emit_pos);
+  if (role.index_source) {
+    const int ihd = cfg_.index_head_dim;
+    op.i_wk.apply(emit_, G, emit_keys_, stream_);
+    rms_norm(op.i_k_norm, eps, emit_keys_, G, ihd, emit_keys_, stream_);
+    rope(op.freqs, op.rope_dim, emit_keys_, G, 1, ihd, 0, 1, false, stream_, epos);
+    qdq_fp4_e8m0_scale(emit_keys_, G, ihd, 32, stream_);
+    copy_rows_to(emit_keys_, G, ihd, n, b.at<float*>(block_dev_, L.ikey_dst), stream_);
+  }
+  rope(op.freqs, op.rope_dim, emit_, G, 1, hd, 0, 1, false, stream_, epos);
+  qdq_fp4_e4m3_scale(emit_, G, hd, 16, stream_);
+  copy_rows_to(emit_, G, hd, n, b.at<float*>(block_dev_, L.ckv_dst), stream_);
+}
+
+void CudaModel::indexer_program(const SpanBlock& b, int l, const float* x, const float* qr) {
+  const auto& role = cfg_.role(l);
+  const auto& op = *layers_[size_t(l)];
+  const auto& L = b.layers[size_t(l)];
+  const int T = b.T, Hi = Hi_, ihd = cfg_.index_head_dim;
+  op.i_wq_b.apply(qr, T, iq_, stream_);
+  op.i_weights_proj.apply(x, T, iw_, stream_);
+  // The whole model's index head count (not the rank's) sets the scale.
+  const float wscale =
+      float(std::pow(double(ihd), -0.5) * std::pow(double(cfg_.index_n_heads), -0.5));
+  scale_round_bf16(iw_, int64_t(T) * Hi, wscale, stream_);
+  rope(op.freqs, op.rope_dim, iq_, T, Hi, ihd, 0, 1, false, stream_,
+       b.at<int64_t>(block_dev_, b.pos));
+  qdq_fp4_e8m0_scale(iq_, T, Hi * ihd, 32, stream_);
+  const int32_t* vis = b.at<int32_t>(block_dev_, L.vis);
+  const int32_t* width = b.at<int32_t>(block_dev_, L.width);
+  const float* const* keys = b.at<const float*>(block_dev_, L.keys);
+  const int stride = int(index_width_);
+  if (tp_ > 1) {
+    index_scores_partial(iq_, iw_, T, Hi, ihd, keys, vis, width, stride, score_, stream_);
+    all_reduce_round(score_, size_t(T) * size_t(stride));
+  } else {
+    index_scores(iq_, iw_, T, Hi, ihd, keys, vis, width, stride, score_, stream_);
+  }
+  if (role.candidate_source) {
+    candidate_mask(score_, T, stride, width, vis, cfg_.candidate_topk_blocks,
+                   cfg_.candidate_block_size, keep_, stream_);
+  } else if (role.candidate_restricted && cfg_.candidate_source_layer >= 0) {
+    mask_scores(score_, keep_, T, stride, width, stream_);
+  }
+  topk_select(score_, T, stride, width, cfg_.index_topk, vis, topk_[size_t(l)], stream_);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The step: plan, then replay (or run) the program.
+
+void CudaModel::forward_ring(CudaSession& s, std::span<const int32_t> tokens, bool all_logits,
+                             float* logits, float* main_hidden, int* publisher) {
+  const int T = int(tokens.size());
+  Span sp;
+  init_span(sp, s, tokens, /*prefill_layout=*/false, /*upload_hash=*/false);
+  const SpanBlock b = span_block(T);
+  UF_CHECK(b.bytes <= block_bytes_, "span program: a block of {} bytes exceeds {}", b.bytes,
+           block_bytes_);
+  plan_ring_span(sp, b, tokens);
+  const bool head_rows = logits || split_head_;  // a split head is a collective: every rank
+  auto program = [&] { ring_program(b, all_logits, head_rows); };
+  if (T <= opts_.max_rows)
+    launch_program(T * 4 + (all_logits ? 2 : 0) + (head_rows ? 1 : 0), program);
+  else
+    program();  // long prefill chunks: one graph per chunk length would not be reused
+  const size_t MH = size_t(n_taps()) * size_t(cfg_.dim);
+  if (main_hidden && MH > 0 && main_hidden != mh_)
+    UF_CUDA_CHECK(cudaMemcpyAsync(main_hidden, mh_, size_t(T) * MH * sizeof(float),
+                                  cudaMemcpyDeviceToDevice, stream_));
+  if (logits) {
+    const size_t rows = all_logits ? size_t(T) : 1;
+    UF_CUDA_CHECK(cudaMemcpyAsync(logits, logits_, rows * size_t(cfg_.vocab_size) * sizeof(float),
+                                  cudaMemcpyDeviceToHost, stream_));
+  }
+  sync();
+  if (publisher) {
+    for (int t = 0; t < T; ++t) {
+      const int last = last_emitter(sp.pos[size_t(t)]);
+      publisher[t] = last >= 0 ? last : sp.pub_start[size_t(t)];
+    }
+  }
+}
+
+void CudaModel::drop_graphs() {
+  for (auto& [key, exec] : graphs_) cudaGraphExecDestroy(exec);
+  graphs_.clear();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Benchmarks: a session at a context length without running the model over it.
+
+void CudaModel::fast_forward(CudaSession& s, int64_t len, uint64_t seed) {
+  UF_CHECK(s.len == 0, "fast_forward: the session already holds {} tokens", s.len);
+  UF_CHECK(len > 0 && len < s.cap, "fast_forward: {} tokens for a session of capacity {}", len,
+           s.cap);
+  UF_CUDA_CHECK(cudaSetDevice(opts_.device));
+  std::mt19937_64 rng(seed);
+  s.toks.resize(size_t(len));
+  for (auto& t : s.toks) t = int32_t(rng() % uint64_t(cfg_.vocab_size));
+  s.len = len;
+  auto fill = [&](DeviceRing& ring) {
+    if (!ring.data) return;
+    UF_CUDA_CHECK(cudaMemsetAsync(
+        ring.data, 0, size_t(ring.slots) * size_t(ring.width) * sizeof(float), stream_));
+    for (int64_t p = std::max<int64_t>(0, len - ring.slots); p < len; ++p) ring.put(p);
+  };
+  for (int l = 0; l < cfg_.n_total_layers(); ++l) {
+    const auto& role = cfg_.role(l);
+    auto& st = s.layers[size_t(l)];
+    fill(st.window);
+    fill(st.raw_kv);
+    fill(st.raw_gate);
+    if (st.ckv) {
+      UF_CUDA_CHECK(cudaMemsetAsync(
+          st.ckv, 0, size_t(st.ckv_cap) * size_t(cfg_.head_dim) * sizeof(float), stream_));
+      st.ckv_n = std::min(st.ckv_cap, len / std::max(role.compress_ratio, 1));
+    }
+    if (st.ikeys) {
+      UF_CUDA_CHECK(cudaMemsetAsync(
+          st.ikeys, 0, size_t(st.ckv_cap) * size_t(cfg_.index_head_dim) * sizeof(float), stream_));
+      st.ikeys_n = st.ckv_n;
+    }
+  }
+  for (int l : cfg_.kv_source_layers)
+    if (len / cfg_.role(l).compress_ratio > 0) s.publisher = l;
+  sync();
+}
+
+}  // namespace uf::cuda
