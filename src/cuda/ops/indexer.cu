@@ -49,8 +49,22 @@ __global__ void __launch_bounds__(kEnt)
   const int nv = min(vis[t], wd);
   const int n_load = max(0, min(kEnt, nv - e0));
   if (n_load > 0) {
+    // Eight loads in flight before their shared-memory stores (a load per store serialises on
+    // memory latency: 128 round trips per thread).
     const float* kb = keys[t] + int64_t(e0) * hd;
-    for (int idx = tid; idx < n_load * hd; idx += kEnt) {
+    const int total = n_load * hd;
+    int idx = tid;
+    for (; idx + 7 * kEnt < total; idx += 8 * kEnt) {
+      float v[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) v[u] = kb[idx + u * kEnt];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        const int i = idx + u * kEnt, e = i / hd;
+        ks[e * (hd + 1) + (i - e * hd)] = v[u];
+      }
+    }
+    for (; idx < total; idx += kEnt) {
       const int e = idx / hd, d = idx - e * hd;
       ks[e * (hd + 1) + d] = kb[int64_t(e) * hd + d];
     }

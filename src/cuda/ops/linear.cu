@@ -41,43 +41,41 @@ namespace {
 constexpr int kDenseWarps = 8;
 constexpr int kDenseChunk = 256;  // elements per warp and step (32 lanes x 8)
 
-// Elements k .. k + 7 of weight row r (fp32 values of model::Weight::at).
-__device__ __forceinline__ void load8(const DeviceWeight& w, int64_t r, int64_t k, float (&v)[8]) {
-  if (k + 8 <= w.cols) {
-    if (w.format == WFormat::kBF16 && w.cols % 8 == 0) {
-      const uint4 q = __ldg(reinterpret_cast<const uint4*>(w.data + (r * w.cols + k) * 2));
-      const uint32_t u[4] = {q.x, q.y, q.z, q.w};
+// Elements k .. k + 7 of weight row r (fp32 values of model::Weight::at), 16-byte (8-byte for
+// FP8) loads; needs K % 8 == 0 and a BF16, F32 or FP8 weight (dense_fast()).
+__device__ __forceinline__ void load8_fast(const DeviceWeight& w, int64_t r, int64_t k,
+                                           float (&v)[8]) {
+  if (w.format == WFormat::kBF16) {
+    const uint4 q = __ldg(reinterpret_cast<const uint4*>(w.data + (r * w.cols + k) * 2));
+    const uint32_t u[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        v[2 * i] = __uint_as_float(u[i] << 16);
-        v[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
-      }
-      return;
+    for (int i = 0; i < 4; ++i) {
+      v[2 * i] = __uint_as_float(u[i] << 16);
+      v[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
     }
-    if (w.format == WFormat::kFP8 && w.cols % 8 == 0) {  // 8 codes share one block scale
-      const uint2 q = __ldg(reinterpret_cast<const uint2*>(w.data + r * w.cols + k));
-      const float sc = ew::weight_block_scale(w, r, k / 32);
+  } else if (w.format == WFormat::kFP8) {  // 8 codes share one block scale
+    const uint2 q = __ldg(reinterpret_cast<const uint2*>(w.data + r * w.cols + k));
+    const float sc = ew::weight_block_scale(w, r, k / 32);
 #pragma unroll
-      for (int i = 0; i < 8; ++i)
-        v[i] =
-            ew::fmul(ew::e4m3_to_f32(uint8_t(((i < 4 ? q.x : q.y) >> (8 * (i & 3))) & 0xff)), sc);
-      return;
-    }
-    if (w.format == WFormat::kF32 && w.cols % 4 == 0) {
-      const float4* p = reinterpret_cast<const float4*>(w.data + (r * w.cols + k) * 4);
-      const float4 a = __ldg(p), b = __ldg(p + 1);
-      v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z,
-      v[7] = b.w;
-      return;
-    }
+    for (int i = 0; i < 8; ++i)
+      v[i] = ew::fmul(ew::e4m3_to_f32(uint8_t(((i < 4 ? q.x : q.y) >> (8 * (i & 3))) & 0xff)), sc);
+  } else {
+    const float4* p = reinterpret_cast<const float4*>(w.data + (r * w.cols + k) * 4);
+    const float4 a = __ldg(p), b = __ldg(p + 1);
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
   }
-#pragma unroll
+}
+
+// Any format and K, element by element (kept out of line: its registers would cost the fast
+// path occupancy).
+__device__ __noinline__ void load8_any(const DeviceWeight& w, int64_t r, int64_t k, float* v) {
   for (int i = 0; i < 8; ++i) v[i] = k + i < w.cols ? ew::weight_at(w, r, k + i) : 0.f;
 }
 
 // MT: token rows the registers are sized for (m <= MT); a row's arithmetic does not depend on it.
-template <int R, int MT>
-__global__ void __launch_bounds__(kDenseWarps * 32)
+// kFast: load8_fast weights and 16-byte x loads (x 16-byte aligned, x_stride % 4 == 0).
+template <int R, int MT, bool kFast>
+__global__ void __launch_bounds__(kDenseWarps * 32, 2)
     dense_rows_kernel(DeviceWeight w, int64_t r0, int64_t n, const float* x, int64_t x_stride,
                       int m, float* y, int64_t y_stride, bool round) {
   __shared__ float red[kDenseWarps][R][MT];
@@ -95,7 +93,10 @@ __global__ void __launch_bounds__(kDenseWarps * 32)
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       if (j0 + r < n) {
-        load8(w, r0 + j0 + r, k, wv[r]);
+        if constexpr (kFast)
+          load8_fast(w, r0 + j0 + r, k, wv[r]);
+        else
+          load8_any(w, r0 + j0 + r, k, wv[r]);
       } else {
 #pragma unroll
         for (int i = 0; i < 8; ++i) wv[r][i] = 0.f;
@@ -105,8 +106,15 @@ __global__ void __launch_bounds__(kDenseWarps * 32)
     for (int t = 0; t < MT; ++t) {
       if (t >= m) break;
       float xv[8];
+      if constexpr (kFast) {
+        const float4* xp = reinterpret_cast<const float4*>(x + t * x_stride + k);
+        const float4 a = xp[0], b = xp[1];
+        xv[0] = a.x, xv[1] = a.y, xv[2] = a.z, xv[3] = a.w, xv[4] = b.x, xv[5] = b.y, xv[6] = b.z,
+        xv[7] = b.w;
+      } else {
 #pragma unroll
-      for (int i = 0; i < 8; ++i) xv[i] = k + i < K ? x[t * x_stride + k + i] : 0.f;
+        for (int i = 0; i < 8; ++i) xv[i] = k + i < K ? x[t * x_stride + k + i] : 0.f;
+      }
 #pragma unroll
       for (int r = 0; r < R; ++r)
 #pragma unroll
@@ -180,6 +188,9 @@ void dense_rows(const DeviceWeight& w, int64_t r0, int64_t n, const float* x, in
   // Four rows per block where there are rows enough to fill the GPU (the x values a lane loads
   // then serve four weight rows); one otherwise, for parallelism.
   const bool wide = n >= 4096;
+  const bool fast =
+      (w.format == WFormat::kBF16 || w.format == WFormat::kF32 || w.format == WFormat::kFP8) &&
+      w.cols % 8 == 0 && x_stride % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
   for (int t0 = 0; t0 < m; t0 += kMaxDecodeRows) {
     const int mc = std::min(kMaxDecodeRows, m - t0);
     const float* xc = x + t0 * x_stride;
@@ -187,8 +198,13 @@ void dense_rows(const DeviceWeight& w, int64_t r0, int64_t n, const float* x, in
     // Registers for 1, 2, 4 or 8 token rows: fewer registers, more warps in flight at small m.
     auto launch = [&](auto r_rows, auto m_rows) {
       constexpr int R = decltype(r_rows)::value, MT = decltype(m_rows)::value;
-      dense_rows_kernel<R, MT><<<unsigned((n + R - 1) / R), kDenseWarps * 32, 0, stream>>>(
-          w, r0, n, xc, x_stride, mc, yc, y_stride, round_bf16);
+      const unsigned grid = unsigned((n + R - 1) / R);
+      if (fast)
+        dense_rows_kernel<R, MT, true><<<grid, kDenseWarps * 32, 0, stream>>>(
+            w, r0, n, xc, x_stride, mc, yc, y_stride, round_bf16);
+      else
+        dense_rows_kernel<R, MT, false><<<grid, kDenseWarps * 32, 0, stream>>>(
+            w, r0, n, xc, x_stride, mc, yc, y_stride, round_bf16);
     };
     auto by_rows = [&](auto r_rows) {
       if (mc == 1)
