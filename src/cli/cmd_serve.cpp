@@ -27,6 +27,7 @@ struct ServeOptions {
   std::string tokenizer;  // default: <model>/tokenizer.json
   std::string backend = "cpu";
   int tp = 1;  // tensor-parallel GPUs (--backend cuda)
+  bool no_cuda_graphs = false;
   bool stub_engine = false;
   int stub_step_delay_us = 0;
   int stub_max_accept = 6;
@@ -113,6 +114,7 @@ std::shared_ptr<uf::server::GenerationEngine> make_engine(
   UF_CHECK(!o.model.empty(), "--model is required (or --stub-engine)");
   uf::cli::BackendChoice choice{o.backend, false};
   choice.tp = o.tp;
+  choice.cuda_graphs = !o.no_cuda_graphs;
   auto loaded = uf::cli::load_backend(o.model, choice);
   uf::server::ModelEngineOptions mo;
   mo.model_name = o.server.served_model_name.empty()
@@ -236,6 +238,8 @@ void setup_serve(CLI::App& app, int& exit_code) {
       ->check(CLI::Range(0, 4096));
   cmd->add_option("--served-model-name", s.served_model_name,
                   "Model id in /v1/models and responses (default: the engine's name)");
+  cmd->add_flag("--no-cuda-graphs", opts->no_cuda_graphs,
+                "--backend cuda: launch every kernel of a step instead of replaying a CUDA graph");
   cmd->add_flag("--no-spec", opts->no_spec,
                 "Plain decoding: one token per step, no DSpark drafting");
   cmd->add_option("--verify", opts->verify,
