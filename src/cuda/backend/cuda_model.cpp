@@ -623,7 +623,7 @@ void CudaModel::indexer(Span& sp, int l, const float* x, const float* qr) {
     const int64_t p = sp.pos[size_t(t)];
     const int v = int(visible(p, r));
     vis[size_t(t)] = v;
-    width[size_t(t)] = sp.prefill ? int(end_entries) : v;
+    width[size_t(t)] = int(end_entries);  // prefill layout: every row scores the span's entries
     UF_CHECK(owner.ikeys_n >= v,
              "layer {}: index keys of layer {} hold {} entries, position {} needs {}", l, src,
              owner.ikeys_n, p, v);
@@ -663,6 +663,8 @@ void CudaModel::attention(Span& sp, int l, const float* x, float* out) {
     attention_program(*sp.program, l, x, out);
     return;
   }
+  // Host-driven spans are prefill-layout ones (forward, CED); ring spans are span programs.
+  UF_CHECK(sp.prefill, "layer {}: a ring-layout span reached the host-driven attention", l);
   const auto& role = cfg_.role(l);
   const auto& op = *layers_[size_t(l)];
   auto& st = sp.s->layers[size_t(l)];
