@@ -101,7 +101,7 @@ class GenerationLoop {
   std::vector<float> logits_;   // [kMaxVerifyRows x vocab]
   std::vector<float> target_;   // p rows
   std::vector<float> draft_;    // q rows
-  std::vector<float> scratch_;  // transform scratch
+  std::vector<float> scratch_;  // transform scratch [kMaxVerifyRows, V]: one row per target row
   std::vector<int32_t> rows_;   // anchor + drafts
   std::vector<int32_t> emitted_;
 };
