@@ -259,6 +259,7 @@ CudaBackend::CudaBackend(const std::filesystem::path& model_dir,
   if (n == 1) {
     models_.push_back(
         std::make_unique<CudaModel>(std::move(cfg), ckpt_, std::move(engram_token_map), opts));
+    models_[0]->capture_step_graphs();
     return;
   }
   // The plan's own message names the config field that does not divide.

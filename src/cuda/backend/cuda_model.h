@@ -135,8 +135,12 @@ class CudaModel {
   // the model: ring tags and entry counts as after a real prefill, device state zeroed. The
   // step cost at a context then depends on len exactly as after a real prefill of len tokens.
   void fast_forward(CudaSession& s, int64_t len, uint64_t seed);
-  // CUDA graphs captured so far (one per (rows, all_logits) used).
+  // CUDA graphs captured so far (one per (rows, all_logits, head) used, and the draft's).
   int graphs_captured() const { return int(graphs_.size()); }
+  // Captures the decode loop's graphs (verify of 1..max_rows rows with all logits, the draft) on a
+  // scratch session, before serving: a capture on stream_ while another thread used the legacy
+  // default stream would fail, so none should happen once requests run. No-op without graphs.
+  void capture_step_graphs();
 
  private:
   struct Span;

@@ -14,7 +14,10 @@
 // on the largest count the row count allows (SpanBlock::Layer::gmax) into model scratch; a copy
 // kernel moves the first n_emit rows into the session. A row's values never depend on the other
 // rows of its call, so padding rows change nothing (spec == plain holds as before).
+#include <spdlog/spdlog.h>
+
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <random>
 
@@ -374,6 +377,27 @@ void CudaModel::forward_ring(CudaSession& s, std::span<const int32_t> tokens, bo
       publisher[t] = last >= 0 ? last : sp.pub_start[size_t(t)];
     }
   }
+}
+
+void CudaModel::capture_step_graphs() {
+  if (!opts_.cuda_graphs || tp_ != 1) return;
+  const auto t0 = std::chrono::steady_clock::now();
+  const int M = opts_.max_rows;
+  auto s = new_session(int64_t(M) + 2);
+  const std::vector<int32_t> toks(size_t(M), 0);
+  std::vector<float> logits(size_t(M) * size_t(cfg_.vocab_size));
+  for (int T = 1; T <= M; ++T)  // CudaBackend::decode_rows' keys
+    forward(*s, std::span<const int32_t>(toks.data(), size_t(T)), false, true, logits.data(),
+            nullptr, nullptr);
+  if (cfg_.n_mtp_layers > 0 && cfg_.dspark_block_size > 0) {
+    forward(*s, std::span<const int32_t>(toks.data(), 1), false, true, logits.data(), mh_, nullptr);
+    commit(*s, std::span<const int32_t>(toks.data(), 1), mh_, 1, -1);
+    draft(*s, 0, [](int, std::span<const float>) { return int32_t(0); });
+  }
+  sync();
+  spdlog::info(
+      "{} CUDA graphs captured in {:.0f} ms", graphs_.size(),
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
 }
 
 void CudaModel::drop_graphs() {
