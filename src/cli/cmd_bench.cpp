@@ -15,7 +15,7 @@
 // so every call sees the same state. Each forward also copies its T x vocab fp32 logits to the
 // host (pinned buffer); the "no head" column runs the same forward with no logits (the head and
 // the copy are skipped) against the floor without the head. The session comes from
-// CudaModel::fast_forward (ring tags and entry counts of a real prefill, device state zeroed).
+// CudaModel::fast_forward (ring tags and entry counts of a real prefill, device state random).
 // --no-graphs sets CudaModelOptions::cuda_graphs = false (the verify spans then launch eagerly).
 //
 // --floor-only prints the floors (bytes per component) without a GPU.

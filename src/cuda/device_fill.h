@@ -15,6 +15,8 @@ void fill_random_bytes(uint8_t* p, size_t n, uint64_t seed, int lo, int hi, cuda
 void fill_random_e4m3(uint8_t* p, size_t n, uint64_t seed, cudaStream_t stream);
 // bf16 values uniform in [-scale, scale].
 void fill_random_bf16(uint16_t* p, size_t n, uint64_t seed, float scale, cudaStream_t stream);
+// fp32 values uniform in [-scale, scale] (24 random bits).
+void fill_random_f32(float* p, size_t n, uint64_t seed, float scale, cudaStream_t stream);
 
 // Bandwidth probes: a 16-byte-vector grid-stride copy (n % 16 == 0), and a read-only pass that
 // folds the data into *sink so that nothing is optimized away.

@@ -132,8 +132,8 @@ class CudaModel {
   void upload_ring(DeviceRing& r, const std::vector<float>& in) const;
 
   // Benchmarks only: makes `s` hold `len` committed tokens (random ids from `seed`) without running
-  // the model: ring tags and entry counts as after a real prefill, device state zeroed. The
-  // step cost at a context then depends on len exactly as after a real prefill of len tokens.
+  // the model: ring tags and entry counts as after a real prefill, device state random (not zeros).
+  // The step cost at a context then depends on len exactly as after a real prefill of len tokens.
   void fast_forward(CudaSession& s, int64_t len, uint64_t seed);
   // CUDA graphs captured so far (one per (rows, all_logits, head) used, and the draft's).
   int graphs_captured() const { return int(graphs_.size()); }

@@ -26,6 +26,7 @@
 #include "cuda/backend/cuda_model.h"
 #include "cuda/backend/model_internal.h"
 #include "cuda/cuda_check.h"
+#include "cuda/device_fill.h"
 #include "cuda/ops/attention.h"
 
 namespace uf::cuda {
@@ -417,10 +418,13 @@ void CudaModel::fast_forward(CudaSession& s, int64_t len, uint64_t seed) {
   s.toks.resize(size_t(len));
   for (auto& t : s.toks) t = int32_t(rng() % uint64_t(cfg_.vocab_size));
   s.len = len;
+  // Random values, not zeros: an indexer over identical scores (all ties) or attention over zero
+  // KV need not cost what real data costs.
+  uint64_t fill_seed = seed;
+  auto random = [&](float* p, size_t n) { fill_random_f32(p, n, ++fill_seed, 1.0f, stream_); };
   auto fill = [&](DeviceRing& ring) {
     if (!ring.data) return;
-    UF_CUDA_CHECK(cudaMemsetAsync(
-        ring.data, 0, size_t(ring.slots) * size_t(ring.width) * sizeof(float), stream_));
+    random(ring.data, size_t(ring.slots) * size_t(ring.width));
     for (int64_t p = std::max<int64_t>(0, len - ring.slots); p < len; ++p) ring.put(p);
   };
   for (int l = 0; l < cfg_.n_total_layers(); ++l) {
@@ -430,13 +434,11 @@ void CudaModel::fast_forward(CudaSession& s, int64_t len, uint64_t seed) {
     fill(st.raw_kv);
     fill(st.raw_gate);
     if (st.ckv) {
-      UF_CUDA_CHECK(cudaMemsetAsync(
-          st.ckv, 0, size_t(st.ckv_cap) * size_t(cfg_.head_dim) * sizeof(float), stream_));
+      random(st.ckv, size_t(st.ckv_cap) * size_t(cfg_.head_dim));
       st.ckv_n = std::min(st.ckv_cap, len / std::max(role.compress_ratio, 1));
     }
     if (st.ikeys) {
-      UF_CUDA_CHECK(cudaMemsetAsync(
-          st.ikeys, 0, size_t(st.ckv_cap) * size_t(cfg_.index_head_dim) * sizeof(float), stream_));
+      random(st.ikeys, size_t(st.ckv_cap) * size_t(cfg_.index_head_dim));
       st.ikeys_n = st.ckv_n;
     }
   }

@@ -55,6 +55,14 @@ __global__ void fill_bf16_kernel(uint16_t* p, size_t n, uint64_t seed, float sca
   }
 }
 
+__global__ void fill_f32_kernel(float* p, size_t n, uint64_t seed, float scale) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n;
+       i += size_t(gridDim.x) * blockDim.x) {
+    const uint64_t h = splitmix64(seed ^ (i * 0xD1B54A32D192ED03ull));
+    p[i] = (float(h >> 40) * (1.0f / 16777216.0f) * 2.0f - 1.0f) * scale;
+  }
+}
+
 __global__ void __launch_bounds__(512) copy_kernel(uint4* dst, const uint4* src, size_t n16) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n16;
        i += size_t(gridDim.x) * blockDim.x)
@@ -96,6 +104,11 @@ void device_copy(void* dst, const void* src, size_t n, cudaStream_t stream) {
 void device_read(const void* src, size_t n, unsigned* sink, cudaStream_t stream) {
   require(n % 16 == 0, "device_read: %zu bytes is not a multiple of 16", n);
   read_kernel<<<132 * 4, 512, 0, stream>>>(static_cast<const uint4*>(src), n / 16, sink);
+  UF_CUDA_CHECK(cudaGetLastError());
+}
+
+void fill_random_f32(float* p, size_t n, uint64_t seed, float scale, cudaStream_t stream) {
+  fill_f32_kernel<<<kGrid, kBlock, 0, stream>>>(p, n, seed, scale);
   UF_CUDA_CHECK(cudaGetLastError());
 }
 
