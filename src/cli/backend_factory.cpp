@@ -62,6 +62,7 @@ LoadedBackend load_backend(const std::filesystem::path& model_dir, const Backend
     if (choice.max_chunk > 0) opts.max_chunk = choice.max_chunk;
     opts.tp = choice.tp;
     opts.cuda_graphs = choice.cuda_graphs;
+    opts.device_verify = choice.device_verify;
     auto b = std::make_unique<cuda::CudaBackend>(model_dir, engram_map_for(model_dir), opts);
     // The profile is keyed by the GPUs' architecture and the count serving the model.
     out.profile = engine::resolve_hardware_profile(

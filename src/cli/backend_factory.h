@@ -17,6 +17,7 @@ struct BackendChoice {
   int max_chunk = 0;  // CUDA: prefill rows per span (its scratch size); 0 = the backend's default
   int tp = 1;         // CUDA: tensor-parallel GPUs (devices 0..tp-1); CPU: must be 1
   bool cuda_graphs = true;  // CUDA: decode / verify steps replay CUDA graphs (off: eager launches)
+  bool device_verify = true;  // CUDA: speculative verification on the GPU (off: on the host)
 };
 
 struct LoadedBackend {

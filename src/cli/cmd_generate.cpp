@@ -29,6 +29,7 @@ struct GenerateArgs {
   uint64_t seed = 0;
   bool no_spec = false;
   bool no_cuda_graphs = false;
+  bool no_device_verify = false;
   std::string verify = "block";
   int draft_tokens = 0;
   bool ced = false;
@@ -43,6 +44,7 @@ void run_generate(const GenerateArgs& a) {
   uf::cli::BackendChoice choice{a.backend, a.reference_keys};
   choice.tp = a.tp;
   choice.cuda_graphs = !a.no_cuda_graphs;
+  choice.device_verify = !a.no_device_verify;
   auto loaded = uf::cli::load_backend(dir, choice);
   auto& be = *loaded.backend;
   const auto& cfg = be.config();
@@ -112,6 +114,8 @@ void setup_generate(CLI::App& app, int& exit_code) {
   cmd->add_flag("--no-spec", a->no_spec, "Plain decoding: one token per step, no drafting");
   cmd->add_flag("--no-cuda-graphs", a->no_cuda_graphs,
                 "--backend cuda: launch every kernel of a step instead of replaying a CUDA graph");
+  cmd->add_flag("--no-device-verify", a->no_device_verify,
+                "--backend cuda: verify drafts on the host instead of on the GPU");
   cmd->add_option("--verify", a->verify, "Draft verification: block or token (token-wise)")
       ->capture_default_str()
       ->check(CLI::IsMember({"block", "token"}));

@@ -28,6 +28,7 @@ struct ServeOptions {
   std::string backend = "cpu";
   int tp = 1;  // tensor-parallel GPUs (--backend cuda)
   bool no_cuda_graphs = false;
+  bool no_device_verify = false;
   bool stub_engine = false;
   int stub_step_delay_us = 0;
   int stub_max_accept = 6;
@@ -115,6 +116,7 @@ std::shared_ptr<uf::server::GenerationEngine> make_engine(
   uf::cli::BackendChoice choice{o.backend, false};
   choice.tp = o.tp;
   choice.cuda_graphs = !o.no_cuda_graphs;
+  choice.device_verify = !o.no_device_verify;
   auto loaded = uf::cli::load_backend(o.model, choice);
   uf::server::ModelEngineOptions mo;
   mo.model_name = o.server.served_model_name.empty()
@@ -240,6 +242,8 @@ void setup_serve(CLI::App& app, int& exit_code) {
                   "Model id in /v1/models and responses (default: the engine's name)");
   cmd->add_flag("--no-cuda-graphs", opts->no_cuda_graphs,
                 "--backend cuda: launch every kernel of a step instead of replaying a CUDA graph");
+  cmd->add_flag("--no-device-verify", opts->no_device_verify,
+                "--backend cuda: verify drafts on the host instead of on the GPU");
   cmd->add_flag("--no-spec", opts->no_spec,
                 "Plain decoding: one token per step, no DSpark drafting");
   cmd->add_option("--verify", opts->verify,

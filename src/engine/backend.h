@@ -22,7 +22,10 @@
 #include <string>
 #include <vector>
 
+#include "core/error.h"
 #include "model/config.h"
+#include "sampling/transform.h"
+#include "sampling/verify.h"
 
 namespace uf::engine {
 
@@ -77,6 +80,27 @@ class Backend {
 
   virtual std::vector<uint8_t> snapshot(const SessionState& s) const = 0;
   virtual void restore(SessionState& s, std::span<const uint8_t> bytes) const = 0;
+
+  // Optional: verification where the target logits are (a GPU backend keeps them on the device).
+  // When device_verify() is true the engine may call decode_rows with an EMPTY logits span (the
+  // rows' logits stay in the backend) and then verify_last_rows, which must return exactly what
+  // sampling::verify returns on logits_to_probs of those rows (same transform, same draws
+  // make_verify_draws(seed, step)). draft_probs: the q rows [tokens.size(), vocab] the drafts were
+  // sampled from; tokens: the drafts (rows 1.. of the last decode_rows call).
+  virtual bool device_verify() const { return false; }
+  virtual sampling::VerifyResult verify_last_rows(SessionState& s, sampling::VerifyMode mode,
+                                                  const sampling::SamplingParams& params,
+                                                  std::span<const float> draft_probs,
+                                                  std::span<const int32_t> tokens, uint64_t seed,
+                                                  uint64_t step);
 };
+
+inline sampling::VerifyResult Backend::verify_last_rows(SessionState&, sampling::VerifyMode,
+                                                        const sampling::SamplingParams&,
+                                                        std::span<const float>,
+                                                        std::span<const int32_t>, uint64_t,
+                                                        uint64_t) {
+  core::fail("backend {} has no device verification (device_verify() is false)", name());
+}
 
 }  // namespace uf::engine

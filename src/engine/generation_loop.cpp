@@ -83,24 +83,31 @@ StepStats GenerationLoop::speculative_step(SessionState& s, int32_t anchor,
   // 3. Verify forward over anchor + drafts.
   rows_.assign(1, anchor);
   rows_.insert(rows_.end(), block.tokens.begin(), block.tokens.begin() + g);
-  backend_.decode_rows(s, rows_, std::span<float>(logits_.data(), size_t(g + 1) * V));
-  // The g + 1 target rows are independent and each costs 1-4 ms at the real vocab on one core
-  // (bench_sampling): transform them in parallel, each with its own scratch (same bits).
+  sampling::VerifyResult r;
+  if (backend_.device_verify()) {
+    // 3-4 on the backend's device: the target logits never leave it.
+    backend_.decode_rows(s, rows_, {});
+    r = backend_.verify_last_rows(
+        s, p.verify, p.sampling, std::span<const float>(draft_.data(), size_t(g) * V),
+        std::span<const int32_t>(rows_.data() + 1, size_t(g)), p.seed, step);
+  } else {
+    backend_.decode_rows(s, rows_, std::span<float>(logits_.data(), size_t(g + 1) * V));
+    // The g + 1 target rows are independent and each costs 1-4 ms at the real vocab on one core
+    // (bench_sampling): transform them in parallel, each with its own scratch (same bits).
 #pragma omp parallel for schedule(static, 1) if (g > 0)
-  for (int i = 0; i <= g; ++i) {
-    sampling::logits_to_probs(logits_.data() + size_t(i) * V, vocab_, p.sampling,
-                              target_.data() + size_t(i) * V, scratch_.data() + size_t(i) * V);
+    for (int i = 0; i <= g; ++i) {
+      sampling::logits_to_probs(logits_.data() + size_t(i) * V, vocab_, p.sampling,
+                                target_.data() + size_t(i) * V, scratch_.data() + size_t(i) * V);
+    }
+    // 4. Verification on (p_0..p_g, q_1..q_g).
+    sampling::VerifyRows vr;
+    vr.num_drafts = g;
+    vr.vocab = vocab_;
+    vr.target = target_.data();
+    vr.draft = draft_.data();
+    vr.tokens = rows_.data() + 1;
+    r = sampling::verify(p.verify, vr, sampling::make_verify_draws(p.seed, step));
   }
-
-  // 4. Verification on (p_0..p_g, q_1..q_g).
-  sampling::VerifyRows vr;
-  vr.num_drafts = g;
-  vr.vocab = vocab_;
-  vr.target = target_.data();
-  vr.draft = draft_.data();
-  vr.tokens = rows_.data() + 1;
-  const sampling::VerifyResult r =
-      sampling::verify(p.verify, vr, sampling::make_verify_draws(p.seed, step));
   UF_CHECK(r.extra_token >= 0, "verification produced no token (all-zero target row)");
 
   // 5. Commit the anchor and the accepted drafts; the extra token is the next anchor.

@@ -139,13 +139,15 @@ void prefill_rank(CudaModel& m, CudaSession& s, std::span<const int32_t> tokens,
   }
 }
 
-void decode_rank(CudaModel& m, CudaSession& s, std::span<const int32_t> tokens, float* logits) {
+// keep: the logits rows stay on the device for verify_last (device verification).
+void decode_rank(CudaModel& m, CudaSession& s, std::span<const int32_t> tokens, float* logits,
+                 bool keep = false) {
   const int T = int(tokens.size());
   s.pending_rows = 0;
   s.pending_tokens.assign(tokens.begin(), tokens.end());
   s.pending_publisher.assign(size_t(T), -1);
   m.forward(s, tokens, /*prefill_layout=*/false, /*all_logits=*/true, logits, s.pending_main_hidden,
-            s.pending_publisher.data());
+            s.pending_publisher.data(), keep);
   s.pending_rows = T;
 }
 
@@ -359,10 +361,33 @@ void CudaBackend::decode_rows(engine::SessionState& st, std::span<const int32_t>
                               std::span<float> logits) {
   const int T = int(tokens.size()), V = config().vocab_size;
   UF_CHECK(T >= 1 && T <= max_rows(), "decode_rows: {} rows, allowed 1..{}", T, max_rows());
+  if (logits.empty()) {  // the logits stay on the device for verify_last_rows
+    UF_CHECK(device_verify(), "decode_rows: no logits buffer, and no device verification");
+    decode_rank(*models_[0], session(st), tokens, nullptr, /*keep=*/true);
+    return;
+  }
   UF_CHECK(logits.size() >= size_t(T) * size_t(V), "decode_rows: logits buffer too small");
   each_rank(st, [&](int r, CudaModel& m, CudaSession& s) {
     decode_rank(m, s, tokens, r == 0 ? logits.data() : nullptr);
   });
+}
+
+bool CudaBackend::device_verify() const {
+  return models_.size() == 1 && models_[0]->options().device_verify;
+}
+
+sampling::VerifyResult CudaBackend::verify_last_rows(engine::SessionState& st,
+                                                     sampling::VerifyMode mode,
+                                                     const sampling::SamplingParams& params,
+                                                     std::span<const float> draft_probs,
+                                                     std::span<const int32_t> tokens, uint64_t seed,
+                                                     uint64_t step) {
+  UF_CHECK(device_verify(), "verify_last_rows: device verification is off on this backend");
+  const CudaSession& s = session(st);
+  UF_CHECK(s.pending_rows == int(tokens.size()) + 1,
+           "verify_last_rows: {} drafts, but the last decode_rows forwarded {} rows", tokens.size(),
+           s.pending_rows);
+  return models_[0]->verify_last(mode, params, draft_probs, tokens, seed, step, s.pending_rows);
 }
 
 void CudaBackend::commit(engine::SessionState& st, int n) {

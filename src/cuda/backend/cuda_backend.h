@@ -57,6 +57,13 @@ class CudaBackend : public engine::Backend {
   void decode_rows(engine::SessionState& s, std::span<const int32_t> tokens,
                    std::span<float> logits) override;
   void commit(engine::SessionState& s, int n_accepted) override;
+  // One GPU: the verify step's logits stay on the device (cuda/verify.h, bitwise the CPU path).
+  bool device_verify() const override;
+  sampling::VerifyResult verify_last_rows(engine::SessionState& s, sampling::VerifyMode mode,
+                                          const sampling::SamplingParams& params,
+                                          std::span<const float> draft_probs,
+                                          std::span<const int32_t> tokens, uint64_t seed,
+                                          uint64_t step) override;
   engine::DraftBlock draft(engine::SessionState& s, int32_t anchor,
                            const engine::DraftSampler& sampler) override;
   std::vector<uint8_t> snapshot(const engine::SessionState& s) const override;

@@ -214,6 +214,13 @@ CudaModel::CudaModel(model::ModelConfig cfg, const model::Checkpoint& ckpt,
   emit_ = arena_.alloc<float>(T * hd);
   if (!cfg_.index_source_layers.empty())
     emit_keys_ = arena_.alloc<float>(T * size_t(cfg_.index_head_dim));
+  if (opts_.device_verify && tp_ == 1) {
+    verify_plan_ = std::make_unique<VerifyPlan>(cfg_.vocab_size);
+    verify_q_ = arena_.alloc<float>(size_t(sampling::kMaxDraft) * size_t(cfg_.vocab_size));
+    verify_tokens_ = arena_.alloc<int32_t>(size_t(sampling::kMaxDraft));
+    verify_seed_ = arena_.alloc<unsigned long long>(2);
+    verify_out_ = arena_.alloc<sampling::VerifyResult>(1);
+  }
   block_bytes_ = span_block(tmax_).bytes;
   block_dev_ = arena_.alloc<uint8_t>(block_bytes_);
   UF_CUDA_CHECK(
@@ -428,7 +435,8 @@ void CudaModel::head(const float* X, const float* pre_mix, int row0, int n, floa
 // The stack.
 
 void CudaModel::forward(CudaSession& s, std::span<const int32_t> tokens, bool prefill_layout,
-                        bool all_logits, float* logits, float* main_hidden, int* publisher) {
+                        bool all_logits, float* logits, float* main_hidden, int* publisher,
+                        bool keep_logits) {
   const int T = int(tokens.size());
   UF_CHECK(T > 0, "forward: no tokens");
   UF_CHECK(T <= tmax_, "forward: {} rows exceed the CUDA backend's span capacity of {}", T, tmax_);
@@ -436,7 +444,7 @@ void CudaModel::forward(CudaSession& s, std::span<const int32_t> tokens, bool pr
            T, s.len);
   UF_CUDA_CHECK(cudaSetDevice(opts_.device));
   if (!prefill_layout) {
-    forward_ring(s, tokens, all_logits, logits, main_hidden, publisher);
+    forward_ring(s, tokens, all_logits, logits, main_hidden, publisher, keep_logits);
     return;
   }
   // The prefill layout (the first chunk of a fresh session, CED) stays host-driven.

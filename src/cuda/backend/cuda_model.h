@@ -35,6 +35,7 @@
 #include "cuda/ops/elementwise.h"
 #include "cuda/ops/linear.h"
 #include "cuda/ops/moe.h"
+#include "cuda/verify.h"
 #include "engine/backend.h"
 #include "engine/hardware_profile.h"
 #include "model/checkpoint.h"
@@ -80,6 +81,9 @@ struct CudaModelOptions {
   // (rows, all_logits), captured at first use (cuda_ring_span.cpp). Off: the same launches run
   // eagerly (the graph and the eager path are the same code). Graphs run at tp = 1 only for now.
   bool cuda_graphs = true;
+  // Speculative verification on the device (CudaBackend::verify_last_rows, cuda/verify.h): the
+  // verify step's logits never go to the host. tp = 1 only for now.
+  bool device_verify = true;
 };
 
 class CudaModel {
@@ -110,8 +114,19 @@ class CudaModel {
   // other than 0: the head is skipped). main_hidden: DEVICE
   // [T, taps*dim] (may be null: model scratch). publisher: host [T] (may be null).
   // Synchronises the stream before returning.
+  // keep_logits (ring layout): compute the head's rows even without `logits`; they stay in the
+  // model for verify_last (CudaBackend::verify_last_rows).
   void forward(CudaSession& s, std::span<const int32_t> tokens, bool prefill_layout,
-               bool all_logits, float* logits, float* main_hidden, int* publisher);
+               bool all_logits, float* logits, float* main_hidden, int* publisher,
+               bool keep_logits = false);
+  // sampling::verify on logits_to_probs of the last forward's `rows` logits rows (on the
+  // device, cuda/verify.h: bitwise the CPU path), with the draft rows q [rows - 1, vocab] (host)
+  // and the drafts `tokens`; draws make_verify_draws(seed, step). Synchronises.
+  sampling::VerifyResult verify_last(sampling::VerifyMode mode,
+                                     const sampling::SamplingParams& params,
+                                     std::span<const float> draft_probs,
+                                     std::span<const int32_t> tokens, uint64_t seed, uint64_t step,
+                                     int rows);
   // As CpuModel::commit; main_hidden: DEVICE rows of the forward (may be null).
   void commit(CudaSession& s, std::span<const int32_t> tokens, const float* main_hidden, int n,
               int publisher_after);
@@ -152,7 +167,7 @@ class CudaModel {
   // launches depend on (rows, all_logits) only and replay as one graph.
   SpanBlock span_block(int T) const;
   void forward_ring(CudaSession& s, std::span<const int32_t> tokens, bool all_logits, float* logits,
-                    float* main_hidden, int* publisher);
+                    float* main_hidden, int* publisher, bool keep_logits);
   void plan_ring_span(Span& sp, const SpanBlock& b, std::span<const int32_t> tokens);
   void ring_program(const SpanBlock& b, bool all_logits, bool head);
   void attention_program(const SpanBlock& b, int l, const float* x, float* out);
@@ -261,7 +276,14 @@ class CudaModel {
   uint8_t* block_dev_ = nullptr;
   size_t block_bytes_ = 0;
   float *emit_ = nullptr, *emit_keys_ = nullptr;
-  std::map<int, cudaGraphExec_t> graphs_;  // key: rows * 4 + all_logits * 2 + head
+  std::map<int, cudaGraphExec_t> graphs_;
+  // Device verification: its plan (transformed rows, sort scratch) and inputs / result.
+  std::unique_ptr<VerifyPlan> verify_plan_;
+  float* verify_q_ = nullptr;                  // [kMaxDraft, vocab]
+  int32_t* verify_tokens_ = nullptr;           // [kMaxDraft]
+  unsigned long long* verify_seed_ = nullptr;  // {seed, step}
+  sampling::VerifyResult* verify_out_ =
+      nullptr;  // device  // key: rows * 4 + all_logits * 2 + head
 };
 
 }  // namespace uf::cuda

@@ -348,7 +348,7 @@ void CudaModel::indexer_program(const SpanBlock& b, int l, const float* x, const
 // The step: plan, then replay (or run) the program.
 
 void CudaModel::forward_ring(CudaSession& s, std::span<const int32_t> tokens, bool all_logits,
-                             float* logits, float* main_hidden, int* publisher) {
+                             float* logits, float* main_hidden, int* publisher, bool keep_logits) {
   const int T = int(tokens.size());
   Span sp;
   init_span(sp, s, tokens, /*prefill_layout=*/false, /*upload_hash=*/false);
@@ -356,7 +356,8 @@ void CudaModel::forward_ring(CudaSession& s, std::span<const int32_t> tokens, bo
   UF_CHECK(b.bytes <= block_bytes_, "span program: a block of {} bytes exceeds {}", b.bytes,
            block_bytes_);
   plan_ring_span(sp, b, tokens);
-  const bool head_rows = logits || split_head_;  // a split head is a collective: every rank
+  // A split head is a collective: every rank runs it.
+  const bool head_rows = logits || split_head_ || keep_logits;
   auto program = [&] { ring_program(b, all_logits, head_rows); };
   if (T <= opts_.max_rows)
     launch_program(T * 4 + (all_logits ? 2 : 0) + (head_rows ? 1 : 0), program);
@@ -378,6 +379,39 @@ void CudaModel::forward_ring(CudaSession& s, std::span<const int32_t> tokens, bo
       publisher[t] = last >= 0 ? last : sp.pub_start[size_t(t)];
     }
   }
+}
+
+sampling::VerifyResult CudaModel::verify_last(sampling::VerifyMode mode,
+                                              const sampling::SamplingParams& params,
+                                              std::span<const float> draft_probs,
+                                              std::span<const int32_t> tokens, uint64_t seed,
+                                              uint64_t step, int rows) {
+  UF_CHECK(verify_plan_, "device verification is off (CudaModelOptions::device_verify, tp = 1)");
+  const int g = int(tokens.size()), V = cfg_.vocab_size;
+  UF_CHECK(g >= 0 && g <= sampling::kMaxDraft && rows == g + 1,
+           "verify_last: {} drafts for {} logits rows (at most {} drafts)", g, rows,
+           sampling::kMaxDraft);
+  UF_CHECK(draft_probs.size() >= size_t(g) * size_t(V), "verify_last: {} draft values for {} rows",
+           draft_probs.size(), g);
+  UF_CUDA_CHECK(cudaSetDevice(opts_.device));
+  const unsigned long long seed_step[2] = {seed, step};
+  if (g > 0) {
+    UF_CUDA_CHECK(cudaMemcpyAsync(verify_q_, draft_probs.data(), size_t(g) * V * sizeof(float),
+                                  cudaMemcpyHostToDevice, stream_));
+    UF_CUDA_CHECK(cudaMemcpyAsync(verify_tokens_, tokens.data(), size_t(g) * sizeof(int32_t),
+                                  cudaMemcpyHostToDevice, stream_));
+  }
+  UF_CUDA_CHECK(
+      cudaMemcpyAsync(verify_seed_, seed_step, sizeof(seed_step), cudaMemcpyHostToDevice, stream_));
+  logits_to_probs_on_device(*verify_plan_, logits_, rows, V, params, verify_plan_->target_probs(),
+                            stream_);
+  verify_probs_on_device(mode, verify_plan_->target_probs(), g > 0 ? verify_q_ : nullptr,
+                         verify_tokens_, g, V, verify_seed_, nullptr, verify_out_, nullptr,
+                         stream_);
+  sampling::VerifyResult out;
+  UF_CUDA_CHECK(cudaMemcpyAsync(&out, verify_out_, sizeof(out), cudaMemcpyDeviceToHost, stream_));
+  sync();
+  return out;
 }
 
 void CudaModel::capture_step_graphs() {
