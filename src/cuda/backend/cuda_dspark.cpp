@@ -79,47 +79,34 @@ CudaModel::SpanBlock CudaModel::draft_block() const {
   return b;
 }
 
+// Slots: ring slots 0 .. min(W, p+1)-1 in slot order (slot k holds the latest position congruent
+// to k), then the block's own entries; the same list for every row.
+void CudaModel::draft_attention(const SpanBlock& b, int stage, const float* x, float* out) {
+  const int B = b.T, H = H_, hd = cfg_.head_dim, W = cfg_.window_size, l = cfg_.n_layers + stage;
+  const auto& op = *layers_[size_t(l)];
+  const int64_t* pos = b.at<int64_t>(block_dev_, b.pos);
+  project_q(l, x, B, 0, qr_, q_, pos);
+  project_kv(l, x, B, 0, kv_, pos);
+  build_draft_slots(b.at<int64_t>(block_dev_, b.p0), W, B,
+                    b.at<float*>(block_dev_, b.stage_window[size_t(stage)]), W + opts_.max_rows,
+                    kv_, hd, win_ptrs_, stream_);
+  const float scale = float(std::pow(double(hd), -0.5));
+  sparse_attn(q_, B, H, hd, win_ptrs_, W + B, nullptr, 0, nullptr, op.sink, scale, o_, stream_,
+              nullptr, attn_scratch_);
+  output_proj(l, o_, B, 0, out, pos);
+}
+
 // The stages on the block (anchor + noise), non-causal over the stage's window ring and the block
 // itself; every input that depends on the position or the session comes from the block.
 void CudaModel::draft_program(const SpanBlock& b, bool head_rows) {
-  const int B = b.T, hc = cfg_.hc_mult, D = cfg_.dim, H = H_, hd = cfg_.head_dim,
-            W = cfg_.window_size;
+  const int B = b.T, hc = cfg_.hc_mult, D = cfg_.dim;
   const float eps = float(cfg_.norm_eps);
   UF_CUDA_CHECK(cudaMemcpyAsync(block_dev_, block_host_, b.bytes, cudaMemcpyHostToDevice, stream_));
-  const int64_t* pos = b.at<int64_t>(block_dev_, b.pos);
   // Embed the block and expand to hc copies; pre_mix starts one-hot and is carried across stages.
   embed_rows(embed_, b.at<int32_t>(block_dev_, b.ids), B, hc, X_, pre_, stream_);
-  const float scale = float(std::pow(double(hd), -0.5));
-  const size_t stream_bytes = size_t(B) * size_t(hc) * size_t(D) * sizeof(float);
-  for (int st = 0; st < cfg_.n_mtp_layers; ++st) {
-    const int l = cfg_.n_layers + st;
-    const auto& op = *layers_[size_t(l)];
-    // --- attention sublayer (window ring + the block itself, non-causal) ---
-    UF_CUDA_CHECK(cudaMemcpyAsync(R_, X_, stream_bytes, cudaMemcpyDeviceToDevice, stream_));
-    hc_mixes(hc_, op.hc_attn_fn, op.hc_attn_scale, op.hc_attn_base, X_, B, apre_, apost_, acomb_,
-             mix_scratch_, stream_);
-    hc_pre(hc_, X_, pre_, B, x_, stream_);
-    rms_norm(op.attn_norm, eps, x_, B, D, x_, stream_);
-    project_q(l, x_, B, 0, qr_, q_, pos);
-    project_kv(l, x_, B, 0, kv_, pos);
-    // Slots: ring slots 0 .. min(W, p+1)-1 in slot order (slot k holds the latest position
-    // congruent to k), then the block's own entries; the same list for every row.
-    build_draft_slots(b.at<int64_t>(block_dev_, b.p0), W, B,
-                      b.at<float*>(block_dev_, b.stage_window[size_t(st)]), W + opts_.max_rows, kv_,
-                      hd, win_ptrs_, stream_);
-    sparse_attn(q_, B, H, hd, win_ptrs_, W + B, nullptr, 0, nullptr, op.sink, scale, o_, stream_,
-                nullptr, attn_scratch_);
-    output_proj(l, o_, B, 0, y_, pos);
-    hc_post(hc_, y_, R_, apost_, acomb_, B, X_, stream_);
-    // --- MoE sublayer ---
-    UF_CUDA_CHECK(cudaMemcpyAsync(R_, X_, stream_bytes, cudaMemcpyDeviceToDevice, stream_));
-    hc_mixes(hc_, op.hc_ffn_fn, op.hc_ffn_scale, op.hc_ffn_base, X_, B, pre_, fpost_, fcomb_,
-             mix_scratch_, stream_);
-    hc_pre(hc_, X_, apre_, B, x_, stream_);
-    rms_norm(op.ffn_norm, eps, x_, B, D, x_, stream_);
-    moe(l, x_, B, y_);
-    hc_post(hc_, y_, R_, fpost_, fcomb_, B, X_, stream_);
-  }
+  for (int st = 0; st < cfg_.n_mtp_layers; ++st)
+    layer(cfg_.n_layers + st, X_, B, pre_,
+          [&](const float* x, float* out) { draft_attention(b, st, x, out); });
   if (!head_rows) return;
   // --- head of the last stage: x5 stays in x_, xn in y_ ---
   const auto& LS = *layers_[size_t(cfg_.n_layers + cfg_.n_mtp_layers - 1)];

@@ -492,7 +492,12 @@ void CudaModel::run_layers(Span& sp, float* X, float* pre_mix, int l0, int l1, f
 }
 
 void CudaModel::block(Span& sp, int l, float* X, float* pre_mix) {
-  const int hc = cfg_.hc_mult, D = cfg_.dim, T = sp.T;
+  layer(l, X, sp.T, pre_mix, [&](const float* x, float* out) { attention(sp, l, x, out); });
+}
+
+void CudaModel::layer(int l, float* X, int T, float* pre_mix,
+                      const std::function<void(const float* x, float* out)>& attention) {
+  const int hc = cfg_.hc_mult, D = cfg_.dim;
   const auto& op = *layers_[size_t(l)];
   const float eps = float(cfg_.norm_eps);
   const size_t stream_bytes = size_t(T) * size_t(hc) * size_t(D) * sizeof(float);
@@ -501,7 +506,7 @@ void CudaModel::block(Span& sp, int l, float* X, float* pre_mix) {
            mix_scratch_, stream_);
   hc_pre(hc_, X, pre_mix, T, x_, stream_);
   rms_norm(op.attn_norm, eps, x_, T, D, x_, stream_);
-  attention(sp, l, x_, y_);
+  attention(x_, y_);
   hc_post(hc_, y_, R_, apost_, acomb_, T, X, stream_);
 
   UF_CUDA_CHECK(cudaMemcpyAsync(R_, X, stream_bytes, cudaMemcpyDeviceToDevice, stream_));
@@ -593,34 +598,68 @@ void CudaModel::kv_path(Span& sp, int l, const float* x) {
   sp.emits_any[size_t(l)] = 1;
   const int64_t need = e0 + n;
   st.ckv_n = std::max(st.ckv_n, need);
-  if (role.index_source) {
+  if (role.index_source) st.ikeys_n = std::max(st.ikeys_n, need);
+  finish_entries(l, lat, n, role.index_source ? st.ikeys + e0 * cfg_.index_head_dim : nullptr,
+                 e0 * r, r, nullptr);
+}
+
+void CudaModel::finish_entries(int l, float* lat, int n, float* keys, int64_t p0, int64_t stride,
+                               const int64_t* pos) {
+  const auto& op = *layers_[size_t(l)];
+  const int hd = cfg_.head_dim;
+  if (cfg_.role(l).index_source) {
     const int ihd = cfg_.index_head_dim;
-    float* k = st.ikeys + e0 * ihd;
-    op.i_wk.apply(lat, n, k, stream_);
-    rms_norm(op.i_k_norm, eps, k, n, ihd, k, stream_);
-    rope(op.freqs, op.rope_dim, k, n, 1, ihd, e0 * r, r, false, stream_);
-    qdq_fp4_e8m0_scale(k, n, ihd, 32, stream_);
-    st.ikeys_n = std::max(st.ikeys_n, need);
+    op.i_wk.apply(lat, n, keys, stream_);
+    rms_norm(op.i_k_norm, float(cfg_.norm_eps), keys, n, ihd, keys, stream_);
+    rope(op.freqs, op.rope_dim, keys, n, 1, ihd, p0, stride, false, stream_, pos);
+    qdq_fp4_e8m0_scale(keys, n, ihd, 32, stream_);
   }
-  rope(op.freqs, op.rope_dim, lat, n, 1, hd, e0 * r, r, false, stream_);
+  rope(op.freqs, op.rope_dim, lat, n, 1, hd, p0, stride, false, stream_, pos);
   qdq_fp4_e4m3_scale(lat, n, hd, 16, stream_);
 }
 
-void CudaModel::indexer(Span& sp, int l, const float* x, const float* qr) {
-  const auto& role = cfg_.role(l);
+void CudaModel::index_queries(int l, const float* x, const float* qr, int T, int64_t p0,
+                              const int64_t* pos) {
   const auto& op = *layers_[size_t(l)];
-  const int T = sp.T, Hi = Hi_, ihd = cfg_.index_head_dim, r = role.compress_ratio;
-  sp.topk_valid[size_t(l)] = 0;
-  const int64_t end_entries = (sp.p0 + T) / r;
-  if (sp.prefill && end_entries == 0) return;  // the reference skips the indexer entirely
+  const int Hi = Hi_, ihd = cfg_.index_head_dim;
   op.i_wq_b.apply(qr, T, iq_, stream_);
   op.i_weights_proj.apply(x, T, iw_, stream_);
   // The whole model's index head count (not the rank's) sets the scale.
   const float wscale =
       float(std::pow(double(ihd), -0.5) * std::pow(double(cfg_.index_n_heads), -0.5));
   scale_round_bf16(iw_, int64_t(T) * Hi, wscale, stream_);
-  rope(op.freqs, op.rope_dim, iq_, T, Hi, ihd, sp.p0, 1, false, stream_);
+  rope(op.freqs, op.rope_dim, iq_, T, Hi, ihd, p0, 1, false, stream_, pos);
   qdq_fp4_e8m0_scale(iq_, T, Hi * ihd, 32, stream_);
+}
+
+void CudaModel::index_select(int l, int T, const float* const* keys, const int32_t* vis,
+                             const int32_t* width) {
+  const auto& role = cfg_.role(l);
+  const int Hi = Hi_, ihd = cfg_.index_head_dim, stride = int(index_width_);
+  if (tp_ > 1) {
+    // The rank's heads give an fp32 partial of the head sum; bf16 once after the sum, then every
+    // rank selects from the same scores.
+    index_scores_partial(iq_, iw_, T, Hi, ihd, keys, vis, width, stride, score_, stream_);
+    all_reduce_round(score_, size_t(T) * size_t(stride));
+  } else {
+    index_scores(iq_, iw_, T, Hi, ihd, keys, vis, width, stride, score_, stream_);
+  }
+  if (role.candidate_source) {
+    candidate_mask(score_, T, stride, width, vis, cfg_.candidate_topk_blocks,
+                   cfg_.candidate_block_size, keep_, stream_);
+  } else if (role.candidate_restricted && cfg_.candidate_source_layer >= 0) {
+    mask_scores(score_, keep_, T, stride, width, stream_);
+  }
+  topk_select(score_, T, stride, width, cfg_.index_topk, vis, topk_[size_t(l)], stream_);
+}
+
+void CudaModel::indexer(Span& sp, int l, const float* x, const float* qr) {
+  const auto& role = cfg_.role(l);
+  const int T = sp.T, r = role.compress_ratio;
+  sp.topk_valid[size_t(l)] = 0;
+  const int64_t end_entries = (sp.p0 + T) / r;
+  if (sp.prefill && end_entries == 0) return;  // the reference skips the indexer entirely
+  index_queries(l, x, qr, T, sp.p0, nullptr);
   const int cand_src = cfg_.candidate_source_layer;
   // Owner keys: the indexer always scores its owner's keys.
   const int src = role.index_keys_from;
@@ -646,23 +685,9 @@ void CudaModel::indexer(Span& sp, int l, const float* x, const float* qr) {
   to_device(vis_, vis);
   to_device(width_, width);
   to_device(key_ptrs_, keys);
-  const int stride = int(index_width_);
-  if (tp_ > 1) {
-    // The rank's heads give an fp32 partial of the head sum; bf16 once after the sum, then every
-    // rank selects from the same scores.
-    index_scores_partial(iq_, iw_, T, Hi, ihd, key_ptrs_, vis_, width_, stride, score_, stream_);
-    all_reduce_round(score_, size_t(T) * size_t(stride));
-  } else {
-    index_scores(iq_, iw_, T, Hi, ihd, key_ptrs_, vis_, width_, stride, score_, stream_);
-  }
-  if (role.candidate_source) {
-    candidate_mask(score_, T, stride, width_, vis_, cfg_.candidate_topk_blocks,
-                   cfg_.candidate_block_size, keep_, stream_);
+  index_select(l, T, key_ptrs_, vis_, width_);
+  if (role.candidate_source)
     for (int t = 0; t < T; ++t) sp.cand_width[size_t(t)] = width[size_t(t)];
-  } else if (role.candidate_restricted && cand_src >= 0) {
-    mask_scores(score_, keep_, T, stride, width_, stream_);
-  }
-  topk_select(score_, T, stride, width_, cfg_.index_topk, vis_, topk_[size_t(l)], stream_);
   sp.topk_valid[size_t(l)] = 1;
 }
 

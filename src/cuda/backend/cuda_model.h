@@ -23,6 +23,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -189,9 +190,27 @@ class CudaModel {
   void embed(const Span& sp, std::span<const int32_t> tokens, float* X, float* pre_mix);
   void run_layers(Span& sp, float* X, float* pre_mix, int l0, int l1, float* main_hidden);
   void block(Span& sp, int l, float* X, float* pre_mix);
+  // One layer on the hc-expanded stream X [T, hc, dim]: mHC around `attention` (x_ -> y_), then
+  // around the MoE. Backbone layers (block) and DSpark stages (draft_program) differ only in the
+  // attention they pass.
+  void layer(int l, float* X, int T, float* pre_mix,
+             const std::function<void(const float* x, float* out)>& attention);
+  // A DSpark stage's attention of a draft program: over its window ring and the block itself.
+  void draft_attention(const SpanBlock& b, int stage, const float* x, float* out);
   void attention(Span& sp, int l, const float* x, float* out);
   void kv_path(Span& sp, int l, const float* x);
   void indexer(Span& sp, int l, const float* x, const float* qr);
+  // Shared by the host-driven path and the span programs. Rows are at positions p0 + t * stride,
+  // or pos[t] (device) when pos is given.
+  //   finish_entries: n pooled compressed entries `lat` [n, head_dim] (normed) become index keys
+  //     `keys` [n, index_head_dim] (index sources) and RoPE'd FP4 latents, in place.
+  //   index_queries: the indexer's FP4 queries iq_ and bf16 head weights iw_ of T rows.
+  //   index_select: scores against keys[t] (vis / width per row, device), candidate pool, top-k.
+  void finish_entries(int l, float* lat, int n, float* keys, int64_t p0, int64_t stride,
+                      const int64_t* pos);
+  void index_queries(int l, const float* x, const float* qr, int T, int64_t p0, const int64_t* pos);
+  void index_select(int l, int T, const float* const* keys, const int32_t* vis,
+                    const int32_t* width);
   void head(const float* X, const float* pre_mix, int row0, int n, float* logits_dev);
   int last_emitter(int64_t p) const;
   // Rows t < T at positions p0 + t, or at pos[t] (device) when pos is given (span programs).

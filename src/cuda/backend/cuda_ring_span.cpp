@@ -297,51 +297,19 @@ void CudaModel::kv_program(const SpanBlock& b, int l, const float* x) {
     put_ring_rows(ckv_gate_, T, hd, pos, b.at<float*>(block_dev_, L.raw_gate), raw_slots, stream_);
   }
   const int32_t* n = b.at<int32_t>(block_dev_, L.n_emit);
-  const int64_t* epos = b.at<int64_t>(block_dev_, L.emit_pos);
-  if (role.index_source) {
-    const int ihd = cfg_.index_head_dim;
-    op.i_wk.apply(emit_, G, emit_keys_, stream_);
-    rms_norm(op.i_k_norm, eps, emit_keys_, G, ihd, emit_keys_, stream_);
-    rope(op.freqs, op.rope_dim, emit_keys_, G, 1, ihd, 0, 1, false, stream_, epos);
-    qdq_fp4_e8m0_scale(emit_keys_, G, ihd, 32, stream_);
-    copy_rows_to(emit_keys_, G, ihd, n, b.at<float*>(block_dev_, L.ikey_dst), stream_);
-  }
-  rope(op.freqs, op.rope_dim, emit_, G, 1, hd, 0, 1, false, stream_, epos);
-  qdq_fp4_e4m3_scale(emit_, G, hd, 16, stream_);
+  finish_entries(l, emit_, G, role.index_source ? emit_keys_ : nullptr, 0, 1,
+                 b.at<int64_t>(block_dev_, L.emit_pos));
+  if (role.index_source)
+    copy_rows_to(emit_keys_, G, cfg_.index_head_dim, n, b.at<float*>(block_dev_, L.ikey_dst),
+                 stream_);
   copy_rows_to(emit_, G, hd, n, b.at<float*>(block_dev_, L.ckv_dst), stream_);
 }
 
 void CudaModel::indexer_program(const SpanBlock& b, int l, const float* x, const float* qr) {
-  const auto& role = cfg_.role(l);
-  const auto& op = *layers_[size_t(l)];
   const auto& L = b.layers[size_t(l)];
-  const int T = b.T, Hi = Hi_, ihd = cfg_.index_head_dim;
-  op.i_wq_b.apply(qr, T, iq_, stream_);
-  op.i_weights_proj.apply(x, T, iw_, stream_);
-  // The whole model's index head count (not the rank's) sets the scale.
-  const float wscale =
-      float(std::pow(double(ihd), -0.5) * std::pow(double(cfg_.index_n_heads), -0.5));
-  scale_round_bf16(iw_, int64_t(T) * Hi, wscale, stream_);
-  rope(op.freqs, op.rope_dim, iq_, T, Hi, ihd, 0, 1, false, stream_,
-       b.at<int64_t>(block_dev_, b.pos));
-  qdq_fp4_e8m0_scale(iq_, T, Hi * ihd, 32, stream_);
-  const int32_t* vis = b.at<int32_t>(block_dev_, L.vis);
-  const int32_t* width = b.at<int32_t>(block_dev_, L.width);
-  const float* const* keys = b.at<const float*>(block_dev_, L.keys);
-  const int stride = int(index_width_);
-  if (tp_ > 1) {
-    index_scores_partial(iq_, iw_, T, Hi, ihd, keys, vis, width, stride, score_, stream_);
-    all_reduce_round(score_, size_t(T) * size_t(stride));
-  } else {
-    index_scores(iq_, iw_, T, Hi, ihd, keys, vis, width, stride, score_, stream_);
-  }
-  if (role.candidate_source) {
-    candidate_mask(score_, T, stride, width, vis, cfg_.candidate_topk_blocks,
-                   cfg_.candidate_block_size, keep_, stream_);
-  } else if (role.candidate_restricted && cfg_.candidate_source_layer >= 0) {
-    mask_scores(score_, keep_, T, stride, width, stream_);
-  }
-  topk_select(score_, T, stride, width, cfg_.index_topk, vis, topk_[size_t(l)], stream_);
+  index_queries(l, x, qr, b.T, 0, b.at<int64_t>(block_dev_, b.pos));
+  index_select(l, b.T, b.at<const float*>(block_dev_, L.keys), b.at<int32_t>(block_dev_, L.vis),
+               b.at<int32_t>(block_dev_, L.width));
 }
 
 // ---------------------------------------------------------------------------------------------
