@@ -1,5 +1,6 @@
 #pragma once
-// Host-side checkpoint-format weights for the ops tests (test_ops_linear.cpp, test_ops_moe.cpp):
+// Host-side checkpoint-format weights for the ops tests (test_ops_linear.cpp, test_ops_moe.cpp,
+// test_moe_partial.cpp):
 // owned byte buffers plus a model::Weight view over them, random activations, and the comparison
 // helpers (bf16 ulp, error report).
 
@@ -63,6 +64,38 @@ inline std::unique_ptr<HostWeight> make_weight(model::WFormat f, int64_t rows, i
   h->w.row_scale = row_scale;
   h->w.name = name;
   return h;
+}
+
+// A MoE layer in checkpoint formats (the MoE tests): BF16 router + F32 bias, E routed experts in
+// MXFP4 (w1 / w3 scales in routed_scale_lo..hi), a shared expert in FP8.
+struct HostMoe {
+  std::vector<std::unique_ptr<HostWeight>> keep;
+  model::MoeWeights w;
+  model::Weight add(std::unique_ptr<HostWeight> h) {
+    keep.push_back(std::move(h));
+    return keep.back()->w;
+  }
+};
+
+inline std::unique_ptr<HostMoe> make_host_moe(int E, int dim, int inter, int routed_scale_lo,
+                                              int routed_scale_hi, std::mt19937& rng) {
+  using model::WFormat;
+  auto m = std::make_unique<HostMoe>();
+  m->w.gate = m->add(make_weight(WFormat::kBF16, E, dim, rng, 0, 0, false, "gate"));
+  m->w.gate_bias = m->add(make_weight(WFormat::kF32, E, 1, rng, 0, 0, false, "gate.bias"));
+  for (int e = 0; e < E; ++e) {
+    model::ExpertWeights x;
+    x.w1 = m->add(
+        make_weight(WFormat::kFP4, inter, dim, rng, routed_scale_lo, routed_scale_hi, false, "w1"));
+    x.w3 = m->add(
+        make_weight(WFormat::kFP4, inter, dim, rng, routed_scale_lo, routed_scale_hi, false, "w3"));
+    x.w2 = m->add(make_weight(WFormat::kFP4, dim, inter, rng, 118, 122, false, "w2"));
+    m->w.experts.push_back(x);
+  }
+  m->w.shared.w1 = m->add(make_weight(WFormat::kFP8, inter, dim, rng, 118, 122, false, "s1"));
+  m->w.shared.w3 = m->add(make_weight(WFormat::kFP8, inter, dim, rng, 118, 122, false, "s3"));
+  m->w.shared.w2 = m->add(make_weight(WFormat::kFP8, dim, inter, rng, 116, 120, false, "s2"));
+  return m;
 }
 
 // Activations: bf16 values whose rows and 32-blocks span several magnitudes.

@@ -29,32 +29,8 @@ struct MoeCase {
   int routed_scale_lo, routed_scale_hi;  // E8M0 codes of the FP4 expert scales
 };
 
-struct HostMoe {
-  std::vector<std::unique_ptr<HostWeight>> keep;
-  model::MoeWeights w;
-  model::Weight add(std::unique_ptr<HostWeight> h) {
-    keep.push_back(std::move(h));
-    return keep.back()->w;
-  }
-};
-
 std::unique_ptr<HostMoe> make_moe(const MoeCase& c, std::mt19937& rng) {
-  auto m = std::make_unique<HostMoe>();
-  m->w.gate = m->add(make_weight(WFormat::kBF16, c.E, c.dim, rng, 0, 0, false, "gate"));
-  m->w.gate_bias = m->add(make_weight(WFormat::kF32, c.E, 1, rng, 0, 0, false, "gate.bias"));
-  for (int e = 0; e < c.E; ++e) {
-    model::ExpertWeights x;
-    x.w1 = m->add(make_weight(WFormat::kFP4, c.inter, c.dim, rng, c.routed_scale_lo,
-                              c.routed_scale_hi, false, "w1"));
-    x.w3 = m->add(make_weight(WFormat::kFP4, c.inter, c.dim, rng, c.routed_scale_lo,
-                              c.routed_scale_hi, false, "w3"));
-    x.w2 = m->add(make_weight(WFormat::kFP4, c.dim, c.inter, rng, 118, 122, false, "w2"));
-    m->w.experts.push_back(x);
-  }
-  m->w.shared.w1 = m->add(make_weight(WFormat::kFP8, c.inter, c.dim, rng, 118, 122, false, "s1"));
-  m->w.shared.w3 = m->add(make_weight(WFormat::kFP8, c.inter, c.dim, rng, 118, 122, false, "s3"));
-  m->w.shared.w2 = m->add(make_weight(WFormat::kFP8, c.dim, c.inter, rng, 116, 120, false, "s2"));
-  return m;
+  return make_host_moe(c.E, c.dim, c.inter, c.routed_scale_lo, c.routed_scale_hi, rng);
 }
 
 // The CPU router's biased scores of row t (to recognise near-ties).
