@@ -347,7 +347,8 @@ int run_cuda(const BenchArgs& a, const ModelConfig& cfg, const std::vector<int>&
   }
   out["verify"] = jrows;
 
-  // One DSpark round from the last committed position, greedy on the host.
+  // One DSpark round from the last committed position, greedy on the host (CudaModel::draft: the
+  // Markov loop on the host, slot by slot).
   const auto f1 = uf::model::step_floor(cfg, 1, a.context);
   const int32_t anchor = int32_t(3 + rng() % uint64_t(V - 3));
   const uf::engine::DraftSampler greedy = [](int, std::span<const float> lg) {
@@ -361,6 +362,31 @@ int run_cuda(const BenchArgs& a, const ModelConfig& cfg, const std::vector<int>&
   std::cout << fmt::format(
       "\nDSpark draft ({} tokens): {:.1f} us median, {:.1f} min; floor {:.1f} us; x floor {:.2f}\n",
       drafted, ds.median_us, ds.min_us, dfl, ds.median_us / dfl);
+  // The serving path: the Markov loop, the transform and the draft sampling on the device
+  // (CudaModel::draft_on_device, one graph): greedy, sampled, and sampled with top-p. Random
+  // weights give near-flat logits, the worst case of top-p (the nucleus is most of the vocab).
+  if (model->device_draft_available()) {
+    for (const int mode : {0, 1, 2}) {
+      uf::sampling::SamplingParams sp;
+      sp.temperature = mode == 0 ? 0.0f : 1.0f;
+      sp.top_p = mode == 2 ? 0.95f : 1.0f;
+      const char* name = mode == 0   ? "greedy"
+                         : mode == 1 ? "temperature 1"
+                                     : "temperature 1, top-p 0.95";
+      const char* key = mode == 0   ? "draft_device_greedy"
+                        : mode == 1 ? "draft_device_sampled"
+                                    : "draft_device_top_p";
+      uint64_t step = 0;
+      const Stats dd = time_calls(a.warmup, a.iters, [&] {
+        drafted = model->draft_on_device(*s, anchor, sp, a.seed, ++step).tokens.size();
+      });
+      std::cout << fmt::format(
+          "DSpark draft on the device, {} ({} tokens): {:.1f} us median, {:.1f} min; x floor "
+          "{:.2f}\n",
+          name, drafted, dd.median_us, dd.min_us, dd.median_us / dfl);
+      out[key] = {{"time", stats_json(dd)}, {"x_floor", dd.median_us / dfl}};
+    }
+  }
   out["draft"] = {{"time", stats_json(ds)},
                   {"tokens", drafted},
                   {"floor_bytes", f1.draft_bytes()},

@@ -115,7 +115,7 @@ void setup_generate(CLI::App& app, int& exit_code) {
   cmd->add_flag("--no-cuda-graphs", a->no_cuda_graphs,
                 "--backend cuda: launch every kernel of a step instead of replaying a CUDA graph");
   cmd->add_flag("--no-device-verify", a->no_device_verify,
-                "--backend cuda: verify drafts on the host instead of on the GPU");
+                "--backend cuda: sample and verify drafts on the host instead of on the GPU");
   cmd->add_option("--verify", a->verify, "Draft verification: block or token (token-wise)")
       ->capture_default_str()
       ->check(CLI::IsMember({"block", "token"}));

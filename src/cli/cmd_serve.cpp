@@ -243,7 +243,7 @@ void setup_serve(CLI::App& app, int& exit_code) {
   cmd->add_flag("--no-cuda-graphs", opts->no_cuda_graphs,
                 "--backend cuda: launch every kernel of a step instead of replaying a CUDA graph");
   cmd->add_flag("--no-device-verify", opts->no_device_verify,
-                "--backend cuda: verify drafts on the host instead of on the GPU");
+                "--backend cuda: sample and verify drafts on the host instead of on the GPU");
   cmd->add_flag("--no-spec", opts->no_spec,
                 "Plain decoding: one token per step, no DSpark drafting");
   cmd->add_option("--verify", opts->verify,

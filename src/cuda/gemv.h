@@ -41,9 +41,26 @@ void act_quant_fp8_bf16(const uint16_t* x, int m, int k, uint8_t* codes, float* 
 void act_quant_fp8_f32(const float* x, int m, int k, uint8_t* codes, float* scales,
                        cudaStream_t stream);
 
+class Fp8Gemv;
+
+// At most this many weights share one grouped launch (Fp8Gemv::run_fused_group).
+inline constexpr int kMaxGemvGroup = 8;
+
+// One weight of a fused launch: its plan, its data, where its outputs go (out_f32 [m, n] fp32,
+// bf16-rounded when round_f32; out_bf16 [m, n] bf16 bits; either may be null).
+struct Fp8GemvCall {
+  const Fp8Gemv* gemv = nullptr;
+  Fp8WeightView w;
+  float* out_f32 = nullptr;
+  bool round_f32 = false;
+  uint16_t* out_bf16 = nullptr;
+};
+
 // One GEMV shape (n, k) with its split-K plan and workspace. Constraints: n % 16 == 0,
 // k % 32 == 0, 1 <= m <= 8. The split count depends on (n, k, SM count) only, never on m.
-// Construction allocates; run() does not (it may be captured in a CUDA graph).
+// Construction allocates; run*() do not (they may be captured in a CUDA graph). Every run is ONE
+// kernel launch (split-K finish and roundings included); one run at a time per plan (the split
+// counters and partials are the plan's).
 class Fp8Gemv {
  public:
   Fp8Gemv(int n, int k, int sm_count);
@@ -51,17 +68,34 @@ class Fp8Gemv {
   Fp8Gemv(const Fp8Gemv&) = delete;
   Fp8Gemv& operator=(const Fp8Gemv&) = delete;
 
-  // out_f32 [m, n] and/or out_bf16 [m, n] (either may be null). Launched with PDL: the kernel
-  // prefetches weights before waiting on the previous kernel in the stream.
+  // Pre-quantised activations (act_quant_fp8_*). out_f32 [m, n] and/or out_bf16 [m, n] (either
+  // may be null). Launched with PDL: the kernel prefetches weights before waiting on the previous
+  // kernel in the stream.
   void run(const Fp8WeightView& w, const QuantActView& a, float* out_f32, uint16_t* out_bf16,
            cudaStream_t stream) const;
+  // The same from fp32 x [m, k] (row stride x_stride), quantised inside the kernel: bitwise equal
+  // to act_quant_fp8_f32 + run. round_f32: out_f32 holds bf16-rounded values (RNE).
+  // x must satisfy fused_input_ok.
+  void run_fused(const Fp8WeightView& w, const float* x, long long x_stride, int m, float* out_f32,
+                 bool round_f32, uint16_t* out_bf16, cudaStream_t stream) const;
+  // Several weights with the same k reading the same x, in ONE launch (their blocks
+  // concatenated); each output is bitwise what run_fused of its own plan gives. 1..kMaxGemvGroup
+  // calls, distinct plans.
+  static void run_fused_group(const Fp8GemvCall* calls, int n_calls, const float* x,
+                              long long x_stride, int m, cudaStream_t stream);
+  // The fused kernel loads x with 16-byte loads.
+  static bool fused_input_ok(const float* x, long long x_stride);
 
   int n() const { return n_; }
   int k() const { return k_; }
   int splits() const { return splits_; }
+  int kb_per_split() const { return kb_per_split_; }
+  int stages() const { return stages_; }  // weight pipeline depth (1..3)
+  // Resident blocks per SM of the kernel this plan launches (diagnostics, tests).
+  int blocks_per_sm(bool fused) const;
 
  private:
-  int n_, k_, splits_, kb_per_split_, n_blocks_;
+  int n_, k_, splits_, kb_per_split_, n_blocks_, stages_;
   float* partials_ = nullptr;  // [splits][n_blocks][8 warps][16 x 8]
   int* counters_ = nullptr;    // [n_blocks], self-resetting
 };

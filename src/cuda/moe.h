@@ -37,6 +37,14 @@ struct Fp4ExpertsView {
   int inter = 0;  // I
 };
 
+// Which kernels MoeFp4 runs. kLegacy: the per-tile grid (w13 split-K over a counter, one 16-row
+// w2 tile per warp). kPersistent: persistent w13 / w2 kernels (one CTA per SM walking work
+// items, weights and scales streamed through one cp.async pipeline per warp across items).
+// Both give bitwise identical outputs (same products, same reduction order); kPersistent falls
+// back to kLegacy for shapes whose shared-memory plan does not fit (persistent_supported()).
+enum class MoeKernels { kLegacy, kPersistent };
+inline constexpr MoeKernels kDefaultMoeKernels = MoeKernels::kLegacy;
+
 // One MoE shape with its workspace. Constraints: dim % 128 == 0, inter % 32 == 0, M <= 8,
 // M * topk <= 64. Construction allocates; run() does not (graph-capturable).
 class MoeFp4 {
@@ -64,6 +72,11 @@ class MoeFp4 {
                    cudaStream_t stream) const;
 
   int w13_splits() const { return splits_; }
+  // Selects the kernels of later run*() calls (not thread-safe against a concurrent run).
+  void set_kernels(MoeKernels k) { kernels_ = k; }
+  MoeKernels kernels() const { return kernels_; }
+  // Whether kPersistent runs the persistent kernels for this shape (else it runs kLegacy).
+  bool persistent_supported() const { return w13_smem_ > 0 && w2_smem_ > 0; }
 
  private:
   // w13 + w2 (kernels 1, 2): w2 outputs of pair (t, k) to y[t * y_row_stride + k * dim],
@@ -72,12 +85,15 @@ class MoeFp4 {
                         const float* topk_w, float swiglu_limit, bool round_w2, float* y,
                         int64_t y_row_stride, cudaStream_t stream) const;
   int dim_, inter_, topk_, splits_, kb_per_split_;
-  void* plan_ = nullptr;        // the routing plan (moe_fp4.cu MoePlan)
-  uint8_t* h_codes_ = nullptr;  // [8 * topk slots][inter]
-  float* h_scales_ = nullptr;   // [slots][inter / 32]
-  float* y_ = nullptr;          // [slots][dim]
-  float* partials_ = nullptr;   // [splits][slots][inter/32 groups][4 warps][128]
-  int* counters_ = nullptr;     // [slots][inter/32 groups]
+  int sm_count_ = 0;
+  MoeKernels kernels_ = kDefaultMoeKernels;
+  int w13_smem_ = 0, w2_smem_ = 0;  // persistent kernels' dynamic shared memory; 0: unsupported
+  void* plan_ = nullptr;            // the routing plan (moe_fp4.cu MoePlan)
+  uint8_t* h_codes_ = nullptr;      // [8 * topk slots][inter]
+  float* h_scales_ = nullptr;       // [slots][inter / 32]
+  float* y_ = nullptr;              // [slots][dim]
+  float* partials_ = nullptr;       // [splits][slots][inter/32 groups][4 warps][128]
+  int* counters_ = nullptr;         // [slots][inter/32 groups]
 };
 
 // Shared-expert SwiGLU between two FP8 GEMVs: gu [m, 2 * inter] fp32 holds w1 (gate) outputs in

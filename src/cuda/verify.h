@@ -93,6 +93,38 @@ void verify_on_device(const VerifyPlan& plan, sampling::VerifyMode mode, const f
                       const sampling::SamplingParams& params, const unsigned long long* seed_step,
                       sampling::VerifyResult* out, cudaStream_t stream);
 
+// ---- DSpark draft sampling on the device (CudaModel::draft_on_device) ---------------------------
+// The sampling parameters as the draft kernels read them from device memory at run time (so one
+// captured graph serves every request).
+struct DeviceSamplingParams {
+  float temperature = 1.0f;
+  float top_p = 1.0f;
+  int32_t top_k = 0;
+  int32_t pad = 0;
+};
+DeviceSamplingParams device_sampling_params(const sampling::SamplingParams& p);
+
+// One draft slot, one 1024-thread block (all pointers device):
+//   logits[x] += bias[x] (fp32 add, in place; bias may be null),
+//   probs = sampling::logits_to_probs(logits, *params)   (the transform above, same bits),
+//   *token = sampling::sample_from_logits' choice: greedy (temperature 0) the argmax with the
+//            lowest index on ties, else row_ops.h's inverse_cdf_pick(probs, *u) in its order;
+//            -1 if the row had no positive weight (NaN logits),
+//   *prev = *token, or 0 when it is -1 (the next slot's Markov gather stays in range).
+// Given bitwise-equal probs and the same u, the token is bitwise the CPU's (same fp operations in
+// the same order), so no CDF-boundary tolerance is needed; probs differ only where exp differs
+// (see above, ~2^-28 of arguments). sort_scratch: next_pow2(vocab) floats
+// (VerifyPlan::sort_scratch() row 0 will do).
+void sample_slot_on_device(float* logits, const float* bias, int vocab,
+                           const DeviceSamplingParams* params, const float* u, float* probs,
+                           float* sort_scratch, int32_t* token, int32_t* prev, cudaStream_t stream);
+
+// DSpark confidence logits: conf[b] = dot8(proj, [x5[b] (dim), emb[b] (rank)]) for b < rows, in
+// cuda_dspark.cpp's dot8 order (8 interleaved partial sums, combined pairwise), no FMA: bitwise
+// the host's value. proj [dim + rank], x5 [rows, dim], emb [rows, rank].
+void draft_confidence_on_device(const float* proj, const float* x5, const float* emb, int rows,
+                                int dim, int rank, float* conf, cudaStream_t stream);
+
 // Test hook: out[i] = the transform's exp of the float with bit pattern first_bits + i (i < n),
 // so a test can compare every argument with the CPU's.
 void exp_of_bits_on_device(uint32_t first_bits, int64_t n, float* out, cudaStream_t stream);

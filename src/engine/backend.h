@@ -13,6 +13,8 @@
 //  - draft(s, anchor, sampler): one DSpark round at the last committed position p, with `anchor`
 //    (the token sampled at p) as slot 0. The Markov bias of slot i depends on the token chosen for
 //    slot i-1, so the backend calls `sampler` slot by slot.
+//  - draft_on_device (optional, device_draft()): the same round with the engine's sampler run by
+//    the backend where the logits are; the q rows stay there for verify_last_rows.
 //  - snapshot/restore: the session state as bytes (KV sharing between servers).
 
 #include <cstdint>
@@ -93,7 +95,27 @@ class Backend {
                                                   std::span<const float> draft_probs,
                                                   std::span<const int32_t> tokens, uint64_t seed,
                                                   uint64_t step);
+
+  // Optional: drafting where the logits are. When device_draft() is true (it implies
+  // device_verify()), the engine may call draft_on_device instead of draft: the backend runs the
+  // round and samples slot i itself exactly as the engine's sampler would, i.e.
+  //   token_i = sampling::sample_from_logits(logits_i, V, params, u_i, q_i, ...),
+  //   u_i = sampling::stream_uniform(seed, step, RngPurpose::kDraft, i),
+  // logits_i = head + Markov bias of slot i (the bias from token_{i-1}, token_{-1} = anchor), and
+  // keeps the q rows q_i. The returned block has tokens and confidence; logits and markov_bias are
+  // empty. A following verify_last_rows with an EMPTY draft_probs span verifies against those kept
+  // q rows (tokens must be a prefix of the block's tokens); a non-empty span is used as given.
+  // The engine must not mix: after draft(), pass the q rows.
+  virtual bool device_draft() const { return false; }
+  virtual DraftBlock draft_on_device(SessionState& s, int32_t anchor,
+                                     const sampling::SamplingParams& params, uint64_t seed,
+                                     uint64_t step);
 };
+
+inline DraftBlock Backend::draft_on_device(SessionState&, int32_t, const sampling::SamplingParams&,
+                                           uint64_t, uint64_t) {
+  core::fail("backend {} has no device drafting (device_draft() is false)", name());
+}
 
 inline sampling::VerifyResult Backend::verify_last_rows(SessionState&, sampling::VerifyMode,
                                                         const sampling::SamplingParams&,

@@ -32,6 +32,9 @@ const char* finish_reason_name(FinishReason r) {
 GenerationLoop::GenerationLoop(Backend& backend, const HardwareProfile& profile)
     : backend_(backend), profile_(profile), vocab_(backend.config().vocab_size) {
   UF_CHECK(backend.max_rows() >= 1, "backend {} reports no decode rows", backend.name());
+  // Device drafts keep their q rows in the backend: only device verification can read them.
+  UF_CHECK(!backend.device_draft() || backend.device_verify(),
+           "backend {} drafts on the device but verifies on the host", backend.name());
   const size_t rows = size_t(kMaxVerifyRows);
   logits_.resize(rows * size_t(vocab_));
   target_.resize(rows * size_t(vocab_));
@@ -70,7 +73,15 @@ StepStats GenerationLoop::speculative_step(SessionState& s, int32_t anchor,
     float* q = draft_.data() + size_t(slot) * V;
     return sampling::sample_from_logits(logits.data(), vocab_, p.sampling, u, q, scratch_.data());
   };
-  const DraftBlock block = backend_.draft(s, anchor, sampler);
+  // On a backend with device drafting the same sampler runs where the logits are, and the q rows
+  // stay there for verification (backend.h: draft_on_device).
+  const bool device_draft = backend_.device_draft();
+  const DraftBlock block = device_draft
+                               ? backend_.draft_on_device(s, anchor, p.sampling, p.seed, step)
+                               : backend_.draft(s, anchor, sampler);
+  UF_CHECK(block.confidence.size() >= block.tokens.size(),
+           "backend {} drafted {} tokens with {} confidences", backend_.name(), block.tokens.size(),
+           block.confidence.size());
 
   // 2. How many drafts to verify: the confidence schedule, the profile's block size, the
   //    backend's rows, the tokens still allowed and the session's capacity.
@@ -87,9 +98,13 @@ StepStats GenerationLoop::speculative_step(SessionState& s, int32_t anchor,
   if (backend_.device_verify()) {
     // 3-4 on the backend's device: the target logits never leave it.
     backend_.decode_rows(s, rows_, {});
-    r = backend_.verify_last_rows(
-        s, p.verify, p.sampling, std::span<const float>(draft_.data(), size_t(g) * V),
-        std::span<const int32_t>(rows_.data() + 1, size_t(g)), p.seed, step);
+    // Device drafts: an empty q span means "the q rows the backend kept" (backend.h).
+    const std::span<const float> q = device_draft
+                                         ? std::span<const float>()
+                                         : std::span<const float>(draft_.data(), size_t(g) * V);
+    r = backend_.verify_last_rows(s, p.verify, p.sampling, q,
+                                  std::span<const int32_t>(rows_.data() + 1, size_t(g)), p.seed,
+                                  step);
   } else {
     backend_.decode_rows(s, rows_, std::span<float>(logits_.data(), size_t(g + 1) * V));
     // The g + 1 target rows are independent and each costs 1-4 ms at the real vocab on one core

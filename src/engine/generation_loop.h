@@ -9,9 +9,11 @@
 //
 // The output distribution equals plain sampling for every temperature/top-p/top-k setting: the
 // same transform is applied to the target rows p and to the draft rows q, and the draft tokens are
-// sampled from exactly the q rows handed to the verifier. Random draws come from the request's
-// Philox streams (sampling/rng.h) indexed by (seed, step, purpose, slot), so a seeded request is
-// reproducible on the same build and hardware.
+// sampled from exactly the q rows handed to the verifier. A backend with device_draft() runs that
+// same draft sampler itself (same uniforms, backend.h) and keeps the q rows for its device
+// verification; the loop only branches on these capability hooks, never on the backend type. Random
+// draws come from the request's Philox streams (sampling/rng.h) indexed by (seed, step, purpose,
+// slot), so a seeded request is reproducible on the same build and hardware.
 //
 // The hot loop reuses buffers sized at construction (8 verify rows x vocab) and never throws on a
 // well-formed request; stop strings and client disconnects come back through the callback.

@@ -462,3 +462,103 @@ StepFloor step_floor(const ModelConfig& c, int rows, int64_t context, const Floo
 }
 
 }  // namespace uf::model
+
+// ---- Benchmark arithmetic ----
+
+namespace uf::model {
+
+int64_t index_score_width(const ModelConfig& c, int64_t capacity) {
+  UF_CHECK(capacity > 0, "index_score_width: capacity {} must be positive", capacity);
+  int64_t width = 1;
+  for (int l = 0; l < c.n_layers; ++l) {
+    const auto& r = c.role(l);
+    if (r.index_source && r.compress_ratio > 0)
+      width = std::max(width, capacity / r.compress_ratio + 1);
+  }
+  return width;
+}
+
+std::vector<CollectiveCall> tp_verify_collectives(const ModelConfig& c, int tp, int rows,
+                                                  int64_t capacity) {
+  UF_CHECK(tp >= 1 && rows >= 1, "tp_verify_collectives: tp {} and rows {} must be >= 1", tp, rows);
+  if (tp == 1) return {};
+  int indexers = 0;
+  for (int l = 0; l < c.n_layers; ++l)
+    if (c.role(l).index_source) ++indexers;  // index_select runs on every index-source layer
+  const int64_t d = int64_t(rows) * c.dim;
+  std::vector<CollectiveCall> v = {{"wo_b partial (attention output)", c.n_layers, d},
+                                   {"MoE partial", c.n_layers, d}};
+  if (indexers > 0)
+    v.push_back({"index scores", indexers, int64_t(rows) * index_score_width(c, capacity)});
+  return v;
+}
+
+std::vector<CollectiveCall> tp_draft_collectives(const ModelConfig& c, int tp) {
+  UF_CHECK(tp >= 1, "tp_draft_collectives: tp {} must be >= 1", tp);
+  if (tp == 1 || c.n_mtp_layers == 0) return {};
+  const int64_t d = int64_t(c.dspark_block_size) * c.dim;
+  return {{"DSpark wo_b partial", c.n_mtp_layers, d}, {"DSpark MoE partial", c.n_mtp_layers, d}};
+}
+
+int total_calls(const std::vector<CollectiveCall>& v) {
+  int n = 0;
+  for (const auto& x : v) n += x.calls;
+  return n;
+}
+
+double comm_time_us(std::vector<CommSample> t, double bytes) {
+  UF_CHECK(!t.empty(), "comm_time_us: no measured collective times");
+  std::sort(t.begin(), t.end(),
+            [](const CommSample& a, const CommSample& b) { return a.bytes < b.bytes; });
+  // Below the smallest size the latency dominates; with one sample no slope is known.
+  if (bytes <= t.front().bytes || t.size() == 1) return t.front().us;
+  size_t i = 1;
+  while (i + 1 < t.size() && t[i].bytes < bytes) ++i;
+  const auto &a = t[i - 1], &b = t[i];
+  if (b.bytes == a.bytes) return std::max(a.us, b.us);
+  return a.us + (b.us - a.us) * (bytes - a.bytes) / (b.bytes - a.bytes);
+}
+
+double comm_step_us(const std::vector<CollectiveCall>& calls,
+                    const std::vector<CommSample>& table) {
+  double us = 0;
+  for (const auto& c : calls) us += double(c.calls) * comm_time_us(table, c.bytes());
+  return us;
+}
+
+double tokens_per_second(double accepted, double step_us) {
+  UF_CHECK(step_us > 0 && accepted > 0,
+           "tokens_per_second: step {} us and accepted length {} must be positive", step_us,
+           accepted);
+  return accepted / (step_us * 1e-6);
+}
+
+double prefill_seconds(std::vector<PrefillPoint> p, int64_t tokens) {
+  UF_CHECK(!p.empty(), "prefill_seconds: no measured prefill points");
+  UF_CHECK(tokens >= 0, "prefill_seconds: {} tokens", tokens);
+  for (const auto& x : p)
+    UF_CHECK(x.us_per_token > 0 && x.context >= 0,
+             "prefill_seconds: point at context {} has {} us per token", x.context, x.us_per_token);
+  std::sort(p.begin(), p.end(),
+            [](const PrefillPoint& a, const PrefillPoint& b) { return a.context < b.context; });
+  // f(c): per-token time at context c. Integrate over [0, tokens] piece by piece.
+  auto f = [&](double c) {
+    if (c <= double(p.front().context)) return p.front().us_per_token;
+    if (c >= double(p.back().context)) return p.back().us_per_token;
+    size_t i = 1;
+    while (double(p[i].context) < c) ++i;
+    const auto &a = p[i - 1], &b = p[i];
+    return a.us_per_token + (b.us_per_token - a.us_per_token) * (c - double(a.context)) /
+                                double(b.context - a.context);
+  };
+  // Breakpoints: 0, the points' contexts inside (0, tokens), tokens. f is linear between them.
+  std::vector<double> xs = {0};
+  for (const auto& x : p)
+    if (x.context > 0 && x.context < tokens) xs.push_back(double(x.context));
+  xs.push_back(double(tokens));
+  double us = 0;
+  for (size_t i = 1; i < xs.size(); ++i) us += (xs[i] - xs[i - 1]) * (f(xs[i - 1]) + f(xs[i])) / 2;
+  return us * 1e-6;
+}
+
+}  // namespace uf::model

@@ -108,3 +108,58 @@ struct StepFloor {
 StepFloor step_floor(const ModelConfig& c, int rows, int64_t context, const FloorOptions& o = {});
 
 }  // namespace uf::model
+
+// ---- Benchmark arithmetic (no GPU): TP collectives of a step, projections, prefill ----
+
+namespace uf::model {
+
+// Index-score row stride of a CUDA session of `capacity` tokens (CudaModel::new_session: the
+// largest capacity / ratio + 1 over the backbone's compressed index-source layers; 1 if none).
+// Every index-score all-reduce moves whole rows of this width, whatever the live context.
+int64_t index_score_width(const ModelConfig& c, int64_t capacity);
+
+// One kind of collective of a TP step: the CudaModel::all_reduce_round call sites
+// (cuda/backend: output_proj after wo_b, moe after the expert partials, index_select after the
+// index-score partials), each a sum of `elements` fp32 values per rank. At tp > 2 the backend
+// does each as an all-gather of those values plus an fp32 sum in rank order
+// (CudaModelOptions::tp_ordered_sum), at tp = 2 as an NCCL all-reduce.
+struct CollectiveCall {
+  std::string what;
+  int calls = 0;         // per step
+  int64_t elements = 0;  // fp32 values per rank per call
+  double bytes() const { return 4.0 * double(elements); }
+};
+// One verify forward of `rows` rows on a session of `capacity` tokens (empty at tp = 1).
+std::vector<CollectiveCall> tp_verify_collectives(const ModelConfig& c, int tp, int rows,
+                                                  int64_t capacity);
+// One DSpark draft round (dspark_block_size rows through every stage; empty at tp = 1).
+std::vector<CollectiveCall> tp_draft_collectives(const ModelConfig& c, int tp);
+int total_calls(const std::vector<CollectiveCall>& v);
+
+// A measured per-call collective time at a message size (bytes per rank).
+struct CommSample {
+  double bytes = 0;
+  double us = 0;
+};
+// Per-call time at `bytes` from measured samples (any order): linear between the two samples
+// around it, the smallest sample's time below the smallest size (latency floor), linear
+// extrapolation through the two largest above the largest. Throws on an empty table.
+double comm_time_us(std::vector<CommSample> table, double bytes);
+// Sum over `calls` of calls x comm_time_us(table, bytes of the call).
+double comm_step_us(const std::vector<CollectiveCall>& calls, const std::vector<CommSample>& table);
+
+// Tokens per second of a decode loop accepting `accepted` tokens per step of `step_us`.
+double tokens_per_second(double accepted, double step_us);
+
+// Prefill throughput measured at a context: a chunk's time over its rows.
+struct PrefillPoint {
+  int64_t context = 0;
+  double us_per_token = 0;
+};
+// Seconds to prefill `tokens` tokens into an empty session, integrating the per-token time over
+// the context: piecewise linear in context between the points (exact trapezoids), constant
+// below the first point and beyond the last one. Points in any order, positive times; throws on
+// none.
+double prefill_seconds(std::vector<PrefillPoint> points, int64_t tokens);
+
+}  // namespace uf::model

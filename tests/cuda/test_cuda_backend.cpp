@@ -222,5 +222,51 @@ TEST_F(CudaBackendTest, CedShortcutCloseToCpu) {
   std::printf("CED CUDA vs CPU: %s; next step %s\n", cc.str().c_str(), dc.str().c_str());
 }
 
+// CED on a prompt longer than the span capacity: the encoder runs in chunks (the first in the
+// prefill layout, the rest through the ring-layout span program), the decoder on the last chunk's
+// tail. Against the CPU's one-span CED within the prefill bounds (chunking changes fp32 orders,
+// as chunked prefill does), then a decode step within the decode bounds.
+TEST_F(CudaBackendTest, ChunkedCedShortcutCloseToCpu) {
+  cpu::CpuBackend cpu_be(tiny_a_dir(), map_);
+  std::vector<int32_t> long_prompt;
+  for (int i = 0; i < 150; ++i) long_prompt.push_back(prompt_[size_t(i) % prompt_.size()]);
+  struct Case {
+    int max_chunk;
+    std::span<const int32_t> prompt;
+  };
+  // 41 tokens in chunks of 12: 12 + 12 + 9 encoder-only, then 8 (the window) with the decoder.
+  for (const Case& k : {Case{12, prompt_}, Case{32, long_prompt}, Case{64, long_prompt}}) {
+    SCOPED_TRACE("max_chunk " + std::to_string(k.max_chunk) + ", prompt of " +
+                 std::to_string(k.prompt.size()));
+    CudaModelOptions mo;
+    mo.max_chunk = k.max_chunk;
+    CudaBackend chunked(tiny_a_dir(), map_, mo);
+    engine::PrefillOptions o;
+    o.ced_shortcut = true;
+    std::vector<float> g(static_cast<size_t>(V_)), c(static_cast<size_t>(V_));
+    auto gs = chunked.new_session(256);
+    auto cs = cpu_be.new_session(256);
+    chunked.prefill(*gs, k.prompt, o, g);
+    cpu_be.prefill(*cs, k.prompt, o, c);
+    const Cmp cc = compare(g.data(), c.data(), size_t(V_));
+    EXPECT_EQ(cc.nan, 0u) << cc.str();
+    EXPECT_LT(cc.maxabs, bounds_.prefill.maxabs) << "chunked CED last logits: " << cc.str();
+    EXPECT_LT(cc.rms_rel, bounds_.prefill.rms) << "chunked CED last logits: " << cc.str();
+    ASSERT_EQ(gs->length(), cs->length());
+    for (int i = 0; i < 3; ++i) {
+      chunked.decode_rows(*gs, std::span<const int32_t>(&next_[size_t(i)], 1), g);
+      cpu_be.decode_rows(*cs, std::span<const int32_t>(&next_[size_t(i)], 1), c);
+      chunked.commit(*gs, 1);
+      cpu_be.commit(*cs, 1);
+      const Cmp dc = compare(g.data(), c.data(), size_t(V_));
+      EXPECT_EQ(dc.nan, 0u) << dc.str();
+      EXPECT_LT(dc.rms_rel, bounds_.decode.rms) << "decode step " << i << ": " << dc.str();
+      if (i == 0)
+        std::printf("chunked CED (max_chunk %d, %zu tokens) CUDA vs CPU: %s; next %s\n",
+                    k.max_chunk, k.prompt.size(), cc.str().c_str(), dc.str().c_str());
+    }
+  }
+}
+
 }  // namespace
 }  // namespace uf::cuda

@@ -20,6 +20,8 @@
 #include <cmath>
 #include <cstdio>
 #include <memory>
+#include <string>
+#include <unordered_map>
 
 #include "../cpu/tiny_a.h"
 #include "backend_test_util.h"
@@ -348,7 +350,8 @@ TEST(CudaTpShards, ShardsAreTheWholeWeightsSlices) {
       const auto fw = tp_split_weights(full, split_head);
       auto part = model::bind_weights(cfg, ckpt);
       std::vector<std::vector<uint8_t>> storage;
-      const size_t n = shard_model_weights(part, cfg, tp, rank, storage, split_head);
+      std::unordered_map<std::string, int64_t> row0;
+      const size_t n = shard_model_weights(part, cfg, tp, rank, storage, split_head, &row0);
       EXPECT_GT(n, 0u);
       const auto pw = tp_split_weights(part, split_head);
       ASSERT_EQ(pw.size(), fw.size());
@@ -360,14 +363,25 @@ TEST(CudaTpShards, ShardsAreTheWholeWeightsSlices) {
           EXPECT_TRUE(P.empty()) << F.name;
           continue;
         }
-        const bool by_rows = P.rows * tp == F.rows && P.cols == F.cols;
+        // Row splits may be uneven (Engram tables: ceil(rows / tp) per rank, the last one
+        // shorter): the shard's first row comes from shard_model_weights.
+        const auto at = row0.find(F.name);
+        const bool by_rows = at != row0.end() && P.cols == F.cols && P.rows < F.rows;
         const bool by_cols = P.cols * tp == F.cols && P.rows == F.rows;
         ASSERT_TRUE(by_rows || by_cols) << F.name << ": shard " << P.rows << " x " << P.cols
                                         << " of " << F.rows << " x " << F.cols;
+        const int64_t r0 = by_rows ? at->second : 0;
+        EXPECT_EQ(r0, by_rows ? rank * ((F.rows + tp - 1) / tp) : 0) << F.name;
+        if (by_rows && F.name.find("engram") == std::string::npos) {
+          EXPECT_EQ(P.rows * tp, F.rows) << F.name << ": only Engram tables split unevenly";
+        }
+        if (by_rows) {
+          EXPECT_EQ(r0 + P.rows, std::min(F.rows, r0 + (F.rows + tp - 1) / tp)) << F.name;
+        }
         std::vector<float> prow(static_cast<size_t>(P.cols)), frow(static_cast<size_t>(F.cols));
         for (int64_t r = 0; r < P.rows; ++r) {
           P.row(r, prow.data());
-          F.row(by_rows ? rank * P.rows + r : r, frow.data());
+          F.row(r0 + r, frow.data());
           const int64_t c0 = by_cols ? rank * P.cols : 0;
           for (int64_t c = 0; c < P.cols; ++c)
             ASSERT_TRUE(test::bits_equal(prow[size_t(c)], frow[size_t(c0 + c)]))

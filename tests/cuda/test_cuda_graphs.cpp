@@ -4,7 +4,8 @@
 //      session pointers and positions are read from device memory at replay);
 //  (b) chunked prefill (chunks after the first run the ring layout through the program, eagerly
 //      since they exceed max_rows) against the CPU backend's chunked prefill, within the
-//      fixture's end-to-end bounds (chunks of 5 rows replay graphs, chunks of 16 run eagerly).
+//      fixture's end-to-end bounds (chunks of 5 rows replay graphs, chunks of 16 run eagerly);
+//  (c) at TP = 2 (two GPUs), graph replay with the captured NCCL collectives == eager, bitwise.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -36,9 +37,10 @@ class CudaGraphTest : public ::testing::Test {
     const auto d = tiny_a_golden_i64("decode_ids");
     next_.assign(d.begin(), d.end());
   }
-  std::unique_ptr<CudaBackend> backend(bool graphs) {
+  std::unique_ptr<CudaBackend> backend(bool graphs, int tp = 1) {
     CudaModelOptions o;
     o.cuda_graphs = graphs;
+    o.tp = tp;
     return std::make_unique<CudaBackend>(tiny_a_dir(), map_, o);
   }
   // Prefill of `prompt` (chunk tokens per chunk; 0 = one chunk), then, per step, a verify of k
@@ -84,6 +86,22 @@ TEST_F(CudaGraphTest, GraphReplayEqualsEagerBitwise) {
     EXPECT_EQ(c.first_diff, -1) << "prompt of " << p.size() << ": " << c.str();
     EXPECT_EQ(c.nan, 0u);
   }
+}
+
+// Under TP every rank replays its own graphs with the NCCL collectives captured in them; the
+// replay must give the eager TP run's logits bit for bit (the collectives are the same calls).
+TEST_F(CudaGraphTest, TensorParallelGraphReplayEqualsEagerBitwise) {
+  int gpus = 0;
+  if (cudaGetDeviceCount(&gpus) != cudaSuccess || gpus < 2)
+    GTEST_SKIP() << "TP = 2 needs 2 GPUs, " << gpus << " visible";
+  const auto a = run(*backend(false, 2), prompt_, 0, 2 * engine::kMaxVerifyRows,
+                     engine::kMaxVerifyRows);
+  const auto b = run(*backend(true, 2), prompt_, 0, 2 * engine::kMaxVerifyRows,
+                     engine::kMaxVerifyRows);
+  ASSERT_EQ(a.size(), b.size());
+  const Cmp c = compare(b.data(), a.data(), a.size());
+  EXPECT_EQ(c.first_diff, -1) << c.str();
+  EXPECT_EQ(c.nan, 0u);
 }
 
 TEST_F(CudaGraphTest, ChunkedPrefillMatchesCpu) {

@@ -74,5 +74,37 @@ TEST(CudaDeviceVerify, LoopEqualsHostVerification) {
   EXPECT_GT(accepted, 0) << "no draft was ever accepted: the comparison would not cover tau > 0";
 }
 
+// Under TP rank 0 holds the whole logits rows and verifies on its device while every rank runs
+// the forward: the same tokens as TP 2 verifying on the host (the draft is on the host at TP > 1).
+TEST(CudaDeviceVerify, TensorParallelLoopEqualsHostVerification) {
+  UF_REQUIRE_GPU();
+  int gpus = 0;
+  if (cudaGetDeviceCount(&gpus) != cudaSuccess || gpus < 2)
+    GTEST_SKIP() << "TP = 2 needs 2 GPUs, " << gpus << " visible";
+  const auto map = tiny_a_golden_i64("engram_token_map");
+  CudaModelOptions on, off;
+  on.tp = off.tp = 2;
+  off.device_verify = false;
+  CudaBackend dev(tiny_a_dir(), map, on), host(tiny_a_dir(), map, off);
+  ASSERT_TRUE(dev.device_verify());
+  ASSERT_FALSE(dev.device_draft());
+  const auto pi = tiny_a_golden_i64("prompt_ids");
+  const std::vector<int32_t> prompt(pi.begin(), pi.end());
+  int accepted = 0;
+  for (auto mode : {sampling::VerifyMode::kBlock, sampling::VerifyMode::kTokenWise}) {
+    engine::GenerationParams p;
+    p.sampling.temperature = 0.8f;
+    p.sampling.top_p = 0.9f;
+    p.seed = 7;
+    p.verify = mode;
+    p.max_new_tokens = 24;
+    const LoopRun a = generate(dev, prompt, p), b = generate(host, prompt, p);
+    EXPECT_EQ(a.tokens, b.tokens) << "mode " << int(mode);
+    EXPECT_EQ(a.accepted, b.accepted) << "mode " << int(mode);
+    for (int n : a.accepted) accepted += n;
+  }
+  EXPECT_GT(accepted, 0) << "no draft was ever accepted: the comparison would not cover tau > 0";
+}
+
 }  // namespace
 }  // namespace uf::cuda

@@ -7,11 +7,13 @@
 #include <algorithm>
 #include <cmath>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "cpu/engram.h"
 #include "cpu/linear.h"
 #include "cpu/moe.h"
+#include "cuda/ops/engram.h"
 #include "cuda/ops/moe.h"
 #include "cuda_test_util.h"
 #include "ops_test_weights.h"
@@ -96,6 +98,23 @@ TEST_P(OpsMoe, MatchesCpuAndSpecEqualsPlain) {
     sync_and_check();
     const std::vector<float> got = dy.download(), got_w = dw.download();
     const std::vector<int32_t> got_i = di.download();
+    {  // The legacy routed-expert kernels give bitwise the same output (same operations, order).
+      moe.set_routed_kernels(MoeKernels::kLegacy);
+      DeviceBuffer<float> ly(size_t(T) * c.dim);
+      ly.poison();
+      moe.apply(dx.get(), T, ly.get(), di.get(), dw.get(), nullptr);
+      sync_and_check();
+      moe.set_routed_kernels(kDefaultMoeKernels);
+      const std::vector<float> lv = ly.download();
+      size_t diff = 0, first = lv.size();
+      for (size_t i = 0; i < lv.size(); ++i)
+        if (!bits_equal(lv[i], got[i])) first = std::min(first, i), ++diff;
+      EXPECT_EQ(diff, 0u) << c.name << " T=" << T << ": legacy vs default kernels, first at "
+                          << first << " (row " << first / size_t(c.dim) << ")"
+                          << (first < lv.size() ? " legacy " + std::to_string(lv[first]) +
+                                                      " default " + std::to_string(got[first])
+                                                : std::string());
+    }
 
     // Routing: identical choice unless the CPU's biased scores are near-tied (expf / log1pf
     // on the device may differ from glibc by an ulp or two; the gate GEMV itself is bitwise).
@@ -269,6 +288,101 @@ TEST(OpsEngram, MatchesCpuAliasingAndSpecEqualsPlain) {
   }
   EXPECT_GE(double(total_exact), 0.97 * double(total_n))
       << total_exact << " of " << total_n << " outputs bitwise equal";
+}
+
+// Tensor parallelism: the table split by rows over 3 "ranks" (uneven: 167, 167, 166 rows), each
+// gathering its rows and +0 elsewhere, the gathers summed (what the TP all-reduce does) before
+// wkv. The result must be the whole table's bit for bit: one rank alone contributes each value.
+// The ranks run one after the other here: a first pass records each rank's gather, a second
+// pass feeds every rank the sum.
+TEST(OpsEngram, RowSplitTableEqualsTheWholeTable) {
+  UF_REQUIRE_GPU();
+  std::mt19937 rng(4242);
+  const int hc = 4, D = 64, n_cols = 4, head_dim = 64, rows = 500, ranks = 3;
+  std::vector<std::unique_ptr<HostWeight>> keep;
+  auto add = [&](std::unique_ptr<HostWeight> h) {
+    keep.push_back(std::move(h));
+    return keep.back()->w;
+  };
+  model::EngramWeights w;
+  w.table = add(make_weight(WFormat::kFP8, rows, head_dim, rng, 118, 124, true, "engram.embed"));
+  w.wkv = add(make_weight(WFormat::kFP8, (hc + 1) * D, n_cols * head_dim, rng, 116, 120, false,
+                          "engram.wkv"));
+  w.q_weight = add(make_weight(WFormat::kBF16, hc, D, rng, 0, 0, false, "q_weight"));
+  w.k_weight = add(make_weight(WFormat::kBF16, hc, D, rng, 0, 0, false, "k_weight"));
+  DeviceArena arena;
+  const EngramShape whole_shape{hc, D, n_cols, head_dim, 1e-6f};
+  DeviceEngram whole(w, whole_shape, arena);
+  EXPECT_FALSE(whole.split());
+  const int64_t chunk = (rows + ranks - 1) / ranks;
+  std::vector<std::unique_ptr<DeviceEngram>> part;
+  for (int r = 0; r < ranks; ++r) {
+    const int64_t r0 = r * chunk, n = std::min<int64_t>(chunk, rows - r0);
+    model::EngramWeights pw = w;
+    pw.table.data = w.table.data + r0 * head_dim;           // FP8: a byte per element
+    pw.table.scale = w.table.scale + r0 * (head_dim / 32);  // per-row E8M0, one per 32
+    pw.table.rows = n;
+    EngramShape s = whole_shape;
+    s.row_begin = r0;
+    s.rows_total = rows;
+    part.push_back(std::make_unique<DeviceEngram>(pw, s, arena));
+    EXPECT_TRUE(part.back()->split());
+  }
+  // A split table without a reduce (or a whole one with) is refused, not silently wrong.
+  DeviceBuffer<int64_t> one_id(std::vector<int64_t>(size_t(n_cols), 0));
+  DeviceBuffer<float> one_x(random_acts(hc, D, rng)), one_out(size_t(hc) * D);
+  EXPECT_THROW(part[0]->apply(one_id.get(), one_x.get(), 1, one_out.get(), nullptr),
+               std::exception);
+  EXPECT_THROW(
+      whole.apply(one_id.get(), one_x.get(), 1, one_out.get(), nullptr, [](float*, size_t) {}),
+      std::exception);
+
+  std::uniform_int_distribution<int64_t> id(0, rows - 1);
+  for (int T : {1, 5, 8, 13}) {
+    std::vector<int64_t> ids(size_t(T) * n_cols);
+    for (auto& v : ids) v = id(rng);
+    ids[0] = 0, ids[ids.size() - 1] = rows - 1;  // the first and the last row of the table
+    const std::vector<float> X = random_acts(T * hc, D, rng);
+    DeviceBuffer<int64_t> dids(ids);
+    DeviceBuffer<float> dX(X), want(X.size()), got(X.size());
+    want.poison();
+    whole.apply(dids.get(), dX.get(), T, want.get(), nullptr);
+    sync_and_check();
+    const std::vector<float> ref = want.download();
+    // Pass 1: each rank's gathers, chunk by chunk (apply splits T into chunks of 8 rows).
+    std::vector<std::vector<std::vector<float>>> gathered(static_cast<size_t>(ranks));
+    for (int r = 0; r < ranks; ++r)
+      part[size_t(r)]->apply(dids.get(), dX.get(), T, got.get(), nullptr, [&](float* v, size_t n) {
+        sync_and_check();
+        std::vector<float> h(n);
+        UF_CUDA_CHECK(cudaMemcpy(h.data(), v, n * sizeof(float), cudaMemcpyDeviceToHost));
+        gathered[size_t(r)].push_back(std::move(h));
+      });
+    // Every gathered value comes from exactly one rank (the others hold +0 there).
+    for (size_t c = 0; c < gathered[0].size(); ++c)
+      for (size_t i = 0; i < gathered[0][c].size(); ++i) {
+        int owners = 0;
+        for (int r = 0; r < ranks; ++r) owners += gathered[size_t(r)][c][i] != 0.f;
+        ASSERT_LE(owners, 1) << "chunk " << c << " value " << i;
+      }
+    // Pass 2: every rank continues from the sum, and must give the whole table's outputs.
+    for (int r = 0; r < ranks; ++r) {
+      got.poison();
+      size_t chunk_no = 0;
+      part[size_t(r)]->apply(dids.get(), dX.get(), T, got.get(), nullptr, [&](float* v, size_t n) {
+        std::vector<float> sum(n, 0.f);
+        for (int q = 0; q < ranks; ++q)
+          for (size_t i = 0; i < n; ++i) sum[i] += gathered[size_t(q)][chunk_no][i];
+        ++chunk_no;
+        UF_CUDA_CHECK(cudaMemcpy(v, sum.data(), n * sizeof(float), cudaMemcpyHostToDevice));
+      });
+      sync_and_check();
+      const std::vector<float> out = got.download();
+      for (size_t i = 0; i < out.size(); ++i)
+        ASSERT_TRUE(bits_equal(out[i], ref[i])) << "T=" << T << " rank " << r << " output " << i
+                                                << ": " << out[i] << " vs whole " << ref[i];
+    }
+  }
 }
 
 }  // namespace

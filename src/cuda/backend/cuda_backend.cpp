@@ -262,6 +262,7 @@ CudaBackend::CudaBackend(const std::filesystem::path& model_dir,
     models_.push_back(
         std::make_unique<CudaModel>(std::move(cfg), ckpt_, std::move(engram_token_map), opts));
     models_[0]->capture_step_graphs();
+    models_[0]->prepare_device_draft();  // no-op unless device drafting is on
     return;
   }
   // The plan's own message names the config field that does not divide.
@@ -281,6 +282,8 @@ CudaBackend::CudaBackend(const std::filesystem::path& model_dir,
     models_[size_t(r)] =
         std::make_unique<CudaModel>(cfg, ckpt_, engram_token_map, o, group_.get(), r);
   });
+  // All ranks at once: the captures' first replays run the collectives.
+  workers_->run([&](int r) { models_[size_t(r)]->capture_step_graphs(); });
 }
 
 CudaBackend::~CudaBackend() {
@@ -363,7 +366,10 @@ void CudaBackend::decode_rows(engine::SessionState& st, std::span<const int32_t>
   UF_CHECK(T >= 1 && T <= max_rows(), "decode_rows: {} rows, allowed 1..{}", T, max_rows());
   if (logits.empty()) {  // the logits stay on the device for verify_last_rows
     UF_CHECK(device_verify(), "decode_rows: no logits buffer, and no device verification");
-    decode_rank(*models_[0], session(st), tokens, nullptr, /*keep=*/true);
+    // Rank 0 keeps its logits on its device; the other ranks run the same forward (collectives).
+    each_rank(st, [&](int r, CudaModel& m, CudaSession& s) {
+      decode_rank(m, s, tokens, nullptr, /*keep=*/r == 0);
+    });
     return;
   }
   UF_CHECK(logits.size() >= size_t(T) * size_t(V), "decode_rows: logits buffer too small");
@@ -373,7 +379,9 @@ void CudaBackend::decode_rows(engine::SessionState& st, std::span<const int32_t>
 }
 
 bool CudaBackend::device_verify() const {
-  return models_.size() == 1 && models_[0]->options().device_verify;
+  // Under TP rank 0 holds the whole logits rows (the head is replicated, or gathered when split)
+  // and verifies alone.
+  return models_[0]->options().device_verify;
 }
 
 sampling::VerifyResult CudaBackend::verify_last_rows(engine::SessionState& st,
@@ -383,11 +391,29 @@ sampling::VerifyResult CudaBackend::verify_last_rows(engine::SessionState& st,
                                                      std::span<const int32_t> tokens, uint64_t seed,
                                                      uint64_t step) {
   UF_CHECK(device_verify(), "verify_last_rows: device verification is off on this backend");
-  const CudaSession& s = session(st);
+  const CudaSession& s = rank_session(st, 0);  // rank 0 holds the logits
   UF_CHECK(s.pending_rows == int(tokens.size()) + 1,
            "verify_last_rows: {} drafts, but the last decode_rows forwarded {} rows", tokens.size(),
            s.pending_rows);
+  if (draft_probs.empty() && !tokens.empty()) {  // the q rows of the last draft_on_device
+    UF_CHECK(device_draft(),
+             "verify_last_rows: no draft rows given, and no device drafting on this backend");
+    return models_[0]->verify_last_drafted(mode, params, tokens, seed, step, s.pending_rows);
+  }
   return models_[0]->verify_last(mode, params, draft_probs, tokens, seed, step, s.pending_rows);
+}
+
+bool CudaBackend::device_draft() const {
+  return device_verify() && models_[0]->device_draft_available();
+}
+
+engine::DraftBlock CudaBackend::draft_on_device(engine::SessionState& st, int32_t anchor,
+                                                const sampling::SamplingParams& params,
+                                                uint64_t seed, uint64_t step) {
+  UF_CHECK(device_draft(),
+           "draft_on_device: device drafting is off on this backend (TP > 1, "
+           "--no-device-verify, or CudaModelOptions::device_draft = false)");
+  return models_[0]->draft_on_device(session(st), anchor, params, seed, step);
 }
 
 void CudaBackend::commit(engine::SessionState& st, int n) {

@@ -66,6 +66,13 @@ class CudaBackend : public engine::Backend {
                                           uint64_t step) override;
   engine::DraftBlock draft(engine::SessionState& s, int32_t anchor,
                            const engine::DraftSampler& sampler) override;
+  // One GPU with device verification and CudaModelOptions::device_draft: the Markov loop and the
+  // draft sampling on the device (CudaModel::draft_on_device); verify_last_rows with an empty
+  // draft_probs span then verifies against those q rows. TP > 1 keeps the host path.
+  bool device_draft() const override;
+  engine::DraftBlock draft_on_device(engine::SessionState& s, int32_t anchor,
+                                     const sampling::SamplingParams& params, uint64_t seed,
+                                     uint64_t step) override;
   std::vector<uint8_t> snapshot(const engine::SessionState& s) const override;
   void restore(engine::SessionState& s, std::span<const uint8_t> bytes) const override;
 

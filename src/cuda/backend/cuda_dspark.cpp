@@ -1,8 +1,15 @@
 // DSpark draft rounds on the device (cpu/dspark.cpp's twin) and the commit path that feeds their
-// window rings. The head logits come back to the host once per round; the Markov bias of slot i
-// needs the token chosen for slot i-1, so it runs slot by slot (one small GEMV each).
+// window rings. Two ways to run the Markov loop (the bias of slot i needs the token chosen for
+// slot i-1, so it runs slot by slot, one small GEMV each):
+//   - draft(): the head logits come back to the host once per round, the engine's sampler picks
+//     each slot on the host (the reference path; TP, or device drafting off);
+//   - draft_on_device(): the loop, the transform, the draw and the confidences of every slot run
+//     on the device after the stages, in one launch sequence replayed as one CUDA graph (key 2);
+//     the per-call inputs (sampling parameters, the B uniforms) ride in the pinned block; one copy
+//     brings tokens and confidences back. The q rows stay on the device for verification.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "core/error.h"
 #include "cuda/backend/backend_kernels.h"
@@ -10,6 +17,7 @@
 #include "cuda/backend/model_internal.h"
 #include "cuda/cuda_check.h"
 #include "cuda/ops/attention.h"
+#include "sampling/rng.h"
 
 namespace uf::cuda {
 
@@ -85,8 +93,7 @@ void CudaModel::draft_attention(const SpanBlock& b, int stage, const float* x, f
   const int B = b.T, H = H_, hd = cfg_.head_dim, W = cfg_.window_size, l = cfg_.n_layers + stage;
   const auto& op = *layers_[size_t(l)];
   const int64_t* pos = b.at<int64_t>(block_dev_, b.pos);
-  project_q(l, x, B, 0, qr_, q_, pos);
-  project_kv(l, x, B, 0, kv_, pos);
+  project_qkv(l, x, B, 0, qr_, q_, kv_, pos);
   build_draft_slots(b.at<int64_t>(block_dev_, b.p0), W, B,
                     b.at<float*>(block_dev_, b.stage_window[size_t(stage)]), W + opts_.max_rows,
                     kv_, hd, win_ptrs_, stream_);
@@ -172,6 +179,7 @@ engine::DraftBlock CudaModel::draft(CudaSession& s, int32_t anchor,
   sync();
   const std::vector<float> proj = LW.conf_proj.to_vector();
   std::vector<float> emb(static_cast<size_t>(Rk)), cat(static_cast<size_t>(D + Rk));
+  device_drafts_.clear();  // logits_ is reused below: the device draft's rows are no longer valid
   int32_t prev = anchor;
   for (int i = 0; i < B; ++i) {
     LW.markov_embed.row(prev, emb.data());
@@ -191,6 +199,197 @@ engine::DraftBlock CudaModel::draft(CudaSession& s, int32_t anchor,
     out.tokens.push_back(prev);
   }
   return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The draft sampler on the device.
+
+namespace {
+constexpr int kDeviceDraftGraphKey = 2;  // span programs use >= 4, the host draft 0 / 1
+}  // namespace
+
+bool CudaModel::device_draft_available() const {
+  return opts_.device_draft && verify_plan_ != nullptr && tp_ == 1 && cfg_.n_mtp_layers > 0 &&
+         cfg_.dspark_block_size > 0;
+}
+
+CudaModel::DraftInputs CudaModel::draft_inputs(const SpanBlock& b) const {
+  DraftInputs in;
+  auto align = [](size_t n) { return (n + 15) / 16 * 16; };
+  in.params = align(b.bytes);
+  in.uniforms = align(in.params + sizeof(DeviceSamplingParams));
+  in.bytes = align(in.uniforms + size_t(cfg_.dspark_block_size) * sizeof(float));
+  return in;
+}
+
+void CudaModel::prepare_device_draft() {
+  if (!device_draft_available() || draft_q_) return;
+  UF_CUDA_CHECK(cudaSetDevice(opts_.device));
+  const int B = cfg_.dspark_block_size, D = cfg_.dim, Rk = cfg_.dspark_markov_rank,
+            V = cfg_.vocab_size;
+  const auto& LW = w_.layers[size_t(cfg_.n_layers + cfg_.n_mtp_layers - 1)];
+  UF_CHECK(Rk >= 1 && LW.markov_embed.rows == V && LW.markov_embed.cols == Rk,
+           "device draft: Markov embedding of {} x {}, expected {} x {}", LW.markov_embed.rows,
+           LW.markov_embed.cols, V, Rk);
+  UF_CHECK(int64_t(LW.conf_proj.rows) * LW.conf_proj.cols == int64_t(D) + Rk,
+           "device draft: confidence projection of {} x {} values, expected {}", LW.conf_proj.rows,
+           LW.conf_proj.cols, D + Rk);
+  const SpanBlock b = draft_block();
+  UF_CHECK(draft_inputs(b).bytes <= block_bytes_,
+           "device draft: a block of {} bytes exceeds the span block of {}", draft_inputs(b).bytes,
+           block_bytes_);
+  markov_embed_dev_ = upload_weight(LW.markov_embed, arena_);
+  conf_proj_dev_ = arena_.upload(LW.conf_proj.to_vector());
+  draft_emb_ = arena_.alloc<float>(size_t(B) * size_t(Rk));
+  draft_bias_ = arena_.alloc<float>(size_t(V));
+  draft_q_ = arena_.alloc<float>(size_t(B) * size_t(V));
+  draft_pre_ = arena_.alloc<float>(1);
+  draft_prev_ = arena_.alloc<int32_t>(size_t(B));
+  draft_result_ = arena_.alloc<int32_t>(2 * size_t(B));
+  UF_CUDA_CHECK(cudaDeviceSynchronize());
+  // Capture now (capture_step_graphs' reason: no capture once requests run on other threads).
+  if (opts_.cuda_graphs) {
+    auto s = new_session(int64_t(opts_.max_rows) + 2);
+    const std::vector<int32_t> toks(1, 0);
+    std::vector<float> logits(static_cast<size_t>(V));
+    forward(*s, toks, false, true, logits.data(), mh_, nullptr);
+    commit(*s, toks, mh_, 1, -1);
+    sampling::SamplingParams sp;
+    sp.top_p = 0.9f;  // the top-p path (the graph does not depend on the parameters' values)
+    draft_on_device(*s, 0, sp, 0, 1);
+    device_drafts_.clear();
+  }
+}
+
+void CudaModel::device_draft_program(const SpanBlock& b, const DraftInputs& in) {
+  const int B = b.T, V = cfg_.vocab_size, Rk = cfg_.dspark_markov_rank, D = cfg_.dim;
+  const auto& LS = *layers_[size_t(cfg_.n_layers + cfg_.n_mtp_layers - 1)];
+  const auto* params = b.at<DeviceSamplingParams>(block_dev_, in.params);
+  const float* u = b.at<float>(block_dev_, in.uniforms);
+  const int32_t* anchor = b.at<int32_t>(block_dev_, b.ids);  // ids[0] = the anchor
+  int32_t* tokens = draft_result_;
+  float* conf = reinterpret_cast<float*>(draft_result_ + B);
+  for (int i = 0; i < B; ++i) {
+    float* emb = draft_emb_ + int64_t(i) * Rk;
+    // The Markov row of the previous token (the anchor, then slot i-1's draw; a device int).
+    embed_rows(markov_embed_dev_, i == 0 ? anchor : draft_prev_ + (i - 1), 1, 1, emb, draft_pre_,
+               stream_);
+    LS.markov_head.apply(emb, 1, draft_bias_, stream_);  // as draft(): one row per slot
+    sample_slot_on_device(logits_ + int64_t(i) * V, draft_bias_, V, params, u + i,
+                          draft_q_ + int64_t(i) * V, verify_plan_->sort_scratch(), tokens + i,
+                          draft_prev_ + i, stream_);
+  }
+  draft_confidence_on_device(conf_proj_dev_, x_, draft_emb_, B, D, Rk, conf, stream_);
+}
+
+engine::DraftBlock CudaModel::draft_on_device(CudaSession& s, int32_t anchor,
+                                              const sampling::SamplingParams& params, uint64_t seed,
+                                              uint64_t step) {
+  UF_CHECK(device_draft_available(),
+           "draft_on_device: device drafting is off (CudaModelOptions::device_draft and "
+           "device_verify, tp = 1, a model with DSpark stages)");
+  sampling::validate(params);
+  if (!draft_q_) prepare_device_draft();
+  UF_CHECK(s.len > 0, "draft_on_device: the session has no committed position yet");
+  UF_CUDA_CHECK(cudaSetDevice(opts_.device));
+  const int B = cfg_.dspark_block_size, W = cfg_.window_size, V = cfg_.vocab_size;
+  const int64_t p = s.len - 1;
+  SpanBlock b = draft_block();
+  const DraftInputs in = draft_inputs(b);
+  UF_CHECK(in.bytes <= block_bytes_, "draft_on_device: a block of {} bytes exceeds {}", in.bytes,
+           block_bytes_);
+  b.bytes = in.bytes;  // draft_program's upload covers the sampling inputs too
+  uint8_t* h = block_host_;
+  *b.at<int64_t>(h, b.p0) = p;
+  UF_CHECK(anchor >= 0 && anchor < V, "draft_on_device: anchor {} outside the vocab of {}", anchor,
+           V);
+  for (int i = 0; i < B; ++i) {
+    const int32_t id = i == 0 ? anchor : cfg_.dspark_noise_token_id;
+    UF_CHECK(id >= 0 && id < V, "draft_on_device: token {} outside the vocab", id);
+    b.at<int32_t>(h, b.ids)[i] = id;
+    b.at<int64_t>(h, b.pos)[i] = p + 1 + i;
+    b.at<float>(h, in.uniforms)[i] =
+        sampling::stream_uniform(seed, step, sampling::RngPurpose::kDraft, uint32_t(i));
+  }
+  *b.at<DeviceSamplingParams>(h, in.params) = device_sampling_params(params);
+  const int64_t nring = std::min<int64_t>(W, p + 1);
+  for (int st = 0; st < cfg_.n_mtp_layers; ++st) {
+    const auto& ring = s.layers[size_t(cfg_.n_layers + st)].window;
+    UF_CHECK(ring.slots == W + opts_.max_rows,
+             "draft_on_device: DSpark stage {} ring of {} slots, the program expects {}", st,
+             ring.slots, W + opts_.max_rows);
+    for (int64_t k = 0; k < nring; ++k) {
+      const int64_t qpos = p - ((p - k) % W);
+      UF_CHECK(ring.get(qpos), "draft_on_device: DSpark stage {} ring lacks position {}", st, qpos);
+    }
+    *b.at<float*>(h, b.stage_window[size_t(st)]) = ring.data;
+  }
+  launch_program(kDeviceDraftGraphKey, [&] {
+    draft_program(b, /*head_rows=*/true);
+    device_draft_program(b, in);
+  });
+  std::vector<int32_t> result(2 * size_t(B));
+  UF_CUDA_CHECK(cudaMemcpyAsync(result.data(), draft_result_, result.size() * sizeof(int32_t),
+                                cudaMemcpyDeviceToHost, stream_));
+  sync();
+  engine::DraftBlock out;
+  out.position = p;
+  out.anchor = anchor;
+  out.tokens.assign(result.begin(), result.begin() + B);
+  out.confidence.resize(size_t(B));
+  std::memcpy(out.confidence.data(), result.data() + B, size_t(B) * sizeof(float));
+  for (int i = 0; i < B; ++i)
+    UF_CHECK(out.tokens[size_t(i)] >= 0 && out.tokens[size_t(i)] < V,
+             "draft_on_device: slot {} drew token {} (outside the vocab of {}): its q row had no "
+             "positive weight (NaN logits?); T {} top_p {} top_k {}",
+             i, out.tokens[size_t(i)], V, params.temperature, params.top_p, params.top_k);
+  device_drafts_ = out.tokens;
+  return out;
+}
+
+sampling::VerifyResult CudaModel::verify_last_drafted(sampling::VerifyMode mode,
+                                                      const sampling::SamplingParams& params,
+                                                      std::span<const int32_t> tokens,
+                                                      uint64_t seed, uint64_t step, int rows) {
+  UF_CHECK(verify_plan_, "device verification is off (CudaModelOptions::device_verify, tp = 1)");
+  const int g = int(tokens.size()), V = cfg_.vocab_size;
+  UF_CHECK(g >= 0 && g <= sampling::kMaxDraft && rows == g + 1,
+           "verify_last_drafted: {} drafts for {} logits rows (at most {} drafts)", g, rows,
+           sampling::kMaxDraft);
+  UF_CHECK(g == 0 || (g <= int(device_drafts_.size()) &&
+                      std::equal(tokens.begin(), tokens.end(), device_drafts_.begin())),
+           "verify_last_drafted: the {} drafts are not a prefix of the last device draft's {} "
+           "(no draft_on_device since, or a host draft() in between): its q rows would not match",
+           g, device_drafts_.size());
+  UF_CUDA_CHECK(cudaSetDevice(opts_.device));
+  const unsigned long long seed_step[2] = {seed, step};
+  if (g > 0)
+    UF_CUDA_CHECK(cudaMemcpyAsync(verify_tokens_, tokens.data(), size_t(g) * sizeof(int32_t),
+                                  cudaMemcpyHostToDevice, stream_));
+  UF_CUDA_CHECK(
+      cudaMemcpyAsync(verify_seed_, seed_step, sizeof(seed_step), cudaMemcpyHostToDevice, stream_));
+  logits_to_probs_on_device(*verify_plan_, logits_, rows, V, params, verify_plan_->target_probs(),
+                            stream_);
+  verify_probs_on_device(mode, verify_plan_->target_probs(), g > 0 ? draft_q_ : nullptr,
+                         verify_tokens_, g, V, verify_seed_, nullptr, verify_out_, nullptr,
+                         stream_);
+  sampling::VerifyResult out;
+  UF_CUDA_CHECK(cudaMemcpyAsync(&out, verify_out_, sizeof(out), cudaMemcpyDeviceToHost, stream_));
+  sync();
+  return out;
+}
+
+std::vector<float> CudaModel::device_draft_probs(int rows) const {
+  UF_CHECK(draft_q_ && rows >= 0 && rows <= cfg_.dspark_block_size,
+           "device_draft_probs: {} rows (device draft prepared: {})", rows, draft_q_ != nullptr);
+  UF_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  return download(draft_q_, size_t(rows) * size_t(cfg_.vocab_size));
+}
+
+std::vector<float> CudaModel::device_draft_logits(int rows) const {
+  UF_CHECK(rows >= 0 && rows <= cfg_.dspark_block_size, "device_draft_logits: {} rows", rows);
+  UF_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  return download(logits_, size_t(rows) * size_t(cfg_.vocab_size));
 }
 
 }  // namespace uf::cuda

@@ -11,6 +11,7 @@
 #include "cuda/backend/model_internal.h"
 #include "cuda/cuda_check.h"
 #include "cuda/device_weights.h"
+#include "cuda/gemv.h"
 #include "cuda/ops/attention.h"
 #include "cuda/tp/nccl_comm.h"
 #include "cuda/weight_uploader.h"
@@ -153,7 +154,12 @@ CudaModel::CudaModel(model::ModelConfig cfg, const model::Checkpoint& ckpt,
       es.n_cols = hasher_->n_cols();
       es.head_dim = cfg_.engram_head_dim;
       es.norm_eps = float(cfg_.norm_eps);
+      if (const auto it = shard_row0_.find(L.engram.table.name); it != shard_row0_.end()) {
+        es.row_begin = it->second;  // TP: this rank's slice of the table's rows
+        es.rows_total = cfg_.engram_num_embeddings.at(size_t(r.engram_index));
+      }
       op->engram = std::make_unique<DeviceEngram>(L.engram, es, arena_);
+      engram_gather_ = std::max(engram_gather_, size_t(op->engram->gathered_floats_per_row()));
     }
     op->main_proj = make_linear(L.main_proj, LinearKind::kAuto, arena_);
     op->markov_head = make_linear(L.markov_head, LinearKind::kF32, arena_);
@@ -214,7 +220,7 @@ CudaModel::CudaModel(model::ModelConfig cfg, const model::Checkpoint& ckpt,
   emit_ = arena_.alloc<float>(T * hd);
   if (!cfg_.index_source_layers.empty())
     emit_keys_ = arena_.alloc<float>(T * size_t(cfg_.index_head_dim));
-  if (opts_.device_verify && tp_ == 1) {
+  if (opts_.device_verify && rank_ == 0) {  // TP: rank 0 holds the logits and verifies
     verify_plan_ = std::make_unique<VerifyPlan>(cfg_.vocab_size);
     verify_q_ = arena_.alloc<float>(size_t(sampling::kMaxDraft) * size_t(cfg_.vocab_size));
     verify_tokens_ = arena_.alloc<int32_t>(size_t(sampling::kMaxDraft));
@@ -229,7 +235,9 @@ CudaModel::CudaModel(model::ModelConfig cfg, const model::Checkpoint& ckpt,
   for (int l : cfg_.index_source_layers)
     topk_[size_t(l)] = arena_.alloc<int32_t>(T * size_t(std::max(cfg_.index_topk, 1)));
   UF_CUDA_CHECK(cudaDeviceSynchronize());
-  if (ordered_sum_) ensure_gather(T * D);
+  // The ordered sum's scratch: [T, dim] partials, and the Engram gathers of a row-split table
+  // (at most kMaxDecodeRows rows per DeviceEngram chunk).
+  if (ordered_sum_) ensure_gather(std::max(T * D, size_t(kMaxDecodeRows) * engram_gather_));
   if (split_head_) {
     const size_t Vl = size_t(cfg_.vocab_size / tp_);
     head_part_ = arena_.alloc<float>(T * Vl);
@@ -242,6 +250,14 @@ CudaModel::CudaModel(model::ModelConfig cfg, const model::Checkpoint& ckpt,
       *w = model::Weight{};  // no dangling views
     shard_bytes_.clear();
     shard_bytes_.shrink_to_fit();
+    // NCCL connects the ranks at the first collective of each kind, which allocates and so must
+    // not happen inside a graph capture (capture_step_graphs): run each kind the programs use
+    // once here, eagerly (every rank constructs at the same time).
+    const size_t n = size_t(tp_) * 64;
+    UF_CUDA_CHECK(cudaMemsetAsync(x_, 0, n * sizeof(float), stream_));
+    group_->all_reduce_sum_rank(rank_, x_, n, tp::CommDType::kF32, stream_);
+    group_->all_gather_rank(rank_, x_, y_, 64, tp::CommDType::kF32, stream_);
+    sync();
   }
 }
 
@@ -329,21 +345,32 @@ void CudaModel::upload_ring(DeviceRing& r, const std::vector<float>& in) const {
 // ---------------------------------------------------------------------------------------------
 // Projections shared by backbone and DSpark attention.
 
-void CudaModel::project_q(int l, const float* x, int T, int64_t p0, float* qr, float* q,
-                          const int64_t* pos) {
+void CudaModel::project_qkv(int l, const float* x, int T, int64_t p0, float* qr, float* q,
+                            float* kv, const int64_t* pos) {
   const auto& op = *layers_[size_t(l)];
-  const int H = H_, hd = cfg_.head_dim, R = cfg_.q_lora_rank;
-  op.wq_a.apply(x, T, qr, stream_);
-  rms_norm(op.q_norm, float(cfg_.norm_eps), qr, T, R, qr, stream_);
+  // wq_a and wkv read the same x: one launch, each output bitwise its own apply().
+  const LinearCall calls[] = {{&op.wq_a, qr}, {&op.wkv, kv}};
+  DeviceLinear::apply_group(calls, x, T, stream_);
+  finish_q(l, qr, T, p0, q, pos);
+  finish_kv(l, kv, T, p0, pos);
+}
+
+void CudaModel::finish_q(int l, float* qr, int T, int64_t p0, float* q, const int64_t* pos) {
+  const auto& op = *layers_[size_t(l)];
+  rms_norm(op.q_norm, float(cfg_.norm_eps), qr, T, cfg_.q_lora_rank, qr, stream_);
   op.wq_b.apply(qr, T, q, stream_);
-  rope(op.freqs, op.rope_dim, q, T, H, hd, p0, 1, false, stream_, pos);
+  rope(op.freqs, op.rope_dim, q, T, H_, cfg_.head_dim, p0, 1, false, stream_, pos);
 }
 
 void CudaModel::project_kv(int l, const float* x, int T, int64_t p0, float* kv,
                            const int64_t* pos) {
+  layers_[size_t(l)]->wkv.apply(x, T, kv, stream_);
+  finish_kv(l, kv, T, p0, pos);
+}
+
+void CudaModel::finish_kv(int l, float* kv, int T, int64_t p0, const int64_t* pos) {
   const auto& op = *layers_[size_t(l)];
   const int hd = cfg_.head_dim;
-  op.wkv.apply(x, T, kv, stream_);
   rms_norm(op.kv_norm, float(cfg_.norm_eps), kv, T, hd, kv, stream_);
   rope(op.freqs, op.rope_dim, kv, T, 1, hd, p0, 1, false, stream_, pos);
   qdq_fp8(kv, T, hd, 32, stream_);
@@ -426,8 +453,9 @@ void CudaModel::embed(const Span& sp, std::span<const int32_t> tokens, float* X,
 
 void CudaModel::head(const float* X, const float* pre_mix, int row0, int n, float* logits_dev) {
   const int hc = cfg_.hc_mult, D = cfg_.dim;
-  hc_pre(hc_, X + int64_t(row0) * hc * D, pre_mix + int64_t(row0) * hc, n, x_, stream_);
-  rms_norm(norm_, float(cfg_.norm_eps), x_, n, D, x_, stream_);
+  // hc_pre + rms_norm in one kernel (bitwise the two).
+  hc_pre_norm(hc_, X + int64_t(row0) * hc * D, pre_mix + int64_t(row0) * hc, norm_,
+              float(cfg_.norm_eps), n, x_, stream_);
   apply_head(x_, n, logits_dev);
 }
 
@@ -478,8 +506,10 @@ void CudaModel::run_layers(Span& sp, float* X, float* pre_mix, int l0, int l1, f
       const int64_t nc = hasher_->n_cols();
       const int64_t* hash =
           sp.program ? sp.program->at<int64_t>(block_dev_, sp.program->hash) : hash_;
-      layers_[size_t(l)]->engram->apply(hash + int64_t(role.engram_index) * T * nc, X, T, X,
-                                        stream_);
+      const DeviceEngram& engram = *layers_[size_t(l)]->engram;
+      DeviceEngram::RowReduce reduce;  // a row-split table (TP): sum the ranks' gathers
+      if (engram.split()) reduce = [this](float* v, size_t n) { all_reduce_round(v, n); };
+      engram.apply(hash + int64_t(role.engram_index) * T * nc, X, T, X, stream_, reduce);
     }
     if (role.dspark_tap && main_hidden) {
       const auto& ids = cfg_.dspark_target_layer_ids;
@@ -495,29 +525,41 @@ void CudaModel::block(Span& sp, int l, float* X, float* pre_mix) {
   layer(l, X, sp.T, pre_mix, [&](const float* x, float* out) { attention(sp, l, x, out); });
 }
 
+// mHC around each sublayer in 2 fused kernels (ops/mhc.cu), bitwise the unfused ops:
+// hc_mix_pre_norm (the mixes' finish + collapse + norm) before the sublayer, hc_post_mixes (the
+// expand + the next sublayer's mixes partials over the new stream) after it. The stream
+// ping-pongs: the attention's expand writes R_, the FFN's writes X back (a fused expand cannot
+// write in place), so no copy of X is needed. The partials of layer l's attention mixes come from
+// layer l - 1's FFN expand when that was the previous layer() call on the same X and rows
+// (mix_ready_) and nothing rewrote X in between: the caller applies Engram to X before an Engram
+// layer (run_layers), so those layers, the first of a stack (after the embedding) and any call
+// not preceded by its predecessor (CED's tail) compute them here (hc_mixes_partial). DSpark taps
+// only read X. The stacks: backbone layers [0, n_layers), DSpark stages [n_layers, n_total).
 void CudaModel::layer(int l, float* X, int T, float* pre_mix,
                       const std::function<void(const float* x, float* out)>& attention) {
-  const int hc = cfg_.hc_mult, D = cfg_.dim;
   const auto& op = *layers_[size_t(l)];
   const float eps = float(cfg_.norm_eps);
-  const size_t stream_bytes = size_t(T) * size_t(hc) * size_t(D) * sizeof(float);
-  UF_CUDA_CHECK(cudaMemcpyAsync(R_, X, stream_bytes, cudaMemcpyDeviceToDevice, stream_));
-  hc_mixes(hc_, op.hc_attn_fn, op.hc_attn_scale, op.hc_attn_base, X, T, apre_, apost_, acomb_,
-           mix_scratch_, stream_);
-  hc_pre(hc_, X, pre_mix, T, x_, stream_);
-  rms_norm(op.attn_norm, eps, x_, T, D, x_, stream_);
+  const bool ready =
+      mix_ready_.layer == l && mix_ready_.X == X && mix_ready_.T == T && !cfg_.role(l).engram;
+  mix_ready_ = MixReady{};
+  if (!ready) hc_mixes_partial(hc_, op.hc_attn_fn, X, T, mix_scratch_, stream_);
+  hc_mix_pre_norm(hc_, op.hc_attn_scale, op.hc_attn_base, mix_scratch_, X, pre_mix, op.attn_norm,
+                  eps, T, x_, apre_, apost_, acomb_, stream_);
   attention(x_, y_);
-  hc_post(hc_, y_, R_, apost_, acomb_, T, X, stream_);
+  hc_post_mixes(hc_, y_, X, apost_, acomb_, T, R_, op.hc_ffn_fn, mix_scratch_, stream_);
 
-  UF_CUDA_CHECK(cudaMemcpyAsync(R_, X, stream_bytes, cudaMemcpyDeviceToDevice, stream_));
   // As the CPU (and the reference): the FFN mixes' pre goes to pre_mix (the next layer's
   // attention), the FFN collapses with the attention's pre.
-  hc_mixes(hc_, op.hc_ffn_fn, op.hc_ffn_scale, op.hc_ffn_base, X, T, pre_mix, fpost_, fcomb_,
-           mix_scratch_, stream_);
-  hc_pre(hc_, X, apre_, T, x_, stream_);
-  rms_norm(op.ffn_norm, eps, x_, T, D, x_, stream_);
+  hc_mix_pre_norm(hc_, op.hc_ffn_scale, op.hc_ffn_base, mix_scratch_, R_, apre_, op.ffn_norm, eps,
+                  T, x_, pre_mix, fpost_, fcomb_, stream_);
   moe(l, x_, T, y_);
-  hc_post(hc_, y_, R_, fpost_, fcomb_, T, X, stream_);
+  const int next = l + 1;
+  const int stack_end = l < cfg_.n_layers ? cfg_.n_layers : cfg_.n_total_layers();
+  const bool fuse_next = next < stack_end && !cfg_.role(next).engram;
+  hc_post_mixes(hc_, y_, R_, fpost_, fcomb_, T, X,
+                fuse_next ? layers_[size_t(next)]->hc_attn_fn : DeviceWeight{}, mix_scratch_,
+                stream_);
+  if (fuse_next) mix_ready_ = MixReady{next, X, T};
 }
 
 void CudaModel::moe(int l, const float* x, int T, float* y) {
@@ -554,8 +596,8 @@ void CudaModel::kv_path(Span& sp, int l, const float* x) {
     op.c_wkv.apply(x, T, lat, stream_);
     rms_norm(op.c_norm, eps, lat, T, hd, lat, stream_);
   } else {
-    op.c_wkv.apply(x, T, ckv_kv_, stream_);
-    op.c_wgate.apply(x, T, ckv_gate_, stream_);
+    const LinearCall kv_gate[] = {{&op.c_wkv, ckv_kv_}, {&op.c_wgate, ckv_gate_}};
+    DeviceLinear::apply_group(kv_gate, x, T, stream_);
     auto row = [&](const float* local, const DeviceRing& ring, int64_t p) {
       const float* v = p >= sp.p0 ? local + (p - sp.p0) * hd : ring.get(p);
       UF_CHECK(v, "layer {}: the compressor's row of position {} is gone", l, p);
@@ -702,8 +744,7 @@ void CudaModel::attention(Span& sp, int l, const float* x, float* out) {
   const auto& op = *layers_[size_t(l)];
   auto& st = sp.s->layers[size_t(l)];
   const int T = sp.T, H = H_, hd = cfg_.head_dim, W = cfg_.window_size;
-  project_q(l, x, T, sp.p0, qr_, q_);
-  project_kv(l, x, T, sp.p0, kv_);
+  project_qkv(l, x, T, sp.p0, qr_, q_, kv_);
   const int32_t* topk = nullptr;
   int k = 0;
   const float* ckv = nullptr;

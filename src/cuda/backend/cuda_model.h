@@ -28,12 +28,15 @@
 #include <memory>
 #include <optional>
 #include <span>
+#include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "cuda/backend/cuda_session.h"
 #include "cuda/device_memory.h"
 #include "cuda/device_weights.h"
 #include "cuda/ops/elementwise.h"
+#include "cuda/ops/engram.h"
 #include "cuda/ops/linear.h"
 #include "cuda/ops/moe.h"
 #include "cuda/verify.h"
@@ -51,18 +54,22 @@ namespace tp {
 class TpGroup;
 }
 
-// The sharding options of the CUDA TP path (cuda_tp.cpp): heads, index heads and experts split;
-// head, embedding and Engram replicated.
+// The sharding options of the CUDA TP path (cuda_tp.cpp): heads, index heads, experts and Engram
+// table rows split; head (unless split_head), embedding and engram.wkv replicated.
 // split_head: head.weight by vocab rows too (all-gather of the logits; CudaModelOptions).
 model::TpOptions backend_tp_options(bool split_head = false);
-// The weights the CUDA TP path splits (attention / index heads, experts), in a fixed order.
+// The weights the CUDA TP path splits (attention / index heads, experts, Engram tables), in a
+// fixed order.
 std::vector<model::Weight*> tp_split_weights(model::ModelWeights& w, bool split_head = false);
 // Replaces the split weights of `w` (bound on the whole checkpoint) by rank's shards of the
 // backend_tp_options() plan: host copies appended to `storage` (they must outlive the views),
 // rows / cols narrowed. Returns the tensors copied (weights and scales); throws when the plan
-// splits a tensor this path does not place. Host only (no GPU needed).
+// splits a tensor this path does not place. Host only (no GPU needed). row_begin (optional):
+// for every weight split by rows, its first row in the whole tensor (Engram tables split
+// unevenly, so a rank's offset is not rank * rows).
 size_t shard_model_weights(model::ModelWeights& w, const model::ModelConfig& cfg, int tp, int rank,
-                           std::vector<std::vector<uint8_t>>& storage, bool split_head = false);
+                           std::vector<std::vector<uint8_t>>& storage, bool split_head = false,
+                           std::unordered_map<std::string, int64_t>* row_begin = nullptr);
 
 struct CudaModelOptions {
   bool reference_index_keys = false;      // rejected: not implemented on the device
@@ -80,11 +87,17 @@ struct CudaModelOptions {
   bool tp_split_head = false;
   // Ring-layout spans of up to max_rows rows (decode and verify steps) replay one CUDA graph per
   // (rows, all_logits), captured at first use (cuda_ring_span.cpp). Off: the same launches run
-  // eagerly (the graph and the eager path are the same code). Graphs run at tp = 1 only for now.
+  // eagerly (the graph and the eager path are the same code). Under TP each rank replays its own
+  // graphs, with the NCCL collectives captured in them.
   bool cuda_graphs = true;
   // Speculative verification on the device (CudaBackend::verify_last_rows, cuda/verify.h): the
-  // verify step's logits never go to the host. tp = 1 only for now.
+  // verify step's logits never go to the host. Under TP, rank 0 verifies (it holds the logits).
   bool device_verify = true;
+  // DSpark drafting on the device (CudaModel::draft_on_device): the Markov loop, the transform,
+  // the draft sampling and the confidences of all slots in one launch sequence (one CUDA graph);
+  // the q rows stay on the device for verification. Needs device_verify and tp = 1; off, or
+  // without device_verify: the host loop of draft() with the engine's sampler.
+  bool device_draft = true;
 };
 
 class CudaModel {
@@ -136,12 +149,36 @@ class CudaModel {
   // Waits for the stream (and releases the upload staging).
   void synchronize() { sync(); }
 
-  // CED prefill shortcut (cpu::CpuModel::prefill_ced's twin); the prompt must fit one span.
+  // CED prefill shortcut (cpu::CpuModel::prefill_ced's twin). A prompt longer than the span
+  // capacity runs its encoder part in chunks (ring layout), the decoder on the last chunk's tail.
   void prefill_ced(CudaSession& s, std::span<const int32_t> tokens, int replay, float* logits);
 
   // One DSpark round at the last committed position (cpu::CpuModel::draft's twin). TP ranks other
   // than 0 run the stages (their collectives) and return an empty block.
   engine::DraftBlock draft(CudaSession& s, int32_t anchor, const engine::DraftSampler& sampler);
+
+  // --- DSpark drafting on the device (cuda_dspark.cpp) ---
+  // Whether draft_on_device can run (options().device_draft, device verification on, tp = 1).
+  bool device_draft_available() const;
+  // Allocates the device draft's buffers (and the Markov embedding table on the device) and
+  // captures its graph on a scratch session; CudaBackend calls it at construction. Idempotent.
+  void prepare_device_draft();
+  // One DSpark round as draft(), with the engine's draft sampler on the device: slot i is drawn
+  // from logits_to_probs(head_i + markov_bias_i) with u_i = stream_uniform(seed, step, kDraft, i)
+  // (greedy: argmax). Returns tokens and confidences (bitwise the host loop's); logits and
+  // markov_bias stay empty. The q rows stay on the device for verify_last_drafted.
+  engine::DraftBlock draft_on_device(CudaSession& s, int32_t anchor,
+                                     const sampling::SamplingParams& params, uint64_t seed,
+                                     uint64_t step);
+  // verify_last with the q rows of the last draft_on_device (tokens: its first g drafts).
+  sampling::VerifyResult verify_last_drafted(sampling::VerifyMode mode,
+                                             const sampling::SamplingParams& params,
+                                             std::span<const int32_t> tokens, uint64_t seed,
+                                             uint64_t step, int rows);
+  // Test hooks (synchronous): the last draft_on_device's q rows [rows, vocab] and its logits rows
+  // (head + Markov bias) [rows, vocab]; the logits are overwritten by the next forward.
+  std::vector<float> device_draft_probs(int rows) const;
+  std::vector<float> device_draft_logits(int rows) const;
 
   // Device state <-> host vectors (snapshot / restore).
   void download_ring(const DeviceRing& r, std::vector<float>& out) const;
@@ -169,10 +206,17 @@ class CudaModel {
   SpanBlock span_block(int T) const;
   void forward_ring(CudaSession& s, std::span<const int32_t> tokens, bool all_logits, float* logits,
                     float* main_hidden, int* publisher, bool keep_logits);
-  void plan_ring_span(Span& sp, const SpanBlock& b, std::span<const int32_t> tokens);
-  void ring_program(const SpanBlock& b, bool all_logits, bool head);
+  // ced_dec >= 0: a CED encoder chunk (layers [0, ced_dec) and layer ced_dec's KV path only).
+  void plan_ring_span(Span& sp, const SpanBlock& b, std::span<const int32_t> tokens,
+                      int ced_dec = -1);
+  void ring_program(const SpanBlock& b, bool all_logits, bool head, int ced_dec = -1);
   void attention_program(const SpanBlock& b, int l, const float* x, float* out);
   void kv_program(const SpanBlock& b, int l, const float* x);
+  // CED: the first decoder layer's KV path on the encoder output X [T rows] (cuda_ced.cpp).
+  void ced_decoder_kv(Span& sp, float* X, float* pre_mix, int T);
+  // CED: a ring-layout encoder chunk on a non-empty session (sp: its span). Returns the publisher
+  // after it; commits it (no DSpark rows) unless it is the last chunk, whose rows stay in X_.
+  int ced_encoder_chunk(CudaSession& s, std::span<const int32_t> tokens, Span& sp, bool last);
   void indexer_program(const SpanBlock& b, int l, const float* x, const float* qr);
   void drop_graphs();
   // The DSpark stages of a draft round as a program (cuda_dspark.cpp): block = draft_block(),
@@ -180,6 +224,14 @@ class CudaModel {
   // rings; output: the last stage's x5 rows in x_ and, with head_rows, its head logits in logits_.
   SpanBlock draft_block() const;
   void draft_program(const SpanBlock& b, bool head_rows);
+  // The device draft's inputs appended to draft_block()'s layout (byte offsets in the block):
+  // DeviceSamplingParams, then B uniforms (float).
+  struct DraftInputs {
+    size_t params = 0, uniforms = 0, bytes = 0;
+  };
+  DraftInputs draft_inputs(const SpanBlock& b) const;
+  // After draft_program(b, true): the Markov loop, sampling and confidences of every slot.
+  void device_draft_program(const SpanBlock& b, const DraftInputs& in);
   // Replays the graph `key` (captured from `program` at first use) or runs `program` eagerly.
   template <typename Program>
   void launch_program(int key, Program&& program);
@@ -214,10 +266,13 @@ class CudaModel {
   void head(const float* X, const float* pre_mix, int row0, int n, float* logits_dev);
   int last_emitter(int64_t p) const;
   // Rows t < T at positions p0 + t, or at pos[t] (device) when pos is given (span programs).
-  void project_q(int l, const float* x, int T, int64_t p0, float* qr, float* q,
-                 const int64_t* pos = nullptr);
+  // q (through the q latent qr) and the KV row of x: wq_a and wkv in one grouped launch.
+  void project_qkv(int l, const float* x, int T, int64_t p0, float* qr, float* q, float* kv,
+                   const int64_t* pos = nullptr);
   void project_kv(int l, const float* x, int T, int64_t p0, float* kv,
                   const int64_t* pos = nullptr);
+  void finish_q(int l, float* qr, int T, int64_t p0, float* q, const int64_t* pos);  // after wq_a
+  void finish_kv(int l, float* kv, int T, int64_t p0, const int64_t* pos);           // after wkv
   void output_proj(int l, float* o, int T, int64_t p0, float* out, const int64_t* pos = nullptr);
   // The MoE sublayer y [T, dim] of x (one GPU: DeviceMoe::apply; TP: the ranks' fp32 partials
   // summed and rounded once).
@@ -242,7 +297,9 @@ class CudaModel {
   // Rank-local counts (the whole model's at tp = 1): heads, output groups, index heads, expert
   // intermediate width.
   int H_ = 0, G_ = 0, Hi_ = 0, inter_ = 0;
-  std::vector<std::vector<uint8_t>> shard_bytes_;  // TP: host shards, freed after the upload
+  std::vector<std::vector<uint8_t>> shard_bytes_;        // TP: host shards, freed after the upload
+  std::unordered_map<std::string, int64_t> shard_row0_;  // TP: first row of row-split weights
+  size_t engram_gather_ = 0;  // the largest Engram gather per row (floats)
   bool ordered_sum_ = false;
   bool split_head_ = false;
   float* head_part_ = nullptr;    // split head: [tmax, vocab / tp] (arena)
@@ -272,7 +329,15 @@ class CudaModel {
         *o2_ = nullptr;
   float *ckv_kv_ = nullptr, *ckv_gate_ = nullptr, *pool_ = nullptr;
   float *iq_ = nullptr, *iw_ = nullptr;
-  float* mix_scratch_ = nullptr;   // hc_mixes' split-K partials
+  float* mix_scratch_ = nullptr;  // hc_mixes' split-K partials
+  // layer(): the partials in mix_scratch_ are layer `layer`'s attention mixes over X, T rows
+  // (computed by the previous layer()'s fused FFN expand); layer -1: none.
+  struct MixReady {
+    int layer = -1;
+    const float* X = nullptr;
+    int T = 0;
+  };
+  MixReady mix_ready_;
   float* attn_scratch_ = nullptr;  // sparse_attn's split mode (span and draft programs)
   float *mh_ = nullptr, *logits_ = nullptr, *emb_ = nullptr;
   int32_t *ids_ = nullptr, *gate_i_ = nullptr, *vis_ = nullptr, *width_ = nullptr;
@@ -303,6 +368,16 @@ class CudaModel {
   unsigned long long* verify_seed_ = nullptr;  // {seed, step}
   sampling::VerifyResult* verify_out_ =
       nullptr;  // device  // key: rows * 4 + all_logits * 2 + head
+  // Device draft (prepare_device_draft; null until then): the Markov embedding table, the
+  // confidence projection (fp32), per-slot Markov rows [B, rank], one bias row [vocab], the q
+  // rows [B, vocab], a pre-mix scratch float, the sampled tokens and the clamped previous tokens
+  // [B], and the result {tokens [B] int32, confidences [B] fp32} that comes back in one copy.
+  DeviceWeight markov_embed_dev_;
+  float *conf_proj_dev_ = nullptr, *draft_emb_ = nullptr, *draft_bias_ = nullptr,
+        *draft_q_ = nullptr, *draft_pre_ = nullptr;
+  int32_t *draft_prev_ = nullptr, *draft_result_ = nullptr;
+  // The drafts whose q rows draft_q_ holds (empty: none valid, e.g. after a host draft()).
+  std::vector<int32_t> device_drafts_;
 };
 
 }  // namespace uf::cuda

@@ -102,7 +102,8 @@ CudaModel::SpanBlock CudaModel::span_block(int T) const {
 // ---------------------------------------------------------------------------------------------
 // Host: the span's inputs and the CPU span logic's bookkeeping (cpu/model.cpp, ring layout).
 
-void CudaModel::plan_ring_span(Span& sp, const SpanBlock& b, std::span<const int32_t> tokens) {
+void CudaModel::plan_ring_span(Span& sp, const SpanBlock& b, std::span<const int32_t> tokens,
+                               int ced_dec) {
   CudaSession& s = *sp.s;
   uint8_t* h = block_host_;
   const int T = sp.T, hd = cfg_.head_dim, ihd = cfg_.index_head_dim, W = cfg_.window_size;
@@ -124,10 +125,13 @@ void CudaModel::plan_ring_span(Span& sp, const SpanBlock& b, std::span<const int
         std::copy_n(sp.hash.begin() + int64_t(size_t(t) * per + size_t(e) * size_t(nc)), nc,
                     dst + (int64_t(e) * T + t) * nc);
   }
-  for (int l = 0; l < cfg_.n_layers; ++l) {
+  // A CED encoder chunk (ced_dec >= 0) runs layers [0, ced_dec) and layer ced_dec's KV path only.
+  const int n_layers = ced_dec >= 0 ? ced_dec + 1 : cfg_.n_layers;
+  for (int l = 0; l < n_layers; ++l) {
     const auto& role = cfg_.role(l);
     const auto& L = b.layers[size_t(l)];
     auto& st = s.layers[size_t(l)];
+    const bool kv_only = l == ced_dec;
     *b.at<float*>(h, L.window) = st.window.data;
     if (role.compress_ratio > 0) {
       const int r = role.compress_ratio;
@@ -187,6 +191,7 @@ void CudaModel::plan_ring_span(Span& sp, const SpanBlock& b, std::span<const int
           if (role.index_source) st.ikeys_n = std::max(st.ikeys_n, e0 + n);
         }
       }
+      if (kv_only) continue;
       if (role.index_source) {
         // CudaModel::indexer, ring layout: every row scores its visible entries.
         const auto& owner = s.layers[size_t(role.index_keys_from)];
@@ -215,6 +220,7 @@ void CudaModel::plan_ring_span(Span& sp, const SpanBlock& b, std::span<const int
                role.topk_from);
       *b.at<const float*>(h, L.ckv_src) = s.layers[size_t(role.kv_from)].ckv;
     }
+    if (kv_only) continue;
     // The window rows before the span must still be in the ring; then the span's rows go in.
     for (int64_t q = std::max<int64_t>(0, p0 - W + 1); q < p0; ++q)
       UF_CHECK(st.window.get(q), "layer {}: window KV of position {} is gone (span at {})", l, q,
@@ -229,13 +235,18 @@ void CudaModel::plan_ring_span(Span& sp, const SpanBlock& b, std::span<const int
 // ---------------------------------------------------------------------------------------------
 // Device: launches only, every varying input read from block_dev_.
 
-void CudaModel::ring_program(const SpanBlock& b, bool all_logits, bool head_rows) {
+void CudaModel::ring_program(const SpanBlock& b, bool all_logits, bool head_rows, int ced_dec) {
   const int T = b.T;
   UF_CUDA_CHECK(cudaMemcpyAsync(block_dev_, block_host_, b.bytes, cudaMemcpyHostToDevice, stream_));
   Span sp;
   sp.T = T;
   sp.program = &b;
   embed_rows(embed_, b.at<int32_t>(block_dev_, b.ids), T, cfg_.hc_mult, X_, pre_, stream_);
+  if (ced_dec >= 0) {  // a CED encoder chunk
+    run_layers(sp, X_, pre_, 0, ced_dec, n_taps() > 0 ? mh_ : nullptr);
+    ced_decoder_kv(sp, X_, pre_, T);
+    return;
+  }
   run_layers(sp, X_, pre_, 0, cfg_.n_layers, n_taps() > 0 ? mh_ : nullptr);
   if (head_rows) head(X_, pre_, all_logits ? 0 : T - 1, all_logits ? T : 1, logits_);
 }
@@ -246,8 +257,7 @@ void CudaModel::attention_program(const SpanBlock& b, int l, const float* x, flo
   const auto& L = b.layers[size_t(l)];
   const int T = b.T, H = H_, hd = cfg_.head_dim, W = cfg_.window_size;
   const int64_t* pos = b.at<int64_t>(block_dev_, b.pos);
-  project_q(l, x, T, 0, qr_, q_, pos);
-  project_kv(l, x, T, 0, kv_, pos);
+  project_qkv(l, x, T, 0, qr_, q_, kv_, pos);
   const int32_t* topk = nullptr;
   int k = 0;
   const float* const* ckv = nullptr;
@@ -285,8 +295,8 @@ void CudaModel::kv_program(const SpanBlock& b, int l, const float* x) {
     op.c_wkv.apply(x, T, emit_, stream_);
     rms_norm(op.c_norm, eps, emit_, T, hd, emit_, stream_);
   } else {
-    op.c_wkv.apply(x, T, ckv_kv_, stream_);
-    op.c_wgate.apply(x, T, ckv_gate_, stream_);
+    const LinearCall kv_gate[] = {{&op.c_wkv, ckv_kv_}, {&op.c_wgate, ckv_gate_}};
+    DeviceLinear::apply_group(kv_gate, x, T, stream_);
     compress_pool(b.at<const float*>(block_dev_, L.pool_kv),
                   b.at<const float*>(block_dev_, L.pool_gate), G, r, hd, emit_, stream_);
     round_bf16(emit_, int64_t(G) * hd, stream_);
@@ -383,7 +393,9 @@ sampling::VerifyResult CudaModel::verify_last(sampling::VerifyMode mode,
 }
 
 void CudaModel::capture_step_graphs() {
-  if (!opts_.cuda_graphs || tp_ != 1) return;
+  // Under TP, every rank runs this at once (CudaBackend: one worker thread per rank): the first
+  // replay of each graph runs its collectives.
+  if (!opts_.cuda_graphs) return;
   const auto t0 = std::chrono::steady_clock::now();
   const int M = opts_.max_rows;
   auto s = new_session(int64_t(M) + 2);

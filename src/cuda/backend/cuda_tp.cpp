@@ -14,6 +14,9 @@
 //    the per-expert bf16 roundings of apply() (the reference rounds each expert's output), which a
 //    split-K product cannot keep: closer to exact arithmetic, not bitwise one GPU's. (DeviceMoe's
 //    apply_partial_experts + combine_experts would be bitwise, at a (top_k + 1)x larger reduce.)
+//  - Engram tables: split by rows (unevenly: model/tp_plan.h). Each rank gathers the rows it holds
+//    and +0 for the others; the same all-reduce sums them, and since one rank alone contributes
+//    each value the sum is that value: bitwise one GPU's (up to the sign of an exact zero).
 //  - The sum: NCCL's fp32 all-reduce at N = 2 (a + b: exact order-free), else all-gather + an fp32
 //    sum in rank order (CudaModelOptions::tp_ordered_sum), whose order never depends on the
 //    element count. Collectives are elementwise over rows, so a row's result never depends on the
@@ -50,8 +53,8 @@ model::TpOptions backend_tp_options(bool split_head) {
   model::TpOptions o;
   o.split_head = split_head;
   o.split_wq_a = false;
-  o.split_engram_tables = false;
-  o.split_engram_wkv = false;
+  o.split_engram_tables = true;  // ~98 GB each at release: rows over the ranks
+  o.split_engram_wkv = false;    // 157 MB a layer: replicated, no all-gather
   return o;
 }
 
@@ -66,12 +69,14 @@ std::vector<model::Weight*> tp_split_weights(model::ModelWeights& w, bool split_
       for (model::Weight* x : {&e.w1, &e.w2, &e.w3}) out.push_back(x);
     for (model::Weight* x : {&L.moe.shared.w1, &L.moe.shared.w2, &L.moe.shared.w3})
       out.push_back(x);
+    out.push_back(&L.engram.table);
   }
   return out;
 }
 
 size_t shard_model_weights(model::ModelWeights& weights, const model::ModelConfig& cfg, int tp,
-                           int rank_, std::vector<std::vector<uint8_t>>& storage, bool split_head) {
+                           int rank_, std::vector<std::vector<uint8_t>>& storage, bool split_head,
+                           std::unordered_map<std::string, int64_t>* row_begin) {
   const auto plan = model::make_tp_plan(cfg, tp, rank_, backend_tp_options(split_head));
   std::unordered_map<std::string, const model::TensorShard*> by_name;
   size_t n_split = 0;
@@ -98,10 +103,8 @@ size_t shard_model_weights(model::ModelWeights& weights, const model::ModelConfi
     if (s.mode != model::ShardMode::kSplit) return;
     UF_CHECK(s.dim == 0 || s.dim == 1, "CUDA TP: {} is split along dimension {}", w.name, s.dim);
     const int64_t feats = s.feat_end - s.feat_begin;
-    UF_CHECK(feats > 0,
-             "CUDA TP rank {}: {} has an empty shard (uneven splits are not supported "
-             "for linear weights)",
-             rank_, w.name);
+    UF_CHECK(feats > 0, "CUDA TP rank {}: {} has an empty shard (more ranks than rows?)", rank_,
+             w.name);
     if (w.scale) {
       const auto& sc = find(scale_name(w.name));
       UF_CHECK(sc.mode == model::ShardMode::kSplit && sc.dim == s.dim &&
@@ -112,23 +115,25 @@ size_t shard_model_weights(model::ModelWeights& weights, const model::ModelConfi
       w.scale = copy(sc, w.scale);
     }
     w.data = copy(s, w.data);
-    if (s.dim == 0)
+    if (s.dim == 0) {
       w.rows = feats;
-    else
+      if (row_begin) (*row_begin)[w.name] = s.feat_begin;
+    } else {
       w.cols = feats;
+    }
   };
   for (model::Weight* x : tp_split_weights(weights, split_head)) shard(*x);
   // Every split tensor of the plan (weights and their scales) must have been placed: a tensor the
   // plan splits but the model kept whole would silently compute with the wrong slice count.
   UF_CHECK(applied == n_split,
            "CUDA TP rank {}: the plan splits {} tensors but the CUDA model sharded {}; a split "
-           "tensor (head, Engram, wq_a?) is not supported by the CUDA TP path yet",
+           "tensor (engram.wkv, wq_a?) is not supported by the CUDA TP path yet",
            rank_, n_split, applied);
   return applied;
 }
 
 void CudaModel::shard_weights() {
-  shard_model_weights(w_, cfg_, tp_, rank_, shard_bytes_, split_head_);
+  shard_model_weights(w_, cfg_, tp_, rank_, shard_bytes_, split_head_, &shard_row0_);
 }
 
 void CudaModel::apply_head(const float* x, int n, float* logits_dev) {

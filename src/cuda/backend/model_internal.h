@@ -87,7 +87,9 @@ struct CudaModel::SpanBlock {
 // (TP ranks capture on their own threads); graphs run at tp = 1 only for now.
 template <typename Program>
 void CudaModel::launch_program(int key, Program&& program) {
-  if (!opts_.cuda_graphs || tp_ != 1) {
+  // Under TP every rank captures and replays the same program, NCCL collectives included (NCCL
+  // records them into the graph); ranks replay in the same order because they run the same steps.
+  if (!opts_.cuda_graphs) {
     program();
     return;
   }

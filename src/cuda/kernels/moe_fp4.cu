@@ -32,6 +32,21 @@
 // Kernel 3, combine: out[t] = sum over t's experts in ascending expert id of y (fp32, from 0);
 //   run_experts skips it.
 //
+// Persistent kernels (MoeKernels::kPersistent, the default where they fit; moe.h): the same
+// products and reduction order as kernels 1 and 2, with a different assignment of work:
+//   w13: grid = min(#SMs, P * I/32), 8 warps, one CTA per SM, walking items (distinct expert,
+//     32-row group) blockIdx.x, + gridDim.x, ...; an item's 4 * S units (tile x K split) are
+//     spread over the warps (5 units of 16 K blocks each at K = 5120), each unit's fragment goes
+//     to a shared-memory partial buffer, and after one barrier per item warp c sums column c's
+//     S partials in split order and runs the epilogue above. No global partials, no counters.
+//   w2: grid = min(2 * #SMs, P * K/16), 8 warps, two CTAs per SM; every warp walks items
+//     (distinct expert, 16-row tile) strided by the total warp count, one stage = a whole tile
+//     (16 x I/2 bytes, contiguous) + its scales, all of I per item.
+//   Both copy the plan and the activations (x rows / h rows) into shared memory once per CTA,
+//   stream weights AND their UE8M0 scales through one cp.async ring per warp that runs across
+//   item boundaries (no 1-byte global scale loads in the K loop), and keep the split count a
+//   function of K only.
+//
 // Reduction order: per output, acc = 0; for kb in K order acc += (partial * a_scale) * w_scale
 // (per-row weight scale); w13 splits (S from K only, never from M or the routing) summed in split
 // order by the last block (counter, no float atomics); experts summed by expert id.
@@ -39,6 +54,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdint>
 
 #include "cuda/cuda_check.h"
 #include "cuda/kernels/common.cuh"
@@ -413,6 +429,382 @@ __global__ void __launch_bounds__(256)
   out[size_t(row) * dim + col] = sum;
 }
 
+// ---- Persistent kernels (MoeKernels::kPersistent) ----
+// Same per-output arithmetic as the kernels above (fp4_mma_step's operations, K blocks in order,
+// w13 splits of kb_per_split blocks summed in split order, w2 over all of I), so the outputs are
+// bitwise those of the legacy path; only the assignment of work to warps and where operands are
+// staged differ. Activations (x rows / h rows) and the plan are copied into shared memory once
+// per CTA; weights AND their UE8M0 scales stream through one cp.async ring per warp that runs
+// across work-item boundaries, so the next item's bytes are in flight during an epilogue.
+
+constexpr int kPlanBytes = int((sizeof(MoePlan) + 15) / 16 * 16);
+constexpr int kRows = 8;  // kMaxDecodeRows (usable in device code)
+
+__device__ __forceinline__ void moe_cp16(void* dst, const void* src) {
+  asm volatile(
+      "cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(uint32_t(__cvta_generic_to_shared(dst))),
+      "l"(src)
+      : "memory");
+}
+__device__ __forceinline__ void moe_cp4(void* dst, const void* src) {
+  asm volatile(
+      "cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(uint32_t(__cvta_generic_to_shared(dst))),
+      "l"(src)
+      : "memory");
+}
+
+// Copies the plan into shared memory (plain loads; the caller synchronises).
+__device__ __forceinline__ void copy_plan(const MoePlan* plan, uint8_t* smem) {
+  const int* src = reinterpret_cast<const int*>(plan);
+  int* dst = reinterpret_cast<int*>(smem);
+  for (int i = threadIdx.x; i < int(sizeof(MoePlan) / 4); i += blockDim.x) dst[i] = src[i];
+}
+
+// One K block of a 16 x 8 tile from shared memory: w = row 0 of the stage at this block's 16
+// bytes with the lane's t * 4 included, rs = row stride; sw = the stage's scale bytes of rows g
+// and g + 8 at this block; act_g / as0 / as1 as in fp4_mma_step (shared memory here).
+__device__ __forceinline__ void fp4_mma_step_smem(const uint8_t* w, int rs, float sw0, float sw1,
+                                                  const uint8_t* act_g, const float* as0,
+                                                  const float* as1, int k, float (&acc)[4]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const uint32_t q0 = *reinterpret_cast<const uint32_t*>(w + g * rs);
+  const uint32_t q1 = *reinterpret_cast<const uint32_t*>(w + (g + 8) * rs);
+  uint32_t b0 = 0, b1 = 0;
+  if (act_g) {
+    const uint2 v = *reinterpret_cast<const uint2*>(act_g + k * 32 + t * 8);
+    b0 = __byte_perm(v.x, v.y, 0x6420);  // elements [0,2,4,6]
+    b1 = __byte_perm(v.x, v.y, 0x7531);  // elements [1,3,5,7]
+  }
+  uint32_t a[4];
+  e2m1x8_to_e4m3_scaled(q0, a[0], a[2]);
+  e2m1x8_to_e4m3_scaled(q1, a[1], a[3]);
+  float d[4];
+  mma_e4m3_16x8x32(d, a, b0, b1);
+  const float sa0 = as0 ? as0[k] * kE2M1ToE4M3Rescale : 0.f;
+  const float sa1 = as1 ? as1[k] * kE2M1ToE4M3Rescale : 0.f;
+  acc[0] = fmaf(d[0] * sa0, sw0, acc[0]);
+  acc[1] = fmaf(d[1] * sa1, sw0, acc[1]);
+  acc[2] = fmaf(d[2] * sa0, sw1, acc[2]);
+  acc[3] = fmaf(d[3] * sa1, sw1, acc[3]);
+}
+
+// w13: grid = min(#SMs, P * I/32) CTAs of 8 warps, 1 per SM. Work item = (distinct expert u,
+// 32-row group of I), items blockIdx.x, + gridDim.x, ... Within an item, unit q in [0, 4S) =
+// (tile tau = q / S: w1 rows 0-15 / 16-31, w3 rows 0-15 / 16-31; K split s = q % S); warp w does
+// units w, w + 8, ... (S = 10 at K = 5120: 5 units of 16 K blocks = 20 KB each per warp), each
+// from acc = 0 over its split's K blocks in order, and stores the fragment to the item's partial
+// buffer (two, alternating per item: one barrier per item). After the barrier, warp c (token
+// column c) sums the S partials in split order, then SwiGLU + quantization as moe_w13_kernel.
+// Stage = 8 K blocks of 16 rows (144-byte rows, conflict-free) + their 16 x 8 scale bytes.
+constexpr int kPW13Warps = 8;
+constexpr int kPW13Stages = 6;
+constexpr int kPW13RowStride = 144;
+constexpr int kPW13ScaleOff = 16 * kPW13RowStride;
+constexpr int kPW13StageBytes = kPW13ScaleOff + 16 * 8;
+
+struct PW13Layout {
+  int x_stride, x_off, xs_off, part_off, part_bytes, stage_off, total;
+};
+__host__ __device__ __forceinline__ PW13Layout pw13_layout(int dim, int splits) {
+  PW13Layout l;
+  l.x_stride = dim + 32;  // rows 32 bytes apart mod 128: 8-byte B reads at most 2-way
+  l.x_off = kPlanBytes;
+  l.xs_off = l.x_off + kRows * l.x_stride;
+  l.part_off = l.xs_off + kRows * (dim / 32) * 4;
+  l.part_bytes = 4 * splits * 128 * 4;
+  l.stage_off = l.part_off + 2 * l.part_bytes;
+  l.total = l.stage_off + kPW13Warps * kPW13Stages * kPW13StageBytes;
+  return l;
+}
+
+struct PW13Params {
+  const uint8_t* w1;
+  const uint8_t* w1s;
+  const uint8_t* w3;
+  const uint8_t* w3s;
+  int dim, inter;
+  const uint8_t* x;
+  const float* xs;
+  int m;
+  const MoePlan* plan;
+  float limit;
+  uint8_t* h_codes;
+  float* h_scales;
+  int kb_per_split, splits;
+};
+
+__global__ void __launch_bounds__(kPW13Warps * 32, 1)
+    moe_w13_persistent_kernel(const PW13Params p) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  pdl_trigger();
+  pdl_wait();
+  const PW13Layout L = pw13_layout(p.dim, p.splits);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int nkb = p.dim / 32, groups = p.inter / 32, S = p.splits, kbps = p.kb_per_split;
+  // Activations (group 0 of every thread's cp.async queue), then the plan.
+  {
+    const int per_row = p.dim / 16;
+    for (int i = tid; i < p.m * per_row; i += blockDim.x) {
+      const int r = i / per_row, c = i - r * per_row;
+      moe_cp16(smem + L.x_off + r * L.x_stride + c * 16, p.x + size_t(r) * p.dim + c * 16);
+    }
+    for (int i = tid; i < p.m * nkb / 4; i += blockDim.x)  // [m][nkb] floats, nkb % 4 == 0
+      moe_cp16(smem + L.xs_off + i * 16, p.xs + i * 4);
+    cp_async_commit();
+  }
+  copy_plan(p.plan, smem);
+  __syncthreads();
+  const MoePlan& plan = *reinterpret_cast<const MoePlan*>(smem);
+  const int n_items = plan.n_unique * groups;
+  const int units = 4 * S;
+  uint8_t* wsm = smem + L.stage_off + warp * (kPW13Stages * kPW13StageBytes);
+
+  // Producer cursor: (item ordinal pli, unit ordinal pj, chunk pc), the consumer's sequence.
+  int pli = 0, pj = 0, pc = 0, issued = 0;
+  bool pvalid = warp < units && int(blockIdx.x) < n_items;
+  auto issue = [&]() {
+    if (pvalid) {
+      const int item = blockIdx.x + pli * gridDim.x;
+      const int u = item / groups, grp = item - u * groups;
+      const int q = warp + pj * kPW13Warps, tau = q / S, s = q - tau * S;
+      const int kbe = min(nkb, (s + 1) * kbps);
+      const int kb = s * kbps + pc * 8;
+      const int nk = min(8, kbe - kb);
+      const size_t row0 = size_t(plan.slot[u].expert) * p.inter + grp * 32 + (tau & 1) * 16;
+      const uint8_t* wm = tau >= 2 ? p.w3 : p.w1;
+      const uint8_t* sm = tau >= 2 ? p.w3s : p.w1s;
+      uint8_t* dst = wsm + (issued % kPW13Stages) * kPW13StageBytes;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {  // 16 rows x nk 16-byte pieces; a warp op = 4 rows x 128 B
+        const int qq = lane + 32 * i, r = qq >> 3, c = qq & 7;
+        if (c < nk)
+          moe_cp16(dst + r * kPW13RowStride + c * 16,
+                   wm + (row0 + r) * size_t(p.dim / 2) + size_t(kb + c) * 16);
+      }
+      {  // 16 rows x nk scale bytes as 4-byte pieces (nk % 4 == 0)
+        const int r = lane >> 1, h = lane & 1;
+        if (h * 4 < nk)
+          moe_cp4(dst + kPW13ScaleOff + r * 8 + h * 4, sm + (row0 + r) * nkb + kb + h * 4);
+      }
+      if (++pc == (kbe - s * kbps + 7) / 8) {
+        pc = 0;
+        if (warp + (++pj) * kPW13Warps >= units) {
+          pj = 0;
+          ++pli;
+          pvalid = int(blockIdx.x + pli * gridDim.x) < n_items;
+        }
+      }
+    }
+    ++issued;
+    cp_async_commit();
+  };
+  for (int c = 0; c < kPW13Stages - 1; ++c) issue();
+  cp_async_wait<kPW13Stages - 1>();  // the activation group has landed (this thread's part)
+  __syncthreads();                   // ... and every thread's
+
+  const float* xs_s = reinterpret_cast<const float*>(smem + L.xs_off);
+  int consumed = 0;
+  for (int li = 0;; ++li) {
+    const int item = blockIdx.x + li * gridDim.x;
+    if (item >= n_items) break;
+    const int u = item / groups, grp = item - u * groups;
+    const SlotPlan& r = plan.slot[u];
+    const int count = r.count;
+    float* part = reinterpret_cast<float*>(smem + L.part_off + (li & 1) * L.part_bytes);
+    const uint8_t* act_g = g < count ? smem + L.x_off + r.tok[g] * L.x_stride : nullptr;
+    const float* as0 = 2 * t < count ? xs_s + r.tok[2 * t] * nkb : nullptr;
+    const float* as1 = 2 * t + 1 < count ? xs_s + r.tok[2 * t + 1] * nkb : nullptr;
+    for (int q = warp; q < units; q += kPW13Warps) {
+      const int tau = q / S, s = q - tau * S;
+      const int kbe = min(nkb, (s + 1) * kbps);
+      float acc[4] = {0.f, 0.f, 0.f, 0.f};
+      for (int kb = s * kbps; kb < kbe; kb += 8) {
+        issue();
+        cp_async_wait<kPW13Stages - 1>();
+        __syncwarp();
+        const uint8_t* st = wsm + (consumed % kPW13Stages) * kPW13StageBytes;
+        ++consumed;
+        const int nk = min(8, kbe - kb);
+#pragma unroll
+        for (int uu = 0; uu < 8; ++uu) {
+          if (uu < nk) {
+            const float sw0 = e8m0_to_f32(st[kPW13ScaleOff + g * 8 + uu]);
+            const float sw1 = e8m0_to_f32(st[kPW13ScaleOff + (g + 8) * 8 + uu]);
+            fp4_mma_step_smem(st + uu * 16 + t * 4, kPW13RowStride, sw0, sw1, act_g, as0, as1,
+                              kb + uu, acc);
+          }
+        }
+        __syncwarp();
+      }
+      *reinterpret_cast<float4*>(part + (tau * S + s) * 128 + lane * 4) =
+          make_float4(acc[0], acc[1], acc[2], acc[3]);
+    }
+    __syncthreads();  // the item's partials are complete; the other buffer is free again
+
+    // Epilogue: warp c = token column c; lane = row within the 32-row group.
+    const int c = warp;
+    if (c < count) {  // warp-uniform
+      const int rr = lane & 15, half = lane >> 4;
+      const int idx = ((rr & 7) * 4 + (c >> 1)) * 4 + (rr >> 3) * 2 + (c & 1);
+      const float* pg = part + (half * S) * 128 + idx;
+      const float* pu = part + ((2 + half) * S) * 128 + idx;
+      float ga = pg[0], ua = pu[0];
+      for (int s = 1; s < S; ++s) {  // split order, as the legacy last-block reduction
+        ga += pg[s * 128];
+        ua += pu[s * 128];
+      }
+      float gate = round_bf16(ga);
+      float upv = round_bf16(ua);
+      if (p.limit > 0.f) {
+        upv = fminf(fmaxf(upv, -p.limit), p.limit);
+        gate = fminf(gate, p.limit);
+      }
+      const float silu = gate / (1.0f + expf(-gate));
+      const float h = round_bf16(r.weight[c] * (silu * upv));
+      float sc;
+      const uint8_t code = warp_quant_fp8_block(h, &sc);
+      const int pair = r.pair[c];
+      p.h_codes[size_t(pair) * p.inter + grp * 32 + lane] = code;
+      if (lane == 0) p.h_scales[size_t(pair) * groups + grp] = sc;
+    }
+  }
+  cp_async_wait<0>();
+}
+
+// w2: grid = min(2 * #SMs, P * K/16) CTAs of 8 warps, 2 per SM. Work item = (distinct expert u,
+// 16-row output tile): a warp takes items gw, gw + (all warps), ... (gw = global warp id), one
+// stage per item: the tile's 16 rows x I/2 bytes (contiguous in memory) + its 16 x I/32 scale
+// bytes, so one cp.async ring per warp runs over all of its tiles. K loop over all of I in
+// order from acc = 0, outputs as moe_w2_kernel.
+constexpr int kPW2Warps = 8;
+constexpr int kPW2Stages = 4;
+constexpr int kPW2CtasPerSm = 2;
+
+struct PW2Layout {
+  int rs, stage_sc, stage_bytes, h_off, hs_off, stage_off, total;
+};
+__host__ __device__ __forceinline__ PW2Layout pw2_layout(int inter, int slots) {
+  PW2Layout l;
+  const int nkb = inter / 32;
+  // Row stride = 16 mod 32 bytes: the 8 rows g of a 4-byte fragment read hit distinct banks.
+  l.rs = inter / 2 + ((inter / 2) % 32 == 0 ? 16 : 0);
+  l.stage_sc = 16 * l.rs;
+  l.stage_bytes = l.stage_sc + 16 * nkb;
+  l.h_off = kPlanBytes;
+  l.hs_off = l.h_off + slots * inter;
+  l.stage_off = l.hs_off + (slots * nkb * 4 + 15) / 16 * 16;
+  l.total = l.stage_off + kPW2Warps * kPW2Stages * l.stage_bytes;
+  return l;
+}
+
+struct PW2Params {
+  const uint8_t* w2;
+  const uint8_t* w2s;
+  int dim, inter;
+  int pairs, slots;
+  const MoePlan* plan;
+  const uint8_t* h_codes;
+  const float* h_scales;
+  float* y;
+  int64_t y_row_stride;
+  int topk;
+  bool round;
+};
+
+__global__ void __launch_bounds__(kPW2Warps * 32, kPW2CtasPerSm)
+    moe_w2_persistent_kernel(const PW2Params p) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  pdl_trigger();
+  pdl_wait();
+  const PW2Layout L = pw2_layout(p.inter, p.slots);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int nkb = p.inter / 32;
+  {
+    const int pieces = p.pairs * p.inter / 16;  // [pairs][inter] codes, contiguous
+    for (int i = tid; i < pieces; i += blockDim.x)
+      moe_cp16(smem + L.h_off + i * 16, p.h_codes + size_t(i) * 16);
+    for (int i = tid; i < p.pairs * nkb; i += blockDim.x)
+      moe_cp4(smem + L.hs_off + i * 4, p.h_scales + i);
+    cp_async_commit();
+  }
+  copy_plan(p.plan, smem);
+  __syncthreads();
+  const MoePlan& plan = *reinterpret_cast<const MoePlan*>(smem);
+  const int tiles = p.dim / 16;
+  const int n_items = plan.n_unique * tiles;
+  const int gw = blockIdx.x * kPW2Warps + warp, stride = gridDim.x * kPW2Warps;
+  const int tile_bytes = 8 * p.inter;  // 16 rows x inter / 2
+  const int per_row = nkb;             // 16-byte pieces per row (inter / 2 / 16)
+  uint8_t* wsm = smem + L.stage_off + warp * (kPW2Stages * L.stage_bytes);
+  int next = gw, issued = 0;
+  auto issue = [&]() {
+    if (next < n_items) {
+      const int u = next / tiles, tile = next - u * tiles;
+      const size_t row0 = size_t(plan.slot[u].expert) * p.dim + size_t(tile) * 16;
+      const uint8_t* src = p.w2 + row0 * (p.inter / 2);
+      uint8_t* dst = wsm + (issued % kPW2Stages) * L.stage_bytes;
+      for (int i = lane; i < tile_bytes / 16; i += 32) {
+        const int r = i / per_row, c = i - r * per_row;
+        moe_cp16(dst + r * L.rs + c * 16, src + size_t(i) * 16);
+      }
+      const uint8_t* ssrc = p.w2s + row0 * nkb;  // 16 * nkb bytes, contiguous
+      for (int i = lane; i < nkb; i += 32) moe_cp16(dst + L.stage_sc + i * 16, ssrc + i * 16);
+      next += stride;
+    }
+    ++issued;
+    cp_async_commit();
+  };
+  for (int c = 0; c < kPW2Stages - 1; ++c) issue();
+  cp_async_wait<kPW2Stages - 1>();  // the h group has landed
+  __syncthreads();
+
+  const float* hs = reinterpret_cast<const float*>(smem + L.hs_off);
+  int consumed = 0;
+  int cur_u = -1;
+  const uint8_t* act_g = nullptr;
+  const float *as0 = nullptr, *as1 = nullptr;
+  int pair0 = -1, pair1 = -1;
+  for (int q = gw; q < n_items; q += stride) {
+    const int u = q / tiles, tile = q - u * tiles;
+    if (u != cur_u) {
+      cur_u = u;
+      const SlotPlan& r = plan.slot[u];
+      act_g = g < r.count ? smem + L.h_off + r.pair[g] * p.inter : nullptr;
+      as0 = 2 * t < r.count ? hs + r.pair[2 * t] * nkb : nullptr;
+      as1 = 2 * t + 1 < r.count ? hs + r.pair[2 * t + 1] * nkb : nullptr;
+      pair0 = 2 * t < r.count ? r.pair[2 * t] : -1;
+      pair1 = 2 * t + 1 < r.count ? r.pair[2 * t + 1] : -1;
+    }
+    issue();
+    cp_async_wait<kPW2Stages - 1>();
+    __syncwarp();
+    const uint8_t* st = wsm + (consumed % kPW2Stages) * L.stage_bytes;
+    ++consumed;
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int k = 0; k < nkb; ++k) {
+      const float sw0 = e8m0_to_f32(st[L.stage_sc + g * nkb + k]);
+      const float sw1 = e8m0_to_f32(st[L.stage_sc + (g + 8) * nkb + k]);
+      fp4_mma_step_smem(st + k * 16 + t * 4, L.rs, sw0, sw1, act_g, as0, as1, k, acc);
+    }
+    __syncwarp();
+    const int row0 = tile * 16;
+    auto out = [&](int pair) {
+      return p.y + (pair / p.topk) * p.y_row_stride + size_t(pair % p.topk) * p.dim + row0;
+    };
+    if (pair0 >= 0) {
+      float* y = out(pair0);
+      y[g] = p.round ? round_bf16(acc[0]) : acc[0];
+      y[g + 8] = p.round ? round_bf16(acc[2]) : acc[2];
+    }
+    if (pair1 >= 0) {
+      float* y = out(pair1);
+      y[g] = p.round ? round_bf16(acc[1]) : acc[1];
+      y[g + 8] = p.round ? round_bf16(acc[3]) : acc[3];
+    }
+  }
+  cp_async_wait<0>();
+}
+
 // Shared expert: gu [m, 2I] fp32 -> h codes/scales [m, I]. One warp per (row, 32-block).
 __global__ void __launch_bounds__(256)
     swiglu_quant_kernel(const float* gu, int m, int inter, float limit, uint8_t* codes,
@@ -438,8 +830,8 @@ __global__ void __launch_bounds__(256)
 
 }  // namespace
 
-MoeFp4::MoeFp4(int dim, int inter, int topk, int /*sm_count*/)
-    : dim_(dim), inter_(inter), topk_(topk) {
+MoeFp4::MoeFp4(int dim, int inter, int topk, int sm_count)
+    : dim_(dim), inter_(inter), topk_(topk), sm_count_(sm_count) {
   require(dim > 0 && inter > 0 && dim % 128 == 0 && inter % 32 == 0 && topk >= 1 &&
               kMaxDecodeRows * topk <= kMaxPairs,
           "MoeFp4: dim %d must be a multiple of 128, inter %d of 32, 8 * topk (%d) <= 64", dim,
@@ -458,6 +850,34 @@ MoeFp4::MoeFp4(int dim, int inter, int topk, int /*sm_count*/)
   prefer_shared_carveout(swiglu_quant_kernel);
   const size_t slots = size_t(kMaxDecodeRows) * topk;
   const size_t groups = inter / 32;
+  {  // Persistent kernels: only where their shared-memory plan fits one block's opt-in limit.
+    int device = 0, optin = 0;
+    UF_CUDA_CHECK(cudaGetDevice(&device));
+    UF_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    if (sm_count_ <= 0)
+      UF_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device));
+    const int w13 = pw13_layout(dim, splits_).total;
+    const int w2 = pw2_layout(inter, int(slots)).total;
+    // At the TP8 slice (dim 5120, inter 288, top-6): w13 206 KB (one CTA per SM), w2 98 KB (two).
+    if (w13 <= optin && w2 <= optin) {
+      w13_smem_ = w13;
+      w2_smem_ = w2;
+      // The attribute belongs to the kernel, not to this plan: only ever raise it, or a plan
+      // with a smaller layout (a DSpark stage's MoE, another TP split) would make the launches of
+      // an earlier, larger one invalid.
+      auto raise_smem = [](auto kernel, int bytes) {
+        cudaFuncAttributes fa{};
+        UF_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
+        if (fa.maxDynamicSharedSizeBytes < bytes)
+          UF_CUDA_CHECK(
+              cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+      };
+      raise_smem(moe_w13_persistent_kernel, w13);
+      raise_smem(moe_w2_persistent_kernel, w2);
+      prefer_shared_carveout(moe_w13_persistent_kernel);
+      prefer_shared_carveout(moe_w2_persistent_kernel);
+    }
+  }
   UF_CUDA_CHECK(cudaMalloc(&plan_, sizeof(MoePlan)));
   UF_CUDA_CHECK(cudaMalloc(&h_codes_, slots * inter));
   UF_CUDA_CHECK(cudaMalloc(&h_scales_, sizeof(float) * slots * groups));
@@ -493,6 +913,27 @@ void MoeFp4::run_experts_impl(const Fp4ExpertsView& w, const QuantActView& x, co
   launch_pdl(moe_plan_kernel, dim3(1), dim3(kMaxPairs), 0, stream, topk_idx, topk_w, P, topk_,
              w.num_experts, static_cast<MoePlan*>(plan_));
   const MoePlan* plan = static_cast<const MoePlan*>(plan_);
+  auto aligned = [](const void* ptr, uintptr_t a) {
+    return reinterpret_cast<uintptr_t>(ptr) % a == 0;
+  };
+  const bool persistent = kernels_ == MoeKernels::kPersistent && persistent_supported() &&
+                          aligned(w.w1, 16) && aligned(w.w3, 16) && aligned(w.w2, 16) &&
+                          aligned(w.w1_scale, 4) && aligned(w.w3_scale, 4) &&
+                          aligned(w.w2_scale, 16) && aligned(x.codes, 16) && aligned(x.scales, 16);
+  if (persistent) {
+    const int groups = inter_ / 32;
+    PW13Params a{w.w1,         w.w1_scale, w.w3,      w.w3_scale,    dim_,
+                 inter_,       x.codes,    x.scales,  x.m,           plan,
+                 swiglu_limit, h_codes_,   h_scales_, kb_per_split_, splits_};
+    launch_pdl(moe_w13_persistent_kernel, dim3(std::min(sm_count_, P * groups)),
+               dim3(kPW13Warps * 32), size_t(w13_smem_), stream, a);
+    const int slots = kMaxDecodeRows * topk_;
+    PW2Params b{w.w2,     w.w2_scale, dim_, inter_,       P,     slots,   plan,
+                h_codes_, h_scales_,  y,    y_row_stride, topk_, round_w2};
+    launch_pdl(moe_w2_persistent_kernel, dim3(std::min(kPW2CtasPerSm * sm_count_, P * (dim_ / 16))),
+               dim3(kPW2Warps * 32), size_t(w2_smem_), stream, b);
+    return;
+  }
   W13Params a{w.w1,     w.w1_scale, w.w3,      w.w3_scale, w.num_experts, dim_,
               inter_,   x.codes,    x.scales,  x.m,        plan,          swiglu_limit,
               h_codes_, h_scales_,  partials_, counters_,  kb_per_split_, splits_};

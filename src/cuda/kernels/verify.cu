@@ -214,15 +214,13 @@ __device__ int compact_sorted(const float* p, int n, uint32_t t, float* s, Share
   return c;
 }
 
-__global__ void __launch_bounds__(kTransformThreads)
-    transform_kernel(const float* logits, int vocab, float temperature, float top_p, int top_k,
-                     float* probs, float* sort_scratch, int sort_stride) {
-  __shared__ SharedRow sh;
-  __shared__ ArgMax s_warp[32];
+// transform.cpp's logits_to_probs of one row l into p, by the whole block (any multiple of 32
+// threads >= kLanes). s: the row's sort scratch (next_pow2(vocab) floats). Returns the greedy
+// argmax (lowest index on ties) when temperature == 0, else -1.
+__device__ int transform_row(const float* l, int vocab, float temperature, float top_p, int top_k,
+                             float* p, float* s, SharedRow& sh, ArgMax* s_warp) {
   const int tid = threadIdx.x;
   const int nt = blockDim.x;
-  const float* l = logits + size_t(blockIdx.x) * vocab;
-  float* p = probs + size_t(blockIdx.x) * vocab;
 
   if (temperature == 0.0f) {  // greedy: one-hot on the argmax, lowest index on ties
     ArgMax a{-INFINITY, INT_MAX};
@@ -230,7 +228,7 @@ __global__ void __launch_bounds__(kTransformThreads)
     a = block_argmax(a, s_warp);
     const int best = a.i == INT_MAX ? 0 : a.i;  // all -inf: the CPU keeps index 0
     for (int x = tid; x < vocab; x += nt) p[x] = x == best ? 1.0f : 0.0f;
-    return;
+    return best;
   }
 
   ArgMax mx{-INFINITY, 0};
@@ -245,7 +243,6 @@ __global__ void __launch_bounds__(kTransformThreads)
   const bool use_p = top_p < 1.0f;
   float cut = 0.0f;  // survivors are the x with p[x] >= cut
   if (use_k || use_p) {
-    float* s = sort_scratch + size_t(blockIdx.x) * sort_stride;
     int n = vocab;  // survivors of the top-k filter
     if (use_k) {
       cut = __uint_as_float(kth_largest_bits(p, vocab, top_k, sh));  // with multiplicity
@@ -286,6 +283,17 @@ __global__ void __launch_bounds__(kTransformThreads)
   }
   const float z = lane_sums([=](int64_t x) { return p[x]; }, vocab, sh.lane, sh.tree, nullptr);
   for (int x = tid; x < vocab; x += nt) p[x] = __fdiv_rn(p[x], z);
+  return -1;
+}
+
+__global__ void __launch_bounds__(kTransformThreads)
+    transform_kernel(const float* logits, int vocab, float temperature, float top_p, int top_k,
+                     float* probs, float* sort_scratch, int sort_stride) {
+  __shared__ SharedRow sh;
+  __shared__ ArgMax s_warp[32];
+  transform_row(logits + size_t(blockIdx.x) * vocab, vocab, temperature, top_p, top_k,
+                probs + size_t(blockIdx.x) * vocab, sort_scratch + size_t(blockIdx.x) * sort_stride,
+                sh, s_warp);
 }
 
 // ---- verification ----------------------------------------------------------------------------
@@ -391,6 +399,56 @@ __global__ void __launch_bounds__(kLanes)
   }
 }
 
+// ---- draft sampling (CudaModel::draft_on_device) ----------------------------------------------
+
+// One DSpark draft slot: logits += bias (fp32, in place), q = transform(logits), token = greedy ?
+// argmax : inverse-CDF pick with *u (sampler.cpp's sample_from_logits). prev = the token, or 0
+// when none was drawn (token -1: an all-zero or NaN row), so the next slot's Markov gather stays
+// inside the table; the host reports the -1.
+__global__ void __launch_bounds__(kTransformThreads)
+    draft_slot_kernel(float* logits, const float* bias, int vocab,
+                      const DeviceSamplingParams* params, const float* u, float* probs,
+                      float* sort_scratch, int32_t* token, int32_t* prev) {
+  __shared__ SharedRow sh;
+  __shared__ ArgMax s_warp[32];
+  if (bias != nullptr) {
+    for (int x = threadIdx.x; x < vocab; x += blockDim.x) logits[x] = __fadd_rn(logits[x], bias[x]);
+  }
+  __syncthreads();
+  const DeviceSamplingParams prm = *params;
+  const int best = transform_row(logits, vocab, prm.temperature, prm.top_p, prm.top_k, probs,
+                                 sort_scratch, sh, s_warp);
+  __syncthreads();
+  int32_t t = best;
+  if (prm.temperature != 0.0f) t = block_inverse_cdf_pick(Plain{probs}, vocab, *u, sh);
+  if (threadIdx.x == 0) {
+    *token = t;
+    *prev = (t >= 0 && t < vocab) ? t : 0;
+  }
+}
+
+// cuda_dspark.cpp's dot8 (cpu::dot_f32's order) of proj with [x5_b, emb_b]: thread j < 8 sums
+// the elements i = j (mod 8) of the full groups of 8 in index order, then tail element
+// n8 + j; thread 0 combines ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)). Explicit _rn
+// operations: no FMA contraction (the host build has none either).
+__global__ void draft_confidence_kernel(const float* proj, const float* x5, const float* emb, int D,
+                                        int R, float* conf) {
+  __shared__ float part[8];
+  const int b = blockIdx.x, j = threadIdx.x, n = D + R, n8 = n / 8 * 8;
+  const float* xr = x5 + size_t(b) * D;
+  const float* er = emb + size_t(b) * R;
+  auto cat = [&](int i) { return i < D ? xr[i] : er[i - D]; };
+  float s = 0.0f;
+  for (int i = j; i < n8; i += 8) s = __fadd_rn(s, __fmul_rn(proj[i], cat(i)));
+  if (n8 + j < n) s = __fadd_rn(s, __fmul_rn(proj[n8 + j], cat(n8 + j)));
+  part[j] = s;
+  __syncthreads();
+  if (j == 0) {
+    conf[b] = __fadd_rn(__fadd_rn(__fadd_rn(part[0], part[1]), __fadd_rn(part[2], part[3])),
+                        __fadd_rn(__fadd_rn(part[4], part[5]), __fadd_rn(part[6], part[7])));
+  }
+}
+
 int next_pow2(int n) {
   int p = 1;
   while (p < n) p <<= 1;
@@ -464,6 +522,38 @@ void verify_on_device(const VerifyPlan& plan, sampling::VerifyMode mode, const f
   }
   verify_probs_on_device(mode, plan.target_probs(), plan.draft_probs(), tokens, g, vocab, seed_step,
                          nullptr, out, nullptr, stream);
+}
+
+}  // namespace uf::cuda
+
+namespace uf::cuda {
+
+DeviceSamplingParams device_sampling_params(const sampling::SamplingParams& p) {
+  DeviceSamplingParams d;
+  d.temperature = p.temperature;
+  d.top_p = p.top_p;
+  d.top_k = p.top_k;
+  return d;
+}
+
+void sample_slot_on_device(float* logits, const float* bias, int vocab,
+                           const DeviceSamplingParams* params, const float* u, float* probs,
+                           float* sort_scratch, int32_t* token, int32_t* prev,
+                           cudaStream_t stream) {
+  require(vocab >= 1 && logits != nullptr && params != nullptr && u != nullptr &&
+              probs != nullptr && sort_scratch != nullptr && token != nullptr && prev != nullptr,
+          "sample_slot_on_device: vocab = %d, or a null buffer", vocab);
+  draft_slot_kernel<<<1, kTransformThreads, 0, stream>>>(logits, bias, vocab, params, u, probs,
+                                                         sort_scratch, token, prev);
+  UF_CUDA_CHECK(cudaGetLastError());
+}
+
+void draft_confidence_on_device(const float* proj, const float* x5, const float* emb, int rows,
+                                int dim, int rank, float* conf, cudaStream_t stream) {
+  require(rows >= 1 && dim >= 0 && rank >= 0 && dim + rank >= 1,
+          "draft_confidence_on_device: rows = %d, dim = %d, rank = %d", rows, dim, rank);
+  draft_confidence_kernel<<<rows, 8, 0, stream>>>(proj, x5, emb, dim, rank, conf);
+  UF_CUDA_CHECK(cudaGetLastError());
 }
 
 }  // namespace uf::cuda

@@ -61,6 +61,28 @@ void hc_pre(const HcShape& p, const float* X, const float* pre, int T, float* y,
 void hc_post(const HcShape& p, const float* x, const float* R, const float* post, const float* comb,
              int T, float* out, cudaStream_t stream);
 
+// Fused mHC ops (ops/mhc.cu), bitwise the unfused ops above (tests/cuda/test_ops_mhc_fused.cpp):
+// hc_mixes_partial: the first half of hc_mixes, the split-K partials of fn . X and of |X|^2 into
+// `partial` (hc_mixes_scratch_floats(p, T) floats).
+void hc_mixes_partial(const HcShape& p, const DeviceWeight& fn, const float* X, int T,
+                      float* partial, cudaStream_t stream);
+// hc_post (out must NOT overlap R: ping-pong the stream) and, when fn is not empty, the next
+// sublayer's hc_mixes_partial(fn, out) computed from the values as they are written.
+void hc_post_mixes(const HcShape& p, const float* x, const float* R, const float* post,
+                   const float* comb, int T, float* out, const DeviceWeight& fn, float* partial,
+                   cudaStream_t stream);
+// The rest of hc_mixes from `partial` (scale, base -> pre, post, comb; partial null: skipped)
+// together with hc_pre(X, pre_in) and rms_norm(norm, eps) of the collapsed rows into y [T, dim].
+// The collapse uses pre_in (the previous sublayer's pre), so pre must not overlap pre_in.
+// dim <= 8192.
+void hc_mix_pre_norm(const HcShape& p, const DeviceWeight& scale, const DeviceWeight& base,
+                     const float* partial, const float* X, const float* pre_in,
+                     const DeviceWeight& norm, float eps, int T, float* y, float* pre, float* post,
+                     float* comb, cudaStream_t stream);
+// hc_pre + rms_norm in one kernel (the head).
+void hc_pre_norm(const HcShape& p, const float* X, const float* pre_in, const DeviceWeight& norm,
+                 float eps, int T, float* y, cudaStream_t stream);
+
 // CpuModel::embed: X[t, c, :] = embed row of ids[t] (dequantised, any weight format) for every
 // copy c < hc; pre_mix[t, c] = (c == 0). ids: device [T], already range-checked by the caller.
 void embed_rows(const DeviceWeight& table, const int32_t* ids, int T, int hc, float* X,

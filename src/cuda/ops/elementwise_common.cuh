@@ -163,4 +163,106 @@ __device__ __forceinline__ float block_sum(float v, float* smem) {
   return s;
 }
 
+// Sum of one value per thread over the first `warps` warps of the block (the other warps, if
+// any, pass through the barriers with their values ignored), in a fixed order that depends only
+// on `warps`: butterfly within each warp, then warps in order. Every thread gets the same bits.
+// smem: 32 floats; reusable after the call. Every thread of the block must call it.
+__device__ __forceinline__ float block_sum_warps(float v, int warps, float* smem) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fadd(v, __shfl_xor_sync(0xffffffffu, v, o));
+  if ((threadIdx.x & 31) == 0 && int(threadIdx.x >> 5) < warps) smem[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float s = smem[0];
+  for (int w = 1; w < warps; ++w) s = fadd(s, smem[w]);
+  __syncthreads();
+  return s;
+}
+
+// ---- the row partition of rms_norm (ops/norm_rope.cu), shared with hc_mix_pre_norm (ops/mhc.cu)
+// so that the fused kernel's norm is bitwise the standalone one's ----
+// A row of n values is one block of norm_threads(n) threads; the row is cut in float4 vectors
+// (the last one padded when n % 4 != 0); thread i owns vectors i + j * threads (j = 0, 1, ...)
+// and sums the squares of its elements in (j, component) order; the threads' sums are added by
+// block_sum_warps. The order is a function of n only (never of the row count or of alignment:
+// misaligned rows load the same elements with scalar loads).
+constexpr int kNormVec = 4;  // vectors per thread held in registers
+__host__ __device__ inline int norm_threads(int n) {
+  const int nv = (n + 3) / 4;
+  int t = (nv + kNormVec - 1) / kNormVec;
+  t = (t + 31) / 32 * 32;
+  return t < 32 ? 32 : (t > 1024 ? 1024 : t);
+}
+// Load modes of the row kernels, a template parameter so that their unrolled loads are
+// branch-free (all in flight at once): kRowScalar: scalar loads, any n, alignment and weight
+// format; kRowVecF32 / kRowVecBF16: n % 4 == 0, 16-byte aligned rows, an F32 (16-byte aligned) /
+// BF16 (8-byte aligned) weight. Every mode reads the same elements into the same places.
+constexpr int kRowScalar = 0, kRowVecF32 = 1, kRowVecBF16 = 2;
+inline int row_mode(int n, const void* x, const void* y, const DeviceWeight& w) {
+  auto aligned = [](const void* p, uintptr_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; };
+  if (n % 4 != 0 || !aligned(x, 16) || !aligned(y, 16)) return kRowScalar;
+  if (w.format == model::WFormat::kF32 && aligned(w.data, 16)) return kRowVecF32;
+  if (w.format == model::WFormat::kBF16 && aligned(w.data, 8)) return kRowVecBF16;
+  return kRowScalar;
+}
+// Elements i0 .. i0 + 3 of a row of n (those >= n read as 0).
+template <int kMode>
+__device__ __forceinline__ float4 load_row4(const float* row, int i0, int n) {
+  if constexpr (kMode != kRowScalar) {
+    return *reinterpret_cast<const float4*>(row + i0);
+  } else {
+    float4 r = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (i0 < n) r.x = row[i0];
+    if (i0 + 1 < n) r.y = row[i0 + 1];
+    if (i0 + 2 < n) r.z = row[i0 + 2];
+    if (i0 + 3 < n) r.w = row[i0 + 3];
+    return r;
+  }
+}
+template <int kMode>
+__device__ __forceinline__ void store_row4(float* row, int i0, int n, float4 v) {
+  if constexpr (kMode != kRowScalar) {
+    *reinterpret_cast<float4*>(row + i0) = v;
+  } else {
+    if (i0 < n) row[i0] = v.x;
+    if (i0 + 1 < n) row[i0 + 1] = v.y;
+    if (i0 + 2 < n) row[i0 + 2] = v.z;
+    if (i0 + 3 < n) row[i0 + 3] = v.w;
+  }
+}
+// Elements i0 .. i0 + 3 of a vector weight (weight_flat).
+template <int kMode>
+__device__ __forceinline__ float4 load_weight4(const DeviceWeight& w, int i0, int n) {
+  if constexpr (kMode == kRowVecF32) {
+    return *reinterpret_cast<const float4*>(reinterpret_cast<const float*>(w.data) + i0);
+  } else if constexpr (kMode == kRowVecBF16) {
+    const uint2 u = *reinterpret_cast<const uint2*>(reinterpret_cast<const uint16_t*>(w.data) + i0);
+    return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u),
+                       __uint_as_float(u.y << 16), __uint_as_float(u.y & 0xffff0000u));
+  } else {
+    float4 r = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (i0 < n) r.x = weight_flat(w, i0);
+    if (i0 + 1 < n) r.y = weight_flat(w, i0 + 1);
+    if (i0 + 2 < n) r.z = weight_flat(w, i0 + 2);
+    if (i0 + 3 < n) r.w = weight_flat(w, i0 + 3);
+    return r;
+  }
+}
+// ss + the squares of v's elements that lie in the row (i0 + k < n), in component order.
+__device__ __forceinline__ float add_squares4(float ss, float4 v, int i0, int n) {
+  if (i0 < n) ss = fadd(ss, fmul(v.x, v.x));
+  if (i0 + 1 < n) ss = fadd(ss, fmul(v.y, v.y));
+  if (i0 + 2 < n) ss = fadd(ss, fmul(v.z, v.z));
+  if (i0 + 3 < n) ss = fadd(ss, fmul(v.w, v.w));
+  return ss;
+}
+// cpu::rms_norm's factor from the row's sum of squares: 1 / sqrt(sum / n + eps).
+__device__ __forceinline__ float rms_factor(float sum, int n, float eps) {
+  return fdiv(1.0f, __fsqrt_rn(fadd(fdiv(sum, float(n)), eps)));
+}
+// bf16(w * (x * r)) per component.
+__device__ __forceinline__ float4 norm_out4(float4 x, float4 w, float r) {
+  return make_float4(round_bf16(fmul(w.x, fmul(x.x, r))), round_bf16(fmul(w.y, fmul(x.y, r))),
+                     round_bf16(fmul(w.z, fmul(x.z, r))), round_bf16(fmul(w.w, fmul(x.w, r))));
+}
+
 }  // namespace uf::cuda::ew

@@ -1,7 +1,8 @@
-// DeviceEngram (ops/moe.h): cpu::engram_forward on the device, by chunks of kMaxDecodeRows rows.
+// DeviceEngram (ops/engram.h): cpu::engram_forward on the device, by chunks of kMaxDecodeRows rows.
 //
 // Per chunk: gather_kernel dequantises the hashed table rows (FP8 with per-row E8M0 scales, or
-// BF16 / F32) to bf16 values; DeviceLinear(wkv) projects them (the CPU's linear() dispatch);
+// BF16 / F32) to bf16 values (a row-split table: the rows this rank holds, +0 for the others,
+// then the caller's reduce sums the ranks); DeviceLinear(wkv) projects them (the CPU's linear() dispatch);
 // gate_kernel (one block per (row, hc copy)) computes the copy's gate with the CPU's exact fp32
 // order (dot8 partial sums for |h|^2, |k|^2 and the weighted dot, threads 0..7 = partials 0..7)
 // and writes out = bf16(h + gate * value). expf may differ from glibc by an ulp.
@@ -16,22 +17,27 @@
 #include "cuda/gemv.h"
 #include "cuda/kernels/common.cuh"
 #include "cuda/ops/elementwise_common.cuh"
-#include "cuda/ops/moe.h"
+#include "cuda/ops/engram.h"
 
 namespace uf::cuda {
 
 namespace {
 
-// e[t, c * head_dim + i] = bf16(table[ids[t, c], i]). grid (m * n_cols), block 128. An id outside
-// the table writes NaN (the CPU throws; a device kernel cannot, so the error shows downstream).
-__global__ void gather_kernel(DeviceWeight table, int64_t table_rows, const int64_t* ids,
-                              int n_cols, int head_dim, float* e) {
+// e[t, c * head_dim + i] = bf16(table[ids[t, c], i]). grid (m * n_cols), block 128. The object
+// holds global rows [row_begin, row_begin + table.rows) of rows_total; other rows of the table
+// give +0 (another rank holds them). An id outside the table writes NaN (the CPU throws; a
+// device kernel cannot, so the error shows downstream).
+__global__ void gather_kernel(DeviceWeight table, int64_t row_begin, int64_t rows_total,
+                              const int64_t* ids, int n_cols, int head_dim, float* e) {
   const int item = blockIdx.x;  // t * n_cols + c
   const int64_t row = ids[item];
   float* dst = e + int64_t(item) * head_dim;
-  const bool ok = row >= 0 && row < table_rows;
+  const bool ok = row >= 0 && row < rows_total;
+  const int64_t local = row - row_begin;
+  const bool mine = ok && local >= 0 && local < table.rows;
   for (int i = threadIdx.x; i < head_dim; i += blockDim.x)
-    dst[i] = ok ? detail::round_bf16(ew::weight_at(table, row, i)) : __uint_as_float(0x7fc00000u);
+    dst[i] = mine ? detail::round_bf16(ew::weight_at(table, local, i))
+                  : (ok ? 0.0f : __uint_as_float(0x7fc00000u));
 }
 
 // One block per (t, copy c): X [m, hc, D], kv [m, (hc + 1) * D], wt [hc, D] = q_weight * k_weight.
@@ -105,6 +111,12 @@ DeviceEngram::DeviceEngram(const model::EngramWeights& w, const EngramShape& sha
   require(w.wkv.cols == K && w.wkv.rows == int64_t(hc + 1) * D,
           "DeviceEngram: wkv '%s' is [%lld, %lld], expected [%d, %d]", w.wkv.name.c_str(),
           static_cast<long long>(w.wkv.rows), static_cast<long long>(w.wkv.cols), (hc + 1) * D, K);
+  if (m.s.rows_total == 0) m.s.rows_total = w.table.rows;
+  require(m.s.row_begin >= 0 && m.s.row_begin + w.table.rows <= m.s.rows_total,
+          "DeviceEngram: table '%s' slice [%lld, %lld) outside a table of %lld rows",
+          w.table.name.c_str(), static_cast<long long>(m.s.row_begin),
+          static_cast<long long>(m.s.row_begin + w.table.rows),
+          static_cast<long long>(m.s.rows_total));
   m.table = upload_weight(w.table, arena);
   m.wkv = DeviceLinear(w.wkv, LinearKind::kAuto, arena);
   const std::vector<float> qw = w.q_weight.to_vector(), kw = w.k_weight.to_vector();
@@ -123,15 +135,29 @@ DeviceEngram::~DeviceEngram() = default;
 DeviceEngram::DeviceEngram(DeviceEngram&&) noexcept = default;
 DeviceEngram& DeviceEngram::operator=(DeviceEngram&&) noexcept = default;
 
+bool DeviceEngram::split() const { return impl_->table.rows != impl_->s.rows_total; }
+
+int64_t DeviceEngram::gathered_floats_per_row() const {
+  return int64_t(impl_->s.n_cols) * impl_->s.head_dim;
+}
+
 void DeviceEngram::apply(const int64_t* ids, const float* X, int T, float* out,
-                         cudaStream_t stream) const {
+                         cudaStream_t stream, const RowReduce& reduce) const {
   const Impl& m = *impl_;
   const int hc = m.s.hc, D = m.s.dim;
+  require(split() == bool(reduce),
+          "DeviceEngram: a %s table %s a cross-rank reduce (rows [%lld, %lld) of %lld)",
+          split() ? "row-split" : "whole", split() ? "needs" : "must not get",
+          static_cast<long long>(m.s.row_begin),
+          static_cast<long long>(m.s.row_begin + m.table.rows),
+          static_cast<long long>(m.s.rows_total));
   for (int t0 = 0; t0 < T; t0 += kMaxDecodeRows) {
     const int rows = std::min(kMaxDecodeRows, T - t0);
-    gather_kernel<<<rows * m.s.n_cols, 128, 0, stream>>>(
-        m.table, m.table.rows, ids + int64_t(t0) * m.s.n_cols, m.s.n_cols, m.s.head_dim, m.e);
+    gather_kernel<<<rows * m.s.n_cols, 128, 0, stream>>>(m.table, m.s.row_begin, m.s.rows_total,
+                                                         ids + int64_t(t0) * m.s.n_cols,
+                                                         m.s.n_cols, m.s.head_dim, m.e);
     UF_CUDA_CHECK(cudaGetLastError());
+    if (reduce) reduce(m.e, size_t(rows) * size_t(gathered_floats_per_row()));
     m.wkv.apply(m.e, rows, m.kv, stream);
     const int64_t off = int64_t(t0) * hc * D;
     gate_kernel<<<rows * hc, 256, 0, stream>>>(X + off, m.kv, m.wt, hc, D, m.s.norm_eps,

@@ -10,8 +10,14 @@
 //   element i of a 32-block; the block's
 //     32 exact products are summed in dot8's order (chains j, j+8, j+16, j+24, then the pair tree),
 //     then acc += (partial * a_scale) * w_scale in K order (cpu::quant_row_tile).
+//   quant_rows_x_kernel: quant_rows_kernel with the FP8 act quant of x done in the warp (the same
+//     warp_quant_fp8_block as act_quant_fp8_f32): one launch instead of two, same bits.
 // The fast path of kQuant is Fp8Gemv (FP8 32x32-block weights, rows % 16 == 0): it differs from the
 // CPU only in the order of a block's 32 terms (tensor core) and the K-split grouping (fp32 order).
+// DeviceLinear uses its fused entry (run_fused: act quant, GEMV, split-K finish and bf16 rounding
+// in one launch); every path is one launch per call (Fp8Gemv: per 8 rows), see linear.h.
+// Launches per call before this: Fp8Gemv 3 per 8 rows (act_quant, GEMV, round; 2 for
+// apply_partial), quant_rows 2 per 8 rows, dense_rows / apply_rows 1 per 8 rows.
 
 #include <cuda_runtime.h>
 
@@ -79,6 +85,10 @@ __global__ void __launch_bounds__(kDenseWarps * 32, 2)
     dense_rows_kernel(DeviceWeight w, int64_t r0, int64_t n, const float* x, int64_t x_stride,
                       int m, float* y, int64_t y_stride, bool round) {
   __shared__ float red[kDenseWarps][R][MT];
+  // Token rows [8 * blockIdx.y, + 8) of the call: one launch for any row count.
+  x += int64_t(blockIdx.y) * kMaxDecodeRows * x_stride;
+  y += int64_t(blockIdx.y) * kMaxDecodeRows * y_stride;
+  m = min(m - int(blockIdx.y) * kMaxDecodeRows, kMaxDecodeRows);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t j0 = int64_t(blockIdx.x) * R;
   const int64_t K = w.cols;
@@ -175,6 +185,48 @@ __global__ void __launch_bounds__(kQuantWarps * 32)
     for (int t = 0; t < m; ++t) y[t * y_stride + r] = round ? detail::round_bf16(acc[t]) : acc[t];
 }
 
+// quant_rows_kernel on fp32 x, quantised in the warp as act_quant_fp8_f32 does (the same
+// warp_quant_fp8_block on the same 32 values): bitwise act_quant + quant_rows. Every warp
+// re-quantises the x it reads (a few shuffles per block and row; this is the fallback path), so the
+// linear is one launch. blockIdx.y = chunk of 8 token rows.
+__global__ void __launch_bounds__(kQuantWarps * 32)
+    quant_rows_x_kernel(DeviceWeight w, int64_t n, const float* x, int64_t x_stride, int m,
+                        float* y, int64_t y_stride, bool round) {
+  const int lane = threadIdx.x & 31;
+  const int64_t r = int64_t(blockIdx.x) * kQuantWarps + (threadIdx.x >> 5);
+  if (r >= n) return;  // warp-uniform
+  x += int64_t(blockIdx.y) * kMaxDecodeRows * x_stride;
+  y += int64_t(blockIdx.y) * kMaxDecodeRows * y_stride;
+  m = min(m - int(blockIdx.y) * kMaxDecodeRows, kMaxDecodeRows);
+  const int64_t K = w.cols, KB = K / 32;
+  float acc[kMaxDecodeRows];
+#pragma unroll
+  for (int t = 0; t < kMaxDecodeRows; ++t) acc[t] = 0.f;
+  for (int64_t kb = 0; kb < KB; ++kb) {
+    const int64_t k = kb * 32 + lane;
+    const float wv = ew::weight_code(w, r, k);
+    const float sw = ew::weight_block_scale(w, r, kb);
+#pragma unroll
+    for (int t = 0; t < kMaxDecodeRows; ++t) {
+      if (t >= m) break;  // uniform
+      float sa;
+      const uint8_t code = detail::warp_quant_fp8_block(x[t * x_stride + k], &sa);
+      const float p = __fmul_rn(ew::e4m3_to_f32(code), wv);
+      // dot8 over 32 elements, as quant_rows_kernel.
+      const float q8 = __shfl_down_sync(0xffffffffu, p, 8);
+      const float q16 = __shfl_down_sync(0xffffffffu, p, 16);
+      const float q24 = __shfl_down_sync(0xffffffffu, p, 24);
+      float v = __fadd_rn(__fadd_rn(__fadd_rn(__fadd_rn(0.f, p), q8), q16), q24);
+      v = __fadd_rn(v, __shfl_down_sync(0xffffffffu, v, 1));
+      v = __fadd_rn(v, __shfl_down_sync(0xffffffffu, v, 2));
+      v = __fadd_rn(v, __shfl_down_sync(0xffffffffu, v, 4));
+      if (lane == 0) acc[t] = __fadd_rn(acc[t], __fmul_rn(__fmul_rn(v, sa), sw));
+    }
+  }
+  if (lane == 0)
+    for (int t = 0; t < m; ++t) y[t * y_stride + r] = round ? detail::round_bf16(acc[t]) : acc[t];
+}
+
 __global__ void round_bf16_kernel(float* y, size_t n) {
   const size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n) y[i] = detail::round_bf16(y[i]);
@@ -191,37 +243,37 @@ void dense_rows(const DeviceWeight& w, int64_t r0, int64_t n, const float* x, in
   const bool fast =
       (w.format == WFormat::kBF16 || w.format == WFormat::kF32 || w.format == WFormat::kFP8) &&
       w.cols % 8 == 0 && x_stride % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
-  for (int t0 = 0; t0 < m; t0 += kMaxDecodeRows) {
-    const int mc = std::min(kMaxDecodeRows, m - t0);
-    const float* xc = x + t0 * x_stride;
-    float* yc = y + t0 * y_stride;
-    // Registers for 1, 2, 4 or 8 token rows: fewer registers, more warps in flight at small m.
-    auto launch = [&](auto r_rows, auto m_rows) {
-      constexpr int R = decltype(r_rows)::value, MT = decltype(m_rows)::value;
-      const unsigned grid = unsigned((n + R - 1) / R);
-      if (fast)
-        dense_rows_kernel<R, MT, true><<<grid, kDenseWarps * 32, 0, stream>>>(
-            w, r0, n, xc, x_stride, mc, yc, y_stride, round_bf16);
-      else
-        dense_rows_kernel<R, MT, false><<<grid, kDenseWarps * 32, 0, stream>>>(
-            w, r0, n, xc, x_stride, mc, yc, y_stride, round_bf16);
-    };
-    auto by_rows = [&](auto r_rows) {
-      if (mc == 1)
-        launch(r_rows, std::integral_constant<int, 1>{});
-      else if (mc <= 2)
-        launch(r_rows, std::integral_constant<int, 2>{});
-      else if (mc <= 4)
-        launch(r_rows, std::integral_constant<int, 4>{});
-      else
-        launch(r_rows, std::integral_constant<int, kMaxDecodeRows>{});
-    };
-    if (wide)
-      by_rows(std::integral_constant<int, 4>{});
+  // One launch: blockIdx.y = chunk of 8 token rows. The registers are sized for the largest
+  // chunk; a row's arithmetic does not depend on MT.
+  const int64_t chunks = (m + kMaxDecodeRows - 1) / kMaxDecodeRows;
+  require(chunks <= 65535, "dense_rows: %d rows exceed one launch's 65535 chunks of 8", m);
+  const int mc = std::min(kMaxDecodeRows, m);
+  auto launch = [&](auto r_rows, auto m_rows) {
+    constexpr int R = decltype(r_rows)::value, MT = decltype(m_rows)::value;
+    const dim3 grid{unsigned((n + R - 1) / R), unsigned(chunks)};
+    if (fast)
+      dense_rows_kernel<R, MT, true><<<grid, kDenseWarps * 32, 0, stream>>>(
+          w, r0, n, x, x_stride, m, y, y_stride, round_bf16);
     else
-      by_rows(std::integral_constant<int, 1>{});
-    UF_CUDA_CHECK(cudaGetLastError());
-  }
+      dense_rows_kernel<R, MT, false><<<grid, kDenseWarps * 32, 0, stream>>>(
+          w, r0, n, x, x_stride, m, y, y_stride, round_bf16);
+  };
+  // Registers for 1, 2, 4 or 8 token rows: fewer registers, more warps in flight at small m.
+  auto by_rows = [&](auto r_rows) {
+    if (mc == 1)
+      launch(r_rows, std::integral_constant<int, 1>{});
+    else if (mc <= 2)
+      launch(r_rows, std::integral_constant<int, 2>{});
+    else if (mc <= 4)
+      launch(r_rows, std::integral_constant<int, 4>{});
+    else
+      launch(r_rows, std::integral_constant<int, kMaxDecodeRows>{});
+  };
+  if (wide)
+    by_rows(std::integral_constant<int, 4>{});
+  else
+    by_rows(std::integral_constant<int, 1>{});
+  UF_CUDA_CHECK(cudaGetLastError());
 }
 
 namespace {
@@ -240,6 +292,17 @@ void quant_rows(const DeviceWeight& w, const uint8_t* codes, const float* scales
   quant_rows_impl(w, codes, scales, m, y, y_stride, true, stream);
 }
 
+void quant_rows_x(const DeviceWeight& w, const float* x, int64_t x_stride, int m, float* y,
+                  int64_t y_stride, bool round_bf16, cudaStream_t stream) {
+  if (m <= 0) return;
+  const int64_t chunks = (m + kMaxDecodeRows - 1) / kMaxDecodeRows;
+  require(chunks <= 65535, "quant_rows_x: %d rows exceed one launch's 65535 chunks of 8", m);
+  const dim3 grid{unsigned((w.rows + kQuantWarps - 1) / kQuantWarps), unsigned(chunks)};
+  quant_rows_x_kernel<<<grid, kQuantWarps * 32, 0, stream>>>(w, w.rows, x, x_stride, m, y, y_stride,
+                                                             round_bf16);
+  UF_CUDA_CHECK(cudaGetLastError());
+}
+
 void round_bf16_inplace(float* y, size_t n, cudaStream_t stream) {
   if (n == 0) return;
   round_bf16_kernel<<<unsigned((n + 255) / 256), 256, 0, stream>>>(y, n);
@@ -250,7 +313,7 @@ void round_bf16_inplace(float* y, size_t n, cudaStream_t stream) {
 
 struct DeviceLinear::Plan {
   std::unique_ptr<Fp8Gemv> gemv;  // kQuant fast path (FP8 32x32 blocks, rows % 16 == 0)
-  uint8_t* codes = nullptr;       // activation quant workspace [8, cols]
+  uint8_t* codes = nullptr;       // act quant workspace [8, cols] of the misaligned-x fallback
   float* scales = nullptr;        // [8, cols / 32]
 };
 
@@ -266,12 +329,12 @@ DeviceLinear::DeviceLinear(const model::Weight& w, LinearKind kind, DeviceArena&
           static_cast<long long>(w.cols));
   w_ = upload_weight(w, arena);
   plan_ = std::make_unique<Plan>();
-  if (kind_ == LinearKind::kQuant && !w.empty()) {
+  if (kind_ == LinearKind::kQuant && !w.empty() && w.format == WFormat::kFP8 && !w.row_scale &&
+      w.rows % 16 == 0 && w.rows < (1 << 30) && w.cols < (1 << 30)) {
+    plan_->gemv = std::make_unique<Fp8Gemv>(int(w.rows), int(w.cols), device_sm_count());
+    // Only the misaligned-x fallback (act_quant + run) uses these; quant_rows_x needs none.
     plan_->codes = arena.alloc<uint8_t>(size_t(kMaxDecodeRows) * size_t(w.cols));
     plan_->scales = arena.alloc<float>(size_t(kMaxDecodeRows) * size_t(w.cols / 32));
-    if (w.format == WFormat::kFP8 && !w.row_scale && w.rows % 16 == 0 && w.rows < (1 << 30) &&
-        w.cols < (1 << 30))
-      plan_->gemv = std::make_unique<Fp8Gemv>(int(w.rows), int(w.cols), device_sm_count());
   }
 }
 
@@ -296,21 +359,64 @@ void DeviceLinear::run(const float* x, int T, float* y, bool round, cudaStream_t
     ops_detail::dense_rows(w_, 0, N, x, K, T, y, N, round && kind_ == LinearKind::kBf16Out, stream);
     return;
   }
+  if (!plan_->gemv) {  // quant_rows with the act quant in the kernel: one launch
+    ops_detail::quant_rows_x(w_, x, K, T, y, N, round, stream);
+    return;
+  }
+  const Fp8WeightView wv{w_.data, w_.scale, int(N), int(K)};
+  const bool fused = Fp8Gemv::fused_input_ok(x, K);
   for (int t0 = 0; t0 < T; t0 += kMaxDecodeRows) {
     const int m = std::min(kMaxDecodeRows, T - t0);
     const float* xc = x + int64_t(t0) * K;
     float* yc = y + int64_t(t0) * N;
-    act_quant_fp8_f32(xc, m, int(K), plan_->codes, plan_->scales, stream);
-    if (plan_->gemv) {
-      const Fp8WeightView wv{w_.data, w_.scale, int(N), int(K)};
-      const QuantActView av{plan_->codes, plan_->scales, m, int(K)};
-      plan_->gemv->run(wv, av, yc, nullptr, stream);
-      if (round) ops_detail::round_bf16_inplace(yc, size_t(m) * size_t(N), stream);
-    } else if (round) {
-      ops_detail::quant_rows(w_, plan_->codes, plan_->scales, m, yc, N, stream);
-    } else {
-      ops_detail::quant_rows_impl(w_, plan_->codes, plan_->scales, m, yc, N, false, stream);
+    if (fused) {  // one launch: act quant, GEMV, split-K finish and rounding
+      plan_->gemv->run_fused(wv, xc, K, m, yc, round, nullptr, stream);
+      continue;
     }
+    // x not 16-byte aligned: the two-kernel path (bitwise the same results).
+    act_quant_fp8_f32(xc, m, int(K), plan_->codes, plan_->scales, stream);
+    const QuantActView av{plan_->codes, plan_->scales, m, int(K)};
+    plan_->gemv->run(wv, av, yc, nullptr, stream);
+    if (round) ops_detail::round_bf16_inplace(yc, size_t(m) * size_t(N), stream);
+  }
+}
+
+void DeviceLinear::apply_group(std::span<const LinearCall> calls, const float* x, int T,
+                               cudaStream_t stream) {
+  if (calls.empty() || T <= 0) return;
+  const int64_t K = calls[0].linear->cols();
+  const bool aligned = Fp8Gemv::fused_input_ok(x, K);
+  auto groupable = [&](const DeviceLinear& l) {
+    return aligned && l.kind_ == LinearKind::kQuant && l.plan_->gemv != nullptr;
+  };
+  for (const LinearCall& c : calls) {
+    const DeviceLinear& l = *c.linear;
+    require(!l.empty() && l.cols() == K && c.y != nullptr,
+            "DeviceLinear::apply_group: every call needs a weight with the group's %lld inputs and "
+            "an output (this one has %lld inputs)",
+            static_cast<long long>(K), static_cast<long long>(l.cols()));
+    if (!groupable(l)) l.run(x, T, c.y, !c.partial, stream);  // its own launch
+  }
+  // The FP8 Fp8Gemv weights: one launch per 8 token rows and 8 weights (no heap: a fixed list).
+  for (int t0 = 0; t0 < T; t0 += kMaxDecodeRows) {
+    const int m = std::min(kMaxDecodeRows, T - t0);
+    Fp8GemvCall list[kMaxGemvGroup];
+    int n = 0;
+    auto flush = [&] {
+      if (n > 0) Fp8Gemv::run_fused_group(list, n, x + int64_t(t0) * K, K, m, stream);
+      n = 0;
+    };
+    for (const LinearCall& c : calls) {
+      const DeviceLinear& l = *c.linear;
+      if (!groupable(l)) continue;
+      for (int i = 0; i < n; ++i)  // a plan's workspace serves one launch at a time
+        if (list[i].gemv == l.plan_->gemv.get()) flush();
+      list[n++] = Fp8GemvCall{l.plan_->gemv.get(),
+                              Fp8WeightView{l.w_.data, l.w_.scale, int(l.rows()), int(K)},
+                              c.y + int64_t(t0) * l.rows(), !c.partial, nullptr};
+      if (n == kMaxGemvGroup) flush();
+    }
+    flush();
   }
 }
 

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 
 #include "cuda/device_weights.h"
 
@@ -22,6 +23,15 @@ enum class LinearKind {
   kF32,      // cpu::linear_f32: fp32 output, any fp32 input
 };
 
+class DeviceLinear;
+
+// One weight of DeviceLinear::apply_group: y[T, rows()] as apply() (partial: as apply_partial()).
+struct LinearCall {
+  const DeviceLinear* linear = nullptr;
+  float* y = nullptr;
+  bool partial = false;
+};
+
 class DeviceLinear {
  public:
   // Out of line (linear.cu): nvcc's front end needs Plan complete for an inline default.
@@ -33,9 +43,14 @@ class DeviceLinear {
 
   // y[T, rows()] from x[T, cols()]; x and y must not alias. kQuant uses this object's
   // workspace (act quant, Fp8Gemv split counters): one apply() at a time per DeviceLinear.
-  // Paths: kQuant on FP8 32x32-block weights with rows % 16 == 0 -> Fp8Gemv (+ bf16 rounding);
-  // other kQuant weights -> quant_rows, bitwise equal to cpu/linear.cpp; kBf16Out / kF32 ->
-  // dense_rows, the CPU's products in another fp32 order (ops/linear.cu).
+  // Paths, and kernel launches per call:
+  //   kQuant on FP8 32x32-block weights with rows % 16 == 0 -> Fp8Gemv::run_fused (act quant,
+  //     GEMV, split-K finish and bf16 rounding in ONE launch per 8 rows; 3 if x is not 16-byte
+  //     aligned: act_quant + GEMV + rounding, bitwise the same);
+  //   other kQuant weights -> quant_rows_x (act quant inside), bitwise equal to cpu/linear.cpp,
+  //     one launch for any T;
+  //   kBf16Out / kF32 -> dense_rows, the CPU's products in another fp32 order (ops/linear.cu),
+  //     one launch for any T.
   void apply(const float* x, int T, float* y, cudaStream_t stream) const;
   // apply() without the final bf16 rounding of kQuant / kBf16Out (kF32: the same as apply): the
   // fp32 split-K partial of a tensor-parallel rank, to be summed over ranks and then rounded
@@ -45,6 +60,16 @@ class DeviceLinear {
   // cpu::linear_bf16_out_rows: output rows [r0, r0 + n) only, strided input and output.
   void apply_rows(int64_t r0, int64_t n, const float* x, int x_stride, int T, float* y,
                   int y_stride, cudaStream_t stream) const;
+
+  // Several linears reading the same x [T, K] (all with cols() == K), e.g. the projections of
+  // one normalised hidden state: every Fp8Gemv-path weight of the list goes into ONE launch per
+  // 8 rows (up to kMaxGemvGroup weights a launch; blocks of all weights side by side), each
+  // output bitwise what its own apply() gives (each keeps its own split plan). Other weights
+  // run their own apply(). A DeviceLinear listed twice gets a second launch (its split workspace
+  // serves one launch at a time). x must be 16-byte aligned for the grouping (cudaMalloc'd
+  // buffers and row offsets of them are); otherwise every weight runs its own apply().
+  static void apply_group(std::span<const LinearCall> calls, const float* x, int T,
+                          cudaStream_t stream);
 
   const DeviceWeight& weight() const { return w_; }
   int64_t rows() const { return w_.rows; }

@@ -1,5 +1,5 @@
 #pragma once
-// Mixture of experts and Engram on the device: device twins of cpu/moe.h and cpu/engram.h.
+// Mixture of experts on the device: the device twin of cpu/moe.h (Engram: ops/engram.h).
 // Routing (scores, bias, top-k, weights) runs on the device; routed experts in MXFP4 run through
 // MoeFp4 (cuda/moe.h, experts stacked at upload) in chunks of kMaxDecodeRows rows, so a row's
 // result never depends on the other rows (spec == plain). apply() never allocates.
@@ -10,6 +10,7 @@
 #include <memory>
 #include <string>
 
+#include "cuda/moe.h"
 #include "cuda/ops/linear.h"
 #include "model/weights.h"
 
@@ -76,37 +77,15 @@ class DeviceMoe {
   // Floats per row of apply_partial_experts' slots: (top_k + 1) * dim.
   int64_t slot_floats_per_row() const;
   int top_k() const;
+  // The routed experts' kernels (cuda/moe.h MoeKernels; default kDefaultMoeKernels). Both give
+  // bitwise identical outputs; for measuring one against the other.
+  void set_routed_kernels(MoeKernels k);
 
  private:
   struct Impl;
   enum class Out { kRounded, kPartialSum, kPartialSlots };
   void run(const float* x, int T, Out mode, float* out, int32_t* gate_i, float* gate_w,
            cudaStream_t stream) const;
-  std::unique_ptr<Impl> impl_;
-};
-
-struct EngramShape {
-  int hc = 0;
-  int dim = 0;
-  int n_cols = 0;    // table rows per position for this layer
-  int head_dim = 0;  // table row width
-  float norm_eps = 0;
-};
-
-class DeviceEngram {
- public:
-  DeviceEngram(const model::EngramWeights& w, const EngramShape& shape, DeviceArena& arena);
-  ~DeviceEngram();
-  DeviceEngram(DeviceEngram&&) noexcept;
-  DeviceEngram& operator=(DeviceEngram&&) noexcept;
-
-  // cpu::engram_forward: ids [T, n_cols] (device int64 table rows), X [T, hc, dim]; out may alias
-  // X. The table lives in device memory. An id outside the table yields NaN outputs for that row
-  // (the CPU throws; a kernel cannot).
-  void apply(const int64_t* ids, const float* X, int T, float* out, cudaStream_t stream) const;
-
- private:
-  struct Impl;
   std::unique_ptr<Impl> impl_;
 };
 

@@ -326,6 +326,8 @@ void DeviceMoe::combine_experts(const float* slots, const int32_t* gate_i, int T
 
 int DeviceMoe::top_k() const { return impl_->s.top_k; }
 
+void DeviceMoe::set_routed_kernels(MoeKernels k) { impl_->moe->set_kernels(k); }
+
 int64_t DeviceMoe::slot_floats_per_row() const {
   return int64_t(impl_->s.top_k + 1) * impl_->s.dim;
 }
@@ -355,8 +357,9 @@ void DeviceMoe::run(const float* x, int T, Out mode, float* out, int32_t* gate_i
     else
       m.moe->run_experts(experts, act, gi, gw, m.s.swiglu_limit, out + t0 * slot_row, slot_row,
                          stream);
-    m.sw1.apply(xc, rows, m.g, stream);
-    m.sw3.apply(xc, rows, m.u, stream);
+    // w1 and w3 read the same rows: one launch (each output as its own apply()).
+    const LinearCall gate_up[] = {{&m.sw1, m.g}, {&m.sw3, m.u}};
+    DeviceLinear::apply_group(gate_up, xc, rows, stream);
     const size_t nh = size_t(rows) * I, ny = size_t(rows) * D;
     swiglu_kernel<<<blocks_for(nh, 256), 256, 0, stream>>>(m.g, m.u, nh, m.s.swiglu_limit, m.h);
     UF_CUDA_CHECK(cudaGetLastError());

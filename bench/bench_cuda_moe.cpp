@@ -1,0 +1,193 @@
+// bench_cuda_moe: the routed-expert MoE of one decode layer of a TP8 rank (MoeFp4, dim 5120,
+// expert intermediate slice 288, 384 experts, top-6), legacy kernels against the persistent
+// ones, for M = 1, 4, 7, 8 rows with random routing (distinct experts per row). Each timing is
+// the median graph replay over several layers' expert stacks (so L2 holds none of the weights),
+// divided by the layer count; GB/s = (distinct experts x one expert's bytes) / time. Also checks
+// that both paths give bitwise equal outputs for each M (a quick sanity line, the real test is
+// tests/cuda/test_moe_persistent.cpp).
+//
+//   bench_cuda_moe [--reps N] [--copies N]
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#ifndef UF_HAVE_CUDA
+int main() {
+  std::printf("bench_cuda_moe: built without the CUDA backend\n");
+  return 0;
+}
+#else
+
+#include <cuda_runtime.h>
+
+#include "cuda/cuda_check.h"
+#include "cuda/device_fill.h"
+#include "cuda/gemv.h"
+#include "cuda/moe.h"
+
+using namespace uf::cuda;
+
+namespace {
+
+constexpr int kDim = 5120, kInter = 288, kExperts = 384, kTopk = 6;
+constexpr float kSwigluLimit = 10.0f;
+
+size_t expert_bytes() {
+  return 2 * (size_t(kInter) * kDim / 2 + size_t(kInter) * kDim / 32) + size_t(kDim) * kInter / 2 +
+         size_t(kDim) * kInter / 32;
+}
+
+struct Buffers {
+  std::vector<void*> ptrs;
+  uint8_t* bytes(size_t n) {
+    void* p = nullptr;
+    UF_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(n, 16)));
+    ptrs.push_back(p);
+    return static_cast<uint8_t*>(p);
+  }
+  ~Buffers() {
+    for (void* p : ptrs) cudaFree(p);
+  }
+};
+
+Fp4ExpertsView make_experts(Buffers& b, uint64_t& seed) {
+  const size_t w13 = size_t(kExperts) * kInter * kDim / 2,
+               s13 = size_t(kExperts) * kInter * kDim / 32;
+  const size_t w2 = size_t(kExperts) * kDim * kInter / 2,
+               s2 = size_t(kExperts) * kDim * kInter / 32;
+  const size_t sz[6] = {w13, s13, w13, s13, w2, s2};
+  uint8_t* p[6];
+  for (int i = 0; i < 6; ++i) {
+    p[i] = b.bytes(sz[i]);
+    if (i % 2 == 0)
+      fill_random_bytes(p[i], sz[i], seed++, 0, 255, nullptr);
+    else
+      fill_random_bytes(p[i], sz[i], seed++, 118, 124, nullptr);
+  }
+  return {p[0], p[1], p[2], p[3], p[4], p[5], kExperts, kDim, kInter};
+}
+
+float median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+float time_graph(cudaGraphExec_t exec, cudaStream_t s, int reps) {
+  cudaEvent_t a, b;
+  UF_CUDA_CHECK(cudaEventCreate(&a));
+  UF_CUDA_CHECK(cudaEventCreate(&b));
+  for (int i = 0; i < 3; ++i) UF_CUDA_CHECK(cudaGraphLaunch(exec, s));
+  std::vector<float> t;
+  for (int i = 0; i < reps; ++i) {
+    UF_CUDA_CHECK(cudaEventRecord(a, s));
+    UF_CUDA_CHECK(cudaGraphLaunch(exec, s));
+    UF_CUDA_CHECK(cudaEventRecord(b, s));
+    UF_CUDA_CHECK(cudaEventSynchronize(b));
+    float ms = 0;
+    UF_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+    t.push_back(ms * 1000.f);
+  }
+  UF_CUDA_CHECK(cudaEventDestroy(a));
+  UF_CUDA_CHECK(cudaEventDestroy(b));
+  return median(t);
+}
+
+template <typename F>
+cudaGraphExec_t capture(cudaStream_t s, F&& body) {
+  cudaGraph_t g;
+  UF_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  body();
+  UF_CUDA_CHECK(cudaStreamEndCapture(s, &g));
+  cudaGraphExec_t exec;
+  UF_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
+  UF_CUDA_CHECK(cudaGraphDestroy(g));
+  return exec;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int reps = 30, copies = 6;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) reps = std::atoi(argv[++i]);
+    if (!std::strcmp(argv[i], "--copies") && i + 1 < argc) copies = std::atoi(argv[++i]);
+  }
+  cudaDeviceProp prop{};
+  UF_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  const int sms = prop.multiProcessorCount;
+  std::printf("device: %s, %d SMs; MoE dim %d inter %d experts %d top-%d, %d expert stacks\n",
+              prop.name, sms, kDim, kInter, kExperts, kTopk, copies);
+  cudaStream_t s;
+  UF_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+
+  Buffers b;
+  uint64_t seed = 1;
+  std::vector<Fp4ExpertsView> ex;
+  for (int c = 0; c < copies; ++c) ex.push_back(make_experts(b, seed));
+  uint16_t* xb = reinterpret_cast<uint16_t*>(b.bytes(size_t(8) * kDim * 2));
+  uint8_t* codes = b.bytes(size_t(8) * kDim);
+  float* scales = reinterpret_cast<float*>(b.bytes(size_t(8) * kDim / 32 * 4));
+  fill_random_bf16(xb, size_t(8) * kDim, seed++, 2.0f, nullptr);
+  UF_CUDA_CHECK(cudaDeviceSynchronize());
+  act_quant_fp8_bf16(xb, 8, kDim, codes, scales, s);
+  float* out_old = reinterpret_cast<float*>(b.bytes(size_t(8) * kDim * 4));
+  float* out_new = reinterpret_cast<float*>(b.bytes(size_t(8) * kDim * 4));
+  int* idx = reinterpret_cast<int*>(b.bytes(8 * kTopk * 4));
+  float* wts = reinterpret_cast<float*>(b.bytes(8 * kTopk * 4));
+  std::mt19937 rng(5);
+  std::vector<int> hidx;
+  std::uniform_real_distribution<float> ud(0.05f, 0.4f);
+  std::vector<float> hw;
+  for (int t = 0; t < 8; ++t) {
+    std::vector<int> perm(kExperts);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    hidx.insert(hidx.end(), perm.begin(), perm.begin() + kTopk);
+    for (int k = 0; k < kTopk; ++k) hw.push_back(ud(rng));
+  }
+  UF_CUDA_CHECK(cudaMemcpy(idx, hidx.data(), hidx.size() * 4, cudaMemcpyHostToDevice));
+  UF_CUDA_CHECK(cudaMemcpy(wts, hw.data(), hw.size() * 4, cudaMemcpyHostToDevice));
+
+  MoeFp4 moe(kDim, kInter, kTopk, sms);
+  std::printf("persistent kernels supported: %s; w13 K splits %d\n",
+              moe.persistent_supported() ? "yes" : "NO (falls back to legacy)", moe.w13_splits());
+  std::printf("\n%4s %8s %10s %8s %10s %8s %8s %s\n", "M", "experts", "legacy us", "GB/s",
+              "persist us", "GB/s", "speedup", "bitwise");
+  for (int m : {1, 4, 7, 8}) {
+    std::vector<int> uniq(hidx.begin(), hidx.begin() + m * kTopk);
+    std::sort(uniq.begin(), uniq.end());
+    uniq.erase(std::unique(uniq.begin(), uniq.end()), uniq.end());
+    const double bytes = double(uniq.size() * expert_bytes());
+    float us[2];
+    for (int k = 0; k < 2; ++k) {
+      moe.set_kernels(k == 0 ? MoeKernels::kLegacy : MoeKernels::kPersistent);
+      float* out = k == 0 ? out_old : out_new;
+      UF_CUDA_CHECK(cudaMemsetAsync(out, 0xFF, size_t(8) * kDim * 4, s));
+      moe.run(ex[0], QuantActView{codes, scales, m, kDim}, idx, wts, kSwigluLimit, out, s);
+      UF_CUDA_CHECK(cudaStreamSynchronize(s));
+      cudaGraphExec_t exec = capture(s, [&] {
+        for (auto& e : ex)
+          moe.run(e, QuantActView{codes, scales, m, kDim}, idx, wts, kSwigluLimit, out, s);
+      });
+      us[k] = time_graph(exec, s, reps) / copies;
+      UF_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    }
+    // The graphs ran ex[0] .. ex[copies - 1]: both outputs come from the last stack.
+    std::vector<float> a(size_t(m) * kDim), c(size_t(m) * kDim);
+    UF_CUDA_CHECK(cudaMemcpy(a.data(), out_old, a.size() * 4, cudaMemcpyDeviceToHost));
+    UF_CUDA_CHECK(cudaMemcpy(c.data(), out_new, c.size() * 4, cudaMemcpyDeviceToHost));
+    const bool same = std::memcmp(a.data(), c.data(), a.size() * 4) == 0;
+    std::printf("%4d %8zu %10.2f %8.0f %10.2f %8.0f %7.2fx %s\n", m, uniq.size(), us[0],
+                bytes / (us[0] * 1e-6) / 1e9, us[1], bytes / (us[1] * 1e-6) / 1e9, us[0] / us[1],
+                same ? "equal" : "DIFFERENT");
+  }
+  moe.set_kernels(kDefaultMoeKernels);
+  return 0;
+}
+
+#endif

@@ -1,0 +1,109 @@
+#pragma once
+// Shared pieces of the `ultrafast bench*` commands (cmd_bench_*.cpp): the synthetic model's
+// config, wall-clock statistics, JSON output. Header-only (the CLI globs cmd_*.cpp only).
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "model/config.h"
+#include "model/synthetic.h"
+
+namespace uf::cli::bench {
+
+using Clock = std::chrono::steady_clock;
+
+inline double us_since(Clock::time_point t0) {
+  return std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
+}
+
+// Rank 0 of TP8 of the released config, Engram tables shrunk (the `bench --synthetic` model).
+inline model::ModelConfig synthetic_config(const std::string& name, int64_t engram_rows) {
+  UF_CHECK(name == "tp8-rank",
+           "bench: --synthetic '{}' is not known (the only synthetic model is tp8-rank)", name);
+  return model::with_engram_rows(
+      model::rank_slice_config(model::ModelConfig::deepseek_v41_flash(), 8), engram_rows);
+}
+
+struct Stats {
+  double median_us = 0, min_us = 0, mean_us = 0;
+  std::vector<double> samples;
+};
+
+inline Stats stats_of(std::vector<double> v) {
+  Stats s;
+  s.samples = v;
+  if (v.empty()) return s;
+  std::sort(v.begin(), v.end());
+  s.median_us = v[v.size() / 2];
+  s.min_us = v.front();
+  for (double x : v) s.mean_us += x / double(v.size());
+  return s;
+}
+
+// Wall time of f() (steady_clock), `warmup` untimed calls first.
+template <typename F>
+Stats time_calls(int warmup, int iters, F&& f) {
+  for (int i = 0; i < warmup; ++i) f();
+  std::vector<double> v;
+  for (int i = 0; i < iters; ++i) {
+    const auto t0 = Clock::now();
+    f();
+    v.push_back(us_since(t0));
+  }
+  return stats_of(std::move(v));
+}
+
+inline nlohmann::json stats_json(const Stats& s) {
+  return {{"median_us", s.median_us},
+          {"min_us", s.min_us},
+          {"mean_us", s.mean_us},
+          {"samples_us", s.samples}};
+}
+
+template <typename T>
+std::vector<T> parse_list(const std::string& s, const char* what) {
+  std::vector<T> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    try {
+      size_t used = 0;
+      const double v = std::stod(item, &used);
+      UF_CHECK(used == item.size(), "bench: {} entry '{}' is not a number", what, item);
+      out.push_back(T(v));
+    } catch (const std::logic_error&) {
+      core::fail("bench: {} entry '{}' is not a number", what, item);
+    }
+  }
+  UF_CHECK(!out.empty(), "bench: {} '{}' lists nothing", what, s);
+  return out;
+}
+
+inline void write_json(const std::string& file, const nlohmann::json& out) {
+  if (file.empty()) return;
+  std::ofstream f(file);
+  UF_CHECK(f.good(), "bench: cannot write --json file {}", file);
+  f << out.dump(2) << "\n";
+  spdlog::info("bench: wrote {}", file);
+}
+
+inline nlohmann::json read_json(const std::string& file, const char* what) {
+  std::ifstream f(file);
+  UF_CHECK(f.good(), "bench: cannot read {} {} (run the step bench with --json first)", what, file);
+  try {
+    return nlohmann::json::parse(f);
+  } catch (const std::exception& e) {
+    core::fail("bench: {} {} is not JSON: {}", what, file, e.what());
+  }
+}
+
+}  // namespace uf::cli::bench

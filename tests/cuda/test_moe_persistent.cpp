@@ -1,0 +1,205 @@
+// MoeFp4's persistent kernels (MoeKernels::kPersistent) against the legacy kernels: bitwise equal
+// outputs for run / run_partial / run_experts at M = 1..8, at small dims and at the model's TP8
+// rank slice (dim 5120, inter 288, 384 experts, top-6), and row-count independence (row t of an
+// M = 8 call equals the M = 1 call for that row). No tolerance anywhere: both paths perform the
+// same fp32 operations in the same order (moe_fp4.cu header), so any difference is a bug.
+// The CPU reference comparison of the numerics is test_moe_fp4.cpp / test_moe_partial.cpp.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "cuda/device_fill.h"
+#include "cuda/gemv.h"
+#include "cuda/moe.h"
+#include "cuda_test_util.h"
+
+namespace uf::cuda::test {
+namespace {
+
+constexpr float kLimit = 10.0f;
+constexpr int kTopk = 6;
+
+// Experts filled on the device (fast at 384 experts): FP4 bytes uniform, scales in a range that
+// puts gate / up around the clamp limit (as test_moe_fp4.cpp).
+struct Experts {
+  int E, dim, inter;
+  DeviceBuffer<uint8_t> w1, w1s, w3, w3s, w2, w2s;
+  Experts(int e, int d, int i, uint64_t seed)
+      : E(e),
+        dim(d),
+        inter(i),
+        w1(size_t(e) * i * d / 2),
+        w1s(size_t(e) * i * d / 32),
+        w3(size_t(e) * i * d / 2),
+        w3s(size_t(e) * i * d / 32),
+        w2(size_t(e) * d * i / 2),
+        w2s(size_t(e) * d * i / 32) {
+    fill_random_bytes(w1.get(), w1.size(), seed + 1, 0, 255, nullptr);
+    fill_random_bytes(w3.get(), w3.size(), seed + 2, 0, 255, nullptr);
+    fill_random_bytes(w2.get(), w2.size(), seed + 3, 0, 255, nullptr);
+    fill_random_bytes(w1s.get(), w1s.size(), seed + 4, 119, 123, nullptr);
+    fill_random_bytes(w3s.get(), w3s.size(), seed + 5, 119, 123, nullptr);
+    fill_random_bytes(w2s.get(), w2s.size(), seed + 6, 118, 124, nullptr);
+    sync_and_check();
+  }
+  Fp4ExpertsView view() const {
+    return {w1.get(), w1s.get(), w3.get(), w3s.get(), w2.get(), w2s.get(), E, dim, inter};
+  }
+};
+
+struct Inputs {
+  std::vector<uint8_t> codes;
+  std::vector<float> scales, wts;
+  std::vector<int> idx;
+};
+
+Inputs random_inputs(int m, int dim, int E, std::mt19937& rng) {
+  Inputs in;
+  in.codes = random_e4m3(size_t(m) * dim, rng);
+  std::uniform_int_distribution<int> ex(118, 124);  // power-of-two activation scales
+  for (int i = 0; i < m * dim / 32; ++i) in.scales.push_back(std::ldexp(1.0f, ex(rng) - 127));
+  std::uniform_real_distribution<float> ud(0.05f, 0.6f);
+  for (int t = 0; t < m; ++t) {
+    std::vector<int> perm(E);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    for (int k = 0; k < kTopk; ++k) {
+      in.idx.push_back(perm[k]);
+      in.wts.push_back(ud(rng));
+    }
+  }
+  return in;
+}
+
+enum class Entry { kRun, kPartial, kExperts };
+const char* entry_name(Entry e) {
+  return e == Entry::kRun ? "run" : e == Entry::kPartial ? "run_partial" : "run_experts";
+}
+
+// One call through `entry` with the given kernels; returns the output (NaN-poisoned first).
+std::vector<float> call(MoeFp4& moe, MoeKernels k, Entry entry, const Experts& x, const Inputs& in,
+                        int m) {
+  moe.set_kernels(k);
+  DeviceBuffer<uint8_t> a(in.codes);
+  DeviceBuffer<float> as(in.scales);
+  DeviceBuffer<int> di(in.idx);
+  DeviceBuffer<float> dw(in.wts);
+  const QuantActView act{a.get(), as.get(), m, x.dim};
+  const int64_t stride = int64_t(kTopk) * x.dim + 64;  // a row stride wider than topk * dim
+  DeviceBuffer<float> out(entry == Entry::kExperts ? size_t(m) * stride : size_t(m) * x.dim);
+  out.poison();
+  if (entry == Entry::kRun)
+    moe.run(x.view(), act, di.get(), dw.get(), kLimit, out.get(), nullptr);
+  else if (entry == Entry::kPartial)
+    moe.run_partial(x.view(), act, di.get(), dw.get(), kLimit, out.get(), nullptr);
+  else
+    moe.run_experts(x.view(), act, di.get(), dw.get(), kLimit, out.get(), stride, nullptr);
+  sync_and_check();
+  auto v = out.download();
+  if (entry == Entry::kExperts) {  // keep the written slots only (the gap stays poisoned)
+    std::vector<float> w;
+    for (int t = 0; t < m; ++t)
+      w.insert(w.end(), v.begin() + t * stride, v.begin() + t * stride + int64_t(kTopk) * x.dim);
+    v.swap(w);
+  }
+  return v;
+}
+
+// Bitwise comparison with diagnostics: mismatch count, first mismatch (index, row, column),
+// max abs difference, NaN counts on each side.
+::testing::AssertionResult bitwise_equal(const std::vector<float>& want,
+                                         const std::vector<float>& got, int row_len) {
+  if (want.size() != got.size())
+    return ::testing::AssertionFailure() << "sizes " << want.size() << " vs " << got.size();
+  size_t bad = 0, first = size_t(-1), nan_w = 0, nan_g = 0;
+  double max_abs = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    nan_w += std::isnan(want[i]);
+    nan_g += std::isnan(got[i]);
+    if (!bits_equal(want[i], got[i])) {
+      if (first == size_t(-1)) first = i;
+      ++bad;
+      if (std::isfinite(want[i]) && std::isfinite(got[i]))
+        max_abs = std::max(max_abs, std::fabs(double(want[i]) - got[i]));
+    }
+  }
+  if (bad == 0 && nan_w == 0) return ::testing::AssertionSuccess();
+  auto r = ::testing::AssertionFailure();
+  r << bad << "/" << want.size() << " differ, NaN legacy " << nan_w << " new " << nan_g
+    << ", max |diff| (finite) " << max_abs;
+  if (first != size_t(-1))
+    r << ", first at " << first << " (row " << first / row_len << ", col " << first % row_len
+      << "): legacy " << want[first] << " new " << got[first];
+  return r;
+}
+
+void compare_paths(int E, int dim, int inter, uint64_t seed, const std::vector<int>& ms) {
+  std::mt19937 rng{uint32_t(seed)};
+  const Experts x(E, dim, inter, seed);
+  MoeFp4 moe(dim, inter, kTopk, device_sm_count());
+  ASSERT_TRUE(moe.persistent_supported())
+      << "dim " << dim << " inter " << inter << ": the persistent kernels do not fit";
+  for (int m : ms) {
+    const Inputs in = random_inputs(m, dim, E, rng);
+    for (Entry e : {Entry::kRun, Entry::kPartial, Entry::kExperts}) {
+      const auto old_v = call(moe, MoeKernels::kLegacy, e, x, in, m);
+      const auto new_v = call(moe, MoeKernels::kPersistent, e, x, in, m);
+      EXPECT_TRUE(bitwise_equal(old_v, new_v, dim)) << "E " << E << " dim " << dim << " inter "
+                                                    << inter << " m " << m << " " << entry_name(e);
+    }
+  }
+}
+
+TEST(CudaMoePersistent, BitwiseEqualsLegacySmallDims) {
+  UF_REQUIRE_GPU();
+  // K splits: dim 256 -> 1 split of 8 K blocks (fewer units than warps), 1024 -> 2, 1536 -> 3
+  // (units not a multiple of the 8 warps). 12 experts: rows share experts (up to 8 columns).
+  compare_paths(12, 256, 64, 101, {1, 3, 8});
+  compare_paths(12, 1024, 96, 102, {1, 2, 5, 8});
+  compare_paths(40, 1536, 128, 103, {1, 4, 7, 8});
+}
+
+TEST(CudaMoePersistent, BitwiseEqualsLegacyRealDims) {
+  UF_REQUIRE_GPU();
+  compare_paths(384, 5120, 288, 104, {1, 2, 3, 4, 5, 6, 7, 8});
+}
+
+// Row t of an M = 8 call == the M = 1 call for row t (with its top-k list reversed: the order of
+// a row's experts must not matter either), on the persistent path.
+void row_independence(int E, int dim, int inter, uint64_t seed) {
+  std::mt19937 rng{uint32_t(seed)};
+  const Experts x(E, dim, inter, seed);
+  MoeFp4 moe(dim, inter, kTopk, device_sm_count());
+  const Inputs full = random_inputs(8, dim, E, rng);
+  for (Entry e : {Entry::kRun, Entry::kPartial}) {
+    const auto all = call(moe, MoeKernels::kPersistent, e, x, full, 8);
+    for (int t = 0; t < 8; ++t) {
+      Inputs one;
+      one.codes.assign(full.codes.begin() + size_t(t) * dim,
+                       full.codes.begin() + size_t(t + 1) * dim);
+      one.scales.assign(full.scales.begin() + size_t(t) * dim / 32,
+                        full.scales.begin() + size_t(t + 1) * dim / 32);
+      one.idx.assign(full.idx.rbegin() + (7 - t) * kTopk, full.idx.rbegin() + (8 - t) * kTopk);
+      one.wts.assign(full.wts.rbegin() + (7 - t) * kTopk, full.wts.rbegin() + (8 - t) * kTopk);
+      const auto got = call(moe, MoeKernels::kPersistent, e, x, one, 1);
+      const std::vector<float> want(all.begin() + size_t(t) * dim,
+                                    all.begin() + size_t(t + 1) * dim);
+      EXPECT_TRUE(bitwise_equal(want, got, dim))
+          << "row " << t << " of 8 vs alone, dim " << dim << " " << entry_name(e);
+    }
+  }
+}
+
+TEST(CudaMoePersistent, RowIndependentOfOtherRows) {
+  UF_REQUIRE_GPU();
+  row_independence(12, 1024, 64, 105);  // few experts: rows share them
+  row_independence(384, 5120, 288, 106);
+}
+
+}  // namespace
+}  // namespace uf::cuda::test
