@@ -4,7 +4,8 @@
 // the median graph replay over several layers' expert stacks (so L2 holds none of the weights),
 // divided by the layer count; GB/s = (distinct experts x one expert's bytes) / time. Also checks
 // that both paths give bitwise equal outputs for each M (a quick sanity line, the real test is
-// tests/cuda/test_moe_persistent.cpp).
+// tests/cuda/test_moe_persistent.cpp). Then prefill: T = 64, 512 rows by chunks of 8 through
+// MoeFp4 against MoeFp4Prefill (tests/cuda/test_moe_prefill.cpp), us, GB/s, bitwise check.
 //
 //   bench_cuda_moe [--reps N] [--copies N]
 
@@ -187,6 +188,73 @@ int main(int argc, char** argv) {
                 same ? "equal" : "DIFFERENT");
   }
   moe.set_kernels(kDefaultMoeKernels);
+
+  // Prefill: T rows through MoeFp4 in chunks of 8 (the old path) vs MoeFp4Prefill (pairs grouped
+  // by expert over all T rows, each expert's weights read once). GB/s = distinct experts x one
+  // expert's bytes / time (the bytes a perfect kernel must read once).
+  constexpr int kMaxT = 512;
+  MoeFp4Prefill pf(kDim, kInter, kTopk, kExperts, kMaxT);
+  uint16_t* pxb = reinterpret_cast<uint16_t*>(b.bytes(size_t(kMaxT) * kDim * 2));
+  uint8_t* pcodes = b.bytes(size_t(kMaxT) * kDim);
+  float* pscales = reinterpret_cast<float*>(b.bytes(size_t(kMaxT) * kDim / 32 * 4));
+  fill_random_bf16(pxb, size_t(kMaxT) * kDim, seed++, 2.0f, nullptr);
+  UF_CUDA_CHECK(cudaDeviceSynchronize());
+  for (int t0 = 0; t0 < kMaxT; t0 += 8)
+    act_quant_fp8_bf16(pxb + size_t(t0) * kDim, 8, kDim, pcodes + size_t(t0) * kDim,
+                       pscales + size_t(t0) * kDim / 32, s);
+  float* pout_old = reinterpret_cast<float*>(b.bytes(size_t(kMaxT) * kDim * 4));
+  float* pout_new = reinterpret_cast<float*>(b.bytes(size_t(kMaxT) * kDim * 4));
+  int* pidx = reinterpret_cast<int*>(b.bytes(size_t(kMaxT) * kTopk * 4));
+  float* pwts = reinterpret_cast<float*>(b.bytes(size_t(kMaxT) * kTopk * 4));
+  std::vector<int> phidx;
+  std::vector<float> phw;
+  for (int t = 0; t < kMaxT; ++t) {
+    std::vector<int> perm(kExperts);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    phidx.insert(phidx.end(), perm.begin(), perm.begin() + kTopk);
+    for (int k = 0; k < kTopk; ++k) phw.push_back(ud(rng));
+  }
+  UF_CUDA_CHECK(cudaMemcpy(pidx, phidx.data(), phidx.size() * 4, cudaMemcpyHostToDevice));
+  UF_CUDA_CHECK(cudaMemcpy(pwts, phw.data(), phw.size() * 4, cudaMemcpyHostToDevice));
+  std::printf("\nprefill (routed experts only, random routing)\n%5s %8s %12s %8s %12s %8s %8s %s\n",
+              "T", "experts", "chunked us", "GB/s", "prefill us", "GB/s", "speedup", "bitwise");
+  for (int T : {64, 512}) {
+    std::vector<int> uniq(phidx.begin(), phidx.begin() + T * kTopk);
+    std::sort(uniq.begin(), uniq.end());
+    uniq.erase(std::unique(uniq.begin(), uniq.end()), uniq.end());
+    const double bytes = double(uniq.size() * expert_bytes());
+    float us[2];
+    for (int k = 0; k < 2; ++k) {
+      float* out = k == 0 ? pout_old : pout_new;
+      auto body = [&](const Fp4ExpertsView& e) {
+        if (k == 1) {
+          pf.run(e, QuantActView{pcodes, pscales, T, kDim}, pidx, pwts, kSwigluLimit, out, s);
+          return;
+        }
+        for (int t0 = 0; t0 < T; t0 += 8)
+          moe.run(e,
+                  QuantActView{pcodes + size_t(t0) * kDim, pscales + size_t(t0) * kDim / 32,
+                               std::min(8, T - t0), kDim},
+                  pidx + t0 * kTopk, pwts + t0 * kTopk, kSwigluLimit, out + size_t(t0) * kDim, s);
+      };
+      UF_CUDA_CHECK(cudaMemsetAsync(out, 0xFF, size_t(kMaxT) * kDim * 4, s));
+      body(ex[0]);
+      UF_CUDA_CHECK(cudaStreamSynchronize(s));
+      cudaGraphExec_t exec = capture(s, [&] {
+        for (auto& e : ex) body(e);
+      });
+      us[k] = time_graph(exec, s, std::max(3, reps / 3)) / copies;
+      UF_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    }
+    std::vector<float> a(size_t(T) * kDim), c(size_t(T) * kDim);
+    UF_CUDA_CHECK(cudaMemcpy(a.data(), pout_old, a.size() * 4, cudaMemcpyDeviceToHost));
+    UF_CUDA_CHECK(cudaMemcpy(c.data(), pout_new, c.size() * 4, cudaMemcpyDeviceToHost));
+    const bool same = std::memcmp(a.data(), c.data(), a.size() * 4) == 0;
+    std::printf("%5d %8zu %12.1f %8.0f %12.1f %8.0f %7.2fx %s  (%.0f tok/s new)\n", T, uniq.size(),
+                us[0], bytes / (us[0] * 1e-6) / 1e9, us[1], bytes / (us[1] * 1e-6) / 1e9,
+                us[0] / us[1], same ? "equal" : "DIFFERENT", T / (us[1] * 1e-6));
+  }
   return 0;
 }
 

@@ -18,6 +18,7 @@ struct BackendChoice {
   int tp = 1;         // CUDA: tensor-parallel GPUs (devices 0..tp-1); CPU: must be 1
   bool cuda_graphs = true;  // CUDA: decode / verify steps replay CUDA graphs (off: eager launches)
   bool device_verify = true;  // CUDA: speculative verification on the GPU (off: on the host)
+  bool p2p_allreduce = true;  // CUDA TP: one-shot peer-to-peer sums where possible (off: NCCL)
 };
 
 struct LoadedBackend {

@@ -5,8 +5,9 @@
 // the collectives a real TP8 rank adds, which that bench does not run. The collectives are
 // counted from the CUDA backend's code (model::tp_verify_collectives / tp_draft_collectives: the
 // CudaModel::all_reduce_round call sites, 88 per verify step and 6 per draft round) with their
-// message sizes; at tp > 2 the backend runs each as an NCCL all-gather of the fp32 partials plus
-// an fp32 sum in rank order (tp_ordered_sum), at tp = 2 as an NCCL all-reduce.
+// message sizes; the backend runs each as one kernel of the one-shot P2P all-reduce where the
+// GPUs have peer access (tp_p2p_allreduce), else at tp > 2 as an NCCL all-gather of the fp32
+// partials plus an fp32 sum in rank order (tp_ordered_sum), at tp = 2 as an NCCL all-reduce.
 //
 // Per-call time, in order of precedence:
 //  - --allreduce-us X [--allreduce-gbs G]: given (modelled): X us per call, plus, with G, the
@@ -14,8 +15,12 @@
 //  - measured: with >= 2 GPUs visible (and NCCL: UF_NCCL_LIB or libnccl.so.2 on the loader path),
 //    the all-gather + rank-order sum on the largest power of two <= 8 of them, at every message
 //    size the step uses (T x 5120 fp32 for T = 1..8, the index-score rows, the draft's), plus the
-//    NCCL all-reduce (fp32 and bf16) for reference. Measured on fewer than 8 GPUs, a ring over 8
-//    ranks takes more steps: the projection is then marked a lower bound;
+//    NCCL all-reduce (fp32 and bf16) for reference, and the one-shot peer-to-peer all-reduce +
+//    bf16 rounding (cuda/tp/p2p_allreduce.h, the backend's default where the GPUs have peer
+//    access, with the backend's capacity). The projection uses the P2P column when it was
+//    measured (--no-p2p: the gather + sum column, the path without peer access). Measured on fewer
+//    than 8 GPUs, a ring over 8 ranks takes more steps: the projection is then marked a lower
+//    bound;
 //  - neither: no projection; the inputs and the break-even per-call time (the time per
 //    collective at which the step meets the target) are printed instead.
 // The draft figure is the step bench's host-loop draft (CudaModel::draft): drafting on the device
@@ -42,6 +47,7 @@
 #include "cuda/backend/backend_kernels.h"
 #include "cuda/cuda_check.h"
 #include "cuda/tp/nccl_comm.h"
+#include "cuda/tp/p2p_allreduce.h"
 #endif
 
 namespace {
@@ -61,6 +67,7 @@ struct TpArgs {
   int iters = 50, warmup = 5;
   int max_gpus = 8;
   bool no_measure = false;
+  bool no_p2p = false;
 };
 
 // The step figures of one `bench --synthetic tp8-rank --json` file.
@@ -96,7 +103,8 @@ StepFigures read_step(const std::string& file, int rows) {
 
 struct Measured {
   int gpus = 0;
-  std::vector<CommSample> gather_sum;  // what the TP8 path runs (all-gather + rank-order sum)
+  std::vector<CommSample> gather_sum;  // the TP8 path without peer access (all-gather + sum)
+  std::vector<CommSample> p2p;         // the default TP path: P2P all-reduce + bf16 rounding
   json table = json::array();
 };
 
@@ -154,10 +162,17 @@ Measured measure_collectives(const TpArgs& a, const std::vector<double>& sizes_b
     UF_CUDA_CHECK(cudaMalloc(&out[size_t(r)], max_elems * 4));
     UF_CUDA_CHECK(cudaMemset(send[size_t(r)], 0, max_elems * 4));
   }
+  // The backend's P2P all-reduce (cuda_backend.cpp: at least 1 Mi floats a kernel).
+  std::unique_ptr<uf::cuda::tp::PeerAllReduce> p2p;
+  std::string why;
+  if (!uf::cuda::tp::PeerAllReduce::supported(devs, &why))
+    std::cout << "P2P all-reduce: not measured (" << why << ")\n";
+  else
+    p2p = std::make_unique<uf::cuda::tp::PeerAllReduce>(devs, size_t(1) << 20);
   std::cout << fmt::format(
-      "\n{:>14} {:>14} {:>14} {:>14}   (us per call, {} GPUs; bf16: the same count, half the "
-      "bytes)\n",
-      "f32 bytes/rank", "gather+sum", "allreduce f32", "allreduce bf16", n);
+      "\n{:>14} {:>14} {:>14} {:>14} {:>14}   (us per call, {} GPUs; bf16: the same count, half "
+      "the bytes; p2p: one-shot P2P sum, bf16 rounding in the kernel)\n",
+      "f32 bytes/rank", "gather+sum", "allreduce f32", "allreduce bf16", "p2p+round", n);
   for (double b : sizes_bytes) {
     const size_t count = size_t(b / 4);
     const int iters = b > 16e6 ? std::max(5, a.iters / 10) : a.iters;
@@ -179,13 +194,27 @@ Measured measure_collectives(const TpArgs& a, const std::vector<double>& sizes_b
       g->all_reduce_sum(std::vector<void*>(send.begin(), send.end()), count,
                         uf::cuda::tp::CommDType::kBF16, st);
     });
-    std::cout << fmt::format("{:>14.0f} {:>14.1f} {:>14.1f} {:>14.1f}\n", b, gs, ar32, ar16);
+    double pp = -1;
+    if (p2p)
+      pp = per_call_us(a.warmup, iters, devs, st, [&] {
+        // One thread enqueues every rank: the launches are asynchronous, the ranks' kernels
+        // meet on the devices.
+        for (int r = 0; r < n; ++r) {
+          UF_CUDA_CHECK(cudaSetDevice(devs[size_t(r)]));
+          p2p->sum_rank(r, send[size_t(r)], count, st[size_t(r)], /*round_bf16=*/true);
+        }
+      });
+    std::cout << fmt::format("{:>14.0f} {:>14.1f} {:>14.1f} {:>14.1f} {:>14}\n", b, gs, ar32, ar16,
+                             pp >= 0 ? fmt::format("{:.1f}", pp) : std::string("-"));
     m.gather_sum.push_back({b, gs});
+    if (pp >= 0) m.p2p.push_back({b, pp});
     m.table.push_back({{"bytes", b},
                        {"gather_sum_us", gs},
                        {"allreduce_f32_us", ar32},
-                       {"allreduce_bf16_same_count_us", ar16}});
+                       {"allreduce_bf16_same_count_us", ar16},
+                       {"p2p_round_us", pp >= 0 ? json(pp) : json(nullptr)}});
   }
+  p2p.reset();
   for (int r = 0; r < n; ++r) {
     UF_CUDA_CHECK(cudaSetDevice(devs[size_t(r)]));
     UF_CUDA_CHECK(cudaFree(send[size_t(r)]));
@@ -268,11 +297,13 @@ int run_tp(const TpArgs& a) {
 #ifdef UF_HAVE_CUDA
     const Measured m = measure_collectives(a, sizes);
     if (m.gpus >= 2) {
-      table = m.gather_sum;
+      const bool use_p2p = !a.no_p2p && !m.p2p.empty();
+      table = use_p2p ? m.p2p : m.gather_sum;
       lower_bound = m.gpus < a.tp;
       source = fmt::format(
-          "measured: NCCL all-gather + rank-order sum on {} GPUs of this machine{}", m.gpus,
-          lower_bound ? fmt::format(" (a lower bound for {} ranks)", a.tp) : "");
+          "measured: {} on {} GPUs of this machine{}",
+          use_p2p ? "one-shot P2P all-reduce + bf16 rounding" : "NCCL all-gather + rank-order sum",
+          m.gpus, lower_bound ? fmt::format(" (a lower bound for {} ranks)", a.tp) : "");
       out["measured"] = {{"gpus", m.gpus}, {"table", m.table}};
     }
 #else
@@ -346,6 +377,9 @@ void setup_bench_tp(CLI::App& app, int& exit_code) {
   cmd->add_option("--iters", a->iters, "Timed collectives per size");
   cmd->add_option("--max-gpus", a->max_gpus, "Use at most this many GPUs for the measurement");
   cmd->add_flag("--no-measure", a->no_measure, "Do not measure collectives");
+  cmd->add_flag(
+      "--no-p2p", a->no_p2p,
+      "Project with the NCCL all-gather + sum even where the P2P all-reduce was measured");
   cmd->add_option("--json", a->json_file, "Write every figure to this JSON file");
   cmd->callback([a, &exit_code] { exit_code = run_tp(*a); });
 }

@@ -30,6 +30,7 @@ struct GenerateArgs {
   bool no_spec = false;
   bool no_cuda_graphs = false;
   bool no_device_verify = false;
+  bool no_p2p_allreduce = false;
   std::string verify = "block";
   int draft_tokens = 0;
   bool ced = false;
@@ -45,6 +46,7 @@ void run_generate(const GenerateArgs& a) {
   choice.tp = a.tp;
   choice.cuda_graphs = !a.no_cuda_graphs;
   choice.device_verify = !a.no_device_verify;
+  choice.p2p_allreduce = !a.no_p2p_allreduce;
   auto loaded = uf::cli::load_backend(dir, choice);
   auto& be = *loaded.backend;
   const auto& cfg = be.config();
@@ -116,6 +118,9 @@ void setup_generate(CLI::App& app, int& exit_code) {
                 "--backend cuda: launch every kernel of a step instead of replaying a CUDA graph");
   cmd->add_flag("--no-device-verify", a->no_device_verify,
                 "--backend cuda: sample and verify drafts on the host instead of on the GPU");
+  cmd->add_flag("--no-p2p-allreduce", a->no_p2p_allreduce,
+                "--backend cuda --tp N: sum the ranks' partials with NCCL instead of the one-shot "
+                "peer-to-peer all-reduce");
   cmd->add_option("--verify", a->verify, "Draft verification: block or token (token-wise)")
       ->capture_default_str()
       ->check(CLI::IsMember({"block", "token"}));

@@ -29,6 +29,7 @@ struct ServeOptions {
   int tp = 1;  // tensor-parallel GPUs (--backend cuda)
   bool no_cuda_graphs = false;
   bool no_device_verify = false;
+  bool no_p2p_allreduce = false;
   bool stub_engine = false;
   int stub_step_delay_us = 0;
   int stub_max_accept = 6;
@@ -117,6 +118,7 @@ std::shared_ptr<uf::server::GenerationEngine> make_engine(
   choice.tp = o.tp;
   choice.cuda_graphs = !o.no_cuda_graphs;
   choice.device_verify = !o.no_device_verify;
+  choice.p2p_allreduce = !o.no_p2p_allreduce;
   auto loaded = uf::cli::load_backend(o.model, choice);
   uf::server::ModelEngineOptions mo;
   mo.model_name = o.server.served_model_name.empty()
@@ -244,6 +246,9 @@ void setup_serve(CLI::App& app, int& exit_code) {
                 "--backend cuda: launch every kernel of a step instead of replaying a CUDA graph");
   cmd->add_flag("--no-device-verify", opts->no_device_verify,
                 "--backend cuda: sample and verify drafts on the host instead of on the GPU");
+  cmd->add_flag("--no-p2p-allreduce", opts->no_p2p_allreduce,
+                "--backend cuda --tp N: sum the ranks' partials with NCCL instead of the one-shot "
+                "peer-to-peer all-reduce");
   cmd->add_flag("--no-spec", opts->no_spec,
                 "Plain decoding: one token per step, no DSpark drafting");
   cmd->add_option("--verify", opts->verify,

@@ -1,7 +1,8 @@
 #pragma once
-// FP8 block-scaled GEMV / small-M GEMM for decode rows (M = 1..8), and the FP8 activation
-// quantizer that feeds it. Kernels: src/cuda/kernels/fp8_gemv.cu (shapes, tiles and the
-// reduction order are stated there).
+// FP8 block-scaled GEMV / small-M GEMM for decode rows (M = 1..8), the FP8 activation
+// quantizer that feeds it, and the prefill GEMM (any M) with the same numerics. Kernels:
+// src/cuda/kernels/fp8_gemv.cu and fp8_gemm.cu (shapes, tiles and the reduction order are stated
+// there).
 //
 //   out[m][n] = sum over K blocks kb, in K order, of
 //               (sum_{i<32} a[m][32kb+i] * w[n][32kb+i]) * a_scale[m][kb] * w_scale[n/32][kb]
@@ -99,6 +100,21 @@ class Fp8Gemv {
   float* partials_ = nullptr;  // [splits][n_blocks][8 warps][16 x 8]
   int* counters_ = nullptr;    // [n_blocks], self-resetting
 };
+
+// ---- Prefill (M > 8): src/cuda/kernels/fp8_gemm.cu ----
+
+// act_quant_fp8_f32 for any m >= 1 and a row stride (x [m, x_stride], codes [m, k], scales
+// [m, k/32]): the same kernel arithmetic, bitwise the same codes and scales.
+void act_quant_fp8_rows(const float* x, long long x_stride, int m, int k, uint8_t* codes,
+                        float* scales, cudaStream_t stream);
+
+// out[m, n] (row stride n) for pre-quantised activations of any m >= 1, tensor cores, each weight
+// tile read once per 64 rows. kb_per_split: the decode plan's (Fp8Gemv::kb_per_split() of the
+// same shape): the K sum is grouped at those split boundaries and the splits added in order, so
+// every output is bitwise what Fp8Gemv::run gives for that row (round: bf16-rounded fp32 as
+// run_fused's round_f32). One launch, no workspace; graph-capturable (no allocation).
+void fp8_gemm_prefill(const Fp8WeightView& w, const QuantActView& a, int kb_per_split, float* out,
+                      bool round, cudaStream_t stream);
 
 int device_sm_count();
 

@@ -96,6 +96,49 @@ class MoeFp4 {
   int* counters_ = nullptr;         // [slots][inter/32 groups]
 };
 
+// The routed experts for prefill chunks of many rows (m up to max_rows, any m >= 1): the same
+// inputs, outputs and per-(row, expert) arithmetic as MoeFp4, so the outputs are bitwise those
+// of MoeFp4 run on the rows in chunks of 8 (a row's result never depends on the other rows).
+// The (row, expert) pairs are sorted by expert on the device and each selected expert's weights
+// are read once per call (per 64 of its rows), not once per 8 rows. Kernels and their order:
+// src/cuda/kernels/moe_prefill.cu. Workspace (allocated here): max_rows * topk * (dim * 4 +
+// inter * 1.125) bytes (the per-pair fp32 w2 outputs dominate: 63 MB at 512 x top-6 x 5120).
+// Not graph-capturable across different m (the grid depends on m); run() does not allocate.
+class MoeFp4Prefill {
+ public:
+  MoeFp4Prefill(int dim, int inter, int topk, int num_experts, int max_rows);
+  ~MoeFp4Prefill();
+  MoeFp4Prefill(const MoeFp4Prefill&) = delete;
+  MoeFp4Prefill& operator=(const MoeFp4Prefill&) = delete;
+
+  // As MoeFp4::run / run_partial / run_experts, with x.m <= max_rows().
+  void run(const Fp4ExpertsView& w, const QuantActView& x, const int* topk_idx, const float* topk_w,
+           float swiglu_limit, float* out, cudaStream_t stream) const;
+  void run_partial(const Fp4ExpertsView& w, const QuantActView& x, const int* topk_idx,
+                   const float* topk_w, float swiglu_limit, float* out, cudaStream_t stream) const;
+  void run_experts(const Fp4ExpertsView& w, const QuantActView& x, const int* topk_idx,
+                   const float* topk_w, float swiglu_limit, float* out, int64_t row_stride,
+                   cudaStream_t stream) const;
+  int max_rows() const { return max_rows_; }
+
+ private:
+  void experts_impl(const Fp4ExpertsView& w, const QuantActView& x, const int* topk_idx,
+                    const float* topk_w, float swiglu_limit, bool round_w2, float* y,
+                    int64_t y_row_stride, cudaStream_t stream) const;
+  int dim_, inter_, topk_, experts_, max_rows_;
+  int max_items_ = 0, plan_smem_ = 0;
+  int* sorted_ = nullptr;       // [max_rows * topk] pair indices sorted by expert
+  int* items_ = nullptr;        // [max_items][3] (expert, first sorted position, columns)
+  int* n_items_ = nullptr;      // [1]
+  uint8_t* h_codes_ = nullptr;  // [max_rows * topk][inter] by sorted position
+  float* h_scales_ = nullptr;   // [max_rows * topk][inter / 32]
+  float* y_ = nullptr;          // [max_rows][topk][dim]
+};
+
+// act_quant_fp8_f32 (cuda/gemv.h) for any number of rows m >= 1: the same codes and scales.
+void moe_act_quant_rows(const float* x, int m, int k, uint8_t* codes, float* scales,
+                        cudaStream_t stream);
+
 // Shared-expert SwiGLU between two FP8 GEMVs: gu [m, 2 * inter] fp32 holds w1 (gate) outputs in
 // columns [0, inter) and w3 (up) outputs in [inter, 2 * inter). Writes the FP8-quantized
 // h = bf16(silu(min(bf16(g), L)) * clamp(bf16(u), -L, L)) as codes [m, inter] + scales.

@@ -94,10 +94,10 @@ TEST_F(CudaGraphTest, TensorParallelGraphReplayEqualsEagerBitwise) {
   int gpus = 0;
   if (cudaGetDeviceCount(&gpus) != cudaSuccess || gpus < 2)
     GTEST_SKIP() << "TP = 2 needs 2 GPUs, " << gpus << " visible";
-  const auto a = run(*backend(false, 2), prompt_, 0, 2 * engine::kMaxVerifyRows,
-                     engine::kMaxVerifyRows);
-  const auto b = run(*backend(true, 2), prompt_, 0, 2 * engine::kMaxVerifyRows,
-                     engine::kMaxVerifyRows);
+  const auto a =
+      run(*backend(false, 2), prompt_, 0, 2 * engine::kMaxVerifyRows, engine::kMaxVerifyRows);
+  const auto b =
+      run(*backend(true, 2), prompt_, 0, 2 * engine::kMaxVerifyRows, engine::kMaxVerifyRows);
   ASSERT_EQ(a.size(), b.size());
   const Cmp c = compare(b.data(), a.data(), a.size());
   EXPECT_EQ(c.first_diff, -1) << c.str();

@@ -2,14 +2,18 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <condition_variable>
+#include <cstdlib>
 #include <exception>
 #include <mutex>
 #include <thread>
 
 #include "core/error.h"
+#include "core/log.h"
 #include "cuda/cuda_check.h"
 #include "cuda/tp/nccl_comm.h"
+#include "cuda/tp/p2p_allreduce.h"
 #include "engine/bytes.h"
 
 namespace uf::cuda {
@@ -252,6 +256,30 @@ void restore_rank(CudaModel& m, CudaSession& sess, std::span<const uint8_t> byte
 
 }  // namespace
 
+// The one-shot P2P sum (cuda/tp/p2p_allreduce.h) where every pair of GPUs has peer access, else
+// NCCL (logged). Its per-kernel capacity: a decode step's [max_rows, dim] partials in one kernel,
+// and at least 1 Mi floats (4 MiB a source rank and slot) so that index-score rows and prefill
+// chunks take few kernels. UF_P2P_TIMEOUT_S (debugging): a rank that waits longer for a peer
+// prints what it waited for and traps instead of hanging.
+static std::unique_ptr<tp::PeerAllReduce> make_peer_all_reduce(const model::ModelConfig& cfg,
+                                                               const CudaModelOptions& opts,
+                                                               const std::vector<int>& devices) {
+  std::string why;
+  if (!tp::PeerAllReduce::supported(devices, &why)) {
+    spdlog::warn("TP sums run on NCCL: the peer-to-peer all-reduce is unavailable ({})", why);
+    return nullptr;
+  }
+  const size_t cap =
+      std::max(size_t(1) << 20, size_t(std::max(opts.max_rows, 1)) * size_t(cfg.dim));
+  const char* t = std::getenv("UF_P2P_TIMEOUT_S");
+  const double timeout_s = t && *t ? std::atof(t) : 0.0;
+  auto p2p =
+      std::make_unique<tp::PeerAllReduce>(devices, cap, tp::PeerAllReduce::kDefaultCtas, timeout_s);
+  spdlog::info("TP sums: one-shot peer-to-peer all-reduce over {} GPUs ({} CTAs, {:.1f} MiB a GPU)",
+               devices.size(), p2p->ctas(), double(p2p->bytes_per_rank()) / (1 << 20));
+  return p2p;
+}
+
 CudaBackend::CudaBackend(const std::filesystem::path& model_dir,
                          std::vector<int64_t> engram_token_map, CudaModelOptions opts)
     : ckpt_(model::Checkpoint::open(model_dir)) {
@@ -273,6 +301,8 @@ CudaBackend::CudaBackend(const std::filesystem::path& model_dir,
   group_ = tp::TpGroup::create(n);
   std::vector<int> devices;
   for (int r = 0; r < n; ++r) devices.push_back(group_->device(r));
+  if (opts.tp_p2p_allreduce && !opts.tp_ordered_sum)
+    group_->attach_peer_all_reduce(make_peer_all_reduce(cfg, opts, devices));
   workers_ = std::make_unique<RankWorkers>(devices);
   models_.resize(size_t(n));
   // Each rank builds (shards, uploads) on its own thread and device.

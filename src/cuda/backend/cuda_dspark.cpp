@@ -51,22 +51,66 @@ void CudaModel::commit(CudaSession& s, std::span<const int32_t> tokens, const fl
 }
 
 // Each stage's main_kv (kv_norm(wkv(main_norm(main_proj(main_hidden)))), RoPE, FP8) at the
-// committed positions, into that stage's ring.
+// committed positions, into that stage's ring. The host tags the ring slots and fills the commit
+// block; the program reads positions and ring bases from the device, so commits of up to max_rows
+// rows replay one graph per row count. Nothing here waits for the device: the next step's
+// launches are stream-ordered after it.
 void CudaModel::dspark_write(CudaSession& s, const float* main_hidden, int n, int64_t p0) {
-  const int D = cfg_.dim, hd = cfg_.head_dim;
-  UF_CHECK(n <= tmax_, "dspark_write: {} rows exceed the span capacity {}", n, tmax_);
+  const int MH = n_taps() * cfg_.dim;
+  UF_CHECK(n >= 1 && n <= std::min(tmax_, cfg_.window_size) && commit_host_,
+           "dspark_write: {} rows (at most the span capacity {} and the window {})", n, tmax_,
+           cfg_.window_size);
+  const SpanBlock b = commit_block(n);
+  // The previous commit's block copy must have run before its pinned bytes are rewritten.
+  UF_CUDA_CHECK(cudaEventSynchronize(commit_done_));
+  uint8_t* h = commit_host_;
+  for (int i = 0; i < n; ++i) b.at<int64_t>(h, b.pos)[i] = p0 + i;
+  for (int st = 0; st < cfg_.n_mtp_layers; ++st) {
+    auto& ring = s.layers[size_t(cfg_.n_layers + st)].window;
+    UF_CHECK(ring.slots == cfg_.window_size + opts_.max_rows,
+             "dspark_write: DSpark stage {} ring of {} slots, the commit program expects {}", st,
+             ring.slots, cfg_.window_size + opts_.max_rows);
+    for (int i = 0; i < n; ++i) ring.put(p0 + i);
+    *b.at<float*>(h, b.stage_window[size_t(st)]) = ring.data;
+  }
+  UF_CUDA_CHECK(cudaMemcpyAsync(commit_mh_, main_hidden, size_t(n) * size_t(MH) * sizeof(float),
+                                cudaMemcpyDeviceToDevice, stream_));
+  auto program = [&] { commit_program(b); };
+  if (n <= opts_.max_rows)
+    launch_program(kCommitGraphKey + n, program);
+  else
+    program();  // prefill commits: up to a window of rows, not worth a graph each
+  UF_CUDA_CHECK(cudaEventRecord(commit_done_, stream_));
+}
+
+CudaModel::SpanBlock CudaModel::commit_block(int n) const {
+  SpanBlock b;
+  b.T = n;
+  size_t off = 0;
+  auto add = [&](size_t count, size_t elem) {
+    const size_t at = (off + 15) / 16 * 16;
+    off = at + count * elem;
+    return at;
+  };
+  b.pos = add(size_t(n), sizeof(int64_t));
+  for (int st = 0; st < cfg_.n_mtp_layers; ++st) b.stage_window.push_back(add(1, sizeof(void*)));
+  b.bytes = (off + 15) / 16 * 16;
+  return b;
+}
+
+void CudaModel::commit_program(const SpanBlock& b) {
+  const int n = b.T, D = cfg_.dim, hd = cfg_.head_dim;
+  UF_CUDA_CHECK(
+      cudaMemcpyAsync(commit_dev_, commit_host_, b.bytes, cudaMemcpyHostToDevice, stream_));
+  const int64_t* pos = b.at<int64_t>(commit_dev_, b.pos);
   const auto& S0 = *layers_[size_t(cfg_.n_layers)];
-  S0.main_proj.apply(main_hidden, n, x_, stream_);
+  S0.main_proj.apply(commit_mh_, n, x_, stream_);
   rms_norm(S0.main_norm, float(cfg_.norm_eps), x_, n, D, x_, stream_);
   for (int st = 0; st < cfg_.n_mtp_layers; ++st) {
-    const int l = cfg_.n_layers + st;
-    project_kv(l, x_, n, p0, kv_);
-    auto& ring = s.layers[size_t(l)].window;
-    for (int i = std::max(0, n - ring.slots); i < n; ++i)
-      UF_CUDA_CHECK(cudaMemcpyAsync(ring.put(p0 + i), kv_ + int64_t(i) * hd,
-                                    size_t(hd) * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
+    project_kv(cfg_.n_layers + st, x_, n, 0, kv_, pos);
+    put_ring_rows(kv_, n, hd, pos, b.at<float*>(commit_dev_, b.stage_window[size_t(st)]),
+                  cfg_.window_size + opts_.max_rows, stream_);
   }
-  sync();
 }
 
 CudaModel::SpanBlock CudaModel::draft_block() const {
@@ -205,7 +249,7 @@ engine::DraftBlock CudaModel::draft(CudaSession& s, int32_t anchor,
 // The draft sampler on the device.
 
 namespace {
-constexpr int kDeviceDraftGraphKey = 2;  // span programs use >= 4, the host draft 0 / 1
+constexpr int kDeviceDraftGraphKey = 2;  // span programs use 4..35, the host draft 0 / 1
 }  // namespace
 
 bool CudaModel::device_draft_available() const {

@@ -68,7 +68,10 @@ CudaModel::CudaModel(model::ModelConfig cfg, const model::Checkpoint& ckpt,
     G_ /= tp_;
     Hi_ /= tp_;
     inter_ /= tp_;
-    ordered_sum_ = opts_.tp_ordered_sum || tp_ > 2;
+    // tp > 2 needs a sum whose order is the same on every rank: the P2P sum's rank order, else
+    // all-gather + the rank-order sum (its scratch: ensure_gather).
+    ordered_sum_ =
+        (opts_.tp_ordered_sum || tp_ > 2) && !(opts_.tp_p2p_allreduce && group->peer_all_reduce());
     split_head_ = opts_.tp_split_head;
     shard_weights();
   }
@@ -229,6 +232,15 @@ CudaModel::CudaModel(model::ModelConfig cfg, const model::Checkpoint& ckpt,
   }
   block_bytes_ = span_block(tmax_).bytes;
   block_dev_ = arena_.alloc<uint8_t>(block_bytes_);
+  if (n_taps() > 0 && cfg_.n_mtp_layers > 0) {  // DSpark ring writes at commit
+    const int keep = std::min(tmax_, cfg_.window_size);
+    commit_bytes_ = commit_block(keep).bytes;
+    commit_dev_ = arena_.alloc<uint8_t>(commit_bytes_);
+    commit_mh_ = arena_.alloc<float>(size_t(keep) * size_t(n_taps()) * size_t(cfg_.dim));
+    UF_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&commit_host_), commit_bytes_,
+                                cudaHostAllocDefault));
+    UF_CUDA_CHECK(cudaEventCreateWithFlags(&commit_done_, cudaEventDisableTiming));
+  }
   UF_CUDA_CHECK(
       cudaHostAlloc(reinterpret_cast<void**>(&block_host_), block_bytes_, cudaHostAllocDefault));
   topk_.assign(size_t(cfg_.n_layers), nullptr);
@@ -264,6 +276,8 @@ CudaModel::CudaModel(model::ModelConfig cfg, const model::Checkpoint& ckpt,
 CudaModel::~CudaModel() {
   drop_graphs();
   if (block_host_) cudaFreeHost(block_host_);
+  if (commit_host_) cudaFreeHost(commit_host_);
+  if (commit_done_) cudaEventDestroy(commit_done_);
   if (gather_) cudaFree(gather_);
   if (score_) cudaFree(score_);
   if (keep_) cudaFree(keep_);

@@ -82,6 +82,11 @@ struct CudaModelOptions {
   // (ring chunking, algorithm choice), which would make a row depend on the span's row count
   // (spec != plain). At tp = 2 both give a + b exactly; the option exists to test that.
   bool tp_ordered_sum = false;
+  // TP sums with the one-shot peer-to-peer all-reduce (cuda/tp/p2p_allreduce.h: one kernel, the
+  // same rank-order fp32 sum on every rank, bitwise the ordered sum's / NCCL's a + b at 2 ranks)
+  // instead of NCCL. Used where every pair of GPUs has peer access (CudaBackend checks; else
+  // NCCL, with a log line) and tp_ordered_sum is off. --no-p2p-allreduce turns it off.
+  bool tp_p2p_allreduce = true;
   // TP: split head.weight by vocab rows (each rank computes vocab/tp logits, all-gathered and
   // reordered into whole rows on every rank). Off by default (the head stays replicated).
   bool tp_split_head = false;
@@ -224,6 +229,11 @@ class CudaModel {
   // rings; output: the last stage's x5 rows in x_ and, with head_rows, its head logits in logits_.
   SpanBlock draft_block() const;
   void draft_program(const SpanBlock& b, bool head_rows);
+  // Committed rows into the DSpark stages' window rings as a program with its own pinned block
+  // (commit_block(n): pos, the stages' rings), so a decode commit is one graph replay that the
+  // host does not wait for; main hidden rows come from commit_mh_.
+  SpanBlock commit_block(int n) const;
+  void commit_program(const SpanBlock& b);
   // The device draft's inputs appended to draft_block()'s layout (byte offsets in the block):
   // DeviceSamplingParams, then B uniforms (float).
   struct DraftInputs {
@@ -359,6 +369,12 @@ class CudaModel {
   uint8_t* block_host_ = nullptr;
   uint8_t* block_dev_ = nullptr;
   size_t block_bytes_ = 0;
+  // The commit program's block and main hidden rows; commit_done_ marks its block copied.
+  uint8_t* commit_host_ = nullptr;
+  uint8_t* commit_dev_ = nullptr;
+  size_t commit_bytes_ = 0;
+  float* commit_mh_ = nullptr;
+  cudaEvent_t commit_done_ = nullptr;
   float *emit_ = nullptr, *emit_keys_ = nullptr;
   std::map<int, cudaGraphExec_t> graphs_;
   // Device verification: its plan (transformed rows, sort scratch) and inputs / result.

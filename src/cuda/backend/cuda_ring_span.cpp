@@ -398,15 +398,18 @@ void CudaModel::capture_step_graphs() {
   if (!opts_.cuda_graphs) return;
   const auto t0 = std::chrono::steady_clock::now();
   const int M = opts_.max_rows;
-  auto s = new_session(int64_t(M) + 2);
+  auto s = new_session(int64_t(M) * (M + 1) + 2);
   const std::vector<int32_t> toks(size_t(M), 0);
   std::vector<float> logits(size_t(M) * size_t(cfg_.vocab_size));
   for (int T = 1; T <= M; ++T)  // CudaBackend::decode_rows' keys
     forward(*s, std::span<const int32_t>(toks.data(), size_t(T)), false, true, logits.data(),
             nullptr, nullptr);
   if (cfg_.n_mtp_layers > 0 && cfg_.dspark_block_size > 0) {
-    forward(*s, std::span<const int32_t>(toks.data(), 1), false, true, logits.data(), mh_, nullptr);
-    commit(*s, std::span<const int32_t>(toks.data(), 1), mh_, 1, -1);
+    for (int n = 1; n <= M; ++n) {  // commits of 1..M accepted rows
+      forward(*s, std::span<const int32_t>(toks.data(), size_t(n)), false, true, logits.data(), mh_,
+              nullptr);
+      commit(*s, std::span<const int32_t>(toks.data(), size_t(n)), mh_, n, -1);
+    }
     draft(*s, 0, [](int, std::span<const float>) { return int32_t(0); });
   }
   sync();

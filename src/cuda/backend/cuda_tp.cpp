@@ -17,12 +17,15 @@
 //  - Engram tables: split by rows (unevenly: model/tp_plan.h). Each rank gathers the rows it holds
 //    and +0 for the others; the same all-reduce sums them, and since one rank alone contributes
 //    each value the sum is that value: bitwise one GPU's (up to the sign of an exact zero).
-//  - The sum: NCCL's fp32 all-reduce at N = 2 (a + b: exact order-free), else all-gather + an fp32
-//    sum in rank order (CudaModelOptions::tp_ordered_sum), whose order never depends on the
-//    element count. Collectives are elementwise over rows, so a row's result never depends on the
-//    other rows (spec == plain holds at every N). With 2 ranks the fp32 sum a + b is commutative,
-//    so every rank holds bitwise the same activations (NCCL's ring gives all ranks the same values
-//    for N > 2 as well), hence the same KV, index keys and top-k on every rank.
+//  - The sum: by default the one-shot peer-to-peer all-reduce (cuda/tp/p2p_allreduce.h, one kernel
+//    per call, CudaModelOptions::tp_p2p_allreduce, where every pair of GPUs has peer access):
+//    ((b0 + b1) + b2) + ... in rank order on every rank. Without it (or with tp_ordered_sum set):
+//    NCCL's fp32 all-reduce at N = 2 (a + b: exact order-free), else all-gather + an fp32 sum in
+//    rank order (CudaModelOptions::tp_ordered_sum), whose order never depends on the element
+//    count. All three give bitwise the same values: at N = 2 a + b is commutative, at N > 2 the
+//    P2P kernel and the gather-sum add in the same rank order. Collectives are elementwise over
+//    rows, so a row's result never depends on the other rows (spec == plain holds at every N), and
+//    every rank holds bitwise the same activations, hence the same KV, index keys and top-k.
 #include <string>
 #include <unordered_map>
 
@@ -32,6 +35,7 @@
 #include "cuda/backend/model_internal.h"
 #include "cuda/ops/elementwise.h"
 #include "cuda/tp/nccl_comm.h"
+#include "cuda/tp/p2p_allreduce.h"
 #include "model/tp_plan.h"
 
 namespace uf::cuda {
@@ -165,6 +169,13 @@ void CudaModel::ensure_gather(size_t n) {
 
 void CudaModel::all_reduce_round(float* buf, size_t n) {
   if (tp_ <= 1 || n == 0) return;
+  // CudaBackend attaches the P2P object only where it is to be used; tp_ordered_sum (tests of the
+  // gather-sum path) wins over it.
+  tp::PeerAllReduce* p2p = group_->peer_all_reduce();
+  if (p2p && opts_.tp_p2p_allreduce && !opts_.tp_ordered_sum) {
+    p2p->sum_rank(rank_, buf, n, stream_, /*round_bf16=*/true);  // the rounding in the kernel
+    return;
+  }
   if (ordered_sum_) {
     UF_CHECK(n <= gather_cap_, "CUDA TP: a sum of {} values exceeds the gather scratch of {}", n,
              gather_cap_);

@@ -82,9 +82,11 @@ struct CudaModel::SpanBlock {
   }
 };
 
-// Graph keys: span programs use rows * 4 + all_logits * 2 + head (>= 4); draft programs 0 / 1
-// (without / with the head). Capture runs the program on the model's stream in thread-local mode
-// (TP ranks capture on their own threads); graphs run at tp = 1 only for now.
+// Graph keys: span programs use rows * 4 + all_logits * 2 + head (4..35 for up to 8 rows); draft
+// programs 0 / 1 (without / with the head), the device draft 2, commits kCommitGraphKey + rows.
+// Capture runs the program on the model's stream in thread-local mode (TP ranks capture on their
+// own threads).
+inline constexpr int kCommitGraphKey = 64;
 template <typename Program>
 void CudaModel::launch_program(int key, Program&& program) {
   // Under TP every rank captures and replays the same program, NCCL collectives included (NCCL

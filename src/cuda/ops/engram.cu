@@ -2,10 +2,10 @@
 //
 // Per chunk: gather_kernel dequantises the hashed table rows (FP8 with per-row E8M0 scales, or
 // BF16 / F32) to bf16 values (a row-split table: the rows this rank holds, +0 for the others,
-// then the caller's reduce sums the ranks); DeviceLinear(wkv) projects them (the CPU's linear() dispatch);
-// gate_kernel (one block per (row, hc copy)) computes the copy's gate with the CPU's exact fp32
-// order (dot8 partial sums for |h|^2, |k|^2 and the weighted dot, threads 0..7 = partials 0..7)
-// and writes out = bf16(h + gate * value). expf may differ from glibc by an ulp.
+// then the caller's reduce sums the ranks); DeviceLinear(wkv) projects them (the CPU's linear()
+// dispatch); gate_kernel (one block per (row, hc copy)) computes the copy's gate with the CPU's
+// exact fp32 order (dot8 partial sums for |h|^2, |k|^2 and the weighted dot, threads 0..7 =
+// partials 0..7) and writes out = bf16(h + gate * value). expf may differ from glibc by an ulp.
 
 #include <cuda_runtime.h>
 
@@ -141,8 +141,8 @@ int64_t DeviceEngram::gathered_floats_per_row() const {
   return int64_t(impl_->s.n_cols) * impl_->s.head_dim;
 }
 
-void DeviceEngram::apply(const int64_t* ids, const float* X, int T, float* out,
-                         cudaStream_t stream, const RowReduce& reduce) const {
+void DeviceEngram::apply(const int64_t* ids, const float* X, int T, float* out, cudaStream_t stream,
+                         const RowReduce& reduce) const {
   const Impl& m = *impl_;
   const int hc = m.s.hc, D = m.s.dim;
   require(split() == bool(reduce),
@@ -154,8 +154,8 @@ void DeviceEngram::apply(const int64_t* ids, const float* X, int T, float* out,
   for (int t0 = 0; t0 < T; t0 += kMaxDecodeRows) {
     const int rows = std::min(kMaxDecodeRows, T - t0);
     gather_kernel<<<rows * m.s.n_cols, 128, 0, stream>>>(m.table, m.s.row_begin, m.s.rows_total,
-                                                         ids + int64_t(t0) * m.s.n_cols,
-                                                         m.s.n_cols, m.s.head_dim, m.e);
+                                                         ids + int64_t(t0) * m.s.n_cols, m.s.n_cols,
+                                                         m.s.head_dim, m.e);
     UF_CUDA_CHECK(cudaGetLastError());
     if (reduce) reduce(m.e, size_t(rows) * size_t(gathered_floats_per_row()));
     m.wkv.apply(m.e, rows, m.kv, stream);

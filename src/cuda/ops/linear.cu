@@ -315,10 +315,18 @@ struct DeviceLinear::Plan {
   std::unique_ptr<Fp8Gemv> gemv;  // kQuant fast path (FP8 32x32 blocks, rows % 16 == 0)
   uint8_t* codes = nullptr;       // act quant workspace [8, cols] of the misaligned-x fallback
   float* scales = nullptr;        // [8, cols / 32]
+  // Prefill GEMM activation workspace: codes [pf_rows, cols], scales [pf_rows, cols / 32];
+  // pf_rows == 0: no GEMM (decode GEMV by chunks of 8 rows).
+  int pf_rows = 0;
+  uint8_t* pf_codes = nullptr;
+  float* pf_scales = nullptr;
 };
 
-DeviceLinear::DeviceLinear(const model::Weight& w, LinearKind kind, DeviceArena& arena)
+DeviceLinear::DeviceLinear(const model::Weight& w, LinearKind kind, DeviceArena& arena,
+                           int max_prefill_rows)
     : kind_(kind) {
+  require(max_prefill_rows >= 0, "DeviceLinear: max_prefill_rows = %d must be >= 0",
+          max_prefill_rows);
   const bool quantised = w.format == WFormat::kFP8 || w.format == WFormat::kFP4;
   if (kind_ == LinearKind::kAuto) kind_ = quantised ? LinearKind::kQuant : LinearKind::kBf16Out;
   require(kind_ != LinearKind::kQuant || quantised,
@@ -335,6 +343,11 @@ DeviceLinear::DeviceLinear(const model::Weight& w, LinearKind kind, DeviceArena&
     // Only the misaligned-x fallback (act_quant + run) uses these; quant_rows_x needs none.
     plan_->codes = arena.alloc<uint8_t>(size_t(kMaxDecodeRows) * size_t(w.cols));
     plan_->scales = arena.alloc<float>(size_t(kMaxDecodeRows) * size_t(w.cols / 32));
+    if (max_prefill_rows > kMaxDecodeRows) {
+      plan_->pf_rows = max_prefill_rows;
+      plan_->pf_codes = arena.alloc<uint8_t>(size_t(max_prefill_rows) * size_t(w.cols));
+      plan_->pf_scales = arena.alloc<float>(size_t(max_prefill_rows) * size_t(w.cols / 32));
+    }
   }
 }
 
@@ -364,8 +377,19 @@ void DeviceLinear::run(const float* x, int T, float* y, bool round, cudaStream_t
     return;
   }
   const Fp8WeightView wv{w_.data, w_.scale, int(N), int(K)};
+  int t0 = 0;
+  // Prefill: the GEMM by chunks of pf_rows, bitwise the GEMV's results (kernels/fp8_gemm.cu);
+  // a tail of <= 8 rows goes to the GEMV below.
+  while (plan_->pf_rows > 0 && T - t0 > kMaxDecodeRows) {
+    const int m = std::min(plan_->pf_rows, T - t0);
+    act_quant_fp8_rows(x + int64_t(t0) * K, K, m, int(K), plan_->pf_codes, plan_->pf_scales,
+                       stream);
+    const QuantActView av{plan_->pf_codes, plan_->pf_scales, m, int(K)};
+    fp8_gemm_prefill(wv, av, plan_->gemv->kb_per_split(), y + int64_t(t0) * N, round, stream);
+    t0 += m;
+  }
   const bool fused = Fp8Gemv::fused_input_ok(x, K);
-  for (int t0 = 0; t0 < T; t0 += kMaxDecodeRows) {
+  for (; t0 < T; t0 += kMaxDecodeRows) {
     const int m = std::min(kMaxDecodeRows, T - t0);
     const float* xc = x + int64_t(t0) * K;
     float* yc = y + int64_t(t0) * N;
@@ -386,8 +410,10 @@ void DeviceLinear::apply_group(std::span<const LinearCall> calls, const float* x
   if (calls.empty() || T <= 0) return;
   const int64_t K = calls[0].linear->cols();
   const bool aligned = Fp8Gemv::fused_input_ok(x, K);
+  // T > 8: a weight with a prefill GEMM runs it (its own apply(), bitwise the same outputs).
   auto groupable = [&](const DeviceLinear& l) {
-    return aligned && l.kind_ == LinearKind::kQuant && l.plan_->gemv != nullptr;
+    return aligned && l.kind_ == LinearKind::kQuant && l.plan_->gemv != nullptr &&
+           !(T > kMaxDecodeRows && l.plan_->pf_rows > 0);
   };
   for (const LinearCall& c : calls) {
     const DeviceLinear& l = *c.linear;

@@ -1,9 +1,9 @@
 #pragma once
 // Linear layers on the device with the reference's numerics: device twins of cpu/linear.h.
 // A DeviceLinear owns one weight's device copy plus its plan (Fp8Gemv split plan where the shape
-// allows it, activation-quantisation workspace); apply() runs any number of rows by chunks of
-// kMaxDecodeRows through the same kernels, so a row's result never depends on how many rows are
-// in the call (spec == plain) and prefill uses the decode numerics. apply() never allocates.
+// allows it, activation-quantisation workspaces); apply() runs any number of rows, and a row's
+// result never depends on how many rows are in the call (spec == plain; prefill rows are bitwise
+// the decode rows). apply() never allocates.
 
 #include <cuda_runtime.h>
 
@@ -25,6 +25,10 @@ enum class LinearKind {
 
 class DeviceLinear;
 
+// Rows a DeviceLinear's prefill GEMM workspace holds by default (act codes + scales: 516 B per
+// row per 512 inputs); longer calls run the GEMM in chunks of this many rows.
+inline constexpr int kDefaultPrefillRows = 512;
+
 // One weight of DeviceLinear::apply_group: y[T, rows()] as apply() (partial: as apply_partial()).
 struct LinearCall {
   const DeviceLinear* linear = nullptr;
@@ -36,7 +40,11 @@ class DeviceLinear {
  public:
   // Out of line (linear.cu): nvcc's front end needs Plan complete for an inline default.
   DeviceLinear();
-  DeviceLinear(const model::Weight& w, LinearKind kind, DeviceArena& arena);
+  // max_prefill_rows: rows of the prefill GEMM's activation workspace (allocated here, from the
+  // arena, only for Fp8Gemv-path weights); 0 disables the GEMM (every call runs the decode GEMV
+  // in chunks of 8 rows: the same bits, slower).
+  DeviceLinear(const model::Weight& w, LinearKind kind, DeviceArena& arena,
+               int max_prefill_rows = kDefaultPrefillRows);
   ~DeviceLinear();
   DeviceLinear(DeviceLinear&&) noexcept;
   DeviceLinear& operator=(DeviceLinear&&) noexcept;
@@ -44,9 +52,12 @@ class DeviceLinear {
   // y[T, rows()] from x[T, cols()]; x and y must not alias. kQuant uses this object's
   // workspace (act quant, Fp8Gemv split counters): one apply() at a time per DeviceLinear.
   // Paths, and kernel launches per call:
-  //   kQuant on FP8 32x32-block weights with rows % 16 == 0 -> Fp8Gemv::run_fused (act quant,
-  //     GEMV, split-K finish and bf16 rounding in ONE launch per 8 rows; 3 if x is not 16-byte
+  //   kQuant on FP8 32x32-block weights with rows % 16 == 0, T <= 8 (decode) -> Fp8Gemv::run_fused
+  //     (act quant, GEMV, split-K finish and bf16 rounding in ONE launch; 3 if x is not 16-byte
   //     aligned: act_quant + GEMV + rounding, bitwise the same);
+  //   the same weights, T > 8 (prefill) -> act_quant_fp8_rows + fp8_gemm_prefill (2 launches per
+  //     max_prefill_rows rows; a tail of <= 8 rows takes the GEMV), bitwise the GEMV's results;
+  //     with max_prefill_rows == 0: the GEMV by chunks of 8 rows;
   //   other kQuant weights -> quant_rows_x (act quant inside), bitwise equal to cpu/linear.cpp,
   //     one launch for any T;
   //   kBf16Out / kF32 -> dense_rows, the CPU's products in another fp32 order (ops/linear.cu),
@@ -68,6 +79,7 @@ class DeviceLinear {
   // run their own apply(). A DeviceLinear listed twice gets a second launch (its split workspace
   // serves one launch at a time). x must be 16-byte aligned for the grouping (cudaMalloc'd
   // buffers and row offsets of them are); otherwise every weight runs its own apply().
+  // T > 8: weights with a prefill GEMM run their own apply() (the GEMM; bitwise the same).
   static void apply_group(std::span<const LinearCall> calls, const float* x, int T,
                           cudaStream_t stream);
 

@@ -1,8 +1,10 @@
 #pragma once
 // Mixture of experts on the device: the device twin of cpu/moe.h (Engram: ops/engram.h).
 // Routing (scores, bias, top-k, weights) runs on the device; routed experts in MXFP4 run through
-// MoeFp4 (cuda/moe.h, experts stacked at upload) in chunks of kMaxDecodeRows rows, so a row's
-// result never depends on the other rows (spec == plain). apply() never allocates.
+// MoeFp4 (cuda/moe.h, experts stacked at upload) in chunks of kMaxDecodeRows rows, or, for
+// T > kMaxDecodeRows, through MoeFp4Prefill (all rows of a chunk grouped by expert, bitwise the
+// same outputs), so a row's result never depends on the other rows (spec == plain). apply()
+// never allocates.
 
 #include <cuda_runtime.h>
 
@@ -25,6 +27,13 @@ struct MoeShape {
   float gate_temp = 1;
   float route_scale = 1;
   float swiglu_limit = 0;  // 0 = no clamps
+  // Rows per call of the prefill path (MoeFp4Prefill: the routed experts grouped over all rows of
+  // a chunk, each selected expert's weights read once per chunk) used when T > kMaxDecodeRows;
+  // more rows run in chunks of this many. <= kMaxDecodeRows: every call runs by chunks of 8 rows.
+  // Bitwise the same outputs either way. Its workspace (~ rows * (top_k + 4) * dim * 4 bytes,
+  // 90 MB at 512 rows, dim 5120, top-6) is shared by the DeviceMoes built on one DeviceArena with
+  // the same shape: their apply()s must not run concurrently (a model runs its layers in order).
+  int max_prefill_rows = 512;
 };
 
 class DeviceMoe {
@@ -80,12 +89,19 @@ class DeviceMoe {
   // The routed experts' kernels (cuda/moe.h MoeKernels; default kDefaultMoeKernels). Both give
   // bitwise identical outputs; for measuring one against the other.
   void set_routed_kernels(MoeKernels k);
+  // Whether T > kMaxDecodeRows uses the prefill path (default: on when max_prefill_rows > 8); off:
+  // chunks of 8 rows through the decode kernels. For tests and benchmarks (bitwise the same).
+  void set_prefill_enabled(bool on);
+  bool prefill_enabled() const;
 
  private:
   struct Impl;
   enum class Out { kRounded, kPartialSum, kPartialSlots };
   void run(const float* x, int T, Out mode, float* out, int32_t* gate_i, float* gate_w,
            cudaStream_t stream) const;
+  // One chunk of rows: <= kMaxDecodeRows through MoeFp4, more through MoeFp4Prefill.
+  void run_chunk(const float* x, int t0, int rows, Out mode, float* out, int32_t* gate_i,
+                 float* gate_w, cudaStream_t stream) const;
   std::unique_ptr<Impl> impl_;
 };
 

@@ -12,6 +12,9 @@
 //   4. shared expert: DeviceLinear w1, w3 (kQuant, bf16 outputs), swiglu_kernel
 //      (h = bf16(silu(min(g, L)) * clamp(u, -L, L))), DeviceLinear w2 (bf16 output);
 //   5. combine_kernel: y = bf16(routed + shared).
+// T > kMaxDecodeRows (prefill): the same five steps once per chunk of up to max_prefill_rows
+// rows, step 3 through MoeFp4Prefill (pairs grouped by expert over the whole chunk; bitwise
+// MoeFp4's outputs), the other steps on all rows at once (each row-independent: the same bits).
 // Tensor-parallel partials (ops/moe.h): apply_partial skips every rounding after a w2 product
 // (MoeFp4::run_partial, DeviceLinear::apply_partial, combine without rounding);
 // apply_partial_experts writes each expert's unrounded w2 output to its own slot
@@ -21,6 +24,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
+#include <mutex>
+#include <tuple>
 #include <vector>
 
 #include "cuda/cuda_check.h"
@@ -222,6 +228,66 @@ Stacked stack_experts(const std::vector<model::ExpertWeights>& experts,
   return s;
 }
 
+// The prefill path's workspace for up to `rows` rows: shared by the DeviceMoes of one arena with
+// the same shape (ops/moe.h MoeShape::max_prefill_rows), freed with the last of them.
+struct PrefillWork {
+  std::unique_ptr<MoeFp4Prefill> moe;
+  int rows = 0;
+  float* scores = nullptr;    // [rows, E]
+  int32_t* gi = nullptr;      // [rows, K]
+  float* gw = nullptr;        // [rows, K]
+  uint8_t* xcodes = nullptr;  // [rows, dim]
+  float* xscales = nullptr;   // [rows, dim / 32]
+  float* routed = nullptr;    // [rows, dim]
+  float* g = nullptr;         // [rows, inter] shared expert
+  float* u = nullptr;
+  float* h = nullptr;
+  float* shared = nullptr;  // [rows, dim]
+  std::vector<void*> owned;
+
+  template <typename T>
+  T* alloc(size_t n) {
+    void* p = nullptr;
+    UF_CUDA_CHECK(cudaMalloc(&p, n * sizeof(T)));
+    owned.push_back(p);
+    return static_cast<T*>(p);
+  }
+  PrefillWork(int D, int I, int E, int K, int R) : rows(R) {
+    moe = std::make_unique<MoeFp4Prefill>(D, I, K, E, R);
+    const size_t r = size_t(R);
+    scores = alloc<float>(r * E);
+    gi = alloc<int32_t>(r * K);
+    gw = alloc<float>(r * K);
+    xcodes = alloc<uint8_t>(r * D);
+    xscales = alloc<float>(r * D / 32);
+    routed = alloc<float>(r * D);
+    g = alloc<float>(r * I);
+    u = alloc<float>(r * I);
+    h = alloc<float>(r * I);
+    shared = alloc<float>(r * D);
+  }
+  ~PrefillWork() {
+    for (void* p : owned) cudaFree(p);
+  }
+  PrefillWork(const PrefillWork&) = delete;
+  PrefillWork& operator=(const PrefillWork&) = delete;
+};
+
+std::shared_ptr<PrefillWork> prefill_work(const DeviceArena* arena, int D, int I, int E, int K,
+                                          int R) {
+  static std::mutex mu;
+  static std::map<std::tuple<const void*, int, int, int, int, int, int>, std::weak_ptr<PrefillWork>>
+      cache;
+  int device = 0;
+  UF_CUDA_CHECK(cudaGetDevice(&device));
+  const auto key = std::make_tuple(static_cast<const void*>(arena), device, D, I, E, K, R);
+  std::lock_guard<std::mutex> lock(mu);
+  if (auto p = cache[key].lock()) return p;
+  auto p = std::make_shared<PrefillWork>(D, I, E, K, R);
+  cache[key] = p;
+  return p;
+}
+
 }  // namespace
 
 struct DeviceMoe::Impl {
@@ -242,7 +308,9 @@ struct DeviceMoe::Impl {
   float* g = nullptr;         // [8, inter] shared expert
   float* u = nullptr;
   float* h = nullptr;
-  float* shared = nullptr;  // [8, dim]
+  float* shared = nullptr;          // [8, dim]
+  std::shared_ptr<PrefillWork> pf;  // null: max_prefill_rows <= kMaxDecodeRows
+  bool pf_on = false;
 };
 
 DeviceMoe::DeviceMoe(const model::MoeWeights& w, const MoeShape& shape, DeviceArena& arena)
@@ -290,6 +358,10 @@ DeviceMoe::DeviceMoe(const model::MoeWeights& w, const MoeShape& shape, DeviceAr
   m.u = arena.alloc<float>(R * I);
   m.h = arena.alloc<float>(R * I);
   m.shared = arena.alloc<float>(R * D);
+  if (shape.max_prefill_rows > kMaxDecodeRows) {
+    m.pf = prefill_work(&arena, D, I, E, K, shape.max_prefill_rows);
+    m.pf_on = true;
+  }
 }
 
 DeviceMoe::~DeviceMoe() = default;
@@ -328,6 +400,10 @@ int DeviceMoe::top_k() const { return impl_->s.top_k; }
 
 void DeviceMoe::set_routed_kernels(MoeKernels k) { impl_->moe->set_kernels(k); }
 
+void DeviceMoe::set_prefill_enabled(bool on) { impl_->pf_on = on && impl_->pf != nullptr; }
+
+bool DeviceMoe::prefill_enabled() const { return impl_->pf_on; }
+
 int64_t DeviceMoe::slot_floats_per_row() const {
   return int64_t(impl_->s.top_k + 1) * impl_->s.dim;
 }
@@ -335,49 +411,83 @@ int64_t DeviceMoe::slot_floats_per_row() const {
 void DeviceMoe::run(const float* x, int T, Out mode, float* out, int32_t* gate_i, float* gate_w,
                     cudaStream_t stream) const {
   const Impl& m = *impl_;
+  const int pf_rows = m.pf_on ? m.pf->rows : 0;
+  for (int t0 = 0; t0 < T;) {
+    const int left = T - t0;
+    const int rows = left > kMaxDecodeRows && pf_rows > kMaxDecodeRows
+                         ? std::min(left, pf_rows)
+                         : std::min(left, kMaxDecodeRows);
+    run_chunk(x, t0, rows, mode, out, gate_i, gate_w, stream);
+    t0 += rows;
+  }
+}
+
+void DeviceMoe::run_chunk(const float* x, int t0, int rows, Out mode, float* out, int32_t* gate_i,
+                          float* gate_w, cudaStream_t stream) const {
+  const Impl& m = *impl_;
   const int E = m.s.n_experts, K = m.s.top_k, D = m.s.dim, I = m.s.inter;
   const Fp4ExpertsView experts{m.w1.data,  m.w1.scale, m.w3.data, m.w3.scale, m.w2.data,
                                m.w2.scale, E,          D,         I};
-  for (int t0 = 0; t0 < T; t0 += kMaxDecodeRows) {
-    const int rows = std::min(kMaxDecodeRows, T - t0);
-    const float* xc = x + int64_t(t0) * D;
-    int32_t* gi = gate_i ? gate_i + int64_t(t0) * K : m.gi;
-    float* gw = gate_w ? gate_w + int64_t(t0) * K : m.gw;
-    m.gate.apply(xc, rows, m.scores, stream);
-    route_kernel<<<rows, kRouteThreads, 2 * sizeof(float) * E, stream>>>(
-        m.scores, m.bias, E, K, m.func, m.s.gate_temp, m.s.route_scale, gi, gw);
-    UF_CUDA_CHECK(cudaGetLastError());
-    act_quant_fp8_f32(xc, rows, D, m.xcodes, m.xscales, stream);
-    const QuantActView act{m.xcodes, m.xscales, rows, D};
-    const int64_t slot_row = int64_t(K + 1) * D;  // kPartialSlots: floats per row of `out`
+  const bool pf = rows > kMaxDecodeRows;  // run() only makes such chunks with m.pf
+  const PrefillWork* w = pf ? m.pf.get() : nullptr;
+  float* scores = pf ? w->scores : m.scores;
+  uint8_t* xcodes = pf ? w->xcodes : m.xcodes;
+  float* xscales = pf ? w->xscales : m.xscales;
+  float* routed = pf ? w->routed : m.routed;
+  float* g = pf ? w->g : m.g;
+  float* u = pf ? w->u : m.u;
+  float* h = pf ? w->h : m.h;
+  float* shared = pf ? w->shared : m.shared;
+  const float* xc = x + int64_t(t0) * D;
+  int32_t* gi = gate_i ? gate_i + int64_t(t0) * K : (pf ? w->gi : m.gi);
+  float* gw = gate_w ? gate_w + int64_t(t0) * K : (pf ? w->gw : m.gw);
+  m.gate.apply(xc, rows, scores, stream);
+  route_kernel<<<rows, kRouteThreads, 2 * sizeof(float) * E, stream>>>(
+      scores, m.bias, E, K, m.func, m.s.gate_temp, m.s.route_scale, gi, gw);
+  UF_CUDA_CHECK(cudaGetLastError());
+  if (pf)
+    moe_act_quant_rows(xc, rows, D, xcodes, xscales, stream);
+  else
+    act_quant_fp8_f32(xc, rows, D, xcodes, xscales, stream);
+  const QuantActView act{xcodes, xscales, rows, D};
+  const int64_t slot_row = int64_t(K + 1) * D;  // kPartialSlots: floats per row of `out`
+  if (pf) {
     if (mode == Out::kRounded)
-      m.moe->run(experts, act, gi, gw, m.s.swiglu_limit, m.routed, stream);
+      w->moe->run(experts, act, gi, gw, m.s.swiglu_limit, routed, stream);
     else if (mode == Out::kPartialSum)
-      m.moe->run_partial(experts, act, gi, gw, m.s.swiglu_limit, m.routed, stream);
+      w->moe->run_partial(experts, act, gi, gw, m.s.swiglu_limit, routed, stream);
+    else
+      w->moe->run_experts(experts, act, gi, gw, m.s.swiglu_limit, out + t0 * slot_row, slot_row,
+                          stream);
+  } else {
+    if (mode == Out::kRounded)
+      m.moe->run(experts, act, gi, gw, m.s.swiglu_limit, routed, stream);
+    else if (mode == Out::kPartialSum)
+      m.moe->run_partial(experts, act, gi, gw, m.s.swiglu_limit, routed, stream);
     else
       m.moe->run_experts(experts, act, gi, gw, m.s.swiglu_limit, out + t0 * slot_row, slot_row,
                          stream);
-    // w1 and w3 read the same rows: one launch (each output as its own apply()).
-    const LinearCall gate_up[] = {{&m.sw1, m.g}, {&m.sw3, m.u}};
-    DeviceLinear::apply_group(gate_up, xc, rows, stream);
-    const size_t nh = size_t(rows) * I, ny = size_t(rows) * D;
-    swiglu_kernel<<<blocks_for(nh, 256), 256, 0, stream>>>(m.g, m.u, nh, m.s.swiglu_limit, m.h);
-    UF_CUDA_CHECK(cudaGetLastError());
-    if (mode == Out::kRounded)
-      m.sw2.apply(m.h, rows, m.shared, stream);
-    else
-      m.sw2.apply_partial(m.h, rows, m.shared, stream);
-    if (mode == Out::kPartialSlots) {  // the shared expert into slot K of each row
-      UF_CUDA_CHECK(cudaMemcpy2DAsync(out + t0 * slot_row + int64_t(K) * D,
-                                      size_t(slot_row) * sizeof(float), m.shared,
-                                      size_t(D) * sizeof(float), size_t(D) * sizeof(float),
-                                      size_t(rows), cudaMemcpyDeviceToDevice, stream));
-      continue;
-    }
-    combine_kernel<<<blocks_for(ny, 256), 256, 0, stream>>>(
-        m.routed, m.shared, ny, mode == Out::kRounded, out + int64_t(t0) * D);
-    UF_CUDA_CHECK(cudaGetLastError());
   }
+  // w1 and w3 read the same rows: one launch (each output as its own apply()).
+  const LinearCall gate_up[] = {{&m.sw1, g}, {&m.sw3, u}};
+  DeviceLinear::apply_group(gate_up, xc, rows, stream);
+  const size_t nh = size_t(rows) * I, ny = size_t(rows) * D;
+  swiglu_kernel<<<blocks_for(nh, 256), 256, 0, stream>>>(g, u, nh, m.s.swiglu_limit, h);
+  UF_CUDA_CHECK(cudaGetLastError());
+  if (mode == Out::kRounded)
+    m.sw2.apply(h, rows, shared, stream);
+  else
+    m.sw2.apply_partial(h, rows, shared, stream);
+  if (mode == Out::kPartialSlots) {  // the shared expert into slot K of each row
+    UF_CUDA_CHECK(cudaMemcpy2DAsync(out + t0 * slot_row + int64_t(K) * D,
+                                    size_t(slot_row) * sizeof(float), shared,
+                                    size_t(D) * sizeof(float), size_t(D) * sizeof(float),
+                                    size_t(rows), cudaMemcpyDeviceToDevice, stream));
+    return;
+  }
+  combine_kernel<<<blocks_for(ny, 256), 256, 0, stream>>>(routed, shared, ny, mode == Out::kRounded,
+                                                          out + int64_t(t0) * D);
+  UF_CUDA_CHECK(cudaGetLastError());
 }
 
 }  // namespace uf::cuda

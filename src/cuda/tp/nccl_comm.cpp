@@ -29,6 +29,7 @@ typedef enum { ncclUint8 = 1, ncclInt32 = 2, ncclFloat32 = 7, ncclBfloat16 = 9 }
 #include "core/error.h"
 #include "core/log.h"
 #include "cuda/cuda_check.h"
+#include "cuda/tp/p2p_allreduce.h"
 
 #ifdef UF_HAVE_NCCL_H
 static_assert(sizeof(ncclUniqueId) == 128 && ncclSuccess == 0 && ncclSum == 0);
@@ -205,8 +206,21 @@ std::unique_ptr<TpGroup> TpGroup::create(int n, std::vector<int> devices) {
 }
 
 TpGroup::~TpGroup() {
+  p2p_.reset();
   for (ncclComm* c : comms_)
     if (c) lib_->CommDestroy(c);  // no throw from a destructor; errors here are not actionable
+}
+
+void TpGroup::attach_peer_all_reduce(std::unique_ptr<PeerAllReduce> p) {
+  if (p) {
+    UF_CHECK(p->size() == size(), "TpGroup: a peer all-reduce of {} ranks for a group of {}",
+             p->size(), size());
+    for (int r = 0; r < size(); ++r)
+      UF_CHECK(p->device(r) == device(r),
+               "TpGroup: the peer all-reduce puts rank {} on device {}, the group on device {}", r,
+               p->device(r), device(r));
+  }
+  p2p_ = std::move(p);
 }
 
 cudaStream_t TpGroup::stream_of(const std::vector<cudaStream_t>& streams, int rank) const {

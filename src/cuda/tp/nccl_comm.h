@@ -20,6 +20,8 @@ struct ncclComm;  // nccl.h: typedef struct ncclComm* ncclComm_t
 
 namespace uf::cuda::tp {
 
+class PeerAllReduce;  // p2p_allreduce.h
+
 enum class CommDType { kF32, kBF16, kU8, kI32 };
 size_t comm_dtype_size(CommDType t);
 
@@ -75,6 +77,12 @@ class TpGroup {
   void all_gather_rank(int rank, const void* send, void* recv, size_t count, CommDType dtype,
                        cudaStream_t stream);
 
+  // The one-shot peer-to-peer fp32 sum over the same devices (p2p_allreduce.h), when the owner
+  // attached one (CudaBackend does where every pair of GPUs has peer access); null otherwise.
+  // Its buffers are freed with the group, after every rank's model.
+  void attach_peer_all_reduce(std::unique_ptr<PeerAllReduce> p);
+  PeerAllReduce* peer_all_reduce() const { return p2p_.get(); }
+
  private:
   TpGroup() = default;
   cudaStream_t stream_of(const std::vector<cudaStream_t>& streams, int rank) const;
@@ -84,6 +92,7 @@ class TpGroup {
   std::vector<int> devices_;
   std::vector<ncclComm*> comms_;  // empty for n = 1
   const NcclLib* lib_ = nullptr;
+  std::unique_ptr<PeerAllReduce> p2p_;
 };
 
 }  // namespace uf::cuda::tp

@@ -1,0 +1,124 @@
+// bench_cuda_prefill: the FP8 linears of one TP8 rank at prefill sizes (T = 64, 512 rows): the
+// prefill GEMM (act_quant_fp8_rows + fp8_gemm_prefill, what DeviceLinear::apply runs for T > 8)
+// against the decode GEMV run by chunks of 8 rows (Fp8Gemv::run_fused, the path before the GEMM).
+// Prints us per call, TFLOP/s (2 T N K), the weight bytes / time (GB/s), the speedup, and whether
+// the two outputs are bitwise equal (they must be: the GEMM keeps the GEMV's split order).
+// Runs in seconds: bench_cuda_prefill [iterations, default 20].
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#ifndef UF_HAVE_CUDA
+int main() {
+  std::printf("bench_cuda_prefill: built without the CUDA backend\n");
+  return 0;
+}
+#else
+
+#include <cuda_runtime.h>
+
+#include <cstring>
+
+#include "cuda/cuda_check.h"
+#include "cuda/device_fill.h"
+#include "cuda/gemv.h"
+
+using namespace uf::cuda;
+
+namespace {
+
+struct Shape {
+  const char* name;
+  int n, k;
+};
+
+// bench_cuda_decode's TP8 rank plan.
+constexpr Shape kShapes[] = {
+    {"wq_a|wkv-ish [1280,5120]", 1280, 5120},
+    {"wq_b [4096,1280]", 4096, 1280},
+    {"wkv [512,5120]", 512, 5120},
+    {"wo_b [5120,1024]", 5120, 1024},
+    {"shared w13 [576,5120]", 576, 5120},
+    {"wo_a [1024,4096]", 1024, 4096},
+    {"engram wkv [3200,6144]", 3200, 6144},
+    {"engram full [25600,6144]", 25600, 6144},
+};
+
+template <typename F>
+float time_us(F&& f, int iters) {
+  cudaEvent_t a, b;
+  UF_CUDA_CHECK(cudaEventCreate(&a));
+  UF_CUDA_CHECK(cudaEventCreate(&b));
+  f();  // warm-up
+  UF_CUDA_CHECK(cudaEventRecord(a));
+  for (int i = 0; i < iters; ++i) f();
+  UF_CUDA_CHECK(cudaEventRecord(b));
+  UF_CUDA_CHECK(cudaEventSynchronize(b));
+  float ms = 0;
+  UF_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+  UF_CUDA_CHECK(cudaEventDestroy(a));
+  UF_CUDA_CHECK(cudaEventDestroy(b));
+  return ms * 1000.f / float(iters);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int iters = argc > 1 ? std::max(1, std::atoi(argv[1])) : 20;
+  const int sms = device_sm_count();
+  std::printf("%-28s %5s %10s %8s %8s | %10s %8s | %7s %s\n", "shape", "T", "gemm us", "TFLOP/s",
+              "w GB/s", "gemv8 us", "TFLOP/s", "speedup", "bitwise");
+  uint64_t seed = 1;
+  for (const Shape& s : kShapes) {
+    const size_t wbytes = size_t(s.n) * s.k, sbytes = size_t((s.n + 31) / 32) * (s.k / 32);
+    uint8_t *w = nullptr, *ws = nullptr, *codes = nullptr;
+    float *x = nullptr, *scales = nullptr, *y0 = nullptr, *y1 = nullptr;
+    const int tmax = 512;
+    UF_CUDA_CHECK(cudaMalloc(&w, wbytes));
+    UF_CUDA_CHECK(cudaMalloc(&ws, sbytes));
+    UF_CUDA_CHECK(cudaMalloc(&x, sizeof(float) * tmax * s.k));
+    UF_CUDA_CHECK(cudaMalloc(&codes, size_t(tmax) * s.k));
+    UF_CUDA_CHECK(cudaMalloc(&scales, sizeof(float) * tmax * (s.k / 32)));
+    UF_CUDA_CHECK(cudaMalloc(&y0, sizeof(float) * tmax * s.n));
+    UF_CUDA_CHECK(cudaMalloc(&y1, sizeof(float) * tmax * s.n));
+    fill_random_e4m3(w, wbytes, seed++, nullptr);
+    fill_random_bytes(ws, sbytes, seed++, 118, 124, nullptr);
+    fill_random_f32(x, size_t(tmax) * s.k, seed++, 4.f, nullptr);
+    const Fp8Gemv plan(s.n, s.k, sms);
+    const Fp8WeightView wv{w, ws, s.n, s.k};
+    for (int T : {64, 512}) {
+      auto gemm = [&] {
+        act_quant_fp8_rows(x, s.k, T, s.k, codes, scales, nullptr);
+        fp8_gemm_prefill(wv, QuantActView{codes, scales, T, s.k}, plan.kb_per_split(), y0, true,
+                         nullptr);
+      };
+      auto gemv = [&] {
+        for (int t0 = 0; t0 < T; t0 += kMaxDecodeRows)
+          plan.run_fused(wv, x + size_t(t0) * s.k, s.k, std::min(kMaxDecodeRows, T - t0),
+                         y1 + size_t(t0) * s.n, true, nullptr, nullptr);
+      };
+      const float us_gemm = time_us(gemm, iters), us_gemv = time_us(gemv, iters);
+      UF_CUDA_CHECK(cudaDeviceSynchronize());
+      std::vector<float> a(size_t(T) * s.n), b(a.size());
+      UF_CUDA_CHECK(cudaMemcpy(a.data(), y0, a.size() * 4, cudaMemcpyDeviceToHost));
+      UF_CUDA_CHECK(cudaMemcpy(b.data(), y1, b.size() * 4, cudaMemcpyDeviceToHost));
+      const bool same = std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
+      const double flop = 2.0 * T * double(s.n) * s.k;
+      std::printf("%-28s %5d %10.1f %8.1f %8.0f | %10.1f %8.1f | %7.2f %s\n", s.name, T, us_gemm,
+                  flop / us_gemm * 1e-6, double(wbytes) / us_gemm * 1e-3, us_gemv,
+                  flop / us_gemv * 1e-6, us_gemv / us_gemm, same ? "yes" : "NO");
+    }
+    cudaFree(w);
+    cudaFree(ws);
+    cudaFree(x);
+    cudaFree(codes);
+    cudaFree(scales);
+    cudaFree(y0);
+    cudaFree(y1);
+  }
+  return 0;
+}
+
+#endif

@@ -1,0 +1,472 @@
+// MoeFp4Prefill (cuda/moe.h): the routed-expert MoE for prefill chunks of many rows, grouped by
+// expert so that each selected expert's weights are read once per call (not once per 8 rows).
+//
+// Kernels:
+//   0. prefill_quant_kernel: x fp32 [m, K] -> FP8 codes + scales per 32 (act_quant_fp8_f32's
+//      operations, any m).
+//   1. prefill_plan_kernel (one block): the P = m * topk (row, expert) pairs sorted by expert id
+//      (stable: ascending pair index, i.e. ascending row, within an expert) into `sorted`, and a
+//      work list of items (expert, first sorted position, n <= kCols columns): an expert with c
+//      pairs makes ceil(c / kCols) items. Invalid ids (< 0, >= E) select nothing.
+//   2. prefill_w13_kernel: grid (I/32, max items), 4 warps as moe_w13_kernel (w1 rows 0-15 /
+//      16-31, w3 rows 0-15 / 16-31 of one 32-row group). Each K block's weight fragment is loaded
+//      and decoded once and applied to all kCols / 8 column groups of the item. Then the decode
+//      epilogue (SwiGLU, routing weight, FP8 quantisation of h) per column; h goes to its sorted
+//      position.
+//   3. prefill_w2_kernel: grid (K/16 / 8, max items), 8 warps, one 16-row output tile per warp,
+//      all column groups of the item; y of pair (t, k) at y + t * y_row_stride + k * dim.
+//   4. prefill_combine_kernel: out[t] = sum over t's valid experts in ascending id of y (fp32,
+//      from 0), as moe_combine_kernel.
+//
+// Numerics: per (row, expert) output bitwise the decode kernels' (moe_fp4.cu): the same
+// m16n8k32 e4m3 products (an mma output depends only on its own row of A and column of B), the
+// same per-K-block update acc = fmaf(d * (sa * 2^6), sw, acc), w13 in splits of kKbPerSplit K
+// blocks each accumulated from 0 and summed in split order (first split's value, then += the
+// next), the same epilogue expressions, w2 over all of I from 0, the same combine order.
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "cuda/cuda_check.h"
+#include "cuda/kernels/common.cuh"
+#include "cuda/moe.h"
+
+namespace uf::cuda {
+namespace {
+
+using namespace detail;
+
+constexpr int kCols = 64;              // columns (pairs) per item: 8 mma column groups
+constexpr int kGroups = kCols / 8;     // column groups per item
+constexpr int kKbPerSplitDecode = 16;  // moe_fp4.cu kKbPerSplit (w13 split-K of the decode path)
+constexpr int kPlanThreads = 1024;
+constexpr int kW13Warps = 4;
+constexpr int kW2Warps = 8;
+
+// Plan buffers (device): sorted [P], items [3 * max_items] (expert, pos0, n), n_items [1].
+__global__ void __launch_bounds__(kPlanThreads)
+    prefill_plan_kernel(const int* topk_idx, int P, int E, int* sorted, int* items, int* n_items) {
+  extern __shared__ int psm[];
+  int* s_e = psm;                // [P] expert of each pair (-1: invalid)
+  int* s_off = psm + P;          // [E + 1] first sorted position of each expert
+  int* s_item0 = s_off + E + 1;  // [E] first item of each expert
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  for (int i = tid; i < P; i += blockDim.x) {
+    int e = topk_idx[i];
+    s_e[i] = (e < 0 || e >= E) ? -1 : e;
+  }
+  for (int e = tid; e <= E; e += blockDim.x) s_off[e] = 0;
+  __syncthreads();
+  for (int i = tid; i < P; i += blockDim.x)
+    if (s_e[i] >= 0) atomicAdd(&s_off[s_e[i] + 1], 1);  // counts (integers: order-free)
+  __syncthreads();
+  if (tid == 0) {  // exclusive scan of counts, and of items per expert
+    int items_total = 0;
+    for (int e = 0; e < E; ++e) {
+      const int c = s_off[e + 1];
+      s_off[e + 1] += s_off[e];
+      s_item0[e] = items_total;
+      items_total += (c + kCols - 1) / kCols;
+    }
+    *n_items = items_total;
+  }
+  __syncthreads();
+  // Stable fill: one warp per expert scans the pairs in order (ballot), so an expert's pairs keep
+  // ascending pair index.
+  for (int e = warp; e < E; e += blockDim.x / 32) {
+    int pos = s_off[e];
+    if (pos == s_off[e + 1]) continue;  // warp-uniform
+    for (int j0 = 0; j0 < P; j0 += 32) {
+      const int j = j0 + lane;
+      const bool hit = j < P && s_e[j] == e;
+      const unsigned mask = __ballot_sync(0xffffffffu, hit);
+      if (hit) sorted[pos + __popc(mask & ((1u << lane) - 1u))] = j;
+      pos += __popc(mask);
+    }
+    const int base = s_off[e], count = s_off[e + 1] - base;
+    for (int q = lane; q * kCols < count; q += 32) {
+      int* it = items + 3 * (s_item0[e] + q);
+      it[0] = e;
+      it[1] = base + q * kCols;
+      it[2] = min(kCols, count - q * kCols);
+    }
+  }
+}
+
+// x fp32 [m, k] -> codes / scales: act_quant_kernel's operations (one warp per (row, 32-block)).
+__global__ void __launch_bounds__(256)
+    prefill_quant_kernel(const float* x, int m, int k, uint8_t* codes, float* scales) {
+  const int nkb = k / 32;
+  const int64_t item = int64_t(blockIdx.x) * 8 + (threadIdx.x >> 5);
+  if (item >= int64_t(m) * nkb) return;
+  const int row = int(item / nkb), kb = int(item % nkb), lane = threadIdx.x & 31;
+  const size_t idx = size_t(row) * k + kb * 32 + lane;
+  float s;
+  codes[idx] = warp_quant_fp8_block(x[idx], &s);
+  if (lane == 0) scales[size_t(row) * nkb + kb] = s;
+}
+
+struct PrefillW13Params {
+  const uint8_t* w1;
+  const uint8_t* w1s;
+  const uint8_t* w3;
+  const uint8_t* w3s;
+  int dim, inter, topk;
+  const uint8_t* x;     // [m, dim] codes
+  const float* xs;      // [m, dim / 32]
+  const float* topk_w;  // [m * topk]
+  const int* sorted;
+  const int* items;
+  const int* n_items;
+  float limit;
+  uint8_t* h_codes;  // [P sorted positions, inter]
+  float* h_scales;   // [P, inter / 32]
+};
+
+// One K block of the mma for all column groups: A = this lane's decoded fragment, B from each
+// column's activation row. The update is fp4_mma_step's, operation for operation.
+__device__ __forceinline__ void prefill_kb(const uint32_t (&a)[4], float sw0, float sw1, int k,
+                                           int ngroups, const int (&act_row)[kGroups],
+                                           const int (&row0)[kGroups], const int (&row1)[kGroups],
+                                           const uint8_t* act, const float* act_s, int act_k,
+                                           int nkb, float (&acc)[kGroups][4]) {
+  const int t = threadIdx.x & 3;
+#pragma unroll
+  for (int cg = 0; cg < kGroups; ++cg) {
+    if (cg < ngroups) {
+      uint32_t b0 = 0, b1 = 0;
+      if (act_row[cg] >= 0) {
+        const uint2 v = __ldg(
+            reinterpret_cast<const uint2*>(act + size_t(act_row[cg]) * act_k + k * 32 + t * 8));
+        b0 = __byte_perm(v.x, v.y, 0x6420);
+        b1 = __byte_perm(v.x, v.y, 0x7531);
+      }
+      float d[4];
+      mma_e4m3_16x8x32(d, a, b0, b1);
+      const float sa0 =
+          row0[cg] >= 0 ? __ldg(act_s + size_t(row0[cg]) * nkb + k) * kE2M1ToE4M3Rescale : 0.f;
+      const float sa1 =
+          row1[cg] >= 0 ? __ldg(act_s + size_t(row1[cg]) * nkb + k) * kE2M1ToE4M3Rescale : 0.f;
+      acc[cg][0] = fmaf(d[0] * sa0, sw0, acc[cg][0]);
+      acc[cg][1] = fmaf(d[1] * sa1, sw0, acc[cg][1]);
+      acc[cg][2] = fmaf(d[2] * sa0, sw1, acc[cg][2]);
+      acc[cg][3] = fmaf(d[3] * sa1, sw1, acc[cg][3]);
+    }
+  }
+}
+
+// K blocks [k0, kb1) of one 16-row weight tile (rows r0 = g, r1 = g + 8, scales sc0 / sc1), in
+// order, kLoadKb at a time: the weight words and scales of kLoadKb blocks are loaded before any
+// is used (memory-level parallelism; the order of the updates is unchanged).
+constexpr int kLoadKb = 4;
+__device__ __forceinline__ void weight_steps(const uint8_t* r0, const uint8_t* r1,
+                                             const uint8_t* sc0, const uint8_t* sc1, int k0,
+                                             int kb1, int ngroups, const int (&act_row)[kGroups],
+                                             const int (&row0)[kGroups], const int (&row1)[kGroups],
+                                             const uint8_t* act, const float* act_s, int act_k,
+                                             int nkb, float (&acc)[kGroups][4]) {
+  const int t = threadIdx.x & 3;
+  for (int kc = k0; kc < kb1; kc += kLoadKb) {
+    uint32_t q0[kLoadKb], q1[kLoadKb];
+    float sw0[kLoadKb], sw1[kLoadKb];
+#pragma unroll
+    for (int u = 0; u < kLoadKb; ++u) {
+      const int k = min(kc + u, kb1 - 1);  // past the end: a valid address, never used
+      q0[u] = ld_nc_u32(r0 + k * 16 + t * 4);
+      q1[u] = ld_nc_u32(r1 + k * 16 + t * 4);
+      sw0[u] = e8m0_to_f32(__ldg(sc0 + k));
+      sw1[u] = e8m0_to_f32(__ldg(sc1 + k));
+    }
+#pragma unroll
+    for (int u = 0; u < kLoadKb; ++u) {
+      if (kc + u < kb1) {
+        uint32_t a[4];
+        e2m1x8_to_e4m3_scaled(q0[u], a[0], a[2]);
+        e2m1x8_to_e4m3_scaled(q1[u], a[1], a[3]);
+        prefill_kb(a, sw0[u], sw1[u], kc + u, ngroups, act_row, row0, row1, act, act_s, act_k, nkb,
+                   acc);
+      }
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kW13Warps * 32) prefill_w13_kernel(const PrefillW13Params p) {
+  __shared__ int s_tok[kCols];
+  __shared__ int s_pair[kCols];
+  __shared__ float s_acc[kW13Warps][kGroups][128];
+  const int item = blockIdx.y;
+  if (item >= *p.n_items) return;
+  const int expert = p.items[3 * item], pos0 = p.items[3 * item + 1], n = p.items[3 * item + 2];
+  for (int c = threadIdx.x; c < kCols; c += blockDim.x) {
+    const int pair = c < n ? p.sorted[pos0 + c] : -1;
+    s_pair[c] = pair;
+    s_tok[c] = pair >= 0 ? pair / p.topk : -1;
+  }
+  __syncthreads();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int group = blockIdx.x;
+  const int row = group * 32 + (warp & 1) * 16 + g;
+  const bool up = warp >= 2;
+  const int nkb = p.dim / 32;
+  const size_t wrow = size_t(expert) * p.inter + row;
+  const uint8_t* r0 = (up ? p.w3 : p.w1) + wrow * (p.dim / 2);
+  const uint8_t* r1 = r0 + size_t(8) * (p.dim / 2);
+  const uint8_t* sc0 = (up ? p.w3s : p.w1s) + wrow * nkb;
+  const uint8_t* sc1 = sc0 + size_t(8) * nkb;
+  const int ngroups = (n + 7) / 8;
+  int act_row[kGroups], row0[kGroups], row1[kGroups];
+#pragma unroll
+  for (int cg = 0; cg < kGroups; ++cg) {
+    act_row[cg] = s_tok[cg * 8 + g];
+    row0[cg] = s_tok[cg * 8 + 2 * t];
+    row1[cg] = s_tok[cg * 8 + 2 * t + 1];
+  }
+  float total[kGroups][4];
+  const int splits = (nkb + kKbPerSplitDecode - 1) / kKbPerSplitDecode;
+  for (int s = 0; s < splits; ++s) {
+    float acc[kGroups][4];
+#pragma unroll
+    for (int cg = 0; cg < kGroups; ++cg) acc[cg][0] = acc[cg][1] = acc[cg][2] = acc[cg][3] = 0.f;
+    const int kb1 = min(nkb, (s + 1) * kKbPerSplitDecode);
+    weight_steps(r0, r1, sc0, sc1, s * kKbPerSplitDecode, kb1, ngroups, act_row, row0, row1, p.x,
+                 p.xs, p.dim, nkb, acc);
+    // The decode path's split sum: acc = partial[0]; acc += partial[s] in split order.
+#pragma unroll
+    for (int cg = 0; cg < kGroups; ++cg)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) total[cg][i] = s == 0 ? acc[cg][i] : total[cg][i] + acc[cg][i];
+  }
+#pragma unroll
+  for (int cg = 0; cg < kGroups; ++cg)
+    if (cg < ngroups)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s_acc[warp][cg][lane * 4 + i] = total[cg][i];
+  __syncthreads();
+
+  // Epilogue as moe_w13_kernel's: one warp per column, lane = row within the 32-row group.
+  const int rr = lane & 15, half = lane >> 4;
+  for (int c = warp; c < n; c += kW13Warps) {
+    const int cg = c >> 3, cc = c & 7;
+    const int idx = ((rr & 7) * 4 + (cc >> 1)) * 4 + (rr >> 3) * 2 + (cc & 1);
+    float gate = round_bf16(s_acc[half][cg][idx]);
+    float upv = round_bf16(s_acc[2 + half][cg][idx]);
+    if (p.limit > 0.f) {
+      upv = fminf(fmaxf(upv, -p.limit), p.limit);
+      gate = fminf(gate, p.limit);
+    }
+    const float silu = gate / (1.0f + expf(-gate));
+    const float h = round_bf16(p.topk_w[s_pair[c]] * (silu * upv));
+    float sc;
+    const uint8_t code = warp_quant_fp8_block(h, &sc);
+    const size_t pos = size_t(pos0) + c;
+    p.h_codes[pos * p.inter + group * 32 + lane] = code;
+    if (lane == 0) p.h_scales[pos * (p.inter / 32) + group] = sc;
+  }
+}
+
+struct PrefillW2Params {
+  const uint8_t* w2;
+  const uint8_t* w2s;
+  int dim, inter, topk;
+  const int* sorted;
+  const int* items;
+  const int* n_items;
+  const uint8_t* h_codes;
+  const float* h_scales;
+  float* y;
+  int64_t y_row_stride;
+  bool round;
+};
+
+__global__ void __launch_bounds__(kW2Warps * 32) prefill_w2_kernel(const PrefillW2Params p) {
+  __shared__ int s_pair[kCols];
+  const int item = blockIdx.y;
+  if (item >= *p.n_items) return;
+  const int expert = p.items[3 * item], pos0 = p.items[3 * item + 1], n = p.items[3 * item + 2];
+  for (int c = threadIdx.x; c < kCols; c += blockDim.x) s_pair[c] = c < n ? p.sorted[pos0 + c] : -1;
+  __syncthreads();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int tile = blockIdx.x * kW2Warps + warp;
+  if (tile * 16 >= p.dim) return;
+  const int nkb = p.inter / 32;
+  const size_t row_bytes = p.inter / 2;
+  const size_t wrow = size_t(expert) * p.dim + size_t(tile) * 16 + g;
+  const uint8_t* r0 = p.w2 + wrow * row_bytes;
+  const uint8_t* r1 = r0 + 8 * row_bytes;
+  const uint8_t* sc0 = p.w2s + wrow * nkb;
+  const uint8_t* sc1 = sc0 + size_t(8) * nkb;
+  const int ngroups = (n + 7) / 8;
+  // h rows are the sorted positions pos0 + c (column c valid when c < n).
+  int act_row[kGroups], row0[kGroups], row1[kGroups];
+#pragma unroll
+  for (int cg = 0; cg < kGroups; ++cg) {
+    const int c = cg * 8 + g, c0 = cg * 8 + 2 * t, c1 = c0 + 1;
+    act_row[cg] = c < n ? pos0 + c : -1;
+    row0[cg] = c0 < n ? pos0 + c0 : -1;
+    row1[cg] = c1 < n ? pos0 + c1 : -1;
+  }
+  float acc[kGroups][4];
+#pragma unroll
+  for (int cg = 0; cg < kGroups; ++cg) acc[cg][0] = acc[cg][1] = acc[cg][2] = acc[cg][3] = 0.f;
+  weight_steps(r0, r1, sc0, sc1, 0, nkb, ngroups, act_row, row0, row1, p.h_codes, p.h_scales,
+               p.inter, nkb, acc);
+  const int rbase = tile * 16;
+  auto out = [&](int pair) {
+    return p.y + (pair / p.topk) * p.y_row_stride + size_t(pair % p.topk) * p.dim + rbase;
+  };
+#pragma unroll
+  for (int cg = 0; cg < kGroups; ++cg) {
+    if (cg >= ngroups) break;
+    const int c0 = cg * 8 + 2 * t, c1 = c0 + 1;
+    if (c0 < n) {
+      float* y = out(s_pair[c0]);
+      y[g] = p.round ? round_bf16(acc[cg][0]) : acc[cg][0];
+      y[g + 8] = p.round ? round_bf16(acc[cg][2]) : acc[cg][2];
+    }
+    if (c1 < n) {
+      float* y = out(s_pair[c1]);
+      y[g] = p.round ? round_bf16(acc[cg][1]) : acc[cg][1];
+      y[g + 8] = p.round ? round_bf16(acc[cg][3]) : acc[cg][3];
+    }
+  }
+}
+
+// out[t][n] = sum over t's valid experts in ascending id of y[t, k][n] (moe_combine_kernel).
+// grid (dim / 256, m), y row stride topk * dim.
+__global__ void __launch_bounds__(256)
+    prefill_combine_kernel(const float* y, const int* topk_idx, int topk, int E, int dim,
+                           float* out) {
+  __shared__ int s_pair[8];
+  __shared__ int s_count;
+  const int row = blockIdx.y;
+  if (threadIdx.x == 0) {
+    int ids[8], pairs[8], n = 0;
+    for (int k = 0; k < topk; ++k) {
+      const int e = topk_idx[row * topk + k];
+      if (e < 0 || e >= E) continue;
+      int j = n++;
+      while (j > 0 && ids[j - 1] > e) {
+        ids[j] = ids[j - 1];
+        pairs[j] = pairs[j - 1];
+        --j;
+      }
+      ids[j] = e;
+      pairs[j] = row * topk + k;
+    }
+    for (int j = 0; j < n; ++j) s_pair[j] = pairs[j];
+    s_count = n;
+  }
+  __syncthreads();
+  const int col = blockIdx.x * 256 + threadIdx.x;
+  if (col >= dim) return;
+  float sum = 0.f;
+  for (int j = 0; j < s_count; ++j) sum += y[size_t(s_pair[j]) * dim + col];
+  out[size_t(row) * dim + col] = sum;
+}
+
+}  // namespace
+
+MoeFp4Prefill::MoeFp4Prefill(int dim, int inter, int topk, int num_experts, int max_rows)
+    : dim_(dim), inter_(inter), topk_(topk), experts_(num_experts), max_rows_(max_rows) {
+  require(dim > 0 && inter > 0 && dim % 128 == 0 && inter % 32 == 0 && topk >= 1 && topk <= 8 &&
+              num_experts >= 1 && max_rows >= 1,
+          "MoeFp4Prefill: dim %d (multiple of 128), inter %d (of 32), topk %d (1..8), experts %d, "
+          "max rows %d",
+          dim, inter, topk, num_experts, max_rows);
+  const size_t P = size_t(max_rows) * topk;
+  max_items_ = int(std::min<size_t>(size_t(num_experts), P) + P / kCols + 1);
+  require(max_items_ <= 65535, "MoeFp4Prefill: %d work items exceed the grid's y limit",
+          max_items_);
+  plan_smem_ = int(sizeof(int) * (P + 2 * size_t(num_experts) + 1));
+  require(plan_smem_ <= 200 * 1024,
+          "MoeFp4Prefill: plan of %zu pairs and %d experts needs %d bytes of shared memory", P,
+          num_experts, plan_smem_);
+  if (plan_smem_ > 48 * 1024)
+    UF_CUDA_CHECK(cudaFuncSetAttribute(prefill_plan_kernel,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, plan_smem_));
+  UF_CUDA_CHECK(cudaMalloc(&sorted_, sizeof(int) * P));
+  UF_CUDA_CHECK(cudaMalloc(&items_, sizeof(int) * 3 * size_t(max_items_)));
+  UF_CUDA_CHECK(cudaMalloc(&n_items_, sizeof(int)));
+  UF_CUDA_CHECK(cudaMalloc(&h_codes_, P * inter));
+  UF_CUDA_CHECK(cudaMalloc(&h_scales_, sizeof(float) * P * (inter / 32)));
+  UF_CUDA_CHECK(cudaMalloc(&y_, sizeof(float) * P * dim));
+}
+
+MoeFp4Prefill::~MoeFp4Prefill() {
+  cudaFree(sorted_);
+  cudaFree(items_);
+  cudaFree(n_items_);
+  cudaFree(h_codes_);
+  cudaFree(h_scales_);
+  cudaFree(y_);
+}
+
+void MoeFp4Prefill::experts_impl(const Fp4ExpertsView& w, const QuantActView& x,
+                                 const int* topk_idx, const float* topk_w, float swiglu_limit,
+                                 bool round_w2, float* y, int64_t y_row_stride,
+                                 cudaStream_t stream) const {
+  require(w.dim == dim_ && w.inter == inter_ && w.num_experts == experts_ && x.k == dim_ &&
+              x.m >= 1 && x.m <= max_rows_,
+          "MoeFp4Prefill: experts [%d, dim %d, inter %d] / input [%d, %d] do not match the plan "
+          "[%d, dim %d, inter %d, up to %d rows]",
+          w.num_experts, w.dim, w.inter, x.m, x.k, experts_, dim_, inter_, max_rows_);
+  require(y_row_stride >= int64_t(topk_) * dim_,
+          "MoeFp4Prefill::run_experts: row stride %lld < topk %d * dim %d",
+          static_cast<long long>(y_row_stride), topk_, dim_);
+  const int P = x.m * topk_;
+  prefill_plan_kernel<<<1, kPlanThreads, size_t(plan_smem_), stream>>>(topk_idx, P, experts_,
+                                                                       sorted_, items_, n_items_);
+  UF_CUDA_CHECK(cudaGetLastError());
+  // Items needed for this P (<= max_items_): the grid is sized for it, blocks past n_items exit.
+  const int items = std::min(max_items_, std::min(experts_, P) + P / kCols + 1);
+  const PrefillW13Params a{w.w1,     w.w1_scale,   w.w3,     w.w3_scale, dim_,    inter_,
+                           topk_,    x.codes,      x.scales, topk_w,     sorted_, items_,
+                           n_items_, swiglu_limit, h_codes_, h_scales_};
+  prefill_w13_kernel<<<dim3(inter_ / 32, items), kW13Warps * 32, 0, stream>>>(a);
+  UF_CUDA_CHECK(cudaGetLastError());
+  const PrefillW2Params b{w.w2,     w.w2_scale, dim_,      inter_, topk_,        sorted_, items_,
+                          n_items_, h_codes_,   h_scales_, y,      y_row_stride, round_w2};
+  const int tiles = dim_ / 16;
+  prefill_w2_kernel<<<dim3((tiles + kW2Warps - 1) / kW2Warps, items), kW2Warps * 32, 0, stream>>>(
+      b);
+  UF_CUDA_CHECK(cudaGetLastError());
+}
+
+void MoeFp4Prefill::run(const Fp4ExpertsView& w, const QuantActView& x, const int* topk_idx,
+                        const float* topk_w, float swiglu_limit, float* out,
+                        cudaStream_t stream) const {
+  experts_impl(w, x, topk_idx, topk_w, swiglu_limit, /*round_w2=*/true, y_, int64_t(topk_) * dim_,
+               stream);
+  prefill_combine_kernel<<<dim3((dim_ + 255) / 256, x.m), 256, 0, stream>>>(y_, topk_idx, topk_,
+                                                                            experts_, dim_, out);
+  UF_CUDA_CHECK(cudaGetLastError());
+}
+
+void MoeFp4Prefill::run_partial(const Fp4ExpertsView& w, const QuantActView& x, const int* topk_idx,
+                                const float* topk_w, float swiglu_limit, float* out,
+                                cudaStream_t stream) const {
+  experts_impl(w, x, topk_idx, topk_w, swiglu_limit, /*round_w2=*/false, y_, int64_t(topk_) * dim_,
+               stream);
+  prefill_combine_kernel<<<dim3((dim_ + 255) / 256, x.m), 256, 0, stream>>>(y_, topk_idx, topk_,
+                                                                            experts_, dim_, out);
+  UF_CUDA_CHECK(cudaGetLastError());
+}
+
+void MoeFp4Prefill::run_experts(const Fp4ExpertsView& w, const QuantActView& x, const int* topk_idx,
+                                const float* topk_w, float swiglu_limit, float* out,
+                                int64_t row_stride, cudaStream_t stream) const {
+  experts_impl(w, x, topk_idx, topk_w, swiglu_limit, /*round_w2=*/false, out, row_stride, stream);
+}
+
+void moe_act_quant_rows(const float* x, int m, int k, uint8_t* codes, float* scales,
+                        cudaStream_t stream) {
+  require(m >= 1 && k % 32 == 0, "moe_act_quant_rows: m = %d must be >= 1, k = %d a multiple of 32",
+          m, k);
+  const int64_t items = int64_t(m) * (k / 32);
+  prefill_quant_kernel<<<unsigned((items + 7) / 8), 256, 0, stream>>>(x, m, k, codes, scales);
+  UF_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace uf::cuda

@@ -1,0 +1,100 @@
+#pragma once
+// A one-shot peer-to-peer fp32 all-reduce for the TP ranks of ONE process (one GPU each, every
+// pair with peer access over NVLink): one kernel per call on the calling rank's stream, no NCCL.
+// Every rank gets out[i] = ((b0[i] + b1[i]) + b2[i]) + ... in RANK ORDER (fp32 __fadd_rn, no
+// FMA): bitwise the same on every rank, and equal to all-gather + sum_ranks_round_bf16 before its
+// rounding (and to NCCL's a + b at 2 ranks), whatever the element count.
+//
+// Memory (rank q's, on device q, from cudaMalloc; peers write it through peer access):
+//   recv[q] : [2 slots][N source ranks][cap floats]   rank s pushes its input into recv[q][.][s]
+//   flags[q]: [N source ranks][G CTAs] uint64         rank s's CTA b stores its epoch there
+//   epoch[q]: [G] uint64                              rank q's CTA b counts its own calls
+// Protocol of one call on rank r (kernel of G CTAs; CTA b owns the same element range [lo_b,
+// hi_b) on every rank, because every rank calls with the same n, and it only ever waits for the
+// CTAs b of the other ranks: no CTA waits for another CTA of its own grid, so no co-residency
+// within a GPU is needed):
+//   1. thread 0 reads e = epoch[r][b] + 1 and stores it back (only this rank's CTA b touches the
+//      counter, and the calls of a rank are stream ordered: plain accesses suffice). The epoch
+//      lives in device memory, so a captured CUDA graph replays with fresh epochs.
+//   2. push: buf[lo_b, hi_b) is stored into recv[q][e & 1][r][lo_b, hi_b) of every peer q.
+//   3. signal: __syncthreads (the CTA's pushes precede), then per peer q one thread runs
+//      __threadfence_system and st.release.sys flags[q][r][b] = e (cumulative release: the
+//      CTA's stores, ordered before it by the barrier, are visible to whoever acquires e).
+//   4. wait: per peer q one thread spins with ld.acquire.sys on its LOCAL flags[r][q][b] until
+//      >= e, then __syncthreads; the data is read with ld.cg (L2, never a stale L1 line).
+//      ">=" and not "==": a fast peer may already have finished this call and stored e + 1.
+//   5. sum in rank order (own term from buf itself), optionally rounded to bf16, into
+//      buf[lo_b, hi_b).
+// Buffer reuse (why two slots are enough): call k writes slot k & 1 of the peers. A rank can
+// only start call k once its call k - 1 has completed, i.e. once every peer stored its flag of
+// call k - 1; a peer stores that flag inside its call k - 1, which on its stream starts only
+// after its call k - 2 (the last reader of slot k & 1) has completed. So a rank at call k can
+// overlap its peers' call k - 1 (slot (k - 1) & 1: the other slot) but never call k - 2. The
+// flags are monotonic per (source, CTA), so they need no reset and no slot.
+// The rule this needs, as for NCCL: every rank makes the same sequence of calls (same n), each
+// rank's calls on one stream (or otherwise ordered), and no programmatic dependent launch.
+// Sums larger than the capacity run as several calls of at most cap elements (the sum is
+// elementwise, so the result is the same).
+//
+// A spin that exceeds the timeout (0 = wait forever, like NCCL) prints which rank, CTA, peer,
+// epoch and flag value it waited for and traps (the stream then reports an error).
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace uf::cuda::tp {
+
+class PeerAllReduce {
+ public:
+  static constexpr int kMaxRanks = 8;
+  static constexpr int kDefaultCtas = 16;
+
+  // True when every ordered pair of `devices` has peer access (cudaDeviceCanAccessPeer); else
+  // false with `why` naming the first pair that has none.
+  static bool supported(const std::vector<int>& devices, std::string* why = nullptr);
+  // Enables peer access between every pair (already-enabled pairs are fine) and allocates each
+  // rank's buffers for sums of up to max_elems floats per kernel (rounded up to a multiple of 4;
+  // more per call are split). Throws uf::core::Error naming the pair when a device cannot access
+  // a peer, on 2 > devices > kMaxRanks, or when ctas exceeds a device's SM count.
+  // Synchronous (allocation and zeroing done on return).
+  PeerAllReduce(std::vector<int> devices, size_t max_elems, int ctas = kDefaultCtas,
+                double timeout_s = 0);
+  ~PeerAllReduce();
+  PeerAllReduce(const PeerAllReduce&) = delete;
+  PeerAllReduce& operator=(const PeerAllReduce&) = delete;
+
+  int size() const { return int(devices_.size()); }
+  int device(int rank) const { return devices_.at(size_t(rank)); }
+  size_t max_elems() const { return cap_; }
+  int ctas() const { return ctas_; }
+  size_t bytes_per_rank() const;
+
+  // Rank `rank`'s part of an in-place sum: buf (n floats on device(rank)) becomes the rank-order
+  // sum of every rank's buf. Enqueued on `stream` (of device(rank)); does not synchronize; may be
+  // captured in a CUDA graph. Each rank calls it (from any thread) with the same n, in the same
+  // order as the others. The calling thread's current device is restored on return.
+  // round_bf16: the sum is rounded to bf16 (round to nearest even, as core::round_bf16 and the
+  // round_bf16 op) before it is stored, saving the caller's rounding kernel.
+  void sum_rank(int rank, float* buf, size_t n, cudaStream_t stream, bool round_bf16 = false);
+
+ private:
+  std::vector<int> devices_;
+  size_t cap_ = 0;
+  int ctas_ = 0;
+  unsigned long long timeout_ns_ = 0;
+  std::vector<float*> recv_;        // per rank: [2][N][cap]
+  std::vector<uint64_t*> flags_;    // per rank: [N][ctas]
+  std::vector<uint64_t*> epochs_;   // per rank: [ctas]
+  std::vector<void*> allocations_;  // per rank: one cudaMalloc holding the three
+};
+
+// For tests and benches: a one-thread kernel on `stream` (of the current device) that spins for
+// `ns` nanoseconds (%globaltimer), to make one rank late.
+void delay_stream_ns(cudaStream_t stream, unsigned long long ns);
+
+}  // namespace uf::cuda::tp
