@@ -2,8 +2,9 @@
 //
 // Per chunk of m <= 8 rows:
 //   1. gate scores: DeviceLinear kF32 (bitwise cpu::linear_f32);
-//   2. route_kernel, one block per row: score function, selection bias, top-k (ties to the lower
-//      expert id, as the CPU's partial_sort comparator), normalisation (+1e-20) and route_scale,
+//   2. route_warp_kernel (route_kernel beyond 512 experts), one warp per row: score function,
+//      selection bias, top-k (ties to the lower expert id, as the CPU's partial_sort comparator),
+//      normalisation (+1e-20) and route_scale,
 //      the same fp32 operations as cpu::moe_route (expf / log1pf may differ from glibc by an ulp);
 //   3. routed experts: MoeFp4 (MXFP4 W4A8; input FP8-quantised per 32 exactly as linear_quant;
 //      g/u rounded to bf16, clamps, h = bf16(weight * (silu(g) * u)), w2 output rounded to bf16,
@@ -138,6 +139,100 @@ __global__ void __launch_bounds__(kRouteThreads)
       for (int k = 0; k < K; ++k) gw[k] = __fdiv_rn(gw[k], sum);
     }
     for (int k = 0; k < K; ++k) gw[k] = __fmul_rn(gw[k], route_scale);
+  }
+}
+
+// route_kernel on one warp per row (E <= 32 * kRoutePerLane): lane l holds experts l, l + 32, ...
+// in registers, so the K selection rounds are shuffles with no block barrier (route_kernel spent
+// ~11 us a call on its 2K barriers and thread 0's merges). The same fp32 operations, the same
+// comparator and the same weight arithmetic as route_kernel (tests/cuda/test_ops_moe.cpp checks the
+// choice and the weights against cpu::moe_route).
+constexpr int kRoutePerLane = 16;
+
+__global__ void __launch_bounds__(32)
+    route_warp_kernel(const float* scores, const float* bias, int E, int K, int func,
+                      float gate_temp, float route_scale, int32_t* gate_i, float* gate_w) {
+  extern __shared__ float smem[];  // [E]: the softmax's sequential pass only
+  const int t = blockIdx.x, lane = threadIdx.x;
+  const float* row = scores + size_t(t) * E;
+  float sc[kRoutePerLane], bz[kRoutePerLane];
+#pragma unroll
+  for (int i = 0; i < kRoutePerLane; ++i) {
+    const int e = lane + 32 * i;
+    float v = 0.f;
+    if (e < E) {
+      v = __fdiv_rn(row[e], gate_temp);
+      if (func == kSigmoid)
+        v = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-v)));
+      else if (func == kSqrtSoftplus)
+        v = __fsqrt_rn(v > 20.f ? v : log1pf(expf(v)));
+    }
+    sc[i] = v;
+  }
+  if (func == kSoftmax) {  // sequential, in the CPU's order
+#pragma unroll
+    for (int i = 0; i < kRoutePerLane; ++i)
+      if (lane + 32 * i < E) smem[lane + 32 * i] = sc[i];
+    __syncwarp();
+    if (lane == 0) {
+      float mx = smem[0];
+      for (int e = 1; e < E; ++e) mx = fmaxf(mx, smem[e]);
+      float sum = 0.f;
+      for (int e = 0; e < E; ++e) {
+        smem[e] = expf(__fsub_rn(smem[e], mx));
+        sum = __fadd_rn(sum, smem[e]);
+      }
+      for (int e = 0; e < E; ++e) smem[e] = __fdiv_rn(smem[e], sum);
+    }
+    __syncwarp();
+#pragma unroll
+    for (int i = 0; i < kRoutePerLane; ++i)
+      if (lane + 32 * i < E) sc[i] = smem[lane + 32 * i];
+  }
+  unsigned taken = 0;  // bit i: expert lane + 32 i already selected
+#pragma unroll
+  for (int i = 0; i < kRoutePerLane; ++i)
+    bz[i] = lane + 32 * i < E ? __fadd_rn(sc[i], bias[lane + 32 * i]) : 0.f;
+  float gw[kMaxTopK];
+  int gi[kMaxTopK];
+  for (int k = 0; k < K; ++k) {
+    float bv = 0.f, bsc = 0.f;
+    int bi = -1;
+#pragma unroll
+    for (int i = 0; i < kRoutePerLane; ++i) {
+      const int e = lane + 32 * i;
+      if (e < E && !(taken >> i & 1u) && better(bz[i], e, bv, bi)) {
+        bv = bz[i];
+        bi = e;
+        bsc = sc[i];
+      }
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+      const float os = __shfl_xor_sync(0xffffffffu, bsc, o);
+      if (better(ov, oi, bv, bi)) {
+        bv = ov;
+        bi = oi;
+        bsc = os;
+      }
+    }
+    // Every lane holds the winner now; its owner marks it taken.
+    if (bi >= 0 && (bi & 31) == lane) taken |= 1u << (bi >> 5);
+    gi[k] = bi;
+    gw[k] = bsc;
+  }
+  if (lane == 0) {
+    if (K > 1) {  // norm_topk_prob (always on for this model)
+      float sum = 0.f;
+      for (int k = 0; k < K; ++k) sum = __fadd_rn(sum, gw[k]);
+      sum = __fadd_rn(sum, 1e-20f);
+      for (int k = 0; k < K; ++k) gw[k] = __fdiv_rn(gw[k], sum);
+    }
+    for (int k = 0; k < K; ++k) {
+      gate_i[size_t(t) * K + k] = gi[k];
+      gate_w[size_t(t) * K + k] = __fmul_rn(gw[k], route_scale);
+    }
   }
 }
 
@@ -442,8 +537,12 @@ void DeviceMoe::run_chunk(const float* x, int t0, int rows, Out mode, float* out
   int32_t* gi = gate_i ? gate_i + int64_t(t0) * K : (pf ? w->gi : m.gi);
   float* gw = gate_w ? gate_w + int64_t(t0) * K : (pf ? w->gw : m.gw);
   m.gate.apply(xc, rows, scores, stream);
-  route_kernel<<<rows, kRouteThreads, 2 * sizeof(float) * E, stream>>>(
-      scores, m.bias, E, K, m.func, m.s.gate_temp, m.s.route_scale, gi, gw);
+  if (E <= 32 * kRoutePerLane)
+    route_warp_kernel<<<rows, 32, m.func == kSoftmax ? sizeof(float) * E : 0, stream>>>(
+        scores, m.bias, E, K, m.func, m.s.gate_temp, m.s.route_scale, gi, gw);
+  else
+    route_kernel<<<rows, kRouteThreads, 2 * sizeof(float) * E, stream>>>(
+        scores, m.bias, E, K, m.func, m.s.gate_temp, m.s.route_scale, gi, gw);
   UF_CUDA_CHECK(cudaGetLastError());
   if (pf)
     moe_act_quant_rows(xc, rows, D, xcodes, xscales, stream);
