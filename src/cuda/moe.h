@@ -135,6 +135,11 @@ class MoeFp4Prefill {
   float* y_ = nullptr;          // [max_rows][topk][dim]
 };
 
+// out[t] = the sum over row t's valid experts (ascending expert id, fp32 from 0) of y[t, k]
+// (row stride topk * dim): the combine of MoeFp4 and MoeFp4Prefill, t < m (any m).
+void moe_combine_rows(const float* y, const int* topk_idx, int m, int topk, int num_experts,
+                      int dim, float* out, cudaStream_t stream);
+
 // act_quant_fp8_f32 (cuda/gemv.h) for any number of rows m >= 1: the same codes and scales.
 void moe_act_quant_rows(const float* x, int m, int k, uint8_t* codes, float* scales,
                         cudaStream_t stream);

@@ -14,6 +14,7 @@
 #include "cuda_test_util.h"
 #include "engine/generation_loop.h"
 #include "engine/hardware_profile.h"
+#include "loop_test_util.h"
 
 namespace uf::cuda {
 namespace {
@@ -21,25 +22,8 @@ namespace {
 using uf::testing::tiny_a_dir;
 using uf::testing::tiny_a_golden_i64;
 
-struct LoopRun {
-  std::vector<int32_t> tokens;
-  std::vector<int> accepted;  // per step
-};
-
-LoopRun generate(CudaBackend& be, const std::vector<int32_t>& prompt,
-                 const engine::GenerationParams& p) {
-  engine::GenerationLoop loop(
-      be, engine::resolve_hardware_profile({"cpu", "", 0}, be.config().dspark_block_size));
-  auto s = be.new_session(512);
-  LoopRun out;
-  const auto r =
-      loop.run(*s, prompt, p, [&](std::span<const int32_t>, const engine::StepStats& st) {
-        out.accepted.push_back(st.accepted);
-        return true;
-      });
-  out.tokens = r.tokens;
-  return out;
-}
+using test::generate;
+using test::LoopRun;
 
 TEST(CudaDeviceVerify, LoopEqualsHostVerification) {
   UF_REQUIRE_GPU();

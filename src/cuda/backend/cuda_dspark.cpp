@@ -395,32 +395,13 @@ sampling::VerifyResult CudaModel::verify_last_drafted(sampling::VerifyMode mode,
                                                       const sampling::SamplingParams& params,
                                                       std::span<const int32_t> tokens,
                                                       uint64_t seed, uint64_t step, int rows) {
-  UF_CHECK(verify_plan_, "device verification is off (CudaModelOptions::device_verify, tp = 1)");
-  const int g = int(tokens.size()), V = cfg_.vocab_size;
-  UF_CHECK(g >= 0 && g <= sampling::kMaxDraft && rows == g + 1,
-           "verify_last_drafted: {} drafts for {} logits rows (at most {} drafts)", g, rows,
-           sampling::kMaxDraft);
+  const int g = int(tokens.size());
   UF_CHECK(g == 0 || (g <= int(device_drafts_.size()) &&
                       std::equal(tokens.begin(), tokens.end(), device_drafts_.begin())),
            "verify_last_drafted: the {} drafts are not a prefix of the last device draft's {} "
            "(no draft_on_device since, or a host draft() in between): its q rows would not match",
            g, device_drafts_.size());
-  UF_CUDA_CHECK(cudaSetDevice(opts_.device));
-  const unsigned long long seed_step[2] = {seed, step};
-  if (g > 0)
-    UF_CUDA_CHECK(cudaMemcpyAsync(verify_tokens_, tokens.data(), size_t(g) * sizeof(int32_t),
-                                  cudaMemcpyHostToDevice, stream_));
-  UF_CUDA_CHECK(
-      cudaMemcpyAsync(verify_seed_, seed_step, sizeof(seed_step), cudaMemcpyHostToDevice, stream_));
-  logits_to_probs_on_device(*verify_plan_, logits_, rows, V, params, verify_plan_->target_probs(),
-                            stream_);
-  verify_probs_on_device(mode, verify_plan_->target_probs(), g > 0 ? draft_q_ : nullptr,
-                         verify_tokens_, g, V, verify_seed_, nullptr, verify_out_, nullptr,
-                         stream_);
-  sampling::VerifyResult out;
-  UF_CUDA_CHECK(cudaMemcpyAsync(&out, verify_out_, sizeof(out), cudaMemcpyDeviceToHost, stream_));
-  sync();
-  return out;
+  return verify_on_device(mode, params, draft_q_, tokens, seed, step, rows);
 }
 
 std::vector<float> CudaModel::device_draft_probs(int rows) const {

@@ -223,6 +223,13 @@ class CudaModel {
   // after it; commits it (no DSpark rows) unless it is the last chunk, whose rows stay in X_.
   int ced_encoder_chunk(CudaSession& s, std::span<const int32_t> tokens, Span& sp, bool last);
   void indexer_program(const SpanBlock& b, int l, const float* x, const float* qr);
+  // Device verification of the last verify rows (logits_) against g drafts whose q rows are at
+  // q on the device: verify_last (host q rows, uploaded) and verify_last_drafted (the device
+  // draft's) both end here.
+  sampling::VerifyResult verify_on_device(sampling::VerifyMode mode,
+                                          const sampling::SamplingParams& params, const float* q,
+                                          std::span<const int32_t> tokens, uint64_t seed,
+                                          uint64_t step, int rows);
   void drop_graphs();
   // The DSpark stages of a draft round as a program (cuda_dspark.cpp): block = draft_block(),
   // inputs p0 = the last committed position, ids = anchor + noise, pos = p0 + 1 + i, the stages'

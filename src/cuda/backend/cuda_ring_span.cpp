@@ -364,28 +364,38 @@ sampling::VerifyResult CudaModel::verify_last(sampling::VerifyMode mode,
                                               std::span<const float> draft_probs,
                                               std::span<const int32_t> tokens, uint64_t seed,
                                               uint64_t step, int rows) {
-  UF_CHECK(verify_plan_, "device verification is off (CudaModelOptions::device_verify, tp = 1)");
   const int g = int(tokens.size()), V = cfg_.vocab_size;
-  UF_CHECK(g >= 0 && g <= sampling::kMaxDraft && rows == g + 1,
-           "verify_last: {} drafts for {} logits rows (at most {} drafts)", g, rows,
-           sampling::kMaxDraft);
-  UF_CHECK(draft_probs.size() >= size_t(g) * size_t(V), "verify_last: {} draft values for {} rows",
-           draft_probs.size(), g);
+  UF_CHECK(draft_probs.size() >= size_t(std::max(g, 0)) * size_t(V),
+           "verify_last: {} draft values for {} rows", draft_probs.size(), g);
+  UF_CHECK(verify_plan_, "device verification is off (CudaModelOptions::device_verify)");
   UF_CUDA_CHECK(cudaSetDevice(opts_.device));
-  const unsigned long long seed_step[2] = {seed, step};
-  if (g > 0) {
+  if (g > 0 && g <= sampling::kMaxDraft)
     UF_CUDA_CHECK(cudaMemcpyAsync(verify_q_, draft_probs.data(), size_t(g) * V * sizeof(float),
                                   cudaMemcpyHostToDevice, stream_));
+  return verify_on_device(mode, params, verify_q_, tokens, seed, step, rows);
+}
+
+// The target rows' transform and the verification of g drafts whose q rows are at q (device).
+sampling::VerifyResult CudaModel::verify_on_device(sampling::VerifyMode mode,
+                                                   const sampling::SamplingParams& params,
+                                                   const float* q, std::span<const int32_t> tokens,
+                                                   uint64_t seed, uint64_t step, int rows) {
+  UF_CHECK(verify_plan_, "device verification is off (CudaModelOptions::device_verify)");
+  const int g = int(tokens.size()), V = cfg_.vocab_size;
+  UF_CHECK(g >= 0 && g <= sampling::kMaxDraft && rows == g + 1,
+           "device verification: {} drafts for {} logits rows (at most {} drafts)", g, rows,
+           sampling::kMaxDraft);
+  UF_CUDA_CHECK(cudaSetDevice(opts_.device));
+  const unsigned long long seed_step[2] = {seed, step};
+  if (g > 0)
     UF_CUDA_CHECK(cudaMemcpyAsync(verify_tokens_, tokens.data(), size_t(g) * sizeof(int32_t),
                                   cudaMemcpyHostToDevice, stream_));
-  }
   UF_CUDA_CHECK(
       cudaMemcpyAsync(verify_seed_, seed_step, sizeof(seed_step), cudaMemcpyHostToDevice, stream_));
   logits_to_probs_on_device(*verify_plan_, logits_, rows, V, params, verify_plan_->target_probs(),
                             stream_);
-  verify_probs_on_device(mode, verify_plan_->target_probs(), g > 0 ? verify_q_ : nullptr,
-                         verify_tokens_, g, V, verify_seed_, nullptr, verify_out_, nullptr,
-                         stream_);
+  verify_probs_on_device(mode, verify_plan_->target_probs(), g > 0 ? q : nullptr, verify_tokens_, g,
+                         V, verify_seed_, nullptr, verify_out_, nullptr, stream_);
   sampling::VerifyResult out;
   UF_CUDA_CHECK(cudaMemcpyAsync(&out, verify_out_, sizeof(out), cudaMemcpyDeviceToHost, stream_));
   sync();

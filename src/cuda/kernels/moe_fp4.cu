@@ -949,8 +949,14 @@ void MoeFp4::run(const Fp4ExpertsView& w, const QuantActView& x, const int* topk
                  const float* topk_w, float swiglu_limit, float* out, cudaStream_t stream) const {
   run_experts_impl(w, x, topk_idx, topk_w, swiglu_limit, /*round_w2=*/true, y_,
                    int64_t(topk_) * dim_, stream);
-  launch_pdl(moe_combine_kernel, dim3((dim_ + 255) / 256, x.m), dim3(256), 0, stream,
-             static_cast<const float*>(y_), topk_idx, topk_, w.num_experts, dim_, out);
+  moe_combine_rows(y_, topk_idx, x.m, topk_, w.num_experts, dim_, out, stream);
+}
+
+void moe_combine_rows(const float* y, const int* topk_idx, int m, int topk, int num_experts,
+                      int dim, float* out, cudaStream_t stream) {
+  require(m >= 1 && m <= 65535 && topk <= 8, "moe_combine_rows: %d rows, top-%d", m, topk);
+  launch_pdl(moe_combine_kernel, dim3((dim + 255) / 256, m), dim3(256), 0, stream, y, topk_idx,
+             topk, num_experts, dim, out);
 }
 
 void MoeFp4::run_partial(const Fp4ExpertsView& w, const QuantActView& x, const int* topk_idx,
@@ -958,8 +964,7 @@ void MoeFp4::run_partial(const Fp4ExpertsView& w, const QuantActView& x, const i
                          cudaStream_t stream) const {
   run_experts_impl(w, x, topk_idx, topk_w, swiglu_limit, /*round_w2=*/false, y_,
                    int64_t(topk_) * dim_, stream);
-  launch_pdl(moe_combine_kernel, dim3((dim_ + 255) / 256, x.m), dim3(256), 0, stream,
-             static_cast<const float*>(y_), topk_idx, topk_, w.num_experts, dim_, out);
+  moe_combine_rows(y_, topk_idx, x.m, topk_, w.num_experts, dim_, out, stream);
 }
 
 void MoeFp4::run_experts(const Fp4ExpertsView& w, const QuantActView& x, const int* topk_idx,

@@ -15,8 +15,8 @@
 //      position.
 //   3. prefill_w2_kernel: grid (K/16 / 8, max items), 8 warps, one 16-row output tile per warp,
 //      all column groups of the item; y of pair (t, k) at y + t * y_row_stride + k * dim.
-//   4. prefill_combine_kernel: out[t] = sum over t's valid experts in ascending id of y (fp32,
-//      from 0), as moe_combine_kernel.
+//   4. moe_combine_rows (moe_fp4.cu): out[t] = sum over t's valid experts in ascending id of y
+//      (fp32, from 0).
 //
 // Numerics: per (row, expert) output bitwise the decode kernels' (moe_fp4.cu): the same
 // m16n8k32 e4m3 products (an mma output depends only on its own row of A and column of B), the
@@ -333,39 +333,6 @@ __global__ void __launch_bounds__(kW2Warps * 32) prefill_w2_kernel(const Prefill
   }
 }
 
-// out[t][n] = sum over t's valid experts in ascending id of y[t, k][n] (moe_combine_kernel).
-// grid (dim / 256, m), y row stride topk * dim.
-__global__ void __launch_bounds__(256)
-    prefill_combine_kernel(const float* y, const int* topk_idx, int topk, int E, int dim,
-                           float* out) {
-  __shared__ int s_pair[8];
-  __shared__ int s_count;
-  const int row = blockIdx.y;
-  if (threadIdx.x == 0) {
-    int ids[8], pairs[8], n = 0;
-    for (int k = 0; k < topk; ++k) {
-      const int e = topk_idx[row * topk + k];
-      if (e < 0 || e >= E) continue;
-      int j = n++;
-      while (j > 0 && ids[j - 1] > e) {
-        ids[j] = ids[j - 1];
-        pairs[j] = pairs[j - 1];
-        --j;
-      }
-      ids[j] = e;
-      pairs[j] = row * topk + k;
-    }
-    for (int j = 0; j < n; ++j) s_pair[j] = pairs[j];
-    s_count = n;
-  }
-  __syncthreads();
-  const int col = blockIdx.x * 256 + threadIdx.x;
-  if (col >= dim) return;
-  float sum = 0.f;
-  for (int j = 0; j < s_count; ++j) sum += y[size_t(s_pair[j]) * dim + col];
-  out[size_t(row) * dim + col] = sum;
-}
-
 }  // namespace
 
 MoeFp4Prefill::MoeFp4Prefill(int dim, int inter, int topk, int num_experts, int max_rows)
@@ -439,9 +406,7 @@ void MoeFp4Prefill::run(const Fp4ExpertsView& w, const QuantActView& x, const in
                         cudaStream_t stream) const {
   experts_impl(w, x, topk_idx, topk_w, swiglu_limit, /*round_w2=*/true, y_, int64_t(topk_) * dim_,
                stream);
-  prefill_combine_kernel<<<dim3((dim_ + 255) / 256, x.m), 256, 0, stream>>>(y_, topk_idx, topk_,
-                                                                            experts_, dim_, out);
-  UF_CUDA_CHECK(cudaGetLastError());
+  moe_combine_rows(y_, topk_idx, x.m, topk_, experts_, dim_, out, stream);
 }
 
 void MoeFp4Prefill::run_partial(const Fp4ExpertsView& w, const QuantActView& x, const int* topk_idx,
@@ -449,9 +414,7 @@ void MoeFp4Prefill::run_partial(const Fp4ExpertsView& w, const QuantActView& x, 
                                 cudaStream_t stream) const {
   experts_impl(w, x, topk_idx, topk_w, swiglu_limit, /*round_w2=*/false, y_, int64_t(topk_) * dim_,
                stream);
-  prefill_combine_kernel<<<dim3((dim_ + 255) / 256, x.m), 256, 0, stream>>>(y_, topk_idx, topk_,
-                                                                            experts_, dim_, out);
-  UF_CUDA_CHECK(cudaGetLastError());
+  moe_combine_rows(y_, topk_idx, x.m, topk_, experts_, dim_, out, stream);
 }
 
 void MoeFp4Prefill::run_experts(const Fp4ExpertsView& w, const QuantActView& x, const int* topk_idx,
