@@ -222,9 +222,8 @@ void CudaModel::plan_ring_span(Span& sp, const SpanBlock& b, std::span<const int
     }
     if (kv_only) continue;
     // The window rows before the span must still be in the ring; then the span's rows go in.
-    for (int64_t q = std::max<int64_t>(0, p0 - W + 1); q < p0; ++q)
-      UF_CHECK(st.window.get(q), "layer {}: window KV of position {} is gone (span at {})", l, q,
-               p0);
+    const int64_t gone = st.window.first_missing(std::max<int64_t>(0, p0 - W + 1), p0);
+    UF_CHECK(gone < 0, "layer {}: window KV of position {} is gone (span at {})", l, gone, p0);
     UF_CHECK(st.window.slots == W + opts_.max_rows,
              "layer {}: window ring of {} slots, the span program expects {}", l, st.window.slots,
              W + opts_.max_rows);

@@ -38,6 +38,19 @@ struct DeviceRing {
     const size_t s = size_t(p % slots);
     return pos[s] == p ? data + s * size_t(width) : nullptr;
   }
+  // The first position of [begin, end) (begin >= 0) the ring does not hold, or -1 when it holds
+  // all: get() over the range with one division instead of one per position (every span checks a
+  // whole window per layer on the host, between two steps).
+  int64_t first_missing(int64_t begin, int64_t end) const {
+    if (begin >= end) return -1;
+    if (slots == 0) return begin;
+    size_t s = size_t(begin % slots);
+    for (int64_t q = begin; q < end; ++q) {
+      if (pos[s] != q) return q;
+      if (++s == size_t(slots)) s = 0;
+    }
+    return -1;
+  }
 };
 
 struct CudaLayerState {
