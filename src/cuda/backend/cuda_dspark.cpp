@@ -166,13 +166,43 @@ void CudaModel::draft_program(const SpanBlock& b, bool head_rows) {
   apply_head(y_, B, logits_);
 }
 
+// The draft program's inputs in the pinned block: p0 = the last committed position, the ids
+// (anchor + noise) and positions of the block, and each stage's ring, after the host checks of
+// the CPU's draft (the ring holds every slot the program lists). `who` names the caller.
+void CudaModel::fill_draft_block(const CudaSession& s, const SpanBlock& b, int32_t anchor,
+                                 const char* who) {
+  const int B = cfg_.dspark_block_size, W = cfg_.window_size, V = cfg_.vocab_size;
+  const int64_t p = s.len - 1;
+  uint8_t* h = block_host_;
+  *b.at<int64_t>(h, b.p0) = p;
+  UF_CHECK(anchor >= 0 && anchor < V, "{}: anchor {} outside the vocab of {}", who, anchor, V);
+  for (int i = 0; i < B; ++i) {
+    const int32_t id = i == 0 ? anchor : cfg_.dspark_noise_token_id;
+    UF_CHECK(id >= 0 && id < V, "{}: token {} outside the vocab", who, id);
+    b.at<int32_t>(h, b.ids)[i] = id;
+    b.at<int64_t>(h, b.pos)[i] = p + 1 + i;
+  }
+  const int64_t nring = std::min<int64_t>(W, p + 1);
+  for (int st = 0; st < cfg_.n_mtp_layers; ++st) {
+    const auto& ring = s.layers[size_t(cfg_.n_layers + st)].window;
+    UF_CHECK(ring.slots == W + opts_.max_rows,
+             "{}: DSpark stage {} ring of {} slots, the draft program expects {}", who, st,
+             ring.slots, W + opts_.max_rows);
+    for (int64_t k = 0; k < nring; ++k) {
+      const int64_t qpos = p - ((p - k) % W);
+      UF_CHECK(ring.get(qpos), "{}: DSpark stage {} ring lacks position {}", who, st, qpos);
+    }
+    *b.at<float*>(h, b.stage_window[size_t(st)]) = ring.data;
+  }
+}
+
 engine::DraftBlock CudaModel::draft(CudaSession& s, int32_t anchor,
                                     const engine::DraftSampler& sampler) {
   UF_CHECK(cfg_.n_mtp_layers > 0 && cfg_.dspark_block_size > 0,
            "draft: the model has no DSpark stages");
   UF_CHECK(s.len > 0, "draft: the session has no committed position yet");
   UF_CUDA_CHECK(cudaSetDevice(opts_.device));
-  const int B = cfg_.dspark_block_size, D = cfg_.dim, W = cfg_.window_size, V = cfg_.vocab_size;
+  const int B = cfg_.dspark_block_size, D = cfg_.dim, V = cfg_.vocab_size;
   const int64_t p = s.len - 1;
   engine::DraftBlock out;
   out.position = p;
@@ -181,26 +211,7 @@ engine::DraftBlock CudaModel::draft(CudaSession& s, int32_t anchor,
   const SpanBlock b = draft_block();
   UF_CHECK(b.bytes <= block_bytes_, "draft program: a block of {} bytes exceeds {}", b.bytes,
            block_bytes_);
-  uint8_t* h = block_host_;
-  *b.at<int64_t>(h, b.p0) = p;
-  for (int i = 0; i < B; ++i) {
-    const int32_t id = i == 0 ? anchor : cfg_.dspark_noise_token_id;
-    UF_CHECK(id >= 0 && id < V, "draft: token {} outside the vocab", id);
-    b.at<int32_t>(h, b.ids)[i] = id;
-    b.at<int64_t>(h, b.pos)[i] = p + 1 + i;
-  }
-  const int64_t nring = std::min<int64_t>(W, p + 1);
-  for (int st = 0; st < cfg_.n_mtp_layers; ++st) {
-    const auto& ring = s.layers[size_t(cfg_.n_layers + st)].window;
-    UF_CHECK(ring.slots == W + opts_.max_rows,
-             "draft: DSpark stage {} ring of {} slots, the draft program expects {}", st,
-             ring.slots, W + opts_.max_rows);
-    for (int64_t k = 0; k < nring; ++k) {
-      const int64_t qpos = p - ((p - k) % W);
-      UF_CHECK(ring.get(qpos), "draft: DSpark stage {} ring lacks position {}", st, qpos);
-    }
-    *b.at<float*>(h, b.stage_window[size_t(st)]) = ring.data;
-  }
+  fill_draft_block(s, b, anchor, "draft");
   // TP: rank 0 alone runs the replicated head and the Markov loop; a split head is a collective
   // every rank runs.
   const bool head_rows = rank_ == 0 || split_head_;
@@ -336,38 +347,19 @@ engine::DraftBlock CudaModel::draft_on_device(CudaSession& s, int32_t anchor,
   if (!draft_q_) prepare_device_draft();
   UF_CHECK(s.len > 0, "draft_on_device: the session has no committed position yet");
   UF_CUDA_CHECK(cudaSetDevice(opts_.device));
-  const int B = cfg_.dspark_block_size, W = cfg_.window_size, V = cfg_.vocab_size;
+  const int B = cfg_.dspark_block_size, V = cfg_.vocab_size;
   const int64_t p = s.len - 1;
   SpanBlock b = draft_block();
   const DraftInputs in = draft_inputs(b);
   UF_CHECK(in.bytes <= block_bytes_, "draft_on_device: a block of {} bytes exceeds {}", in.bytes,
            block_bytes_);
   b.bytes = in.bytes;  // draft_program's upload covers the sampling inputs too
+  fill_draft_block(s, b, anchor, "draft_on_device");
   uint8_t* h = block_host_;
-  *b.at<int64_t>(h, b.p0) = p;
-  UF_CHECK(anchor >= 0 && anchor < V, "draft_on_device: anchor {} outside the vocab of {}", anchor,
-           V);
-  for (int i = 0; i < B; ++i) {
-    const int32_t id = i == 0 ? anchor : cfg_.dspark_noise_token_id;
-    UF_CHECK(id >= 0 && id < V, "draft_on_device: token {} outside the vocab", id);
-    b.at<int32_t>(h, b.ids)[i] = id;
-    b.at<int64_t>(h, b.pos)[i] = p + 1 + i;
+  for (int i = 0; i < B; ++i)
     b.at<float>(h, in.uniforms)[i] =
         sampling::stream_uniform(seed, step, sampling::RngPurpose::kDraft, uint32_t(i));
-  }
   *b.at<DeviceSamplingParams>(h, in.params) = device_sampling_params(params);
-  const int64_t nring = std::min<int64_t>(W, p + 1);
-  for (int st = 0; st < cfg_.n_mtp_layers; ++st) {
-    const auto& ring = s.layers[size_t(cfg_.n_layers + st)].window;
-    UF_CHECK(ring.slots == W + opts_.max_rows,
-             "draft_on_device: DSpark stage {} ring of {} slots, the program expects {}", st,
-             ring.slots, W + opts_.max_rows);
-    for (int64_t k = 0; k < nring; ++k) {
-      const int64_t qpos = p - ((p - k) % W);
-      UF_CHECK(ring.get(qpos), "draft_on_device: DSpark stage {} ring lacks position {}", st, qpos);
-    }
-    *b.at<float*>(h, b.stage_window[size_t(st)]) = ring.data;
-  }
   launch_program(kDeviceDraftGraphKey, [&] {
     draft_program(b, /*head_rows=*/true);
     device_draft_program(b, in);

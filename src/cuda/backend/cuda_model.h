@@ -235,6 +235,7 @@ class CudaModel {
   // inputs p0 = the last committed position, ids = anchor + noise, pos = p0 + 1 + i, the stages'
   // rings; output: the last stage's x5 rows in x_ and, with head_rows, its head logits in logits_.
   SpanBlock draft_block() const;
+  void fill_draft_block(const CudaSession& s, const SpanBlock& b, int32_t anchor, const char* who);
   void draft_program(const SpanBlock& b, bool head_rows);
   // Committed rows into the DSpark stages' window rings as a program with its own pinned block
   // (commit_block(n): pos, the stages' rings), so a decode commit is one graph replay that the
