@@ -64,6 +64,9 @@ struct BenchArgs {
   int64_t engram_rows = int64_t(1) << 22;
   bool no_graphs = false;
   bool floor_only = false;
+  // Vocab slices of the head: 8 = rank 0's eighth (TP8 splits the head by vocab rows; the
+  // logits' all-gather is bench-tp's), 1 = the whole head on the rank.
+  int head_slices = 8;
   std::string json_file;
   uint64_t seed = 1;
   int device = 0;
@@ -106,6 +109,12 @@ json floor_json(const std::vector<uf::model::FloorItem>& items, double bw_gbs) {
     j.push_back(e);
   }
   return j;
+}
+
+uf::model::FloorOptions floor_opts(const BenchArgs& a) {
+  uf::model::FloorOptions o;
+  o.head_slices = a.head_slices;
+  return o;
 }
 
 double us_of(double bytes, double bw_gbs) { return bw_gbs > 0 ? bytes / (bw_gbs * 1e3) : 0; }
@@ -261,7 +270,9 @@ int run_cuda(const BenchArgs& a, const ModelConfig& cfg, const std::vector<int>&
   uf::cuda::CudaModelOptions opts;
   opts.device = a.device;
   opts.cuda_graphs = !a.no_graphs;
+  opts.head_slice_of = a.head_slices;
   out["cuda_graphs"] = opts.cuda_graphs;
+  out["head_slices"] = a.head_slices;
   UF_CUDA_CHECK(cudaSetDevice(a.device));
   const double used0 = device_used_gb(a.device);
   {
@@ -323,7 +334,7 @@ int run_cuda(const BenchArgs& a, const ModelConfig& cfg, const std::vector<int>&
     });
     UF_CHECK(s->len == a.context, "bench: the verify forward committed tokens (len {} != {})",
              s->len, a.context);
-    const auto f = uf::model::step_floor(cfg, T, a.context);
+    const auto f = uf::model::step_floor(cfg, T, a.context, floor_opts(a));
     double head_bytes = 0;
     for (const auto& i : f.verify)
       if (i.name == "head") head_bytes = i.bytes;
@@ -349,7 +360,7 @@ int run_cuda(const BenchArgs& a, const ModelConfig& cfg, const std::vector<int>&
 
   // One DSpark round from the last committed position, greedy on the host (CudaModel::draft: the
   // Markov loop on the host, slot by slot).
-  const auto f1 = uf::model::step_floor(cfg, 1, a.context);
+  const auto f1 = uf::model::step_floor(cfg, 1, a.context, floor_opts(a));
   const int32_t anchor = int32_t(3 + rng() % uint64_t(V - 3));
   const uf::engine::DraftSampler greedy = [](int, std::span<const float> lg) {
     return int32_t(std::max_element(lg.begin(), lg.end()) - lg.begin());
@@ -451,7 +462,7 @@ int run_bench(const BenchArgs& a) {
     std::vector<StepFloor> floors;
     json jf = json::array();
     for (int T : rows) {
-      floors.push_back(uf::model::step_floor(cfg, T, a.context));
+      floors.push_back(uf::model::step_floor(cfg, T, a.context, floor_opts(a)));
       jf.push_back({{"rows", T},
                     {"floor_bytes", floors.back().verify_bytes()},
                     {"routed_experts", floors.back().routed_experts},
@@ -500,6 +511,10 @@ void setup_bench(CLI::App& app, int& exit_code) {
                   "token, so the time hardly depends on it)");
   cmd->add_flag("--no-graphs", a->no_graphs, "Run the decode path without CUDA graphs");
   cmd->add_flag("--floor-only", a->floor_only, "Print the floors (bytes per component); no GPU");
+  cmd->add_option("--head-slices", a->head_slices,
+                  "Vocab slices of the head the rank computes: 8 = rank 0's eighth (TP8's split "
+                  "head), 1 = the whole head")
+      ->check(CLI::Range(1, 64));
   cmd->add_option("--json", a->json_file, "Write every figure to this JSON file");
   cmd->add_option("--seed", a->seed, "Seed of the synthetic weights and tokens");
   cmd->add_option("--device", a->device, "CUDA device ordinal");

@@ -4,7 +4,8 @@
 // on one GPU by `ultrafast bench --synthetic tp8-rank --json FILE` (read with --step-json), plus
 // the collectives a real TP8 rank adds, which that bench does not run. The collectives are
 // counted from the CUDA backend's code (model::tp_verify_collectives / tp_draft_collectives: the
-// CudaModel::all_reduce_round call sites, 88 per verify step and 6 per draft round) with their
+// CudaModel::all_reduce_round call sites, 88 per verify step and 6 per draft round, plus the split
+// head's logit gather in each) with their
 // message sizes; the backend runs each as one kernel of the one-shot P2P all-reduce where the
 // GPUs have peer access (tp_p2p_allreduce), else at tp > 2 as an NCCL all-gather of the fp32
 // partials plus an fp32 sum in rank order (tp_ordered_sum), at tp = 2 as an NCCL all-reduce.

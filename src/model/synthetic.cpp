@@ -434,7 +434,10 @@ StepFloor step_floor(const ModelConfig& c, int rows, int64_t context, const Floo
     }
   }
   v.add("embedding rows", T * bf16(d), "BF16 rows of the step's tokens");
-  v.add("head", bf16(V * d) + bf16(d), "BF16 head [V, d] once for all rows (replicated) + norm");
+  const double Vh = V / std::max(o.head_slices, 1);  // the rows of the head this rank reads
+  const std::string head_what = o.head_slices > 1 ? "its vocab slice" : "replicated";
+  v.add("head", bf16(Vh * d) + bf16(d),
+        "BF16 head [V, d] once for all rows (" + head_what + ") + norm");
 
   if (c.n_mtp_layers > 0 && B > 0) {
     Items dr(f.draft);
@@ -446,7 +449,8 @@ StepFloor step_floor(const ModelConfig& c, int rows, int64_t context, const Floo
              "FP8 ring entries + the block's rows, per stage");
     }
     dr.add("embedding rows", B * bf16(d), "BF16 rows of the block's tokens");
-    dr.add("head", bf16(V * d) + bf16(d), "BF16 head [V, d] once for the block + final norm");
+    dr.add("head", bf16(Vh * d) + bf16(d),
+           "BF16 head [V, d] (" + head_what + ") once for the block + final norm");
     // The slots are sequential (slot i's bias needs slot i-1's sampled token) and H_m [V, rank]
     // (66 MB) does not stay in L2: read once per slot. E_m: one row per slot.
     const double rank = c.dspark_markov_rank;
@@ -490,6 +494,11 @@ std::vector<CollectiveCall> tp_verify_collectives(const ModelConfig& c, int tp, 
                                    {"MoE partial", c.n_layers, d}};
   if (indexers > 0)
     v.push_back({"index scores", indexers, int64_t(rows) * index_score_width(c, capacity)});
+  // The vocab-split head (CudaModelOptions::tp_split_head, on where the vocab divides): one
+  // all-gather of the rows' logit slices, modelled as a sum of the same per-rank size (the P2P
+  // gather pushes and reads the same bytes as the P2P sum of a slice).
+  if (c.vocab_size % tp == 0)
+    v.push_back({"head logits (gather)", 1, int64_t(rows) * (c.vocab_size / tp)});
   return v;
 }
 
@@ -497,7 +506,12 @@ std::vector<CollectiveCall> tp_draft_collectives(const ModelConfig& c, int tp) {
   UF_CHECK(tp >= 1, "tp_draft_collectives: tp {} must be >= 1", tp);
   if (tp == 1 || c.n_mtp_layers == 0) return {};
   const int64_t d = int64_t(c.dspark_block_size) * c.dim;
-  return {{"DSpark wo_b partial", c.n_mtp_layers, d}, {"DSpark MoE partial", c.n_mtp_layers, d}};
+  std::vector<CollectiveCall> v = {{"DSpark wo_b partial", c.n_mtp_layers, d},
+                                   {"DSpark MoE partial", c.n_mtp_layers, d}};
+  if (c.vocab_size % tp == 0)  // the block's logits from the split head
+    v.push_back(
+        {"DSpark head logits (gather)", 1, int64_t(c.dspark_block_size) * (c.vocab_size / tp)});
+  return v;
 }
 
 int total_calls(const std::vector<CollectiveCall>& v) {

@@ -5,8 +5,9 @@
 // rank_slice_config(c, tp) is the config whose tp = 1 model has exactly one rank's per-rank
 // shapes under the CUDA backend's sharding (cuda/backend/cuda_model.h, backend_tp_options():
 // attention heads, output groups, index heads and the expert intermediate width, routed and
-// shared, divided by tp; KV, compressor, embeddings, head and Engram replicated). What differs
-// from a real rank:
+// shared, divided by tp; KV, compressor, embeddings and Engram replicated; the head is kept whole
+// here, and the bench computes the rank's vocab slice of it: CudaModelOptions::head_slice_of).
+// What differs from a real rank:
 //  - no collectives: the all-reduces after wo_b / the index scores / the MoE (and nothing else)
 //    are missing from the step; their latency is not in any figure here;
 //  - scales computed from the whole-model head count use the rank's count instead (the indexer's
@@ -33,7 +34,7 @@
 namespace uf::model {
 
 // Throws uf::core::Error naming the field when `c` does not split over tp ranks (validate_tp with
-// the CUDA backend's options: head, embedding and Engram replicated).
+// the CUDA backend's options: embedding and Engram replicated, the head kept whole).
 ModelConfig rank_slice_config(const ModelConfig& c, int tp);
 
 // `c` with Engram tables of about `rows` rows each: engram_vocab_size is lowered so that the
@@ -85,6 +86,8 @@ struct FloorOptions {
   // uniform routing (expected_distinct_experts).
   double routed_experts = -1;
   double dspark_experts = -1;
+  // The head's share a rank reads: 1 = replicated; N = vocab / N rows (the split head of TP N).
+  int head_slices = 1;
 };
 
 struct StepFloor {

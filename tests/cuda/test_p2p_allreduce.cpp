@@ -12,7 +12,9 @@
 //  (c) race stress: before each call one rank (rotating) is delayed by a spin kernel of 0..60 us,
 //      so the others run ahead into the next call's slot;
 //  (d) CudaBackend at TP = 2 (tiny-a fixture): the P2P path gives bitwise the logits of the NCCL
-//      path (prefill all rows, 3 decode steps).
+//      path (prefill all rows, 3 decode steps);
+//  (e) gather_rank (the vocab-split head's logits): every block in its columns, interleaved with
+//      sums on the same object.
 // Inputs span 2^-12 .. 2^12 in magnitude with exact zeros and both signs, so a different order
 // of addition would show. Spins time out after 30 s (the kernel prints the rank, CTA, peer and
 // epoch it waited for and traps) instead of hanging the test.
@@ -259,6 +261,76 @@ TEST(PeerAllReduce, CudaGraphReplaysEqualRankOrderSum) {
       cudaGraphDestroy(graph);
       cudaStreamDestroy(s);
     });
+  }
+}
+
+// (e) gather_rank: every rank's [rows, width] block lands in its columns of every rank's
+// [rows, stride] destination (other columns untouched), interleaved with sums on the same
+// object (they share the epochs and slots), for widths that allow float4 and odd ones, with a
+// capacity that fits the whole call and one that splits it into kernels of whole rows. Bitwise
+// copies: no tolerance.
+TEST(PeerAllReduce, GatherRankPlacesEveryBlockAndInterleavesWithSums) {
+  UF_REQUIRE_TWO_GPUS();
+  struct Shape {
+    size_t rows, width, pad;  // stride = ranks * width + pad
+  };
+  const std::vector<Shape> shapes = {{7, 16160, 0}, {3, 37, 5}, {8, 512, 4}, {1, 1, 0}};
+  for (int n : rank_counts()) {
+    for (size_t cap : {size_t(1) << 18, size_t(40000)}) {
+      SCOPED_TRACE("ranks " + std::to_string(n) + ", capacity " + std::to_string(cap));
+      PeerAllReduce p2p(first_devices(n), cap, PeerAllReduce::kDefaultCtas, kTimeoutS);
+      std::mt19937 rng(555u + unsigned(n) + unsigned(cap));
+      std::vector<std::vector<std::vector<float>>> src(shapes.size());  // [shape][rank]
+      for (size_t k = 0; k < shapes.size(); ++k)
+        for (int r = 0; r < n; ++r) {
+          std::vector<float> v(shapes[k].rows * shapes[k].width);
+          for (auto& x : v) x = random_input(rng);
+          src[k].push_back(std::move(v));
+        }
+      const Call sum = make_call(n, 5120, true, rng);
+      on_ranks(n, [&](int r) {
+        cudaStream_t s = nullptr;
+        UF_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+        std::vector<std::unique_ptr<test::DeviceBuffer<float>>> in, out;
+        for (size_t k = 0; k < shapes.size(); ++k) {
+          const Shape& sh = shapes[k];
+          in.push_back(std::make_unique<test::DeviceBuffer<float>>(src[k][size_t(r)]));
+          out.push_back(
+              std::make_unique<test::DeviceBuffer<float>>(sh.rows * (n * sh.width + sh.pad)));
+          out.back()->poison();
+        }
+        test::DeviceBuffer<float> sbuf(sum.in[size_t(r)]);
+        UF_CUDA_CHECK(cudaDeviceSynchronize());
+        for (size_t k = 0; k < shapes.size(); ++k) {
+          const Shape& sh = shapes[k];
+          p2p.gather_rank(r, in[k]->get(), sh.rows, sh.width, out[k]->get(), n * sh.width + sh.pad,
+                          s);
+          if (k == 1) p2p.sum_rank(r, sbuf.get(), sum.n, s, /*round_bf16=*/true);
+        }
+        const cudaError_t err = cudaStreamSynchronize(s);
+        cudaStreamDestroy(s);
+        if (err != cudaSuccess) throw std::runtime_error(cudaGetErrorString(err));
+        check_result("sum between gathers", r, 0, sum, sbuf.download());
+        for (size_t k = 0; k < shapes.size(); ++k) {
+          const Shape& sh = shapes[k];
+          const size_t stride = n * sh.width + sh.pad;
+          const auto got = out[k]->download();
+          size_t bad = 0, first = SIZE_MAX;
+          for (size_t t = 0; t < sh.rows; ++t)
+            for (size_t c = 0; c < stride; ++c) {
+              const float g = got[t * stride + c];
+              const bool ok =
+                  c < n * sh.width
+                      ? test::bits_equal(g, src[k][c / sh.width][t * sh.width + c % sh.width])
+                      : std::isnan(g);  // padding keeps its poison
+              if (!ok && bad++ == 0) first = t * stride + c;
+            }
+          EXPECT_EQ(bad, 0u) << "rank " << r << ", gather of [" << sh.rows << ", " << sh.width
+                             << "] x " << n << " ranks, stride " << stride << ": first bad at "
+                             << first;
+        }
+      });
+    }
   }
 }
 

@@ -18,7 +18,7 @@ const ModelConfig& released() {
 // the ratio-1 indexers (20..36) need capacity + 1 entries per row.
 TEST(TpCollectives, VerifyStepOfTheReleasedModel) {
   const auto v = tp_verify_collectives(released(), 8, 7, 8256);
-  ASSERT_EQ(v.size(), 3u);
+  ASSERT_EQ(v.size(), 4u);
   EXPECT_EQ(v[0].calls, 40);
   EXPECT_EQ(v[0].elements, 7 * 5120);
   EXPECT_EQ(v[1].calls, 40);
@@ -26,19 +26,27 @@ TEST(TpCollectives, VerifyStepOfTheReleasedModel) {
   EXPECT_EQ(v[2].what, "index scores");
   EXPECT_EQ(v[2].calls, 8);
   EXPECT_EQ(v[2].elements, 7 * (8256 + 1));
-  EXPECT_EQ(total_calls(v), 88);
+  // The split head's logit slices: 129280 / 8 per row, gathered once.
+  EXPECT_EQ(v[3].calls, 1);
+  EXPECT_EQ(v[3].elements, 7 * 16160);
+  EXPECT_EQ(total_calls(v), 89);
   EXPECT_DOUBLE_EQ(v[0].bytes(), 4.0 * 7 * 5120);
   EXPECT_EQ(index_score_width(released(), 1000064), 1000065);
   // The rank slice has the same layers and dims: the same collectives.
-  EXPECT_EQ(total_calls(tp_verify_collectives(rank_slice_config(released(), 8), 8, 1, 100)), 88);
+  EXPECT_EQ(total_calls(tp_verify_collectives(rank_slice_config(released(), 8), 8, 1, 100)), 89);
+  // A vocab that does not divide keeps the head replicated: no gather.
+  ModelConfig odd = released();
+  odd.vocab_size = 129281;
+  EXPECT_EQ(total_calls(tp_verify_collectives(odd, 8, 7, 8256)), 88);
   EXPECT_TRUE(tp_verify_collectives(released(), 1, 7, 8256).empty());
   EXPECT_THROW(tp_verify_collectives(released(), 8, 0, 8256), core::Error);
 }
 
 TEST(TpCollectives, DraftRound) {
   const auto d = tp_draft_collectives(released(), 8);
-  ASSERT_EQ(d.size(), 2u);
-  EXPECT_EQ(total_calls(d), 6);  // 3 DSpark stages, wo_b + MoE each
+  ASSERT_EQ(d.size(), 3u);
+  EXPECT_EQ(total_calls(d), 7);  // 3 DSpark stages, wo_b + MoE each, + the head's gather
+  EXPECT_EQ(d[2].elements, 5 * 16160);
   EXPECT_EQ(d[0].elements, 5 * 5120);
   EXPECT_TRUE(tp_draft_collectives(released(), 1).empty());
 }

@@ -293,6 +293,11 @@ CudaBackend::CudaBackend(const std::filesystem::path& model_dir,
     models_[0]->prepare_device_draft();  // no-op unless device drafting is on
     return;
   }
+  if (opts.tp_split_head && cfg.vocab_size % n != 0) {
+    spdlog::info("TP {}: the head stays replicated (vocab {} does not split into {} slices)", n,
+                 cfg.vocab_size, n);
+    opts.tp_split_head = false;
+  }
   // The plan's own message names the config field that does not divide.
   model::validate_tp(cfg, n, backend_tp_options(opts.tp_split_head));
   const int gpus = device_count();

@@ -103,7 +103,18 @@ CudaModel::CudaModel(model::ModelConfig cfg, const model::Checkpoint& ckpt,
   UploadScope load_scope(opts_.device, up_opts);
   embed_ = upload_weight(w_.embed, arena_);
   norm_ = upload_weight(w_.norm, arena_);
-  head_ = DeviceLinear(w_.head, LinearKind::kF32, arena_);
+  head_slices_ = split_head_ ? tp_ : std::max(opts_.head_slice_of, 1);
+  if (!split_head_ && head_slices_ > 1) {
+    // Bench-only slice (CudaModelOptions::head_slice_of): rank 0's vocab rows, a view.
+    UF_CHECK(tp_ == 1 && cfg_.vocab_size % head_slices_ == 0,
+             "head_slice_of = {} needs tp = 1 (got {}) and a vocab ({}) it divides", head_slices_,
+             tp_, cfg_.vocab_size);
+    model::Weight slice = w_.head;
+    slice.rows = cfg_.vocab_size / head_slices_;
+    head_ = DeviceLinear(slice, LinearKind::kF32, arena_);
+  } else {
+    head_ = DeviceLinear(w_.head, LinearKind::kF32, arena_);
+  }
   int max_ratio = 1, max_topk = 1;
   for (int l = 0; l < cfg_.n_total_layers(); ++l) {
     const auto& r = cfg_.role(l);
@@ -250,10 +261,10 @@ CudaModel::CudaModel(model::ModelConfig cfg, const model::Checkpoint& ckpt,
   // The ordered sum's scratch: [T, dim] partials, and the Engram gathers of a row-split table
   // (at most kMaxDecodeRows rows per DeviceEngram chunk).
   if (ordered_sum_) ensure_gather(std::max(T * D, size_t(kMaxDecodeRows) * engram_gather_));
-  if (split_head_) {
-    const size_t Vl = size_t(cfg_.vocab_size / tp_);
+  if (head_slices_ > 1) {
+    const size_t Vl = size_t(cfg_.vocab_size / head_slices_);
     head_part_ = arena_.alloc<float>(T * Vl);
-    head_gather_ = arena_.alloc<float>(size_t(tp_) * T * Vl);
+    if (split_head_) head_gather_ = arena_.alloc<float>(size_t(tp_) * T * Vl);
   }
   // The device holds the shards now (uploads are synchronous): drop the host copies; no split
   // weight is read on the host after construction (the Markov / confidence views are replicated).

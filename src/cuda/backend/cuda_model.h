@@ -87,9 +87,17 @@ struct CudaModelOptions {
   // instead of NCCL. Used where every pair of GPUs has peer access (CudaBackend checks; else
   // NCCL, with a log line) and tp_ordered_sum is off. --no-p2p-allreduce turns it off.
   bool tp_p2p_allreduce = true;
-  // TP: split head.weight by vocab rows (each rank computes vocab/tp logits, all-gathered and
-  // reordered into whole rows on every rank). Off by default (the head stays replicated).
-  bool tp_split_head = false;
+  // TP: split head.weight by vocab rows (each rank computes vocab/tp logits, all-gathered into
+  // whole rows on every rank: one P2P gather kernel, or NCCL all-gather + copies). Every logit is
+  // the same dot product as with the replicated head, so the logits are bitwise the same; each
+  // rank reads 1/tp of the head (1.32 GB for the released model: ~1 ms a 7-row step at TP 8
+  // against a ~15 us gather). CudaBackend replicates the head when the vocab does not divide.
+  bool tp_split_head = true;
+  // Benchmarks of one rank's slice on one GPU (tp = 1, `bench --synthetic tp8-rank`): N > 1
+  // computes only vocab rows [0, V / N) of the head, as rank 0 of a TP N server with the split
+  // head does, and leaves the other logits as they are (their all-gather is modelled by
+  // bench-tp). Such logits are not the model's output: for timing only.
+  int head_slice_of = 1;
   // Ring-layout spans of up to max_rows rows (decode and verify steps) replay one CUDA graph per
   // (rows, all_logits), captured at first use (cuda_ring_span.cpp). Off: the same launches run
   // eagerly (the graph and the eager path are the same code). Under TP each rank replays its own
@@ -320,7 +328,8 @@ class CudaModel {
   size_t engram_gather_ = 0;  // the largest Engram gather per row (floats)
   bool ordered_sum_ = false;
   bool split_head_ = false;
-  float* head_part_ = nullptr;    // split head: [tmax, vocab / tp] (arena)
+  int head_slices_ = 1;           // tp with the split head, else opts_.head_slice_of (bench)
+  float* head_part_ = nullptr;    // split head: [tmax, vocab / head_slices_] (arena)
   float* head_gather_ = nullptr;  // split head: [tp, tmax, vocab / tp] (arena)
   // The head GEMV (whole, or split + all-gather) into logits_dev [n, vocab]; x: [n, dim].
   void apply_head(const float* x, int n, float* logits_dev);

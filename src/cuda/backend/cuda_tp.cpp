@@ -141,14 +141,28 @@ void CudaModel::shard_weights() {
 }
 
 void CudaModel::apply_head(const float* x, int n, float* logits_dev) {
-  if (!split_head_) {
+  if (head_slices_ == 1) {
     head_.apply(x, n, logits_dev, stream_);
+    return;
+  }
+  if (!split_head_) {  // bench slice (head_slice_of): this rank's columns only, no collective
+    const size_t V = size_t(cfg_.vocab_size), Vl = V / size_t(head_slices_);
+    head_.apply(x, n, head_part_, stream_);
+    UF_CUDA_CHECK(cudaMemcpy2DAsync(logits_dev, V * sizeof(float), head_part_, Vl * sizeof(float),
+                                    Vl * sizeof(float), size_t(n), cudaMemcpyDeviceToDevice,
+                                    stream_));
     return;
   }
   // Rank r's logits are vocab columns [r * Vl, (r + 1) * Vl): gathered as [tp, n, Vl], then each
   // rank's block is copied into its column range of the [n, vocab] rows.
   const int V = cfg_.vocab_size, Vl = V / tp_;
   head_.apply(x, n, head_part_, stream_);
+  tp::PeerAllReduce* p2p = group_->peer_all_reduce();
+  if (p2p && opts_.tp_p2p_allreduce && !opts_.tp_ordered_sum) {
+    // One kernel: every rank's block lands in its columns of the [n, V] rows directly.
+    p2p->gather_rank(rank_, head_part_, size_t(n), size_t(Vl), logits_dev, size_t(V), stream_);
+    return;
+  }
   group_->all_gather_rank(rank_, head_part_, head_gather_, size_t(n) * size_t(Vl),
                           tp::CommDType::kF32, stream_);
   for (int r = 0; r < tp_; ++r)

@@ -41,8 +41,18 @@ __global__ void gather_kernel(DeviceWeight table, int64_t row_begin, int64_t row
 }
 
 // One block per (t, copy c): X [m, hc, D], kv [m, (hc + 1) * D], wt [hc, D] = q_weight * k_weight.
-__global__ void gate_kernel(const float* X, const float* kv, const float* wt, int hc, int D,
-                            float eps, float dim_scale, float* out) {
+// The three dot8 chains (threads 0..7, element d on chain d % 8, in increasing d) are the CPU's
+// serial order, so they cannot be split; what made them slow (100 us a call at D = 5120) was each
+// step waiting on three strided global loads. The block now stages h, k and w by chunks of
+// kGateChunk elements in shared memory with coalesced 16-byte loads, and the chains walk the
+// chunk from there: the same operations in the same order, so the same bits.
+constexpr int kGateThreads = 256;
+constexpr int kGateChunk = 1024;
+
+__global__ void __launch_bounds__(kGateThreads)
+    gate_kernel(const float* X, const float* kv, const float* wt, int hc, int D, float eps,
+                float dim_scale, float* out) {
+  __shared__ float4 sh[kGateChunk / 4], sk[kGateChunk / 4], sw[kGateChunk / 4];
   __shared__ float s_hh[8], s_kk[8], s_hk[8];
   __shared__ float s_gate;
   const int t = blockIdx.x / hc, c = blockIdx.x % hc, tid = threadIdx.x;
@@ -51,13 +61,43 @@ __global__ void gate_kernel(const float* X, const float* kv, const float* wt, in
   const float* k = key + int64_t(c) * D;
   const float* value = key + int64_t(hc) * D;
   const float* w = wt + int64_t(c) * D;
-  if (tid < 8) {
-    float hh = 0.f, kk = 0.f, hk = 0.f;
-    for (int d = tid; d < D; d += 8) {
-      hh = __fadd_rn(hh, __fmul_rn(h[d], h[d]));
-      kk = __fadd_rn(kk, __fmul_rn(k[d], k[d]));
-      hk = __fadd_rn(hk, __fmul_rn(__fmul_rn(h[d], w[d]), k[d]));
+  // 16-byte staging needs D % 4 == 0 and aligned rows (true for the model: D = 5120 and
+  // cudaMalloc'd buffers); anything else stages element by element.
+  const bool vec = D % 4 == 0 && ((reinterpret_cast<uintptr_t>(h) | reinterpret_cast<uintptr_t>(k) |
+                                   reinterpret_cast<uintptr_t>(w)) &
+                                  15) == 0;
+  float hh = 0.f, kk = 0.f, hk = 0.f;
+  for (int d0 = 0; d0 < D; d0 += kGateChunk) {
+    const int n = min(kGateChunk, D - d0);
+    if (vec) {
+      for (int i = tid; i < n / 4; i += kGateThreads) {
+        sh[i] = reinterpret_cast<const float4*>(h + d0)[i];
+        sk[i] = reinterpret_cast<const float4*>(k + d0)[i];
+        sw[i] = reinterpret_cast<const float4*>(w + d0)[i];
+      }
+    } else {
+      for (int i = tid; i < n; i += kGateThreads) {
+        reinterpret_cast<float*>(sh)[i] = h[d0 + i];
+        reinterpret_cast<float*>(sk)[i] = k[d0 + i];
+        reinterpret_cast<float*>(sw)[i] = w[d0 + i];
+      }
     }
+    __syncthreads();
+    if (tid < 8) {
+      const float* ph = reinterpret_cast<const float*>(sh);
+      const float* pk = reinterpret_cast<const float*>(sk);
+      const float* pw = reinterpret_cast<const float*>(sw);
+      // d0 % 8 == 0, so chain tid takes the chunk's elements tid, tid + 8, ... as before.
+#pragma unroll 8
+      for (int i = tid; i < n; i += 8) {
+        hh = __fadd_rn(hh, __fmul_rn(ph[i], ph[i]));
+        kk = __fadd_rn(kk, __fmul_rn(pk[i], pk[i]));
+        hk = __fadd_rn(hk, __fmul_rn(__fmul_rn(ph[i], pw[i]), pk[i]));
+      }
+    }
+    __syncthreads();
+  }
+  if (tid < 8) {
     s_hh[tid] = hh;
     s_kk[tid] = kk;
     s_hk[tid] = hk;
@@ -160,8 +200,8 @@ void DeviceEngram::apply(const int64_t* ids, const float* X, int T, float* out, 
     if (reduce) reduce(m.e, size_t(rows) * size_t(gathered_floats_per_row()));
     m.wkv.apply(m.e, rows, m.kv, stream);
     const int64_t off = int64_t(t0) * hc * D;
-    gate_kernel<<<rows * hc, 256, 0, stream>>>(X + off, m.kv, m.wt, hc, D, m.s.norm_eps,
-                                               m.dim_scale, out + off);
+    gate_kernel<<<rows * hc, kGateThreads, 0, stream>>>(X + off, m.kv, m.wt, hc, D, m.s.norm_eps,
+                                                        m.dim_scale, out + off);
     UF_CUDA_CHECK(cudaGetLastError());
   }
 }

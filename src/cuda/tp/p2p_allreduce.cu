@@ -13,13 +13,7 @@
 
 namespace uf::cuda::tp {
 
-namespace {
-
-constexpr int kThreads = 512;
-
-__host__ __device__ __forceinline__ size_t min_sz(size_t a, size_t b) { return a < b ? a : b; }
-constexpr size_t kAlign = 256;
-
+namespace detail {
 struct P2pArgs {
   float* recv[PeerAllReduce::kMaxRanks];      // rank q's [2][N][cap] staging (device q)
   uint64_t* flags[PeerAllReduce::kMaxRanks];  // rank q's [N][G] flags (device q)
@@ -28,6 +22,16 @@ struct P2pArgs {
   size_t cap;
   unsigned long long timeout_ns;
 };
+}  // namespace detail
+
+namespace {
+
+using detail::P2pArgs;
+
+constexpr int kThreads = 512;
+
+__host__ __device__ __forceinline__ size_t min_sz(size_t a, size_t b) { return a < b ? a : b; }
+constexpr size_t kAlign = 256;
 
 __device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
   uint64_t v;
@@ -50,8 +54,11 @@ __device__ __forceinline__ float4 add4(float4 a, float4 b) {
                      __fadd_rn(a.w, b.w));
 }
 
-template <bool kVecBuf, bool kRound>
-__global__ void __launch_bounds__(kThreads) p2p_sum_kernel(P2pArgs a, float* buf, size_t n) {
+// Steps 1-4 of the protocol for the units [u0, u1) of this CTA: push buf's elements into every
+// peer's staging slot, signal, and wait until every peer's CTA b has pushed the same call.
+// Returns the call's epoch; the caller reads the peers' terms from its own staging slot e & 1.
+template <bool kVecBuf>
+__device__ uint64_t exchange(const P2pArgs& a, const float* buf, size_t n, size_t u0, size_t u1) {
   __shared__ uint64_t s_epoch;
   const int b = int(blockIdx.x), G = int(gridDim.x), tid = int(threadIdx.x);
   const int N = a.n_ranks, r = a.rank;
@@ -64,9 +71,6 @@ __global__ void __launch_bounds__(kThreads) p2p_sum_kernel(P2pArgs a, float* buf
   __syncthreads();
   const uint64_t e = s_epoch;
   const size_t slot = size_t(e & 1);
-  const size_t units = (n + 3) / 4;
-  const size_t per = (units + size_t(G) - 1) / size_t(G);
-  const size_t u0 = min_sz(units, size_t(b) * per), u1 = min_sz(units, u0 + per);
   // My input inside a peer's staging: recv[q] + own_off + i.
   const size_t own_off = (slot * size_t(N) + size_t(r)) * a.cap;
 
@@ -118,11 +122,28 @@ __global__ void __launch_bounds__(kThreads) p2p_sum_kernel(P2pArgs a, float* buf
     }
   }
   __syncthreads();
+  return e;
+}
+
+// This CTA's contiguous run of 4-float units of an n-element call: the same on every rank.
+__device__ __forceinline__ void unit_range(size_t n, size_t& u0, size_t& u1) {
+  const size_t units = (n + 3) / 4, G = gridDim.x;
+  const size_t per = (units + G - 1) / G;
+  u0 = min_sz(units, size_t(blockIdx.x) * per);
+  u1 = min_sz(units, u0 + per);
+}
+
+template <bool kVecBuf, bool kRound>
+__global__ void __launch_bounds__(kThreads) p2p_sum_kernel(P2pArgs a, float* buf, size_t n) {
+  size_t u0, u1;
+  unit_range(n, u0, u1);
+  const uint64_t e = exchange<kVecBuf>(a, buf, n, u0, u1);
+  const int N = a.n_ranks, r = a.rank, tid = int(threadIdx.x);
 
   // 5. Rank-order sum: ((b0 + b1) + b2) + ..., my own term read from buf, the peers' from my
   // staging with ld.cg (from L2, where the peers' stores land: no stale L1 line of an earlier use
   // of the slot can be hit).
-  const float* mine = a.recv[r] + slot * size_t(N) * a.cap;  // [N][cap] of this slot
+  const float* mine = a.recv[r] + size_t(e & 1) * size_t(N) * a.cap;  // [N][cap] of this slot
   for (size_t u = u0 + size_t(tid); u < u1; u += kThreads) {
     const size_t i = u * 4;
     if (i + 4 <= n) {
@@ -155,6 +176,39 @@ __global__ void __launch_bounds__(kThreads) p2p_sum_kernel(P2pArgs a, float* buf
         for (int q = 1; q < N; ++q)
           acc = __fadd_rn(acc, q == r ? own : __ldcg(mine + size_t(q) * a.cap + j));
         buf[j] = kRound ? ew::round_bf16(acc) : acc;
+      }
+    }
+  }
+}
+
+// Gather: src [n / width, width] of every rank -> dst[t * stride + q * width + j] (rank q's block
+// of row t). The exchange is the sum's; step 5 copies each rank's run of the CTA's units (own from
+// src) into its columns. kVec: width, stride, src and dst allow float4 everywhere.
+template <bool kVec>
+__global__ void __launch_bounds__(kThreads)
+    p2p_gather_kernel(P2pArgs a, const float* src, size_t n, size_t width, float* dst,
+                      size_t stride) {
+  const int N = a.n_ranks, r = a.rank, tid = int(threadIdx.x);
+  size_t u0, u1;
+  unit_range(n, u0, u1);
+  const uint64_t e = exchange<kVec>(a, src, n, u0, u1);
+  const float* mine = a.recv[r] + size_t(e & 1) * size_t(N) * a.cap;
+  for (size_t u = u0 + size_t(tid); u < u1; u += kThreads) {
+    const size_t i = u * 4;
+    if (kVec) {  // width % 4 == 0: a unit never crosses a row
+      const size_t t = i / width, j = i % width;
+      for (int q = 0; q < N; ++q) {
+        const float4 v =
+            q == r ? *reinterpret_cast<const float4*>(src + i)
+                   : __ldcg(reinterpret_cast<const float4*>(mine + size_t(q) * a.cap + i));
+        *reinterpret_cast<float4*>(dst + t * stride + size_t(q) * width + j) = v;
+      }
+    } else {
+      for (size_t k = i; k < min_sz(i + 4, n); ++k) {
+        const size_t t = k / width, j = k % width;
+        for (int q = 0; q < N; ++q)
+          dst[t * stride + size_t(q) * width + j] =
+              q == r ? src[k] : __ldcg(mine + size_t(q) * a.cap + k);
       }
     }
   }
@@ -277,14 +331,7 @@ PeerAllReduce::~PeerAllReduce() {
   }
 }
 
-void PeerAllReduce::sum_rank(int rank, float* buf, size_t n, cudaStream_t stream, bool round_bf16) {
-  require(rank >= 0 && rank < size(), "PeerAllReduce::sum_rank: rank %d outside 0..%d", rank,
-          size() - 1);
-  if (n == 0) return;  // every rank passes the same n: every rank skips
-  require(buf != nullptr, "PeerAllReduce::sum_rank: rank %d passed a null buffer for %zu values",
-          rank, n);
-  DeviceGuard guard;
-  UF_CUDA_CHECK(cudaSetDevice(devices_[size_t(rank)]));
+detail::P2pArgs PeerAllReduce::args(int rank) const {
   P2pArgs a{};
   for (int q = 0; q < size(); ++q) {
     a.recv[q] = recv_[size_t(q)];
@@ -295,6 +342,18 @@ void PeerAllReduce::sum_rank(int rank, float* buf, size_t n, cudaStream_t stream
   a.n_ranks = size();
   a.cap = cap_;
   a.timeout_ns = timeout_ns_;
+  return a;
+}
+
+void PeerAllReduce::sum_rank(int rank, float* buf, size_t n, cudaStream_t stream, bool round_bf16) {
+  require(rank >= 0 && rank < size(), "PeerAllReduce::sum_rank: rank %d outside 0..%d", rank,
+          size() - 1);
+  if (n == 0) return;  // every rank passes the same n: every rank skips
+  require(buf != nullptr, "PeerAllReduce::sum_rank: rank %d passed a null buffer for %zu values",
+          rank, n);
+  DeviceGuard guard;
+  UF_CUDA_CHECK(cudaSetDevice(devices_[size_t(rank)]));
+  const P2pArgs a = args(rank);
   // cap_ is a multiple of 4, so every chunk starts as aligned as buf.
   const bool vec = reinterpret_cast<uintptr_t>(buf) % 16 == 0;
   for (size_t off = 0; off < n; off += cap_) {
@@ -308,6 +367,40 @@ void PeerAllReduce::sum_rank(int rank, float* buf, size_t n, cudaStream_t stream
       p2p_sum_kernel<false, true><<<grid, kThreads, 0, stream>>>(a, buf + off, m);
     else
       p2p_sum_kernel<false, false><<<grid, kThreads, 0, stream>>>(a, buf + off, m);
+    UF_CUDA_CHECK(cudaGetLastError());
+  }
+}
+
+void PeerAllReduce::gather_rank(int rank, const float* src, size_t rows, size_t width, float* dst,
+                                size_t dst_stride, cudaStream_t stream) {
+  require(rank >= 0 && rank < size(), "PeerAllReduce::gather_rank: rank %d outside 0..%d", rank,
+          size() - 1);
+  if (rows == 0 || width == 0) return;  // every rank passes the same shape: every rank skips
+  require(src && dst, "PeerAllReduce::gather_rank: rank %d passed a null buffer", rank);
+  require(width <= cap_,
+          "PeerAllReduce::gather_rank: a row of %zu values exceeds the staging capacity of %zu",
+          width, cap_);
+  require(dst_stride >= size_t(size()) * width,
+          "PeerAllReduce::gather_rank: destination stride %zu < %d ranks x %zu columns", dst_stride,
+          size(), width);
+  DeviceGuard guard;
+  UF_CUDA_CHECK(cudaSetDevice(devices_[size_t(rank)]));
+  const P2pArgs a = args(rank);
+  const bool vec =
+      width % 4 == 0 && dst_stride % 4 == 0 &&
+      ((reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst)) % 16) == 0;
+  // Whole rows per kernel, as many as the staging holds.
+  const size_t rows_per_call = cap_ / width;
+  for (size_t t0 = 0; t0 < rows; t0 += rows_per_call) {
+    const size_t m = min_sz(rows_per_call, rows - t0);
+    const float* s = src + t0 * width;
+    float* d = dst + t0 * dst_stride;
+    if (vec)
+      p2p_gather_kernel<true>
+          <<<ctas_, kThreads, 0, stream>>>(a, s, m * width, width, d, dst_stride);
+    else
+      p2p_gather_kernel<false>
+          <<<ctas_, kThreads, 0, stream>>>(a, s, m * width, width, d, dst_stride);
     UF_CUDA_CHECK(cudaGetLastError());
   }
 }

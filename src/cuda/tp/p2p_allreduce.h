@@ -49,6 +49,10 @@
 
 namespace uf::cuda::tp {
 
+namespace detail {
+struct P2pArgs;  // p2p_allreduce.cu
+}
+
 class PeerAllReduce {
  public:
   static constexpr int kMaxRanks = 8;
@@ -82,7 +86,17 @@ class PeerAllReduce {
   // round_bf16 op) before it is stored, saving the caller's rounding kernel.
   void sum_rank(int rank, float* buf, size_t n, cudaStream_t stream, bool round_bf16 = false);
 
+  // Rank `rank`'s part of an all-gather by column blocks: every rank passes src [rows, width]
+  // (contiguous), and every rank's dst row t receives rank q's row t at columns
+  // [q * width, (q + 1) * width) (dst row stride dst_stride >= size() * width; other columns
+  // untouched). The same exchange as sum_rank (one kernel per cap / width rows, the same slots,
+  // flags and epochs, so sums and gathers may be interleaved freely as long as every rank makes
+  // the same sequence of calls with the same shapes). Used for the vocab-split head's logits.
+  void gather_rank(int rank, const float* src, size_t rows, size_t width, float* dst,
+                   size_t dst_stride, cudaStream_t stream);
+
  private:
+  detail::P2pArgs args(int rank) const;  // the kernels' view of rank `rank`
   std::vector<int> devices_;
   size_t cap_ = 0;
   int ctas_ = 0;
