@@ -24,8 +24,9 @@
 //    bound;
 //  - neither: no projection; the inputs and the break-even per-call time (the time per
 //    collective at which the step meets the target) are printed instead.
-// The draft figure is the step bench's host-loop draft (CudaModel::draft): drafting on the device
-// runs at tp = 1 only, so that is what a TP8 server runs today.
+// The draft figure is the step bench's device draft at temperature 1 (CudaModel::draft_on_device,
+// what a TP server runs: rank 0 runs the Markov loop, the peers the stages beside it), or its
+// host-loop draft (CudaModel::draft) when the step JSON has no device figure.
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
@@ -75,6 +76,7 @@ struct TpArgs {
 struct StepFigures {
   int64_t context = 0;
   double verify_us = 0, draft_us = 0;
+  std::string draft_path = "host loop";
   bool graphs = true;
 };
 
@@ -86,7 +88,12 @@ StepFigures read_step(const std::string& file, int rows) {
     f.graphs = j.value("cuda_graphs", true);
     for (const auto& r : j.at("verify"))
       if (r.at("rows").get<int>() == rows) f.verify_us = r.at("step").at("median_us").get<double>();
-    f.draft_us = j.at("draft").at("time").at("median_us").get<double>();
+    if (j.contains("draft_device_sampled")) {
+      f.draft_us = j.at("draft_device_sampled").at("time").at("median_us").get<double>();
+      f.draft_path = "device, temperature 1";
+    } else {
+      f.draft_us = j.at("draft").at("time").at("median_us").get<double>();
+    }
   } catch (const nlohmann::json::exception& e) {
     uf::core::fail(
         "bench-tp: {} lacks a step figure ({}); is it the --json of `ultrafast bench "
@@ -250,9 +257,9 @@ int run_tp(const TpArgs& a) {
   const double compute_us = sf.verify_us + sf.draft_us;
   std::cout << fmt::format(
       "projected TP{} step: {} verify rows at context {} + one DSpark draft round\n"
-      "one-GPU rank slice ({}, {}): verify {:.1f} us + draft {:.1f} us = {:.1f} us\n",
+      "one-GPU rank slice ({}, {}): verify {:.1f} us + draft ({}) {:.1f} us = {:.1f} us\n",
       a.tp, a.rows, sf.context, a.step_json, sf.graphs ? "CUDA graphs" : "eager", sf.verify_us,
-      sf.draft_us, compute_us);
+      sf.draft_path, sf.draft_us, compute_us);
   print_calls("verify forward", vcalls);
   print_calls("draft round", dcalls);
   std::cout << fmt::format(
@@ -264,6 +271,7 @@ int run_tp(const TpArgs& a) {
               {"context", sf.context},
               {"verify_us", sf.verify_us},
               {"draft_us", sf.draft_us},
+              {"draft_path", sf.draft_path},
               {"collectives_per_step", n_calls},
               {"target_us", a.target_us}};
 

@@ -5,7 +5,8 @@
 //   3. on the tiny-a model: draft_on_device against draft() with the engine's host sampler (tokens,
 //      confidences, logits and q rows);
 //   4. the generation loop with device drafts against host drafts (both with device and with host
-//      verification, graphs on and off): identical tokens and accepted counts.
+//      verification, graphs on and off): identical tokens and accepted counts; the same at TP 2
+//      (rank 0 drafts on the device, rank 1 runs the stages beside it).
 //
 // Exactness: the device transform and draw follow the host's operation order (exp in double on both
 // sides, the fixed 256-lane sums, the same inverse-CDF walk), so equal q rows and equal u give the
@@ -192,8 +193,9 @@ TEST(CudaDeviceDraft, ConfidenceEqualsHostDot8) {
 
 // ---- 3. one round on the model ----------------------------------------------------------------
 
-CudaModelOptions options(bool device_verify, bool device_draft, bool graphs = true) {
+CudaModelOptions options(bool device_verify, bool device_draft, bool graphs = true, int tp = 1) {
   CudaModelOptions o;
+  o.tp = tp;
   o.device_verify = device_verify;
   o.device_draft = device_draft;
   o.cuda_graphs = graphs;
@@ -305,6 +307,44 @@ TEST(CudaDeviceDraft, LoopEqualsHostDrafts) {
       runs, steps, drafted, accepted);
   EXPECT_GT(accepted, 0) << "no draft was ever accepted: the comparison would not cover tau > 0";
   EXPECT_GT(drafted, accepted) << "no draft was ever rejected: residual draws are not covered";
+}
+
+// TP 2: rank 0 runs the Markov loop while rank 1 runs the stages (and the split head's gather)
+// beside it. Against host drafts at the same TP (the same logits: the head rows are the same
+// gathered sums), tokens and counts must be identical, with graphs and without.
+TEST(CudaDeviceDraft, LoopAtTp2EqualsHostDrafts) {
+  UF_REQUIRE_GPU();
+  int gpus = 0;
+  if (cudaGetDeviceCount(&gpus) != cudaSuccess || gpus < 2)
+    GTEST_SKIP() << "TP = 2 needs 2 GPUs, " << gpus << " visible";
+  const auto map = tiny_a_golden_i64("engram_token_map");
+  CudaBackend dev(tiny_a_dir(), map, options(true, true, true, 2)),
+      dev_eager(tiny_a_dir(), map, options(true, true, false, 2)),
+      ref(tiny_a_dir(), map, options(true, false, true, 2));
+  ASSERT_TRUE(dev.device_draft());
+  ASSERT_FALSE(ref.device_draft());
+  const auto prompt = prompt_ids();
+  int runs = 0, accepted = 0;
+  for (const auto& prm : param_grid())
+    for (uint64_t seed : {1u, 42u}) {
+      if (prm.greedy() && seed != 1u) continue;
+      engine::GenerationParams p;
+      p.sampling = prm;
+      p.seed = seed;
+      p.max_new_tokens = 32;
+      const std::string where = "TP 2 " + params_str(prm) + " seed " + std::to_string(seed);
+      const LoopRun a = generate(dev, prompt, p), b = generate(ref, prompt, p),
+                    c = generate(dev_eager, prompt, p);
+      EXPECT_EQ(a.tokens, b.tokens) << where << ": device drafts vs host drafts";
+      EXPECT_EQ(a.accepted, b.accepted) << where;
+      EXPECT_EQ(a.drafted, b.drafted) << where;
+      EXPECT_EQ(a.tokens, c.tokens) << where << ": graph replay vs eager launches";
+      ++runs;
+      for (int n : a.accepted) accepted += n;
+    }
+  std::printf("[device_draft] TP 2: %d runs, %d accepted: identical to host drafting\n", runs,
+              accepted);
+  EXPECT_GT(accepted, 0);
 }
 
 }  // namespace

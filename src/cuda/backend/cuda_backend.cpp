@@ -317,8 +317,12 @@ CudaBackend::CudaBackend(const std::filesystem::path& model_dir,
     models_[size_t(r)] =
         std::make_unique<CudaModel>(cfg, ckpt_, engram_token_map, o, group_.get(), r);
   });
-  // All ranks at once: the captures' first replays run the collectives.
-  workers_->run([&](int r) { models_[size_t(r)]->capture_step_graphs(); });
+  // All ranks at once: the captures' first replays run the collectives. The device draft's
+  // buffers are rank 0's (its graph is captured at first use, with the peers' draft graphs).
+  workers_->run([&](int r) {
+    models_[size_t(r)]->capture_step_graphs();
+    if (r == 0) models_[0]->prepare_device_draft();
+  });
 }
 
 CudaBackend::~CudaBackend() {
@@ -446,9 +450,19 @@ engine::DraftBlock CudaBackend::draft_on_device(engine::SessionState& st, int32_
                                                 const sampling::SamplingParams& params,
                                                 uint64_t seed, uint64_t step) {
   UF_CHECK(device_draft(),
-           "draft_on_device: device drafting is off on this backend (TP > 1, "
-           "--no-device-verify, or CudaModelOptions::device_draft = false)");
-  return models_[0]->draft_on_device(session(st), anchor, params, seed, step);
+           "draft_on_device: device drafting is off on this backend (--no-device-verify, or "
+           "CudaModelOptions::device_draft = false)");
+  if (tp() == 1) return models_[0]->draft_on_device(session(st), anchor, params, seed, step);
+  // TP: rank 0 runs the whole device draft; the others run the stages with it (their
+  // collectives, and the split head's gather), as in draft(). The Markov loop has no collective.
+  engine::DraftBlock out;
+  each_rank(st, [&](int r, CudaModel& m, CudaSession& s) {
+    if (r == 0)
+      out = m.draft_on_device(s, anchor, params, seed, step);
+    else
+      m.draft(s, anchor, {});  // a peer never calls the sampler
+  });
+  return out;
 }
 
 void CudaBackend::commit(engine::SessionState& st, int n) {

@@ -66,9 +66,10 @@ class CudaBackend : public engine::Backend {
                                           uint64_t step) override;
   engine::DraftBlock draft(engine::SessionState& s, int32_t anchor,
                            const engine::DraftSampler& sampler) override;
-  // One GPU with device verification and CudaModelOptions::device_draft: the Markov loop and the
-  // draft sampling on the device (CudaModel::draft_on_device); verify_last_rows with an empty
-  // draft_probs span then verifies against those q rows. TP > 1 keeps the host path.
+  // Device verification and CudaModelOptions::device_draft: the Markov loop and the draft
+  // sampling on the device (CudaModel::draft_on_device); verify_last_rows with an empty
+  // draft_probs span then verifies against those q rows. Under TP rank 0 runs the loop, the
+  // other ranks the stages beside it.
   bool device_draft() const override;
   engine::DraftBlock draft_on_device(engine::SessionState& s, int32_t anchor,
                                      const sampling::SamplingParams& params, uint64_t seed,

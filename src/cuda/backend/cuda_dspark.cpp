@@ -264,7 +264,9 @@ constexpr int kDeviceDraftGraphKey = 2;  // span programs use 4..35, the host dr
 }  // namespace
 
 bool CudaModel::device_draft_available() const {
-  return opts_.device_draft && verify_plan_ != nullptr && tp_ == 1 && cfg_.n_mtp_layers > 0 &&
+  // Under TP only rank 0 has a verify plan: it runs the Markov loop (CudaBackend::draft_on_device
+  // runs the peers' stages beside it).
+  return opts_.device_draft && verify_plan_ != nullptr && cfg_.n_mtp_layers > 0 &&
          cfg_.dspark_block_size > 0;
 }
 
@@ -303,7 +305,9 @@ void CudaModel::prepare_device_draft() {
   draft_result_ = arena_.alloc<int32_t>(2 * size_t(B));
   UF_CUDA_CHECK(cudaDeviceSynchronize());
   // Capture now (capture_step_graphs' reason: no capture once requests run on other threads).
-  if (opts_.cuda_graphs) {
+  // Under TP the program's collectives need the peers: captured at the first draft instead,
+  // when CudaBackend runs every rank's part (thread-local capture on each rank's thread).
+  if (opts_.cuda_graphs && tp_ == 1) {
     auto s = new_session(int64_t(opts_.max_rows) + 2);
     const std::vector<int32_t> toks(1, 0);
     std::vector<float> logits(static_cast<size_t>(V));
@@ -342,7 +346,7 @@ engine::DraftBlock CudaModel::draft_on_device(CudaSession& s, int32_t anchor,
                                               uint64_t step) {
   UF_CHECK(device_draft_available(),
            "draft_on_device: device drafting is off (CudaModelOptions::device_draft and "
-           "device_verify, tp = 1, a model with DSpark stages)");
+           "device_verify, rank 0, a model with DSpark stages)");
   sampling::validate(params);
   if (!draft_q_) prepare_device_draft();
   UF_CHECK(s.len > 0, "draft_on_device: the session has no committed position yet");

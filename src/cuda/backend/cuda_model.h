@@ -108,8 +108,8 @@ struct CudaModelOptions {
   bool device_verify = true;
   // DSpark drafting on the device (CudaModel::draft_on_device): the Markov loop, the transform,
   // the draft sampling and the confidences of all slots in one launch sequence (one CUDA graph);
-  // the q rows stay on the device for verification. Needs device_verify and tp = 1; off, or
-  // without device_verify: the host loop of draft() with the engine's sampler.
+  // the q rows stay on the device for verification. Needs device_verify (under TP: rank 0 runs
+  // it); off, or without device_verify: the host loop of draft() with the engine's sampler.
   bool device_draft = true;
 };
 
@@ -171,10 +171,11 @@ class CudaModel {
   engine::DraftBlock draft(CudaSession& s, int32_t anchor, const engine::DraftSampler& sampler);
 
   // --- DSpark drafting on the device (cuda_dspark.cpp) ---
-  // Whether draft_on_device can run (options().device_draft, device verification on, tp = 1).
+  // Whether draft_on_device can run (options().device_draft, device verification on: rank 0).
   bool device_draft_available() const;
   // Allocates the device draft's buffers (and the Markov embedding table on the device) and
-  // captures its graph on a scratch session; CudaBackend calls it at construction. Idempotent.
+  // captures its graph on a scratch session (tp = 1; under TP at the first draft, with the
+  // peers); CudaBackend calls it at construction. Idempotent.
   void prepare_device_draft();
   // One DSpark round as draft(), with the engine's draft sampler on the device: slot i is drawn
   // from logits_to_probs(head_i + markov_bias_i) with u_i = stream_uniform(seed, step, kDraft, i)
@@ -379,6 +380,7 @@ class CudaModel {
   int64_t index_width_ = 0;
   float* score_ = nullptr;
   uint8_t* keep_ = nullptr;
+  void* index_ws_ = nullptr;  // candidate_mask / topk_select workspace (sized with score_)
 
   // Span programs: the inputs block (pinned host + device, sized for tmax rows), the emitted
   // compressed entries before they are copied into the session ([tmax, head_dim] and
