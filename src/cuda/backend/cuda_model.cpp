@@ -292,6 +292,7 @@ CudaModel::~CudaModel() {
   if (gather_) cudaFree(gather_);
   if (score_) cudaFree(score_);
   if (keep_) cudaFree(keep_);
+  if (index_ws_) cudaFree(index_ws_);
   if (stream_) cudaStreamDestroy(stream_);
 }
 
@@ -312,12 +313,19 @@ void CudaModel::ensure_index_width(int64_t width) {
   drop_graphs();  // they hold the score buffers and their row stride
   if (score_) UF_CUDA_CHECK(cudaFree(score_));
   if (keep_) UF_CUDA_CHECK(cudaFree(keep_));
+  if (index_ws_) UF_CUDA_CHECK(cudaFree(index_ws_));
   score_ = nullptr;
   keep_ = nullptr;
+  index_ws_ = nullptr;
   const size_t n = size_t(tmax_) * size_t(width);
   UF_CUDA_CHECK(cudaMalloc(&score_, n * sizeof(float)));
   UF_CUDA_CHECK(cudaMalloc(&keep_, n));
   UF_CUDA_CHECK(cudaMemset(keep_, 0, n));
+  const size_t ws =
+      std::max(topk_select_workspace_bytes(tmax_, int(width), cfg_.index_topk),
+               candidate_mask_workspace_bytes(tmax_, int(width), cfg_.candidate_topk_blocks,
+                                              cfg_.candidate_block_size));
+  if (ws > 0) UF_CUDA_CHECK(cudaMalloc(&index_ws_, ws));
   index_width_ = width;
   // The ordered TP sum gathers whole score rows too.
   if (ordered_sum_) ensure_gather(n);
@@ -713,11 +721,11 @@ void CudaModel::index_select(int l, int T, const float* const* keys, const int32
   }
   if (role.candidate_source) {
     candidate_mask(score_, T, stride, width, vis, cfg_.candidate_topk_blocks,
-                   cfg_.candidate_block_size, keep_, stream_);
+                   cfg_.candidate_block_size, keep_, stream_, index_ws_);
   } else if (role.candidate_restricted && cfg_.candidate_source_layer >= 0) {
     mask_scores(score_, keep_, T, stride, width, stream_);
   }
-  topk_select(score_, T, stride, width, cfg_.index_topk, vis, topk_[size_t(l)], stream_);
+  topk_select(score_, T, stride, width, cfg_.index_topk, vis, topk_[size_t(l)], stream_, index_ws_);
 }
 
 void CudaModel::indexer(Span& sp, int l, const float* x, const float* qr) {

@@ -274,8 +274,8 @@ void CudaModel::attention_program(const SpanBlock& b, int l, const float* x, flo
   build_window_slots(pos, b.at<int64_t>(block_dev_, b.p0), T, W, ring, slots, kv_, hd, win_ptrs_,
                      stream_);
   const float scale = float(std::pow(double(hd), -0.5));
-  // Steps of up to max_rows rows attend in split mode (one CTA per 64 slots); longer chunks have
-  // CTAs enough without it.
+  // Steps of up to max_rows rows attend in split mode (one CTA per 16 slots for 8 heads, then a
+  // merge); longer chunks have CTAs enough without it.
   float* split = T <= opts_.max_rows ? attn_scratch_ : nullptr;
   sparse_attn(q_, T, H, hd, win_ptrs_, W, topk, k, nullptr, op.sink, scale, o_, stream_, ckv,
               split);

@@ -22,30 +22,44 @@ namespace uf::cuda {
 // kernel's correctly rounded exp differ (rare; <= 1 bf16 ulp).
 // ckv_ref (optional, device): where to read the ckv base pointer when the kernel runs, for CUDA
 // graphs replayed against different sessions (ckv is then ignored).
-// split_scratch (optional, device, sparse_attn_scratch_floats(T, H, hd, n_window + k) floats):
-// split mode, one CTA per slot block of 64 and a merge (ops/attention.cu): the CPU's result to
-// fp32 order (a rare bf16 ulp), no longer bit for bit, for decode shapes with few rows and heads.
+// split_scratch (optional, device, sparse_attn_scratch_floats(T, H, hd, n) floats for any
+// n >= n_window + k, 16-byte aligned; no initial contents needed): the fast chunked path for
+// decode shapes (ops/attention.cu): a CTA per (chunk of 16 slots, row, 8 heads) that reads
+// each KV row once for all its heads, and a merge kernel in chunk order; both launched with PDL.
+// Its result is the CPU's to fp32 order (p rounded to bf16 relative to the chunk's max, sums
+// re-associated: a rare bf16 ulp, tests/cuda/test_ops_attention.cpp states the bound), not bit
+// for bit; every order depends on the slot count and hd only, never on T. hd % 4 != 0 or
+// unaligned q / out take the reference path.
 void sparse_attn(const float* q, int T, int H, int hd, const float* const* window, int n_window,
                  const int32_t* topk, int k, const float* ckv, const float* sink, float scale,
                  float* out, cudaStream_t stream, const float* const* ckv_ref = nullptr,
                  float* split_scratch = nullptr);
 size_t sparse_attn_scratch_floats(int T, int H, int hd, int n_slots);
+// Benchmarks only (not thread-safe): 16 or 32 makes every later chunked call use chunks of that
+// many slots; 0 restores the default (16).
+void sparse_attn_chunk_override(int slots);
 
 // cpu::index_scores_row for T rows: score[t, i] for i < width[t] (i >= vis[t]: -inf); entries
 // width[t] <= i < max_width are left untouched. q: [T, n_heads, head_dim] (FP4 QDQ values),
 // w: [T, n_heads] (bf16 values), keys[t]: device pointer to row t's key bank [>= vis[t],
 // head_dim]; vis, width: device [T]. Bitwise equal to the CPU (same summation order, no FMA).
-// Limits: T <= 65535, head_dim <= 160.
+// round_sum = false: the tensor-parallel partial (backend_kernels.h index_scores_partial): the
+// head sum is left unrounded. Limits: T <= 65535, head_dim <= 160. head_dim 128 runs near memory
+// bandwidth (keys in registers, shared by up to 8 rows of a CTA).
 void index_scores(const float* q, const float* w, int T, int n_heads, int head_dim,
                   const float* const* keys, const int32_t* vis, const int32_t* width, int max_width,
-                  float* score, cudaStream_t stream);
+                  float* score, cudaStream_t stream, bool round_sum = true);
 
 // cpu::candidate_mask per row (row t: score[t, 0..width[t]), compress_len = vis[t]) into
-// keep[t, 0..width[t]). Rows with width 0 are skipped. One block per row, O(width) per row
-// (radix select on the block maxima, recomputed from score; no scratch).
+// keep[t, 0..width[t]). Rows with width 0 are skipped. Exact (ties: lower block).
+// workspace: device scratch of candidate_mask_workspace_bytes(T, max_width, topk_blocks,
+// block_size) bytes (0: none needed), allocated by the caller; with it, a row is split over many
+// CTAs (selection rounds, ops/indexer.cu); without it where one is needed: one CTA per row.
+// No allocation, no host sync: graph-capturable.
+size_t candidate_mask_workspace_bytes(int T, int max_width, int topk_blocks, int block_size);
 void candidate_mask(const float* score, int T, int max_width, const int32_t* width,
                     const int32_t* vis, int topk_blocks, int block_size, uint8_t* keep,
-                    cudaStream_t stream);
+                    cudaStream_t stream, void* workspace = nullptr);
 
 // Candidate-restricted layers: score[t, i] = -inf where keep[t, i] == 0, i < width[t].
 // T <= 65535.
@@ -54,9 +68,14 @@ void mask_scores(float* score, const uint8_t* keep, int T, int max_width, const 
 
 // cpu::topk_select per row: the min(k, width[t]) best of score[t, 0..width[t]) (ties: lower
 // position), ascending, positions >= vis[t] become -1 (sorting last), written to out[t, 0..k);
-// slots past min(k, width[t]) are -1. Rows with width 0 get all -1. One block per row: radix
-// select + ordered compaction, O(width) per row, exact with the tie rule.
+// slots past min(k, width[t]) are -1. Rows with width 0 get all -1. Exact with the tie rule.
+// workspace: device scratch of topk_select_workspace_bytes(T, max_width, k) bytes (0: none
+// needed, max_width <= 16384), allocated by the caller: rows are split over many CTAs
+// (selection rounds, ops/indexer.cu); without it where one is needed: one CTA per row (slow at
+// long context). No allocation, no host sync: graph-capturable. The same workspace may serve
+// candidate_mask and topk_select on one stream (size it for the larger).
+size_t topk_select_workspace_bytes(int T, int max_width, int k);
 void topk_select(const float* score, int T, int max_width, const int32_t* width, int k,
-                 const int32_t* vis, int32_t* out, cudaStream_t stream);
+                 const int32_t* vis, int32_t* out, cudaStream_t stream, void* workspace = nullptr);
 
 }  // namespace uf::cuda

@@ -1,27 +1,42 @@
 // The sparse indexer on the device (ops/attention.h): index_scores, candidate_mask, mask_scores,
 // topk_select, twins of cpu/indexer.cpp.
 //
-// index_scores: grid (ceil(max_width / 64), T), 64 threads, one thread per key entry. The block
-// stages its 64 key rows in shared memory (row stride head_dim + 1: conflict-free reads); q and
-// w are read through the read-only cache (every thread of a warp reads the same address). Per
-// head the dot product follows cpu dot_f32 (dot8) exactly: lane L = i mod 8 partial sums in
-// increasing i, combined ((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7)); then bf16, relu, * w_h, bf16,
-// summed over heads in order, bf16. Everything uses __fmul_rn / __fadd_rn (no FMA contraction,
-// as uf_cpu's -ffp-contract=off), so scores are bitwise equal to the CPU's.
+// index_scores: per entry i and head h the dot product follows cpu dot_f32 (dot8) exactly: lane
+// L = i mod 8 partial sums in increasing i, combined ((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7)); then
+// bf16, relu, * w_h, bf16, summed over heads in order, then bf16 (round_sum; the TP partial skips
+// that last rounding). Everything uses __fmul_rn / __fadd_rn (no FMA contraction, as uf_cpu's
+// -ffp-contract=off), so scores are bitwise equal to the CPU's.
+//  - head_dim 128 (the model's): two threads per key entry, 128 entries per CTA. Thread half j
+//    holds dot8 lanes 4j..4j+3, i.e. the floats 8u + 4j .. 8u + 4j + 3 of the key row: 16 float4
+//    loaded straight from global memory into registers (64 KB per CTA in flight) and reused for
+//    every head and every row of the CTA's row group (reloaded only when a row's key bank
+//    differs). The two halves (s0+s1)+(s2+s3) and (s4+s5)+(s6+s7) meet by one shuffle; fp32
+//    addition is commutative, so both threads hold the CPU's sum bit for bit. q and w of the row
+//    group sit in shared memory. Grid (row groups, entry chunks): the row groups of one chunk
+//    are neighbours in launch order, so a key bank shared by the rows is read from DRAM ~once.
+//  - other head dims: one thread per entry, 64-entry CTAs staging the keys in shared memory.
 //
-// candidate_mask / topk_select: one block of kSelThreads threads per row; no scratch memory.
-// Both select the best kk of n keys with ties broken by the lower index:
-//  1. radix select (4 passes of 8 bits over an order-preserving uint32 key of the float, -0
-//     folded onto +0 because the CPU compares values, not bits): finds the kk-th largest key K
-//     and `need`, how many keys equal to K are taken (the lowest-indexed ones);
-//  2. one ordered compaction pass in chunks of kSelThreads: a block prefix sum over (key > K,
-//     key == K) gives every selected index its output slot, so the output is ascending by index.
-// candidate_mask's keys are block maxima recomputed from the scores on the fly (block_size reads
-// per key; 2048 x 8 at width 262144 is 32768 keys per row), the block of compress_len - 1 pinned
-// to +inf. Work per row is O(width); a row never reads another row (spec == plain).
+// candidate_mask / topk_select: the best kk of n keys, ties broken by the lower index, with
+// order-preserving uint32 keys of the floats (-0 folded onto +0: the CPU compares values).
+//  Selection rounds (the fast path): a row's key list is cut into chunks of kChunk = 16384 keys,
+//  one CTA of 512 threads per chunk, each thread holding 32 consecutive keys in registers. A CTA
+//  selects its chunk's best min(kk, n) keys exactly (4 radix passes of 8 bits with shared-memory
+//  histograms, then one block scan for the ordered compaction) and writes them, in index order,
+//  with their indices, to the workspace: the union of the chunks' best kk holds the row's best
+//  kk, and the concatenated candidate lists stay in index order, so the tie rule carries over.
+//  The next round selects from the candidates, until one chunk holds the whole list; that round
+//  writes the result. Each round is one launch. A row's chunking depends only on its own width
+//  and kk (never on T or the other rows): the result is exact whatever the chunking, and rows
+//  that finish early skip the later rounds.
+//  candidate_mask's keys are block maxima (the block of compress_len - 1 pinned to +inf): when
+//  one round suffices they are computed inside it; otherwise a block-max kernel writes them to
+//  the workspace first and zeroes keep, and the last round sets the kept blocks.
+//  Without a workspace where one is needed, or for k > kChunk / 4: one CTA per row (the
+//  original kernels: radix select and ordered compaction reading the scores from global memory).
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "cuda/cuda_check.h"
@@ -31,13 +46,106 @@
 namespace uf::cuda {
 namespace {
 
-constexpr int kEnt = 64;               // index_scores: entries per block
+constexpr int kEnt = 64;               // index_scores (other head dims): entries per block
 constexpr int kMaxIndexHeadDim = 160;  // 64 x (hd + 1) floats must fit the 48 KiB default
+constexpr int kFastHd = 128;           // index_scores fast path
+constexpr int kFastThreads = 256;
+constexpr int kFastEnt = kFastThreads / 2;
+constexpr int kFastMaxRows = 8;
+constexpr size_t kFastSmem = 40 * 1024;
 constexpr int kSelThreads = 512;
+constexpr int kKpt = 32;                    // keys per thread in a selection round
+constexpr int kChunk = kSelThreads * kKpt;  // keys per CTA in a selection round
+constexpr int kMaxFastK = kChunk / 4;       // a round shrinks the list at least ~4x
+constexpr int kMaxRounds = 16;
 constexpr int kMaskThreads = 256;
+constexpr int kBlockMaxThreads = 256;
 
 // ---- index_scores ----
 
+// One CTA: kFastEnt entries [blockIdx.y * kFastEnt, ...) for the rows [blockIdx.x * rows, ...).
+template <bool kRound>
+__global__ void __launch_bounds__(kFastThreads, 2)
+    index_scores_hd128_kernel(const float* __restrict__ q, const float* __restrict__ w, int T,
+                              int n_heads, int rows, const float* const* keys,
+                              const int32_t* __restrict__ vis, const int32_t* __restrict__ width,
+                              int max_width, float* __restrict__ score) {
+  constexpr int kU = kFastHd / 8;  // float4 per thread half
+  extern __shared__ float4 smem4[];
+  const int t0 = blockIdx.x * rows, nr = min(rows, T - t0);
+  const int e0 = blockIdx.y * kFastEnt, tid = threadIdx.x, j = tid & 1;
+  const int i = e0 + (tid >> 1);
+  float* qs = reinterpret_cast<float*>(smem4);  // [nr][n_heads][128]
+  float* wsm = qs + rows * n_heads * kFastHd;   // [nr][n_heads]
+  {
+    const float* qg = q + int64_t(t0) * n_heads * kFastHd;
+    for (int x = tid; x < nr * n_heads * kFastHd; x += kFastThreads) qs[x] = __ldg(qg + x);
+    const float* wg = w + int64_t(t0) * n_heads;
+    for (int x = tid; x < nr * n_heads; x += kFastThreads) wsm[x] = __ldg(wg + x);
+  }
+  __syncthreads();
+  float4 kv[kU];
+#pragma unroll
+  for (int u = 0; u < kU; ++u) kv[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+  const float* loaded = nullptr;  // the key bank kv holds entry i of
+  for (int r = 0; r < nr; ++r) {
+    const int t = t0 + r;
+    const int wd = width[t];
+    if (e0 >= wd) continue;  // uniform over the CTA
+    const int nv = min(vis[t], wd);
+    float* out = score + int64_t(t) * max_width;
+    if (e0 >= nv) {  // nothing visible in the chunk (uniform)
+      if (j == 0 && i < wd) out[i] = -INFINITY;
+      continue;
+    }
+    const bool act = i < nv;
+    const float* kp = keys[t];
+    if (act && kp != loaded) {
+      const float* kr = kp + int64_t(i) * kFastHd + 4 * j;
+      if ((reinterpret_cast<uintptr_t>(kr) & 15u) == 0) {
+#pragma unroll
+        for (int u = 0; u < kU; ++u) kv[u] = __ldg(reinterpret_cast<const float4*>(kr + 8 * u));
+      } else {
+#pragma unroll
+        for (int u = 0; u < kU; ++u)
+          kv[u] = make_float4(__ldg(kr + 8 * u), __ldg(kr + 8 * u + 1), __ldg(kr + 8 * u + 2),
+                              __ldg(kr + 8 * u + 3));
+      }
+      loaded = kp;
+    }
+    // Every thread computes (inactive ones on stale keys, never stored) so that the pair's
+    // shuffle always has both lanes.
+    const float* qr = qs + r * n_heads * kFastHd + 4 * j;
+    const float* wr = wsm + r * n_heads;
+    float s = 0.f;
+    for (int h = 0; h < n_heads; ++h) {
+      const float4* qh = reinterpret_cast<const float4*>(qr + h * kFastHd);
+      float p0 = 0.f, p1 = 0.f, p2 = 0.f, p3 = 0.f;
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const float4 qv = qh[2 * u];
+        p0 = __fadd_rn(p0, __fmul_rn(qv.x, kv[u].x));
+        p1 = __fadd_rn(p1, __fmul_rn(qv.y, kv[u].y));
+        p2 = __fadd_rn(p2, __fmul_rn(qv.z, kv[u].z));
+        p3 = __fadd_rn(p3, __fmul_rn(qv.w, kv[u].w));
+      }
+      const float half = __fadd_rn(__fadd_rn(p0, p1), __fadd_rn(p2, p3));
+      const float other = __shfl_xor_sync(0xffffffffu, half, 1);
+      const float dot = __fadd_rn(half, other);  // (lanes 0-3) + (lanes 4-7), commutative
+      const float d = detail::round_bf16(dot);
+      const float rl = d < 0.f ? 0.f : d;  // std::max(d, 0.0f)
+      s = __fadd_rn(s, detail::round_bf16(__fmul_rn(rl, wr[h])));
+    }
+    if (j == 0) {
+      if (act)
+        out[i] = kRound ? detail::round_bf16(s) : s;
+      else if (i < wd)
+        out[i] = -INFINITY;
+    }
+  }
+}
+
+template <bool kRound>
 __global__ void __launch_bounds__(kEnt)
     index_scores_kernel(const float* __restrict__ q, const float* __restrict__ w, int n_heads,
                         int hd, const float* const* keys, const int32_t* __restrict__ vis,
@@ -91,7 +199,7 @@ __global__ void __launch_bounds__(kEnt)
       const float r = d < 0.f ? 0.f : d;  // std::max(d, 0.0f)
       s = __fadd_rn(s, detail::round_bf16(__fmul_rn(r, __ldg(wt + h))));
     }
-    out[i] = detail::round_bf16(s);
+    out[i] = kRound ? detail::round_bf16(s) : s;
   } else if (i < wd) {
     out[i] = -INFINITY;
   }
@@ -100,12 +208,15 @@ __global__ void __launch_bounds__(kEnt)
 // ---- block-wide selection helpers ----
 
 // Order-preserving key: larger float -> larger key; -0 and +0 map to the same key.
-__device__ __forceinline__ uint32_t order_key(float f) {
-  uint32_t u = __float_as_uint(f);
+__device__ __forceinline__ uint32_t order_key_bits(uint32_t u) {
   if ((u << 1) == 0) u = 0;
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
+__device__ __forceinline__ uint32_t order_key(float f) {
+  return order_key_bits(__float_as_uint(f));
+}
 constexpr uint32_t kNegInfKey = ~0xff800000u;  // order_key(-inf)
+constexpr uint32_t kPosInfKey = 0xff800000u;   // order_key(+inf)
 
 struct SelShared {
   uint32_t hist[256];
@@ -141,6 +252,8 @@ __device__ __forceinline__ uint32_t block_exclusive_scan(uint32_t v, SelShared& 
   __syncthreads();  // warp_sums is rewritten by the next call
   return base + x - v;
 }
+
+// The one-CTA-per-row kernels (fallback): keys read through a functor on every pass.
 
 // The kk-th largest of key(0..n) (1 <= kk <= n): *kth = that key, *need = how many keys equal
 // to it belong to the best kk (the rest of the best kk are strictly greater).
@@ -216,17 +329,15 @@ __device__ void ordered_compact(const Key& key, int n, int kk, uint32_t kth, uin
   }
 }
 
-// ---- topk_select ----
-
 struct ScoreKey {
   const float* s;
   __device__ uint32_t operator()(int i) const { return order_key(s[i]); }
 };
 
 __global__ void __launch_bounds__(kSelThreads)
-    topk_select_kernel(const float* __restrict__ score, int max_width,
-                       const int32_t* __restrict__ width, int k, const int32_t* __restrict__ vis,
-                       int32_t* __restrict__ out) {
+    topk_select_row_kernel(const float* __restrict__ score, int max_width,
+                           const int32_t* __restrict__ width, int k,
+                           const int32_t* __restrict__ vis, int32_t* __restrict__ out) {
   __shared__ SelShared sh;
   const int t = blockIdx.x;
   const int wd = width[t], cl = vis[t];
@@ -244,8 +355,6 @@ __global__ void __launch_bounds__(kSelThreads)
   for (int j = max(kk, 0) + threadIdx.x; j < k; j += kSelThreads) o[j] = -1;
 }
 
-// ---- candidate_mask ----
-
 struct BlockMaxKey {
   const float* s;
   int width, block_size, pinned;  // pinned = -1 when compress_len == 0
@@ -262,9 +371,9 @@ struct BlockMaxKey {
 };
 
 __global__ void __launch_bounds__(kSelThreads)
-    candidate_mask_kernel(const float* __restrict__ score, int max_width,
-                          const int32_t* __restrict__ width, const int32_t* __restrict__ vis,
-                          int topk_blocks, int block_size, uint8_t* __restrict__ keep) {
+    candidate_mask_row_kernel(const float* __restrict__ score, int max_width,
+                              const int32_t* __restrict__ width, const int32_t* __restrict__ vis,
+                              int topk_blocks, int block_size, uint8_t* __restrict__ keep) {
   __shared__ SelShared sh;
   const int t = blockIdx.x;
   const int wd = width[t], cl = vis[t];
@@ -288,6 +397,231 @@ __global__ void __launch_bounds__(kSelThreads)
   ordered_compact(key, nb, kk, kth, need, false, sh, emit);
 }
 
+// ---- selection rounds (the fast path) ----
+
+// A row's list length after one round: every full chunk gives m candidates, the last one
+// min(m, its length).
+__host__ __device__ __forceinline__ int64_t next_len(int64_t len, int64_t m) {
+  const int64_t c = (len + kChunk - 1) / kChunk;
+  const int64_t last = len - (c - 1) * kChunk;
+  return (c - 1) * m + (last < m ? last : m);
+}
+
+enum class SelMode { kTopk, kMask };
+
+struct RoundArgs {
+  const float* score;
+  int max_width;
+  const int32_t* width;
+  const int32_t* vis;
+  int k;           // topk: k; mask: topk_blocks
+  int block_size;  // mask
+  int32_t* out;    // topk: [T, k]
+  uint8_t* keep;   // mask: [T, max_width]
+  // Round input: nullptr in round 1 of topk (the scores) and of a one-round mask (block maxima
+  // computed here); in_idx nullptr: the index is the list position.
+  const uint32_t* in_keys;
+  const int32_t* in_idx;
+  int64_t in_cap;
+  uint32_t* out_keys;  // candidates of a non-final round: [T, out_cap]
+  int32_t* out_idx;
+  int64_t out_cap;
+  int round;  // 1-based
+};
+
+// kKpt consecutive values from src (cnt of them valid; the rest 0), 16-byte loads when aligned.
+__device__ __forceinline__ void load_run(const uint32_t* src, int cnt, uint32_t (&v)[kKpt]) {
+  if (cnt >= kKpt && (reinterpret_cast<uintptr_t>(src) & 15u) == 0) {
+#pragma unroll
+    for (int q = 0; q < kKpt / 4; ++q) {
+      const uint4 x = __ldg(reinterpret_cast<const uint4*>(src) + q);
+      v[4 * q] = x.x;
+      v[4 * q + 1] = x.y;
+      v[4 * q + 2] = x.z;
+      v[4 * q + 3] = x.w;
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < kKpt; ++j) v[j] = j < cnt ? __ldg(src + j) : 0u;
+  }
+}
+
+// Cooperative fill of p[0, n) with v (all threads of the block).
+__device__ __forceinline__ void block_fill(uint8_t* p, int64_t n, uint8_t v, int nthreads) {
+  for (int64_t i = threadIdx.x; i < n; i += nthreads) p[i] = v;
+}
+
+// One round for one chunk (blockIdx.x) of one row (blockIdx.y).
+template <SelMode kMode>
+__global__ void __launch_bounds__(kSelThreads, 1) select_round_kernel(RoundArgs a) {
+  __shared__ SelShared sh;
+  const int t = blockIdx.y, c = blockIdx.x, tid = threadIdx.x;
+  const int wd = a.width[t];
+  if (wd <= 0) {
+    if (kMode == SelMode::kTopk && a.round == 1 && c == 0)
+      for (int s = tid; s < a.k; s += kSelThreads) a.out[int64_t(t) * a.k + s] = -1;
+    return;
+  }
+  const int bs = a.block_size;
+  const int64_t n1 = kMode == SelMode::kTopk ? int64_t(wd) : (int64_t(wd) + bs - 1) / bs;
+  const int64_t m = min(int64_t(a.k), n1);  // >= 1: the host runs rounds only for k >= 1
+  int64_t len = n1;
+  for (int r = 1; r < a.round; ++r) {
+    if (len <= kChunk) return;  // the row finished in an earlier round
+    len = next_len(len, m);
+  }
+  const bool last = len <= kChunk;
+  const int64_t lo = int64_t(c) * kChunk;
+  if (lo >= len) return;
+  const int n = int(min(int64_t(kChunk), len - lo));
+  const int kk = last ? int(m) : int(min(m, int64_t(n)));
+  const int cl = a.vis[t];
+  const int p0 = tid * kKpt;  // chunk position of key[0]
+
+  uint32_t key[kKpt];
+  if (a.in_keys != nullptr) {
+    load_run(a.in_keys + int64_t(t) * a.in_cap + lo + p0, n - p0, key);
+  } else if (kMode == SelMode::kTopk) {
+    load_run(reinterpret_cast<const uint32_t*>(a.score + int64_t(t) * a.max_width + lo + p0),
+             n - p0, key);
+#pragma unroll
+    for (int j = 0; j < kKpt; ++j) key[j] = order_key_bits(key[j]);
+  } else {
+    // One-round mask: the block maxima here (the list is the whole row: lo == 0), keep zeroed.
+    const float* s = a.score + int64_t(t) * a.max_width;
+    const int pinned = cl > 0 ? (cl - 1) / bs : -1;
+#pragma unroll
+    for (int j = 0; j < kKpt; ++j) {
+      const int b = p0 + j;
+      float mx = -INFINITY;
+      if (b < n) {
+        const int i0 = b * bs, i1 = min(wd, i0 + bs);
+        for (int i = i0; i < i1; ++i) {
+          const float v = __ldg(s + i);
+          mx = mx < v ? v : mx;  // std::max(m, v)
+        }
+      }
+      key[j] = b == pinned ? kPosInfKey : order_key(mx);
+    }
+    block_fill(a.keep + int64_t(t) * a.max_width, wd, 0, kSelThreads);
+    __syncthreads();  // the zeros land before this block's ones
+  }
+  const uint32_t valid = p0 >= n ? 0u : (n - p0 >= kKpt ? 0xffffffffu : (1u << (n - p0)) - 1u);
+
+  // The kk-th largest key (kth) and how many keys equal to it are taken (need).
+  uint32_t kth = 0, need = 0;
+  const bool all = kk >= n;
+  if (!all) {
+    const int lane = tid & 31;
+    uint32_t prefix = 0, mask = 0, rem = uint32_t(kk);
+    for (int shift = 24; shift >= 0; shift -= 8) {
+      if (tid < 256) sh.hist[tid] = 0;
+      __syncthreads();
+#pragma unroll
+      for (int j = 0; j < kKpt; ++j) {
+        const bool ok = ((valid >> j) & 1u) && (key[j] & mask) == prefix;
+        const uint32_t act = __ballot_sync(0xffffffffu, ok);
+        if (act == 0) continue;  // warp-uniform
+        if (ok) {
+          // Aggregate equal digits within the warp: ties make many keys share one bin.
+          const uint32_t bin = (key[j] >> shift) & 255u;
+          const uint32_t same = __match_any_sync(act, bin);
+          if (lane == __ffs(same) - 1) atomicAdd(&sh.hist[bin], uint32_t(__popc(same)));
+        }
+      }
+      __syncthreads();
+      // Thread d' holds digit 255 - d': the exclusive scan is the count of larger digits.
+      const uint32_t cnt = tid < 256 ? sh.hist[255 - tid] : 0u;
+      uint32_t total = 0;
+      const uint32_t before = block_exclusive_scan(cnt, sh, &total);
+      if (cnt > 0 && before < rem && before + cnt >= rem) {
+        sh.bcast[0] = prefix | (uint32_t(255 - tid) << shift);
+        sh.bcast[1] = rem - before;
+      }
+      __syncthreads();
+      prefix = sh.bcast[0];
+      rem = sh.bcast[1];
+      mask |= 255u << shift;
+      // hist and bcast are rewritten only after the next pass's first barriers.
+    }
+    kth = prefix;
+    need = rem;
+  }
+
+  // Ordered compaction: one scan of the (greater, equal) counts gives every thread the output
+  // slot of its first selected key; equal keys are taken in index order up to need.
+  uint32_t gtm = 0, eqm = 0;
+#pragma unroll
+  for (int j = 0; j < kKpt; ++j) {
+    const bool v = (valid >> j) & 1u;
+    gtm |= uint32_t(v && (all || key[j] > kth)) << j;
+    eqm |= uint32_t(v && !all && key[j] == kth) << j;
+  }
+  uint32_t total = 0;
+  const uint32_t ex =
+      block_exclusive_scan((uint32_t(__popc(gtm)) << 16) | uint32_t(__popc(eqm)), sh, &total);
+  const uint32_t gt_before = ex >> 16, eq_before = ex & 0xffffu;
+  const uint32_t take_eq = need > eq_before ? min(uint32_t(__popc(eqm)), need - eq_before) : 0u;
+  uint32_t slot = gt_before + min(eq_before, need), taken = 0;
+  const int32_t* idx_src = a.in_idx != nullptr ? a.in_idx + int64_t(t) * a.in_cap + lo : nullptr;
+  int32_t* o = kMode == SelMode::kTopk ? a.out + int64_t(t) * a.k : nullptr;
+  uint8_t* kp = kMode == SelMode::kMask ? a.keep + int64_t(t) * a.max_width : nullptr;
+#pragma unroll
+  for (int j = 0; j < kKpt; ++j) {
+    bool sel = (gtm >> j) & 1u;
+    if (!sel && ((eqm >> j) & 1u) && taken < take_eq) {
+      sel = true;
+      ++taken;
+    }
+    if (!sel) continue;
+    const int pos = p0 + j;
+    const int32_t idx = idx_src != nullptr ? __ldg(idx_src + pos) : int32_t(lo + pos);
+    if (!last) {
+      const int64_t o2 = int64_t(t) * a.out_cap + int64_t(c) * m + slot;
+      a.out_keys[o2] = key[j];
+      a.out_idx[o2] = idx;
+    } else if (kMode == SelMode::kTopk) {
+      o[slot] = idx < cl ? idx : -1;
+    } else if (key[j] > kNegInfKey) {  // kept only with a finite block score
+      const int i0 = idx * bs, i1 = min(wd, i0 + bs);
+      for (int i = i0; i < i1; ++i) kp[i] = 1;
+    }
+    ++slot;
+  }
+  if (kMode == SelMode::kTopk && last)
+    for (int s = int(m) + tid; s < a.k; s += kSelThreads) o[s] = -1;
+}
+
+// Block maxima of the mask's rows as keys (the pinned block +inf) into keys [T, cap], and keep
+// zeroed over the row's width: the rounds then read the keys like candidate lists.
+__global__ void __launch_bounds__(kBlockMaxThreads)
+    block_max_kernel(const float* __restrict__ score, int max_width,
+                     const int32_t* __restrict__ width, const int32_t* __restrict__ vis,
+                     int block_size, uint32_t* __restrict__ keys, int64_t cap,
+                     uint8_t* __restrict__ keep) {
+  const int t = blockIdx.y, tid = threadIdx.x;
+  const int wd = width[t], cl = vis[t];
+  if (wd <= 0) return;
+  const int nb = (wd + block_size - 1) / block_size;
+  const int b0 = blockIdx.x * kBlockMaxThreads;
+  if (b0 >= nb) return;
+  const float* s = score + int64_t(t) * max_width;
+  const int b = b0 + tid;
+  if (b < nb) {
+    float mx = -INFINITY;
+    const int i0 = b * block_size, i1 = min(wd, i0 + block_size);
+    for (int i = i0; i < i1; ++i) {
+      const float v = __ldg(s + i);
+      mx = mx < v ? v : mx;  // std::max(m, v)
+    }
+    const int pinned = cl > 0 ? (cl - 1) / block_size : -1;
+    keys[int64_t(t) * cap + b] = b == pinned ? kPosInfKey : order_key(mx);
+  }
+  const int64_t e0 = int64_t(b0) * block_size;
+  const int64_t e1 = min(int64_t(wd), (int64_t(b0) + kBlockMaxThreads) * block_size);
+  block_fill(keep + int64_t(t) * max_width + e0, e1 - e0, 0, kBlockMaxThreads);
+}
+
 // ---- mask_scores ----
 
 __global__ void mask_scores_kernel(float* score, const uint8_t* __restrict__ keep, int max_width,
@@ -299,33 +633,180 @@ __global__ void mask_scores_kernel(float* score, const uint8_t* __restrict__ kee
   if (!keep[o]) score[o] = -INFINITY;
 }
 
+// ---- host planning ----
+
+// The rounds for lists of at most n keys selecting m: rounds, chunks per round (the grid), the
+// largest candidate list (elements per row).
+struct SelPlan {
+  int rounds = 1;
+  int64_t chunks[kMaxRounds] = {};
+  int64_t cap = 0;
+};
+
+SelPlan plan_select(int64_t n, int64_t m) {
+  SelPlan p;
+  int64_t len = n;
+  p.chunks[0] = std::max<int64_t>(1, (len + kChunk - 1) / kChunk);
+  while (len > kChunk) {
+    len = next_len(len, m);
+    p.cap = std::max(p.cap, len);
+    require(p.rounds < kMaxRounds, "indexer selection: %lld keys need too many rounds",
+            (long long)n);
+    p.chunks[p.rounds++] = (len + kChunk - 1) / kChunk;
+  }
+  return p;
+}
+
+constexpr size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+// Workspace layout: [block-max keys (mask with more than one round)] [list A keys, idx]
+// [list B keys, idx] (B only with three rounds or more). Round r writes list A when r is odd.
+struct WsLayout {
+  SelPlan plan;
+  int64_t pcap = 0, cap = 0;  // elements per row
+  size_t p_off = 0, a_keys = 0, a_idx = 0, b_keys = 0, b_idx = 0, total = 0;
+};
+
+WsLayout ws_layout(int T, int64_t n, int64_t m, bool block_keys) {
+  WsLayout w;
+  w.plan = plan_select(n, m);
+  if (w.plan.rounds == 1) return w;
+  w.cap = int64_t(align_up(size_t(w.plan.cap), 64));
+  const size_t list = align_up(size_t(T) * size_t(w.cap) * 4, 256);
+  size_t off = 0;
+  if (block_keys) {
+    w.pcap = int64_t(align_up(size_t(n), 64));
+    w.p_off = off;
+    off += align_up(size_t(T) * size_t(w.pcap) * 4, 256);
+  }
+  w.a_keys = off;
+  w.a_idx = off + list;
+  off += 2 * list;
+  if (w.plan.rounds >= 3) {
+    w.b_keys = off;
+    w.b_idx = off + list;
+    off += 2 * list;
+  }
+  w.total = off;
+  return w;
+}
+
+// Whether the rounds serve this call (else: one CTA per row).
+bool fast_select(int T, int64_t m, const WsLayout& w, const void* workspace) {
+  return T <= 65535 && m <= kMaxFastK && (w.total == 0 || workspace != nullptr);
+}
+
+template <SelMode kMode>
+void run_rounds(RoundArgs a, int T, const WsLayout& w, void* workspace, cudaStream_t stream) {
+  auto* base = static_cast<uint8_t*>(workspace);
+  auto list_keys = [&](int r) {
+    return reinterpret_cast<uint32_t*>(base + (r % 2 == 1 ? w.a_keys : w.b_keys));
+  };
+  auto list_idx = [&](int r) {
+    return reinterpret_cast<int32_t*>(base + (r % 2 == 1 ? w.a_idx : w.b_idx));
+  };
+  for (int r = 1; r <= w.plan.rounds; ++r) {
+    if (r == 1) {
+      a.in_keys = kMode == SelMode::kMask && w.plan.rounds > 1
+                      ? reinterpret_cast<const uint32_t*>(base + w.p_off)
+                      : nullptr;
+      a.in_idx = nullptr;
+      a.in_cap = w.pcap;
+    } else {
+      a.in_keys = list_keys(r - 1);
+      a.in_idx = list_idx(r - 1);
+      a.in_cap = w.cap;
+    }
+    const bool last = r == w.plan.rounds;
+    a.out_keys = last ? nullptr : list_keys(r);
+    a.out_idx = last ? nullptr : list_idx(r);
+    a.out_cap = w.cap;
+    a.round = r;
+    const dim3 grid(unsigned(w.plan.chunks[r - 1]), unsigned(T));
+    select_round_kernel<kMode><<<grid, kSelThreads, 0, stream>>>(a);
+    UF_CUDA_CHECK(cudaGetLastError());
+  }
+}
+
 }  // namespace
 
 void index_scores(const float* q, const float* w, int T, int n_heads, int head_dim,
                   const float* const* keys, const int32_t* vis, const int32_t* width, int max_width,
-                  float* score, cudaStream_t stream) {
+                  float* score, cudaStream_t stream, bool round_sum) {
   require(T >= 0 && T <= 65535 && n_heads > 0 && head_dim > 0 && head_dim <= kMaxIndexHeadDim &&
               max_width >= 0,
           "index_scores: unsupported shape T=%d n_heads=%d head_dim=%d max_width=%d "
           "(T <= 65535, head_dim <= %d)",
           T, n_heads, head_dim, max_width, kMaxIndexHeadDim);
   if (T == 0 || max_width == 0) return;
-  const dim3 grid(unsigned((max_width + kEnt - 1) / kEnt), unsigned(T));
-  const size_t smem = size_t(kEnt) * size_t(head_dim + 1) * sizeof(float);
-  index_scores_kernel<<<grid, kEnt, smem, stream>>>(q, w, n_heads, head_dim, keys, vis, width,
-                                                    max_width, score);
+  const size_t row_smem = size_t(n_heads) * (kFastHd + 1) * sizeof(float);
+  const int64_t chunks = (int64_t(max_width) + kFastEnt - 1) / kFastEnt;
+  if (head_dim == kFastHd && row_smem <= kFastSmem && chunks <= 65535) {
+    // Rows per CTA: up to 8 (one key load serves them all), fewer when that would leave the
+    // GPU short of CTAs (about 4 per SM at 132 SMs). The result of a row never depends on it.
+    const int64_t want = (int64_t(T) * chunks) / 528;
+    const int rows = int(std::max<int64_t>(
+        1, std::min<int64_t>({int64_t(T), kFastMaxRows, int64_t(kFastSmem / row_smem), want})));
+    const dim3 grid(unsigned((T + rows - 1) / rows), unsigned(chunks));
+    const size_t smem = size_t(rows) * row_smem;
+    if (round_sum)
+      index_scores_hd128_kernel<true><<<grid, kFastThreads, smem, stream>>>(
+          q, w, T, n_heads, rows, keys, vis, width, max_width, score);
+    else
+      index_scores_hd128_kernel<false><<<grid, kFastThreads, smem, stream>>>(
+          q, w, T, n_heads, rows, keys, vis, width, max_width, score);
+  } else {
+    const dim3 grid(unsigned((max_width + kEnt - 1) / kEnt), unsigned(T));
+    const size_t smem = size_t(kEnt) * size_t(head_dim + 1) * sizeof(float);
+    if (round_sum)
+      index_scores_kernel<true><<<grid, kEnt, smem, stream>>>(q, w, n_heads, head_dim, keys, vis,
+                                                              width, max_width, score);
+    else
+      index_scores_kernel<false><<<grid, kEnt, smem, stream>>>(q, w, n_heads, head_dim, keys, vis,
+                                                               width, max_width, score);
+  }
   UF_CUDA_CHECK(cudaGetLastError());
+}
+
+size_t candidate_mask_workspace_bytes(int T, int max_width, int topk_blocks, int block_size) {
+  if (T <= 0 || max_width <= 0 || block_size <= 0 || topk_blocks <= 0) return 0;
+  const int64_t nb = (int64_t(max_width) + block_size - 1) / block_size;
+  const int64_t m = std::min<int64_t>(topk_blocks, nb);
+  if (m > kMaxFastK) return 0;
+  return ws_layout(T, nb, m, true).total;
 }
 
 void candidate_mask(const float* score, int T, int max_width, const int32_t* width,
                     const int32_t* vis, int topk_blocks, int block_size, uint8_t* keep,
-                    cudaStream_t stream) {
+                    cudaStream_t stream, void* workspace) {
   require(T >= 0 && max_width >= 0 && block_size > 0,
           "candidate_mask: unsupported T=%d max_width=%d block_size=%d", T, max_width, block_size);
   if (T == 0 || max_width == 0) return;
-  candidate_mask_kernel<<<unsigned(T), kSelThreads, 0, stream>>>(score, max_width, width, vis,
-                                                                 topk_blocks, block_size, keep);
-  UF_CUDA_CHECK(cudaGetLastError());
+  const int64_t nb = (int64_t(max_width) + block_size - 1) / block_size;
+  const int64_t m = std::min<int64_t>(topk_blocks, nb);
+  const WsLayout w = m >= 1 && m <= kMaxFastK ? ws_layout(T, nb, m, true) : WsLayout{};
+  if (m < 1 || !fast_select(T, m, w, workspace)) {
+    candidate_mask_row_kernel<<<unsigned(T), kSelThreads, 0, stream>>>(
+        score, max_width, width, vis, topk_blocks, block_size, keep);
+    UF_CUDA_CHECK(cudaGetLastError());
+    return;
+  }
+  if (w.plan.rounds > 1) {
+    const dim3 grid(unsigned((nb + kBlockMaxThreads - 1) / kBlockMaxThreads), unsigned(T));
+    block_max_kernel<<<grid, kBlockMaxThreads, 0, stream>>>(
+        score, max_width, width, vis, block_size,
+        reinterpret_cast<uint32_t*>(static_cast<uint8_t*>(workspace) + w.p_off), w.pcap, keep);
+    UF_CUDA_CHECK(cudaGetLastError());
+  }
+  RoundArgs a{};
+  a.score = score;
+  a.max_width = max_width;
+  a.width = width;
+  a.vis = vis;
+  a.k = topk_blocks;
+  a.block_size = block_size;
+  a.keep = keep;
+  run_rounds<SelMode::kMask>(a, T, w, workspace, stream);
 }
 
 void mask_scores(float* score, const uint8_t* keep, int T, int max_width, const int32_t* width,
@@ -338,13 +819,34 @@ void mask_scores(float* score, const uint8_t* keep, int T, int max_width, const 
   UF_CUDA_CHECK(cudaGetLastError());
 }
 
+size_t topk_select_workspace_bytes(int T, int max_width, int k) {
+  if (T <= 0 || max_width <= 0 || k <= 0) return 0;
+  const int64_t m = std::min<int64_t>(k, max_width);
+  if (m > kMaxFastK) return 0;
+  return ws_layout(T, max_width, m, false).total;
+}
+
 void topk_select(const float* score, int T, int max_width, const int32_t* width, int k,
-                 const int32_t* vis, int32_t* out, cudaStream_t stream) {
+                 const int32_t* vis, int32_t* out, cudaStream_t stream, void* workspace) {
   require(T >= 0 && max_width >= 0 && k >= 0, "topk_select: unsupported T=%d max_width=%d k=%d", T,
           max_width, k);
   if (T == 0 || k == 0) return;
-  topk_select_kernel<<<unsigned(T), kSelThreads, 0, stream>>>(score, max_width, width, k, vis, out);
-  UF_CUDA_CHECK(cudaGetLastError());
+  const int64_t m = std::min<int64_t>(k, max_width);
+  const WsLayout w = m >= 1 && m <= kMaxFastK ? ws_layout(T, max_width, m, false) : WsLayout{};
+  if (m < 1 || !fast_select(T, m, w, workspace)) {
+    topk_select_row_kernel<<<unsigned(T), kSelThreads, 0, stream>>>(score, max_width, width, k, vis,
+                                                                    out);
+    UF_CUDA_CHECK(cudaGetLastError());
+    return;
+  }
+  RoundArgs a{};
+  a.score = score;
+  a.max_width = max_width;
+  a.width = width;
+  a.vis = vis;
+  a.k = k;
+  a.out = out;
+  run_rounds<SelMode::kTopk>(a, T, w, workspace, stream);
 }
 
 }  // namespace uf::cuda

@@ -1,0 +1,231 @@
+// bench_cuda_attention: sparse_attn (cuda/ops/attention.h) at the decode shapes of one TP8 rank:
+// 8 heads, head_dim 512, one shared KV head; the verify step (128 window slots + 512 top-k
+// entries of a 2048-entry compressed cache, i.e. 8k context) at T = 1, 2, 4, 7, 8, the
+// window-only layers (k = 0) at the same T, and the DSpark draft (T = 5, 133 window slots).
+// Rows sit at consecutive positions, so their windows overlap as in a verify step; top-k ids are
+// random per row. Each timing replays a CUDA graph of one call per layer copy (--copies, default
+// 24, ~100 MB: the caches do not stay in L2 between calls, as in a forward where the weights
+// stream through it), median of --reps replays, divided by the copies. The fast chunked path
+// (split scratch: the decode callers) is timed against the reference path (one CTA per (row,
+// head)); c16 / c32: the fast path with chunks of 16 / 32 slots forced (fast: the default rule).
+// The last column: outputs of the two paths that differ (bf16 flips expected, few) and the
+// largest difference, a sanity line only (tests/cuda/test_ops_attention.cpp is the check).
+// bytes = distinct KV rows touched x hd x 4 + q + out; GB/s = bytes / time; floor = bytes
+// at 4.1 TB/s.
+//
+//   bench_cuda_attention [--reps N] [--copies N]
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <set>
+#include <vector>
+
+#ifndef UF_HAVE_CUDA
+int main() {
+  std::printf("bench_cuda_attention: built without the CUDA backend\n");
+  return 0;
+}
+#else
+
+#include <cuda_runtime.h>
+
+#include "cuda/cuda_check.h"
+#include "cuda/device_fill.h"
+#include "cuda/ops/attention.h"
+
+using namespace uf::cuda;
+
+namespace {
+
+constexpr int kH = 8, kHd = 512, kWindow = 128, kEntries = 2048, kMaxT = 8;
+constexpr double kFloorBytesPerUs = 4.1e6;  // 4.1 TB/s
+
+struct Layer {
+  float* ring = nullptr;  // [kWindow + kMaxT, kHd]
+  float* ckv = nullptr;   // [kEntries, kHd]
+};
+
+struct Shape {
+  const char* name;
+  int T, n_window, k;
+};
+
+template <typename F>
+cudaGraphExec_t capture(cudaStream_t s, F&& body) {
+  cudaGraph_t g;
+  UF_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  body();
+  UF_CUDA_CHECK(cudaStreamEndCapture(s, &g));
+  cudaGraphExec_t exec;
+  UF_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
+  UF_CUDA_CHECK(cudaGraphDestroy(g));
+  return exec;
+}
+
+float median_ms(cudaGraphExec_t exec, cudaStream_t s, int reps) {
+  cudaEvent_t a, b;
+  UF_CUDA_CHECK(cudaEventCreate(&a));
+  UF_CUDA_CHECK(cudaEventCreate(&b));
+  for (int i = 0; i < 3; ++i) UF_CUDA_CHECK(cudaGraphLaunch(exec, s));
+  std::vector<float> ms(static_cast<size_t>(reps));
+  for (int r = 0; r < reps; ++r) {
+    UF_CUDA_CHECK(cudaEventRecord(a, s));
+    UF_CUDA_CHECK(cudaGraphLaunch(exec, s));
+    UF_CUDA_CHECK(cudaEventRecord(b, s));
+    UF_CUDA_CHECK(cudaEventSynchronize(b));
+    UF_CUDA_CHECK(cudaEventElapsedTime(&ms[size_t(r)], a, b));
+  }
+  UF_CUDA_CHECK(cudaEventDestroy(a));
+  UF_CUDA_CHECK(cudaEventDestroy(b));
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int reps = 20, copies = 24;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) reps = std::atoi(argv[++i]);
+    if (!std::strcmp(argv[i], "--copies") && i + 1 < argc) copies = std::atoi(argv[++i]);
+  }
+  int n_dev = 0;
+  if (cudaGetDeviceCount(&n_dev) != cudaSuccess || n_dev == 0) {
+    std::printf("bench_cuda_attention: no CUDA device\n");
+    return 0;
+  }
+  cudaStream_t stream;
+  UF_CUDA_CHECK(cudaStreamCreate(&stream));
+  std::vector<Layer> layers(static_cast<size_t>(copies));
+  uint64_t seed = 1;
+  const int ring_rows = kWindow + kMaxT;
+  for (auto& L : layers) {
+    UF_CUDA_CHECK(cudaMalloc(&L.ring, size_t(ring_rows) * kHd * sizeof(float)));
+    UF_CUDA_CHECK(cudaMalloc(&L.ckv, size_t(kEntries) * kHd * sizeof(float)));
+    fill_random_f32(L.ring, size_t(ring_rows) * kHd, seed++, 1.f, stream);
+    fill_random_f32(L.ckv, size_t(kEntries) * kHd, seed++, 1.f, stream);
+  }
+  float *q, *out, *sink, *scratch;
+  const int max_slots = kWindow + 512 + kMaxT;
+  UF_CUDA_CHECK(cudaMalloc(&q, size_t(kMaxT) * kH * kHd * sizeof(float)));
+  UF_CUDA_CHECK(cudaMalloc(&out, size_t(kMaxT) * kH * kHd * sizeof(float)));
+  UF_CUDA_CHECK(cudaMalloc(&sink, size_t(kH) * sizeof(float)));
+  const size_t scratch_floats = sparse_attn_scratch_floats(kMaxT, kH, kHd, max_slots);
+  UF_CUDA_CHECK(cudaMalloc(&scratch, scratch_floats * sizeof(float)));
+  fill_random_f32(q, size_t(kMaxT) * kH * kHd, seed++, 2.f, stream);
+  fill_random_f32(sink, size_t(kH), seed++, 1.f, stream);
+
+  const Shape shapes[] = {
+      {"verify k=512", 1, kWindow, 512}, {"verify k=512", 2, kWindow, 512},
+      {"verify k=512", 4, kWindow, 512}, {"verify k=512", 7, kWindow, 512},
+      {"verify k=512", 8, kWindow, 512}, {"window k=0", 1, kWindow, 0},
+      {"window k=0", 2, kWindow, 0},     {"window k=0", 4, kWindow, 0},
+      {"window k=0", 7, kWindow, 0},     {"window k=0", 8, kWindow, 0},
+      {"draft 133", 5, kWindow + 5, 0},
+  };
+  std::printf("sparse_attn, H=%d hd=%d, %d layer copies, median of %d graph replays\n", kH, kHd,
+              copies, reps);
+  std::printf("%-14s %2s %6s %10s %9s %8s %10s %8s %8s %8s %8s\n", "shape", "T", "slots", "bytes",
+              "floor_us", "fast_us", "fast_GB/s", "c16_us", "c32_us", "ref_us", "speedup");
+  std::mt19937 rng(7);
+  for (const Shape& sh : shapes) {
+    const int T = sh.T, W = sh.n_window, k = sh.k;
+    // Per copy: window pointers (row t at position P + t sees the W latest ring rows) and top-k.
+    std::vector<const float**> dwin(static_cast<size_t>(copies));
+    std::vector<int32_t*> dtopk(static_cast<size_t>(copies));
+    size_t rows_touched = 0;
+    for (int c = 0; c < copies; ++c) {
+      const Layer& L = layers[size_t(c)];
+      std::vector<const float*> win(size_t(T) * W);
+      std::vector<int32_t> topk(size_t(T) * std::max(k, 1), -1);
+      std::set<const float*> distinct;
+      for (int t = 0; t < T; ++t) {
+        for (int j = 0; j < W; ++j) {
+          const float* p = L.ring + int64_t((t + j) % ring_rows) * kHd;
+          win[size_t(t) * W + j] = p;
+          distinct.insert(p);
+        }
+        std::vector<int32_t> ids(kEntries);
+        for (int i = 0; i < kEntries; ++i) ids[size_t(i)] = i;
+        std::shuffle(ids.begin(), ids.end(), rng);
+        std::sort(ids.begin(), ids.begin() + k);
+        for (int j = 0; j < k; ++j) {
+          topk[size_t(t) * k + j] = ids[size_t(j)];
+          distinct.insert(L.ckv + int64_t(ids[size_t(j)]) * kHd);
+        }
+      }
+      if (c == 0) rows_touched = distinct.size();
+      UF_CUDA_CHECK(cudaMalloc(&dwin[size_t(c)], win.size() * sizeof(const float*)));
+      UF_CUDA_CHECK(cudaMemcpy(dwin[size_t(c)], win.data(), win.size() * sizeof(const float*),
+                               cudaMemcpyHostToDevice));
+      UF_CUDA_CHECK(cudaMalloc(&dtopk[size_t(c)], topk.size() * sizeof(int32_t)));
+      UF_CUDA_CHECK(cudaMemcpy(dtopk[size_t(c)], topk.data(), topk.size() * sizeof(int32_t),
+                               cudaMemcpyHostToDevice));
+    }
+    const float scale = float(std::pow(double(kHd), -0.5));
+    auto run_all = [&](float* split) {
+      for (int c = 0; c < copies; ++c)
+        sparse_attn(q, T, kH, kHd, dwin[size_t(c)], W, k > 0 ? dtopk[size_t(c)] : nullptr, k,
+                    layers[size_t(c)].ckv, sink, scale, out, stream, nullptr, split);
+    };
+    // The default chunk rule, then chunks of 16 and 32 slots forced (the rule's choice is a
+    // function of the slot count only; these columns show whether it picked the faster one).
+    double us[3];
+    const int chunk[3] = {0, 16, 32};
+    for (int v = 0; v < 3; ++v) {
+      sparse_attn_chunk_override(chunk[v]);
+      cudaGraphExec_t g = capture(stream, [&] { run_all(scratch); });
+      us[v] = 1e3 * median_ms(g, stream, reps) / copies;
+      UF_CUDA_CHECK(cudaGraphExecDestroy(g));
+    }
+    sparse_attn_chunk_override(0);
+    const double fast_us = us[0];
+    cudaGraphExec_t ref = capture(stream, [&] { run_all(nullptr); });
+    const double ref_us = 1e3 * median_ms(ref, stream, reps) / copies;
+    const double bytes =
+        double(rows_touched) * kHd * 4 + 2.0 * double(T) * kH * kHd * 4;  // KV rows + q + out
+    // Sanity (the tests are the real check): copy 0 on both paths, outputs differing in bf16.
+    const size_t n_out = size_t(T) * kH * kHd;
+    std::vector<float> o_fast(n_out), o_ref(n_out);
+    sparse_attn(q, T, kH, kHd, dwin[0], W, k > 0 ? dtopk[0] : nullptr, k, layers[0].ckv, sink,
+                scale, out, stream, nullptr, scratch);
+    UF_CUDA_CHECK(
+        cudaMemcpyAsync(o_fast.data(), out, n_out * sizeof(float), cudaMemcpyDeviceToHost, stream));
+    sparse_attn(q, T, kH, kHd, dwin[0], W, k > 0 ? dtopk[0] : nullptr, k, layers[0].ckv, sink,
+                scale, out, stream, nullptr, nullptr);
+    UF_CUDA_CHECK(
+        cudaMemcpyAsync(o_ref.data(), out, n_out * sizeof(float), cudaMemcpyDeviceToHost, stream));
+    UF_CUDA_CHECK(cudaStreamSynchronize(stream));
+    size_t n_diff = 0;
+    double max_abs = 0;
+    for (size_t i = 0; i < n_out; ++i) {
+      n_diff += o_fast[i] != o_ref[i];
+      max_abs = std::max(max_abs, std::fabs(double(o_fast[i]) - o_ref[i]));
+    }
+    std::printf(
+        "%-14s %2d %6d %10.0f %9.2f %8.2f %10.0f %8.2f %8.2f %8.2f %7.1fx   %zu/%zu differ, "
+        "max %.2e\n",
+        sh.name, T, W + k, bytes, bytes / kFloorBytesPerUs, fast_us, bytes / fast_us / 1e3, us[1],
+        us[2], ref_us, ref_us / fast_us, n_diff, n_out, max_abs);
+    UF_CUDA_CHECK(cudaGraphExecDestroy(ref));
+    for (int c = 0; c < copies; ++c) {
+      UF_CUDA_CHECK(cudaFree(dwin[size_t(c)]));
+      UF_CUDA_CHECK(cudaFree(dtopk[size_t(c)]));
+    }
+  }
+  for (auto& L : layers) {
+    UF_CUDA_CHECK(cudaFree(L.ring));
+    UF_CUDA_CHECK(cudaFree(L.ckv));
+  }
+  UF_CUDA_CHECK(cudaFree(q));
+  UF_CUDA_CHECK(cudaFree(out));
+  UF_CUDA_CHECK(cudaFree(sink));
+  UF_CUDA_CHECK(cudaFree(scratch));
+  UF_CUDA_CHECK(cudaStreamDestroy(stream));
+  return 0;
+}
+#endif
