@@ -10,7 +10,9 @@
 //    bf16 midpoint (~1e-4 of elements). Allowed: 1 bf16 ulp on at most 0.5% of the elements.
 //  - rope: cos/sin in double as the CPU, rounded to fp32; differs only if CUDA's double sincos
 //    (<= 2 double ulps) rounds to another fp32 than glibc's: allowed 1 bf16 ulp on <= 0.01%.
-//  - hc_mixes: 20480-term fp32 dot products in another order (~1e-5 absolute on O(1) mixes) and
+//  - hc_mixes: 20480-term fp32 dot products in another order (ops/mhc.cu: serial over 32
+//    channels, the hc streams in order, the dim / 32 splits by lane then a butterfly, instead of
+//    the CPU's serial sum; short sums in a tree round no worse: ~1e-5 absolute on O(1) mixes) and
 //    CUDA's expf (<= 2 ulp) through sigmoid / softmax / Sinkhorn, which do not amplify errors of
 //    that size: |err| <= 1e-4 on pre (~[0,1]), post ([0,2]) and comb ([0,1]).
 //  - compress_pool: expf differs by <= 2 ulps, so each softmax weight is off by <= (r + 4) fp32

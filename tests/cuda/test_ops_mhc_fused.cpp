@@ -4,13 +4,19 @@
 // for every row count 1..8 plus 20 (several hc_post_mixes row groups).
 //
 // Claims and tolerances:
-//  - bitwise vs the unfused device ops: hc_mixes_partial's partials == hc_mixes' scratch (same
-//    chunks, same butterfly tree, same warp order); hc_mix_pre_norm's pre / post / comb ==
-//    hc_mixes' (same chunk-order sum, r and Sinkhorn operations); its y == hc_pre + rms_norm (the
-//    same partition of the row); hc_post_mixes' out == hc_post, its partials == hc_mixes' scratch
-//    over that out; a chain of two sublayers (layer()'s data flow) == the unfused chain.
+//  - bitwise vs the unfused device ops: hc_mixes_partial's partials == hc_mixes' scratch (hc_mixes
+//    runs the same channel-split kernel); hc_mix_pre_norm's pre / post / comb == hc_mixes' ==
+//    hc_mixes_finish's (the same finish: split-order sum, r and Sinkhorn); its y == hc_pre +
+//    rms_norm (the same partition of the row); hc_post_mixes' out == hc_post, its partials ==
+//    hc_mixes' scratch over that out; a chain of two sublayers (layer()'s data flow) == the
+//    unfused chain.
 //  - vs the CPU: hc_post bitwise; the mixes |err| <= 1e-4 and rms_norm outputs 1 bf16 ulp on at
-//    most 0.5% of the elements (the reasons are in test_ops_elementwise.cpp's header).
+//    most 0.5% of the elements (the reasons are in test_ops_elementwise.cpp's header). With mixes
+//    that are exact in any order (one nonzero stream value per row: fn . v is one product, |v|^2
+//    is 1) only CUDA's expf (<= 2 ulp) differs from the CPU, through sigmoid, softmax and the
+//    Sinkhorn's divisions (which do not amplify relative errors): |err| <= 5e-6 on pre / post /
+//    comb (values <= 2; ~40 fp32 ulps of 1), a check of the register Sinkhorn's operation order
+//    20x tighter than the general bound.
 //  - spec == plain: row t of a T-row call is bitwise the 1-row call on row t, for every t of T = 8.
 // Outputs and scratch are poisoned with NaN first; a NaN anywhere fails. Failures print the count
 // of bad elements, NaNs, max abs / rel error and the first bad index with both values.
@@ -307,6 +313,19 @@ TEST(CudaMhcFused, MixPreNormMatchesUnfused) {
       EXPECT_TRUE(compare(what + " post vs hc_mixes", f.post, upost.download()));
       EXPECT_TRUE(compare(what + " comb vs hc_mixes", f.comb, ucomb.download()));
       EXPECT_TRUE(compare(what + " y vs hc_pre + rms_norm", f.y, ux.download()));
+      {  // the finish alone (a forked branch of the step) gives the same bits
+        DeviceBuffer<float> fpre(size_t(T) * hc), fpost(size_t(T) * hc), fcomb(size_t(T) * hc * hc),
+            part(f.partial);
+        fpre.poison();
+        fpost.poison();
+        fcomb.poison();
+        hc_mixes_finish(p, mw.dscale, mw.dbase, part.get(), T, fpre.get(), fpost.get(), fcomb.get(),
+                        nullptr);
+        sync_and_check();
+        EXPECT_TRUE(compare(what + " hc_mixes_finish pre", fpre.download(), f.pre));
+        EXPECT_TRUE(compare(what + " hc_mixes_finish post", fpost.download(), f.post));
+        EXPECT_TRUE(compare(what + " hc_mixes_finish comb", fcomb.download(), f.comb));
+      }
       // CPU reference.
       std::vector<float> wpre(size_t(T) * hc), wpost(size_t(T) * hc), wcomb(size_t(T) * hc * hc),
           wc(size_t(T) * D), wy(size_t(T) * D);
@@ -338,6 +357,42 @@ TEST(CudaMhcFused, MixPreNormMatchesUnfused) {
         EXPECT_TRUE(compare(rk + " comb", o.comb, slice(f.comb, size_t(k) * hc * hc, hc * hc)));
         EXPECT_TRUE(compare(rk + " y", o.y, slice(f.y, size_t(k) * D, D)));
       }
+    }
+}
+
+// Mixes exact in any summation order (row t: X = 0 except X[t, c_t] = +-1), so pre / post / comb
+// differ from the CPU's only through expf: the Sinkhorn's operations and order, for several
+// iteration counts (1: only the first column normalisation) and hc (8: two comb elements a lane).
+TEST(CudaMhcFused, FinishWithExactMixesIsCloseToCpu) {
+  UF_REQUIRE_GPU();
+  std::mt19937 rng(306);
+  const float eps = 1e-6f;
+  for (const Shape& sh : {kShapes[4], kShapes[3], kShapes[1]})
+    for (int iters : {1, 2, 20}) {
+      HcShape p = shape_of(sh);
+      p.sinkhorn_iters = iters;
+      const int hc = p.hc, n = hc * p.dim, T = 5;
+      const std::string what = "exact mixes " + name_of(sh, T) + " iters=" + std::to_string(iters);
+      DeviceArena arena;
+      MixWeights mw(p, sh.fmt, rng, arena);
+      // r = 1 / sqrt(1 / n + norm_eps) ~ sqrt(n): fn ~ N(0, 4 / n) gives mixes ~ N(0, 4), the
+      // sigmoids' and the softmax's curved parts (larger ones saturate them).
+      const HostWeight fn =
+          make_weight(sh.fmt, (2 + hc) * hc, n, rng, 0.f, 2.0f / std::sqrt(float(n)));
+      mw.dfn = upload_weight(fn.w, arena);
+      std::vector<float> X(size_t(T) * n, 0.f);
+      std::uniform_int_distribution<int> pick(0, n - 1);
+      for (int t = 0; t < T; ++t) X[size_t(t) * n + size_t(pick(rng))] = (t & 1) ? -1.f : 1.f;
+      const auto pin = uniform(size_t(T) * hc, 0.f, 1.f, rng);
+      DeviceBuffer<float> dX(X), dpin(pin);
+      const MixOut f = run_fused_mixes(p, mw, dX.get(), dpin.get(), T, eps);
+      std::vector<float> wpre(size_t(T) * hc), wpost(size_t(T) * hc), wcomb(size_t(T) * hc * hc);
+      cpu::hc_mixes(to_cpu(p), fn.w, mw.scale.w, mw.base.w, X.data(), T, wpre.data(), wpost.data(),
+                    wcomb.data());
+      const Tol tight{Mode::kAbs, 0, 5e-6};
+      EXPECT_TRUE(compare(what + " pre vs CPU", f.pre, wpre, tight));
+      EXPECT_TRUE(compare(what + " post vs CPU", f.post, wpost, tight));
+      EXPECT_TRUE(compare(what + " comb vs CPU", f.comb, wcomb, tight));
     }
 }
 

@@ -63,9 +63,18 @@ void hc_post(const HcShape& p, const float* x, const float* R, const float* post
 
 // Fused mHC ops (ops/mhc.cu), bitwise the unfused ops above (tests/cuda/test_ops_mhc_fused.cpp):
 // hc_mixes_partial: the first half of hc_mixes, the split-K partials of fn . X and of |X|^2 into
-// `partial` (hc_mixes_scratch_floats(p, T) floats).
+// `partial` (hc_mixes_scratch_floats(p, T) floats; the split is by channel, a function of
+// (hc, dim) only).
 void hc_mixes_partial(const HcShape& p, const DeviceWeight& fn, const float* X, int T,
                       float* partial, cudaStream_t stream);
+// The second half of hc_mixes: pre / post / comb of T rows from their partials (one block per
+// row; the Sinkhorn is ~40 dependent steps on one warp, ~2 us whatever T). Bitwise the pre / post
+// / comb of hc_mixes and hc_mix_pre_norm. Nothing of the sublayer needs pre / post / comb before
+// its hc_post_mixes, so a captured step may run this on a forked branch beside hc_pre_norm + the
+// sublayer (join before hc_post_mixes, which overwrites `partial`) instead of hc_mix_pre_norm.
+void hc_mixes_finish(const HcShape& p, const DeviceWeight& scale, const DeviceWeight& base,
+                     const float* partial, int T, float* pre, float* post, float* comb,
+                     cudaStream_t stream);
 // hc_post (out must NOT overlap R: ping-pong the stream) and, when fn is not empty, the next
 // sublayer's hc_mixes_partial(fn, out) computed from the values as they are written.
 void hc_post_mixes(const HcShape& p, const float* x, const float* R, const float* post,

@@ -1,26 +1,32 @@
-// hc_mixes, hc_pre and hc_post of ops/elementwise.h (cpu/mhc.cpp on the device).
+// hc_mixes, hc_pre and hc_post of ops/elementwise.h (cpu/mhc.cpp on the device), and the fused
+// mHC glue of the decode step (hc_post_mixes, hc_mixes_partial, hc_mix_pre_norm, hc_pre_norm).
 //
-// hc_mixes: K split in chunks of 256 stream elements, one block of 256 threads per (chunk, row)
-// (a row alone used to be one block streaming the 2 MB fn: 0.8 ms at the released dims). Thread i
-// accumulates its elements' (2 + hc) * hc dot products with fn's rows and the sum of squares in
-// fp32; warps reduce by butterfly, the warps' partials are added in order into the chunk's
-// partial; a second kernel adds the chunks' partials in chunk order, applies
-// r = 1 / sqrt(sumsq / n + norm_eps) and runs hc_split_sinkhorn exactly as the CPU writes it
-// (same operation order, expf for std::exp). The order depends on (hc, dim) only, never on T. The
-// dot products' summation order differs from the CPU's linear_f32 and CUDA's expf may differ from
-// glibc's by an ulp or two, so the mixes agree to fp32 rounding, not bitwise
+// The mixes (fn . v and |v|^2 over a row's hc * dim stream values, then r and the Sinkhorn) are
+// split K-wise by CHANNEL: split s owns channels d = 32 s .. 32 s + 31 of every stream, one block
+// of hc warps, so there are dim / 32 = 160 blocks at dim 5120 for any row count (fn, 2 MB, read
+// once per call for up to 8 rows with 16-byte loads; the old split of 256-element chunks gave 80
+// blocks whose warps reduced every mix of every row by shuffles). Partial (t, m, s) = sum over the
+// streams k in order of the serial sum over the block's 32 channels in order of
+// fn[m, k dim + d] * v[t, k, d]; the finish adds the S = dim / 32 partials of a mix as lane l's
+// serial sum over s = l, l + 32, .. and a butterfly over the lanes. Every order is a function of
+// (hc, dim) only, never of T (spec == plain). The dot products' order differs from the CPU's
+// linear_f32 (serial over 20480 terms) and CUDA's expf may differ from glibc's by an ulp or two,
+// so the mixes agree with the CPU to fp32 rounding, not bitwise
 // (tests/cuda/test_ops_elementwise.cpp states the bound).
+//
+// The Sinkhorn runs on one warp with one comb element per lane, in registers: each row / column
+// sum gathers its hc values by shuffles and adds them in the CPU's order, each lane divides its
+// own element (the CPU's operations bit for bit). The old version staged every step through
+// shared memory with a lane per row / column (~2x the latency of the 39 dependent steps).
 //
 // Fused (the decode step's mHC glue in 2 kernels per sublayer instead of 5 nodes):
 //  - hc_post_mixes: hc_post of a sublayer + the split-K partials of the next sublayer's mixes over
-//    the values it writes. Grid (chunks of kMixChunk stream elements, groups of kPostRows rows):
-//    80 blocks at hc 4, dim 5120, T <= 8; each reads its chunk of fn (24 x 256 values) once for
-//    all its rows, R[t, :, d] of its channels and x[t, d], and writes out and the partials in
-//    hc_mixes_partial_kernel's layout and order (bitwise its partials). hc_mixes_partial: the same
-//    kernel reading X instead of computing hc_post (the first sublayer, after an Engram layer).
-//  - hc_mix_pre_norm: grid (T, 2): block (t, 1) the mixes' finish of row t (partials in chunk
-//    order, r, Sinkhorn in registers: bitwise hc_mixes_finish_kernel), block (t, 0) hc_pre of row t
-//    with the previous pre and rms_norm on it, in rms_norm's partition (bitwise hc_pre + rms_norm).
+//    the values it writes (hc_post_mixes_kernel); hc_mixes_partial: the same kernel reading X
+//    instead of computing hc_post (the first sublayer, after an Engram layer). hc_mixes (unfused)
+//    is that kernel + hc_mixes_finish_kernel, so its scratch is bitwise the fused partials.
+//  - hc_mix_pre_norm: grid (T, 2): block (t, 1) the mixes' finish of row t (mixes_finish, bitwise
+//    hc_mixes'), block (t, 0) hc_pre of row t with the previous pre and rms_norm on it, in
+//    rms_norm's partition (bitwise hc_pre + rms_norm).
 //
 // hc_pre, hc_post: one thread per (row, channel), the CPU's sums in the CPU's order with no
 // contraction: bitwise equal to the CPU. hc_post's thread loads R[t, j, d] for every j into
@@ -39,309 +45,321 @@ namespace uf::cuda {
 
 namespace {
 
-constexpr int kMixThreads = 256;
-constexpr int kMixWarps = kMixThreads / 32;
 constexpr int kMaxHc = 8;
-constexpr int kMixChunk = 256;  // stream elements per hc_mixes block (one per thread)
+// hc_post_mixes / hc_mixes_partial: channels per block (one per lane; warp k owns stream k's), and
+// rows per block (fn is read once for them).
+constexpr int kPostD = 32;
+constexpr int kPostRows = 8;
+// The mixes' finish: the split partials are summed by 8 warps (mix m on warp m % 8), then warp 0
+// runs the Sinkhorn.
+constexpr int kFinishWarps = 8;
+constexpr int kFinishThreads = 32 * kFinishWarps;
+constexpr int kMixPreNormMaxThreads = 512;
+constexpr int kMaxMix1 = (2 + kMaxHc) * kMaxHc + 1;
 
-int mix_splits(const HcShape& p) { return (p.hc * p.dim + kMixChunk - 1) / kMixChunk; }
+int mix_splits(const HcShape& p) { return (p.dim + kPostD - 1) / kPostD; }
 
 __device__ __forceinline__ float sigmoid(float x) {
   return ew::fdiv(1.0f, ew::fadd(1.0f, expf(-x)));
 }
 
-// cpu::hc_split_sinkhorn for one row on one warp, m: (2 + HC) * HC mixes (already multiplied by
-// r), c: shared [HC * HC], sums: shared [HC]. Each sum and each element keeps the CPU's operation
-// order (lane j owns row j's softmax and row sums, lane k column k's sums, lane i element i's
-// divisions), so the result is the serial loop's, bit for bit, in ~1/16 of its time.
-template <int HC>
-__device__ void split_sinkhorn_warp(const HcShape& p, const float* m, const float* sc,
-                                    const DeviceWeight& base, float* c, float* sums, float* pre,
-                                    float* post, float* comb) {
-  const int lane = threadIdx.x & 31;
-  const float eps = p.hc_eps;
-  if (lane < HC) {
-    pre[lane] =
-        ew::fadd(sigmoid(ew::fadd(ew::fmul(m[lane], sc[0]), ew::weight_flat(base, lane))), eps);
-    post[lane] = ew::fmul(
-        2.0f, sigmoid(ew::fadd(ew::fmul(m[HC + lane], sc[1]), ew::weight_flat(base, HC + lane))));
-  }
-  for (int i = lane; i < HC * HC; i += 32)
-    c[i] = ew::fadd(ew::fmul(m[2 * HC + i], sc[2]), ew::weight_flat(base, 2 * HC + i));
-  __syncwarp();
-  if (lane < HC) {  // softmax over row `lane`, + eps
-    float* row = c + lane * HC;
-    float mx = row[0];
-    for (int k = 1; k < HC; ++k) mx = ew::smax(mx, row[k]);
-    for (int k = 0; k < HC; ++k) row[k] = expf(ew::fsub(row[k], mx));
-    float s = 0.f;
-    for (int k = 0; k < HC; ++k) s = ew::fadd(s, row[k]);
-    for (int k = 0; k < HC; ++k) row[k] = ew::fadd(ew::fdiv(row[k], s), eps);
-  }
-  __syncwarp();
-  auto norm = [&](bool cols) {
-    if (lane < HC) {
-      float s = 0.f;
-      for (int j = 0; j < HC; ++j) s = ew::fadd(s, cols ? c[j * HC + lane] : c[lane * HC + j]);
-      sums[lane] = ew::fadd(s, eps);
+// fn[m, c0 + i] for i < kPostD (zeros for i >= nvalid, and all zeros when !on): 16-byte loads when
+// the segment is whole and aligned, else scalar ones (the same values either way).
+__device__ __forceinline__ void load_fn_segment(const DeviceWeight& fn, int m, int64_t c0,
+                                                int nvalid, bool on, float (&w)[kPostD]) {
+#pragma unroll
+  for (int i = 0; i < kPostD; ++i) w[i] = 0.f;
+  if (!on) return;
+  const int64_t off = int64_t(m) * fn.cols + c0;
+  if (fn.format == model::WFormat::kF32) {
+    const float* p = reinterpret_cast<const float*>(fn.data) + off;
+    if (nvalid == kPostD && reinterpret_cast<uintptr_t>(p) % 16 == 0) {
+#pragma unroll
+      for (int i = 0; i < kPostD / 4; ++i) {
+        const float4 v = __ldg(reinterpret_cast<const float4*>(p) + i);
+        w[4 * i] = v.x;
+        w[4 * i + 1] = v.y;
+        w[4 * i + 2] = v.z;
+        w[4 * i + 3] = v.w;
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < kPostD; ++i)
+        if (i < nvalid) w[i] = __ldg(p + i);
     }
-    __syncwarp();
-    for (int i = lane; i < HC * HC; i += 32) c[i] = ew::fdiv(c[i], sums[cols ? i % HC : i / HC]);
-    __syncwarp();
+  } else if (fn.format == model::WFormat::kBF16) {
+    const uint16_t* p = reinterpret_cast<const uint16_t*>(fn.data) + off;
+    if (nvalid == kPostD && reinterpret_cast<uintptr_t>(p) % 16 == 0) {
+#pragma unroll
+      for (int i = 0; i < kPostD / 8; ++i) {
+        const uint4 u = __ldg(reinterpret_cast<const uint4*>(p) + i);
+        const uint32_t q[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          w[8 * i + 2 * j] = __uint_as_float(q[j] << 16);
+          w[8 * i + 2 * j + 1] = __uint_as_float(q[j] & 0xffff0000u);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < kPostD; ++i)
+        if (i < nvalid) w[i] = ew::bf16_to_f32(__ldg(p + i));
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < kPostD; ++i)
+      if (i < nvalid) w[i] = ew::weight_at(fn, m, c0 + i);
+  }
+}
+
+// hc_post (kPost) or a plain read of X (!kPost, X passed as R), then the split-K partials of the
+// next mixes over the values (fn . v and |v|^2), for up to kPostRows rows per block.
+// Block (s, g) owns channels d0 = s * kPostD .. d0 + 31 of every stream of rows g * kPostRows ..:
+//  1. thread (warp k, lane) loads R[t, k, d0 + lane] (and x), shares R through shared memory,
+//     computes v[t, k, d0 + lane] = hc_post (hc_post_kernel's arithmetic: bitwise the CPU), writes
+//     out and shares v (channels past dim: 0). No other block touches these channels.
+//  2. task (m, k) (mix m <= kMix, stream k; tid, tid + HC * 32, ..) holds fn[m, k * D + d0 ..]
+//     (loaded with 16-byte loads at the start, for all rows at once) and computes for each row
+//     the serial sum over the 32 channels in order of fn[m, k D + d] * v[t, k, d] (m = kMix:
+//     v * v);
+//  3. partial (t, m, s) = the tasks' sums added in stream order, at partial[(t * M1 + m) * S + s].
+// Every order is a function of (hc, dim) only, never of T or of the other rows.
+template <int HC, bool kPost>
+__global__ void __launch_bounds__(HC * 32)
+    hc_post_mixes_kernel(HcShape p, const float* x, const float* R, const float* post,
+                         const float* comb, int T, float* out, DeviceWeight fn, float* partial) {
+  constexpr int kMix = (2 + HC) * HC, M1 = kMix + 1, HH = HC * HC, CP = HH + HC;
+  constexpr int NTH = HC * 32, kTasks = M1 * HC, TPT = (kTasks + NTH - 1) / NTH;
+  // comb then post (kPost); R (kPost); the values v (a stream's row padded by 4 floats, so that
+  // a warp's 16-byte reads of HC rows hit different banks); the tasks' sums.
+  __shared__ float cs[kPostRows][CP];
+  __shared__ float rs[kPostRows][HC][kPostD];
+  __shared__ __align__(16) float vs[kPostRows][HC][kPostD + 4];
+  __shared__ float red[kPostRows][M1][HC];
+  const int D = p.dim, s = blockIdx.x, S = gridDim.x, tid = threadIdx.x;
+  const int64_t n = int64_t(HC) * D;
+  const int t0 = blockIdx.y * kPostRows, nt = min(kPostRows, T - t0);
+  const int k = tid >> 5, lane = tid & 31;
+  const int d0 = s * kPostD, nvalid = min(kPostD, D - d0);
+  const bool valid = lane < nvalid;
+  const int64_t c = int64_t(k) * D + d0 + (valid ? lane : nvalid - 1);  // in bounds
+  // The tasks' fn segments first: the bulk of the bytes, in flight with the rows' loads.
+  float w[TPT][kPostD];
+#pragma unroll
+  for (int q = 0; q < TPT; ++q) {
+    const int task = tid + NTH * q, m = task / HC, kk = task % HC;
+    load_fn_segment(fn, m, int64_t(kk) * D + d0, nvalid, partial && task < kTasks && m < kMix,
+                    w[q]);
+  }
+  // Every row's loads (rows past nt repeat the last one), all in flight together.
+  float vals[kPostRows], xv[kPostRows];
+#pragma unroll
+  for (int tt = 0; tt < kPostRows; ++tt) {
+    const int64_t t = t0 + min(tt, nt - 1);
+    vals[tt] = R[t * n + c];
+    if constexpr (kPost) xv[tt] = x[t * D + (c - int64_t(k) * D)];
+  }
+  if constexpr (kPost) {
+    for (int i = tid; i < nt * CP; i += NTH) {
+      const int tt = i / CP, j = i % CP;
+      cs[tt][j] = j < HH ? comb[int64_t(t0 + tt) * HH + j] : post[int64_t(t0 + tt) * HC + j - HH];
+    }
+#pragma unroll
+    for (int tt = 0; tt < kPostRows; ++tt) rs[tt][k][lane] = vals[tt];
+    __syncthreads();
+#pragma unroll
+    for (int tt = 0; tt < kPostRows; ++tt) {
+      if (tt >= nt) break;
+      const float* cb = cs[tt];
+      float sum = ew::fmul(cb[k], rs[tt][0][lane]);
+#pragma unroll
+      for (int j = 1; j < HC; ++j) sum = ew::fadd(sum, ew::fmul(cb[j * HC + k], rs[tt][j][lane]));
+      vals[tt] = ew::round_bf16(ew::fadd(ew::fmul(cb[HH + k], xv[tt]), sum));
+      if (valid) out[(t0 + tt) * n + c] = vals[tt];
+    }
+  }
+  if (!partial) return;
+#pragma unroll
+  for (int tt = 0; tt < kPostRows; ++tt) vs[tt][k][lane] = valid ? vals[tt] : 0.f;
+  __syncthreads();
+#pragma unroll
+  for (int q = 0; q < TPT; ++q) {
+    const int task = tid + NTH * q, m = task / HC, kk = task % HC;
+    if (task >= kTasks) break;
+#pragma unroll
+    for (int tt = 0; tt < kPostRows; ++tt) {
+      if (tt >= nt) break;
+      const float4* v4 = reinterpret_cast<const float4*>(vs[tt][kk]);
+      float a = 0.f;
+#pragma unroll
+      for (int i = 0; i < kPostD / 4; ++i) {
+        const float4 v = v4[i];
+        const float e[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float prod = m < kMix ? ew::fmul(w[q][4 * i + j], e[j]) : ew::fmul(e[j], e[j]);
+          a = i + j == 0 ? prod : ew::fadd(a, prod);
+        }
+      }
+      red[tt][m][kk] = a;
+    }
+  }
+  __syncthreads();
+  for (int i = tid; i < nt * M1; i += NTH) {
+    const int tt = i / M1, m = i % M1;
+    float v = red[tt][m][0];
+#pragma unroll
+    for (int j = 1; j < HC; ++j) v = ew::fadd(v, red[tt][m][j]);
+    partial[((t0 + tt) * int64_t(M1) + m) * S + s] = v;
+  }
+}
+
+// Element idx of a matrix spread over the warp as v[e] on lane l = element l + 32 e (every lane
+// must call it with its own idx).
+template <int E>
+__device__ __forceinline__ float warp_get(const float (&v)[E], int idx) {
+  if constexpr (E == 1) return __shfl_sync(0xffffffffu, v[0], idx);  // idx < 32: no select
+  float r = 0.f;
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    const float x = __shfl_sync(0xffffffffu, v[e], idx & 31);
+    if ((idx >> 5) == e) r = x;
+  }
+  return r;
+}
+
+// The mixes' finish of row t on one block of >= kFinishThreads threads (all of them call it):
+//  1. mix m (on warp m % 8) = the butterfly over the lanes of lane l's serial sum of the partials
+//     s = l, l + 32, .. in s order (an order fixed by S = mix_splits(dim), never by T);
+//  2. r = 1 / sqrt(sumsq / n + norm_eps), m *= r, then cpu::hc_split_sinkhorn on warp 0 with one
+//     comb element per lane (HC * HC <= 32; more: E per lane) in registers, the sums gathered by
+//     shuffles: every sum and every element keeps the CPU's operation order, so the result is the
+//     CPU's arithmetic except the mixes' summation order and CUDA's expf. (The CPU's sums start
+//     with 0 + c[0]; c is never -0 here (exp >= +0 over a positive sum, + eps, then divided by
+//     positive sums), so starting at c[0] gives the same bits.)
+// sm: >= kMaxMix1 floats of shared memory.
+template <int HC>
+__device__ void mixes_finish(const HcShape& p, const DeviceWeight& scale, const DeviceWeight& base,
+                             int S, const float* partial, int64_t t, float* sm, float* pre,
+                             float* post, float* comb) {
+  constexpr int kMix = (2 + HC) * HC, M1 = kMix + 1, HH = HC * HC, E = (HH + 31) / 32;
+  constexpr int QM = (M1 + kFinishWarps - 1) / kFinishWarps;  // mixes per warp
+  constexpr int kJ = QM <= 4 ? 8 : 2;                         // partials per lane per batch
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  // Warp 0's Sinkhorn inputs from the weights first: their loads overlap the partials'.
+  float sc[3] = {0.f, 0.f, 0.f}, bpre = 0.f, bpost = 0.f, bc[E];
+#pragma unroll
+  for (int e = 0; e < E; ++e) bc[e] = 0.f;
+  if (warp == 0) {
+#pragma unroll
+    for (int i = 0; i < 3; ++i) sc[i] = ew::weight_flat(scale, i);
+    if (lane < HC) {
+      bpre = ew::weight_flat(base, lane);
+      bpost = ew::weight_flat(base, HC + lane);
+    }
+#pragma unroll
+    for (int e = 0; e < E; ++e) bc[e] = ew::weight_flat(base, 2 * HC + min(lane + 32 * e, HH - 1));
+  }
+  if (warp < kFinishWarps) {
+    const float* pt = partial + t * M1 * S;
+    float acc[QM];
+#pragma unroll
+    for (int q = 0; q < QM; ++q) acc[q] = 0.f;
+    for (int s0 = 0; s0 < S; s0 += 32 * kJ) {
+      float v[QM][kJ];
+#pragma unroll
+      for (int q = 0; q < QM; ++q)
+#pragma unroll
+        for (int j = 0; j < kJ; ++j) {
+          const int m = warp + kFinishWarps * q, si = s0 + 32 * j + lane;
+          v[q][j] = m < M1 && si < S ? pt[int64_t(m) * S + si] : 0.f;
+        }
+#pragma unroll
+      for (int q = 0; q < QM; ++q)
+#pragma unroll
+        for (int j = 0; j < kJ; ++j)
+          if (s0 + 32 * j + lane < S) acc[q] = s0 + j == 0 ? v[q][j] : ew::fadd(acc[q], v[q][j]);
+    }
+#pragma unroll
+    for (int q = 0; q < QM; ++q) {
+      float v = acc[q];
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) v = ew::fadd(v, __shfl_xor_sync(0xffffffffu, v, o));
+      const int m = warp + kFinishWarps * q;
+      if (lane == 0 && m < M1) sm[m] = v;
+    }
+  }
+  __syncthreads();
+  if (warp != 0) return;
+  const int n = HC * p.dim;
+  const float eps = p.hc_eps;
+  const float r = ew::fdiv(1.0f, __fsqrt_rn(ew::fadd(ew::fdiv(sm[kMix], float(n)), p.norm_eps)));
+  if (lane < HC) {
+    pre[t * HC + lane] =
+        ew::fadd(sigmoid(ew::fadd(ew::fmul(ew::fmul(sm[lane], r), sc[0]), bpre)), eps);
+    post[t * HC + lane] =
+        ew::fmul(2.0f, sigmoid(ew::fadd(ew::fmul(ew::fmul(sm[HC + lane], r), sc[1]), bpost)));
+  }
+  // Lane l holds elements i = l + 32 e (clamped to HH - 1 past the matrix: computed, never
+  // stored) of row i / HC, column i % HC.
+  int row[E], col[E];
+  float c[E], ex[E];
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    const int i = min(lane + 32 * e, HH - 1);
+    row[e] = i / HC;
+    col[e] = i % HC;
+    c[e] = ew::fadd(ew::fmul(ew::fmul(sm[2 * HC + i], r), sc[2]), bc[e]);
+  }
+  // Softmax over each row, + eps.
+  float mx[E];
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    mx[e] = warp_get<E>(c, row[e] * HC);
+#pragma unroll
+    for (int k = 1; k < HC; ++k) mx[e] = ew::smax(mx[e], warp_get<E>(c, row[e] * HC + k));
+  }
+#pragma unroll
+  for (int e = 0; e < E; ++e) ex[e] = expf(ew::fsub(c[e], mx[e]));
+  float sum[E];
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    sum[e] = warp_get<E>(ex, row[e] * HC);
+#pragma unroll
+    for (int k = 1; k < HC; ++k) sum[e] = ew::fadd(sum[e], warp_get<E>(ex, row[e] * HC + k));
+  }
+#pragma unroll
+  for (int e = 0; e < E; ++e) c[e] = ew::fadd(ew::fdiv(ex[e], sum[e]), eps);
+  auto norm = [&](bool cols) {
+    float sn[E];
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      // cols: sum over j of c[j, col]; rows: sum over k of c[row, k]; each in index order.
+      const int base_i = cols ? col[e] : row[e] * HC, step = cols ? HC : 1;
+      sn[e] = warp_get<E>(c, base_i);
+#pragma unroll
+      for (int k = 1; k < HC; ++k) sn[e] = ew::fadd(sn[e], warp_get<E>(c, base_i + k * step));
+    }
+#pragma unroll
+    for (int e = 0; e < E; ++e) c[e] = ew::fdiv(c[e], ew::fadd(sn[e], eps));
   };
   norm(true);
   for (int it = 0; it < p.sinkhorn_iters - 1; ++it) {
     norm(false);
     norm(true);
   }
-  for (int i = lane; i < HC * HC; i += 32) comb[i] = c[i];
+#pragma unroll
+  for (int e = 0; e < E; ++e)
+    if (lane + 32 * e < HH) comb[t * HH + lane + 32 * e] = c[e];
 }
 
-// Split K: block (s, t) sums its kMixChunk elements of row t into kMix + 1 partials (the mixes'
-// dot products and the sum of squares), one element per thread, then warps by
-// butterfly and the 8 warps in order. partial[(t * S + s) * (kMix + 1) + m].
+// hc_mixes' second kernel: the finish of row blockIdx.x.
 template <int HC>
-__global__ void __launch_bounds__(kMixThreads)
-    hc_mixes_partial_kernel(HcShape p, DeviceWeight fn, const float* X, float* partial) {
-  constexpr int kMix = (2 + HC) * HC;
-  __shared__ float red[(kMix + 1) * kMixWarps];
-  const int n = HC * p.dim, s = blockIdx.x, S = gridDim.x;
-  const int64_t t = blockIdx.y;
-  const float* x = X + t * n;
-  float acc[kMix + 1];
-#pragma unroll
-  for (int m = 0; m <= kMix; ++m) acc[m] = 0.f;
-  const int c0 = s * kMixChunk;
-  for (int c = c0 + threadIdx.x; c < min(n, c0 + kMixChunk); c += kMixThreads) {
-    const float v = x[c];
-    acc[kMix] = ew::fadd(acc[kMix], ew::fmul(v, v));
-#pragma unroll
-    for (int m = 0; m < kMix; ++m) acc[m] = ew::fadd(acc[m], ew::fmul(ew::weight_at(fn, m, c), v));
-  }
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-#pragma unroll
-  for (int m = 0; m <= kMix; ++m) {
-    float v = acc[m];
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = ew::fadd(v, __shfl_xor_sync(0xffffffffu, v, o));
-    if (lane == 0) red[m * kMixWarps + warp] = v;
-  }
-  __syncthreads();
-  for (int m = threadIdx.x; m <= kMix; m += kMixThreads) {
-    float v = red[m * kMixWarps];
-    for (int w = 1; w < kMixWarps; ++w) v = ew::fadd(v, red[m * kMixWarps + w]);
-    partial[(t * S + s) * (kMix + 1) + m] = v;
-  }
-}
-
-// One warp per row: the splits' partials in split order (lane m owns mix m), then r and the
-// Sinkhorn (split_sinkhorn_warp).
-template <int HC>
-__global__ void hc_mixes_finish_kernel(HcShape p, DeviceWeight scale, DeviceWeight base, int S,
-                                       const float* partial, float* pre, float* post, float* comb) {
-  constexpr int kMix = (2 + HC) * HC;
-  __shared__ float mix[kMix + 1], c[HC * HC], sums[HC];
-  const int64_t t = blockIdx.x;
-  const int lane = threadIdx.x;
-  const int n = HC * p.dim;
-  const float* pt = partial + t * S * (kMix + 1);
-  for (int m = lane; m <= kMix; m += 32) {
-    float v = pt[m];
-    for (int s = 1; s < S; ++s) v = ew::fadd(v, pt[s * (kMix + 1) + m]);
-    mix[m] = v;
-  }
-  __syncwarp();
-  const float r = ew::fdiv(1.0f, __fsqrt_rn(ew::fadd(ew::fdiv(mix[kMix], float(n)), p.norm_eps)));
-  __syncwarp();
-  for (int m = lane; m < kMix; m += 32) mix[m] = ew::fmul(mix[m], r);
-  __syncwarp();
-  const float sc[3] = {ew::weight_flat(scale, 0), ew::weight_flat(scale, 1),
-                       ew::weight_flat(scale, 2)};
-  split_sinkhorn_warp<HC>(p, mix, sc, base, c, sums, pre + t * HC, post + t * HC,
-                          comb + t * HC * HC);
-}
-
-template <int HC>
-void launch_mixes(const HcShape& p, const DeviceWeight& fn, const DeviceWeight& scale,
-                  const DeviceWeight& base, const float* X, int T, float* pre, float* post,
-                  float* comb, float* scratch, cudaStream_t stream) {
-  const int S = mix_splits(p);
-  hc_mixes_partial_kernel<HC><<<dim3(S, T), kMixThreads, 0, stream>>>(p, fn, X, scratch);
-  UF_CUDA_CHECK(cudaGetLastError());
-  hc_mixes_finish_kernel<HC><<<T, 32, 0, stream>>>(p, scale, base, S, scratch, pre, post, comb);
-}
-
-// ---- fused kernels (hc_post_mixes, hc_mixes_partial, hc_mix_pre_norm) ----
-
-constexpr int kPostRows = 8;       // rows per hc_post_mixes block (fn read once for them)
-constexpr int kFinishSmem = 4096;  // floats of partials staged per batch in the finish
-constexpr int kMixPreNormMaxThreads = 512;
-
-// Reduce-scatter of VP values per lane (VP a multiple of 32) over a warp, with the tree of the
-// xor-shuffle butterfly (distances 16, 8, 4, 2, 1; at each level lane l adds its partner's value
-// to its own): at distance o the lane with bit o clear keeps the lower half of its current values
-// and its partner the upper half, each receiving the other's copy of the half it keeps. Every
-// value goes through exactly the additions the butterfly does on it, so the sums are bitwise the
-// butterfly's, for VP * 31 / 32 shuffles instead of VP * 5. On return lane l holds the sums of
-// values l * (VP / 32) + q in v[q], q < VP / 32.
-// (One level per instantiation so every register index is a compile-time constant.)
-template <int VP, int kStep = 0>
-__device__ __forceinline__ void warp_reduce_scatter(float (&v)[VP], int lane) {
-  if constexpr (kStep < 5) {
-    constexpr int o = 16 >> kStep, half = VP >> (kStep + 1);
-    const bool upper = (lane & o) != 0;
-#pragma unroll
-    for (int i = 0; i < half; ++i) {
-      const float send = upper ? v[i] : v[half + i];
-      const float keep = upper ? v[half + i] : v[i];
-      v[i] = ew::fadd(keep, __shfl_xor_sync(0xffffffffu, send, o));
-    }
-    warp_reduce_scatter<VP, kStep + 1>(v, lane);
-  }
-}
-
-// Column c of fn (weight_at(fn, m, c) for every m; zeros when !on). One branch on the format
-// outside the unrolled loads, so that they are all in flight at once (weight_at's switch inside
-// the loop can serialise them: ~24 dependent memory round trips).
-template <int N>
-__device__ __forceinline__ void load_fn_column(const DeviceWeight& fn, int64_t c, bool on,
-                                               float (&w)[N]) {
-  if (!on) {
-#pragma unroll
-    for (int m = 0; m < N; ++m) w[m] = 0.f;
-  } else if (fn.format == model::WFormat::kF32) {
-    const float* d = reinterpret_cast<const float*>(fn.data) + c;
-#pragma unroll
-    for (int m = 0; m < N; ++m) w[m] = d[int64_t(m) * fn.cols];
-  } else if (fn.format == model::WFormat::kBF16) {
-    const uint16_t* d = reinterpret_cast<const uint16_t*>(fn.data) + c;
-#pragma unroll
-    for (int m = 0; m < N; ++m) w[m] = ew::bf16_to_f32(d[int64_t(m) * fn.cols]);
-  } else {
-#pragma unroll
-    for (int m = 0; m < N; ++m) w[m] = ew::weight_at(fn, m, c);
-  }
-}
-
-// hc_post (kPost) or a plain read of X (!kPost, X passed as R), then the next mixes' split-K
-// partials of the values, for up to kPostRows rows per block. Block (s, g) owns the stream
-// elements c = s * kMixChunk + thread of rows g * kPostRows ..: exactly hc_mixes_partial_kernel's
-// chunk, thread i on element c0 + i, so each partial is the same butterfly (here as a
-// reduce-scatter) and the same in-order sum of the 8 warps: bitwise its partials. The thread's
-// kMix values of fn are loaded once for all the block's rows. hc_post's arithmetic is
-// hc_post_kernel's. out must not alias R: a block reads R[t, :, d] of every stream while other
-// blocks write their chunks.
-template <int HC, bool kPost>
-__global__ void __launch_bounds__(kMixThreads)
-    hc_post_mixes_kernel(HcShape p, const float* x, const float* R, const float* post,
-                         const float* comb, int T, float* out, DeviceWeight fn, float* partial) {
-  constexpr int kMix = (2 + HC) * HC, M1 = kMix + 1, VP = (M1 + 31) / 32 * 32, Q = VP / 32;
-  __shared__ float red[kPostRows * M1 * kMixWarps];
-  const int D = p.dim, n = HC * D, s = blockIdx.x, S = gridDim.x;
-  const int t0 = blockIdx.y * kPostRows, nt = min(kPostRows, T - t0);
-  const int c = s * kMixChunk + threadIdx.x;
-  const bool valid = c < n;
-  const int ce = valid ? c : 0;  // in-bounds stand-in, so that every load below is unconditional
-  const int k = ce / D, d = ce % D;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  float w[kMix];
-  load_fn_column<kMix>(fn, ce, partial && valid, w);
-  // Every row's value first (rows past nt repeat the last one), all loads in flight together.
-  float vals[kPostRows];
-#pragma unroll
-  for (int tt = 0; tt < kPostRows; ++tt) {
-    const int64_t t = t0 + min(tt, nt - 1);
-    if constexpr (kPost) {
-      const float* r = R + t * n + d;
-      float rv[HC];
-#pragma unroll
-      for (int j = 0; j < HC; ++j) rv[j] = r[int64_t(j) * D];
-      const float* cb = comb + t * HC * HC;
-      float sum = ew::fmul(cb[k], rv[0]);
-#pragma unroll
-      for (int j = 1; j < HC; ++j) sum = ew::fadd(sum, ew::fmul(cb[j * HC + k], rv[j]));
-      vals[tt] = ew::round_bf16(ew::fadd(ew::fmul(post[t * HC + k], x[t * D + d]), sum));
-    } else {
-      vals[tt] = R[t * n + ce];
-    }
-  }
-  if constexpr (kPost) {
-#pragma unroll
-    for (int tt = 0; tt < kPostRows; ++tt)
-      if (tt < nt && valid) out[(t0 + tt) * int64_t(n) + c] = vals[tt];
-  }
-  if (!partial) return;
-#pragma unroll
-  for (int tt = 0; tt < kPostRows; ++tt) {
-    if (tt >= nt) break;
-    // Elements past n: hc_mixes_partial_kernel's untouched zero accumulators.
-    const float v = valid ? vals[tt] : 0.f;
-    float a[VP];
-#pragma unroll
-    for (int m = 0; m < kMix; ++m) a[m] = ew::fadd(0.f, ew::fmul(w[m], v));
-    a[kMix] = ew::fadd(0.f, ew::fmul(v, v));
-#pragma unroll
-    for (int m = M1; m < VP; ++m) a[m] = 0.f;
-    warp_reduce_scatter<VP>(a, lane);
-#pragma unroll
-    for (int q = 0; q < Q; ++q) {
-      const int m = lane * Q + q;
-      if (m < M1) red[(tt * M1 + m) * kMixWarps + warp] = a[q];
-    }
-  }
-  __syncthreads();
-  for (int i = threadIdx.x; i < nt * M1; i += kMixThreads) {
-    const int tt = i / M1, m = i % M1;
-    const float* rw = red + i * kMixWarps;
-    float v = rw[0];
-    for (int wi = 1; wi < kMixWarps; ++wi) v = ew::fadd(v, rw[wi]);
-    partial[((t0 + tt) * int64_t(S) + s) * M1 + m] = v;
-  }
-}
-
-// The mixes' finish of row t on one block: the row's partials staged through shared memory in
-// batches (one memory round trip per batch instead of a dependent load per chunk), thread m adds
-// mix m's partials in chunk order (hc_mixes_finish_kernel's order), then warp 0 applies r and runs
-// split_sinkhorn_warp. blockDim.x >= kMix + 1.
-template <int HC>
-__device__ void mixes_finish(const HcShape& p, const DeviceWeight& scale, const DeviceWeight& base,
-                             int S, const float* partial, int64_t t, float* sm, float* pre,
-                             float* post, float* comb) {
-  constexpr int kMix = (2 + HC) * HC, M1 = kMix + 1, SB = kFinishSmem / M1;
-  const int B = blockDim.x, tid = threadIdx.x;
-  const float* pt = partial + t * S * M1;
-  float acc = 0.f;
-  for (int s0 = 0; s0 < S; s0 += SB) {
-    const int nb = min(SB, S - s0);
-    for (int i = tid; i < nb * M1; i += B) sm[i] = pt[int64_t(s0) * M1 + i];
-    __syncthreads();
-    if (tid < M1) {
-      int sb = 0;
-      if (s0 == 0) {
-        acc = sm[tid];
-        sb = 1;
-      }
-      for (; sb < nb; ++sb) acc = ew::fadd(acc, sm[sb * M1 + tid]);
-    }
-    __syncthreads();
-  }
-  if (tid < M1) sm[tid] = acc;
-  __syncthreads();
-  if (tid >= 32) return;
-  const int n = HC * p.dim;
-  const float r = ew::fdiv(1.0f, __fsqrt_rn(ew::fadd(ew::fdiv(sm[kMix], float(n)), p.norm_eps)));
-  __syncwarp();
-  for (int i = tid; i < kMix; i += 32) sm[i] = ew::fmul(sm[i], r);
-  __syncwarp();
-  // The Sinkhorn on the warp, each division on its own lane (split_sinkhorn_warp): every lane
-  // running the whole iteration in registers cost ~30 us a call on H200 (2 ms a step) for the
-  // 2 * iters * HC^2 serial IEEE divisions. Same bits either way.
-  const float sc[3] = {ew::weight_flat(scale, 0), ew::weight_flat(scale, 1),
-                       ew::weight_flat(scale, 2)};
-  float* c = sm + 96;                 // [HC * HC] (kMix + 1 <= 81 floats precede it)
-  float* sums = c + kMaxHc * kMaxHc;  // [HC]
-  split_sinkhorn_warp<HC>(p, sm, sc, base, c, sums, pre + t * HC, post + t * HC,
-                          comb + t * HC * HC);
+__global__ void __launch_bounds__(kFinishThreads)
+    hc_mixes_finish_kernel(HcShape p, DeviceWeight scale, DeviceWeight base, int S,
+                           const float* partial, float* pre, float* post, float* comb) {
+  __shared__ float sm[kMaxMix1];
+  mixes_finish<HC>(p, scale, base, S, partial, blockIdx.x, sm, pre, post, comb);
 }
 
 // Block (t, 0): hc_pre of row t with pre_in, then rms_norm with nw on the collapsed row in
@@ -355,7 +373,7 @@ __global__ void __launch_bounds__(kMixPreNormMaxThreads, 1)
                            const float* partial, const float* X, const float* pre_in,
                            DeviceWeight nw, float eps, float* y, float* pre, float* post,
                            float* comb, int NT) {
-  __shared__ float sm[kFinishSmem];
+  __shared__ float sm[kMaxMix1 > 32 ? kMaxMix1 : 32];
   const int64_t t = blockIdx.x;
   if (blockIdx.y == 1) {
     mixes_finish<HC>(p, scale, base, S, partial, t, sm, pre, post, comb);
@@ -472,6 +490,33 @@ void check_shape(const char* name, const HcShape& p) {
           "%s: hc = %d, dim = %d; expected 1 <= hc <= %d and dim > 0", name, p.hc, p.dim, kMaxHc);
 }
 
+void check_fn(const char* name, const HcShape& p, const DeviceWeight& fn) {
+  const int mix = (2 + p.hc) * p.hc;
+  require(fn.rows == mix && fn.cols == int64_t(p.hc) * p.dim,
+          "%s: fn is [%lld, %lld], expected [%d, %lld]", name, (long long)fn.rows,
+          (long long)fn.cols, mix, (long long)p.hc * p.dim);
+}
+
+void check_mix_weights(const char* name, const HcShape& p, const DeviceWeight& scale,
+                       const DeviceWeight& base) {
+  const int mix = (2 + p.hc) * p.hc;
+  require(scale.rows * scale.cols >= 3 && base.rows * base.cols >= mix,
+          "%s: scale has %lld values (needs 3), base %lld (needs %d)", name,
+          (long long)(scale.rows * scale.cols), (long long)(base.rows * base.cols), mix);
+}
+
+// The split-K partials of fn . X (hc_post_mixes_kernel without the expand).
+void launch_partials(const HcShape& p, const DeviceWeight& fn, const float* X, int T,
+                     float* partial, cudaStream_t stream) {
+  const dim3 grid(mix_splits(p), (T + kPostRows - 1) / kPostRows);
+  dispatch_hc(p.hc, [&](auto H) {
+    constexpr int HC = decltype(H)::value;
+    hc_post_mixes_kernel<HC, false>
+        <<<grid, HC * 32, 0, stream>>>(p, nullptr, X, nullptr, nullptr, T, nullptr, fn, partial);
+  });
+  UF_CUDA_CHECK(cudaGetLastError());
+}
+
 }  // namespace
 
 size_t hc_mixes_scratch_floats(const HcShape& p, int T) {
@@ -483,40 +528,26 @@ void hc_mixes(const HcShape& p, const DeviceWeight& fn, const DeviceWeight& scal
               float* scratch, cudaStream_t stream) {
   check_shape("hc_mixes", p);
   require(T <= 0 || scratch, "hc_mixes: no scratch (hc_mixes_scratch_floats(p, %d) floats)", T);
-  const int mix = (2 + p.hc) * p.hc;
-  require(fn.rows == mix && fn.cols == int64_t(p.hc) * p.dim,
-          "hc_mixes: fn is [%lld, %lld], expected [%d, %lld]", (long long)fn.rows,
-          (long long)fn.cols, mix, (long long)p.hc * p.dim);
-  require(scale.rows * scale.cols >= 3 && base.rows * base.cols >= mix,
-          "hc_mixes: scale has %lld values (needs 3), base %lld (needs %d)",
-          (long long)(scale.rows * scale.cols), (long long)(base.rows * base.cols), mix);
+  check_fn("hc_mixes", p, fn);
+  check_mix_weights("hc_mixes", p, scale, base);
   if (T <= 0) return;
-  switch (p.hc) {
-    case 1:
-      launch_mixes<1>(p, fn, scale, base, X, T, pre, post, comb, scratch, stream);
-      break;
-    case 2:
-      launch_mixes<2>(p, fn, scale, base, X, T, pre, post, comb, scratch, stream);
-      break;
-    case 3:
-      launch_mixes<3>(p, fn, scale, base, X, T, pre, post, comb, scratch, stream);
-      break;
-    case 4:
-      launch_mixes<4>(p, fn, scale, base, X, T, pre, post, comb, scratch, stream);
-      break;
-    case 5:
-      launch_mixes<5>(p, fn, scale, base, X, T, pre, post, comb, scratch, stream);
-      break;
-    case 6:
-      launch_mixes<6>(p, fn, scale, base, X, T, pre, post, comb, scratch, stream);
-      break;
-    case 7:
-      launch_mixes<7>(p, fn, scale, base, X, T, pre, post, comb, scratch, stream);
-      break;
-    default:
-      launch_mixes<8>(p, fn, scale, base, X, T, pre, post, comb, scratch, stream);
-      break;
-  }
+  launch_partials(p, fn, X, T, scratch, stream);
+  hc_mixes_finish(p, scale, base, scratch, T, pre, post, comb, stream);
+}
+
+void hc_mixes_finish(const HcShape& p, const DeviceWeight& scale, const DeviceWeight& base,
+                     const float* partial, int T, float* pre, float* post, float* comb,
+                     cudaStream_t stream) {
+  check_shape("hc_mixes_finish", p);
+  check_mix_weights("hc_mixes_finish", p, scale, base);
+  require(T <= 0 || (partial && pre && post && comb),
+          "hc_mixes_finish: null partials or pre / post / comb (T = %d)", T);
+  if (T <= 0) return;
+  const int S = mix_splits(p);
+  dispatch_hc(p.hc, [&](auto H) {
+    hc_mixes_finish_kernel<decltype(H)::value>
+        <<<T, kFinishThreads, 0, stream>>>(p, scale, base, S, partial, pre, post, comb);
+  });
   UF_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -538,29 +569,13 @@ void hc_post(const HcShape& p, const float* x, const float* R, const float* post
   UF_CUDA_CHECK(cudaGetLastError());
 }
 
-namespace {
-
-void check_fn(const char* name, const HcShape& p, const DeviceWeight& fn) {
-  const int mix = (2 + p.hc) * p.hc;
-  require(fn.rows == mix && fn.cols == int64_t(p.hc) * p.dim,
-          "%s: fn is [%lld, %lld], expected [%d, %lld]", name, (long long)fn.rows,
-          (long long)fn.cols, mix, (long long)p.hc * p.dim);
-}
-
-}  // namespace
-
 void hc_mixes_partial(const HcShape& p, const DeviceWeight& fn, const float* X, int T,
                       float* partial, cudaStream_t stream) {
   check_shape("hc_mixes_partial", p);
   check_fn("hc_mixes_partial", p, fn);
   require(T <= 0 || partial, "hc_mixes_partial: no partials buffer (hc_mixes_scratch_floats)");
   if (T <= 0) return;
-  const dim3 grid(mix_splits(p), (T + kPostRows - 1) / kPostRows);
-  dispatch_hc(p.hc, [&](auto H) {
-    hc_post_mixes_kernel<decltype(H)::value, false><<<grid, kMixThreads, 0, stream>>>(
-        p, nullptr, X, nullptr, nullptr, T, nullptr, fn, partial);
-  });
-  UF_CUDA_CHECK(cudaGetLastError());
+  launch_partials(p, fn, X, T, partial, stream);
 }
 
 void hc_post_mixes(const HcShape& p, const float* x, const float* R, const float* post,
@@ -578,8 +593,9 @@ void hc_post_mixes(const HcShape& p, const float* x, const float* R, const float
   const dim3 grid(mix_splits(p), (T + kPostRows - 1) / kPostRows);
   float* part = fn.empty() ? nullptr : partial;
   dispatch_hc(p.hc, [&](auto H) {
-    hc_post_mixes_kernel<decltype(H)::value, true>
-        <<<grid, kMixThreads, 0, stream>>>(p, x, R, post, comb, T, out, fn, part);
+    constexpr int HC = decltype(H)::value;
+    hc_post_mixes_kernel<HC, true>
+        <<<grid, HC * 32, 0, stream>>>(p, x, R, post, comb, T, out, fn, part);
   });
   UF_CUDA_CHECK(cudaGetLastError());
 }
@@ -589,7 +605,7 @@ void hc_mix_pre_norm(const HcShape& p, const DeviceWeight& scale, const DeviceWe
                      const DeviceWeight& norm, float eps, int T, float* y, float* pre, float* post,
                      float* comb, cudaStream_t stream) {
   check_shape("hc_mix_pre_norm", p);
-  const int NT = ew::norm_threads(p.dim), mix = (2 + p.hc) * p.hc;
+  const int NT = ew::norm_threads(p.dim);
   require(NT <= kMixPreNormMaxThreads && p.dim <= ew::kNormVec * 4 * NT,
           "hc_mix_pre_norm: dim %d exceeds the fused kernel's row of %d values", p.dim,
           ew::kNormVec * 4 * kMixPreNormMaxThreads);
@@ -597,15 +613,14 @@ void hc_mix_pre_norm(const HcShape& p, const DeviceWeight& scale, const DeviceWe
           "hc_mix_pre_norm: norm weight has %lld x %lld elements, expected %d",
           (long long)norm.rows, (long long)norm.cols, p.dim);
   if (partial) {
-    require(scale.rows * scale.cols >= 3 && base.rows * base.cols >= mix,
-            "hc_mix_pre_norm: scale has %lld values (needs 3), base %lld (needs %d)",
-            (long long)(scale.rows * scale.cols), (long long)(base.rows * base.cols), mix);
+    check_mix_weights("hc_mix_pre_norm", p, scale, base);
     require(pre && post && comb, "hc_mix_pre_norm: partials given without pre / post / comb");
     require(!overlaps(pre, size_t(std::max(T, 0)) * p.hc, pre_in, size_t(std::max(T, 0)) * p.hc),
             "hc_mix_pre_norm: pre (written) overlaps pre_in (read by the collapse)");
   }
   if (T <= 0) return;
-  const int B = partial ? std::max(NT, (mix + 1 + 31) / 32 * 32) : NT;
+  // The finish needs kFinishThreads; the collapse uses the first NT threads of its blocks.
+  const int B = partial ? std::max(NT, kFinishThreads) : NT;
   require(B <= kMixPreNormMaxThreads, "hc_mix_pre_norm: %d threads per block", B);
   const dim3 grid(T, partial ? 2 : 1);
   const int S = mix_splits(p);

@@ -1,0 +1,207 @@
+// bench_cuda_mhc: the decode step's mHC glue kernels (ops/mhc.cu) at a TP8 rank's real dims
+// (hc 4, dim 5120, 20 Sinkhorn iterations, fn F32 [24, 20480]) for T = 1, 2, 4, 7, 8 rows:
+//   hc_post_mixes   (expand of the sublayer output into the streams + the next mixes' partials),
+//   hc_mix_pre_norm (the mixes' finish + Sinkhorn, collapse + rms_norm),
+//   the pair as layer() calls them,
+//   hc_mixes_finish and hc_pre_norm (hc_mix_pre_norm's halves alone: a step may fork the finish).
+// Each figure is the median over --reps replays of a CUDA graph of --copies calls, each call with
+// its own fn (copies x 2 MB > L2, so fn comes from HBM as in a real step; the streams and
+// partials were written by the previous call, so they are L2-warm as in the step), divided by
+// --copies. Every call reads X and writes R (no chain through the stream: values stay finite
+// whatever the random post / comb), the pair's collapse reads R. Bytes: everything the call reads
+// and writes once; floor = bytes / 4.1 TB/s.
+//
+//   bench_cuda_mhc [--reps N] [--copies N]
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#ifndef UF_HAVE_CUDA
+int main() {
+  std::printf("bench_cuda_mhc: built without the CUDA backend\n");
+  return 0;
+}
+#else
+
+#include <cuda_runtime.h>
+
+#include "cuda/cuda_check.h"
+#include "cuda/device_fill.h"
+#include "cuda/device_weights.h"
+#include "cuda/ops/elementwise.h"
+
+using namespace uf::cuda;
+
+namespace {
+
+constexpr int kHc = 4, kDim = 5120, kIters = 20, kTmax = 8;
+constexpr int kMix = (2 + kHc) * kHc;
+constexpr double kHbm = 4.1e12;  // bytes / s
+
+struct Buffers {
+  std::vector<void*> ptrs;
+  float* floats(size_t n) {
+    void* p = nullptr;
+    UF_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(n, 4) * sizeof(float)));
+    ptrs.push_back(p);
+    return static_cast<float*>(p);
+  }
+  ~Buffers() {
+    for (void* p : ptrs) cudaFree(p);
+  }
+};
+
+DeviceWeight f32_weight(float* p, int64_t rows, int64_t cols) {
+  DeviceWeight w;
+  w.format = uf::model::WFormat::kF32;
+  w.rows = rows;
+  w.cols = cols;
+  w.data = reinterpret_cast<const uint8_t*>(p);
+  return w;
+}
+
+float median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+template <typename F>
+float time_graph(cudaStream_t s, int reps, F&& body) {
+  cudaGraph_t g;
+  UF_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  body();
+  UF_CUDA_CHECK(cudaStreamEndCapture(s, &g));
+  cudaGraphExec_t exec;
+  UF_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
+  UF_CUDA_CHECK(cudaGraphDestroy(g));
+  cudaEvent_t a, b;
+  UF_CUDA_CHECK(cudaEventCreate(&a));
+  UF_CUDA_CHECK(cudaEventCreate(&b));
+  for (int i = 0; i < 5; ++i) UF_CUDA_CHECK(cudaGraphLaunch(exec, s));
+  std::vector<float> t;
+  for (int i = 0; i < reps; ++i) {
+    UF_CUDA_CHECK(cudaEventRecord(a, s));
+    UF_CUDA_CHECK(cudaGraphLaunch(exec, s));
+    UF_CUDA_CHECK(cudaEventRecord(b, s));
+    UF_CUDA_CHECK(cudaEventSynchronize(b));
+    float ms = 0;
+    UF_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+    t.push_back(ms * 1000.f);
+  }
+  UF_CUDA_CHECK(cudaEventDestroy(a));
+  UF_CUDA_CHECK(cudaEventDestroy(b));
+  UF_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  return median(t);
+}
+
+void line(const char* what, int T, float us, double bytes) {
+  const double floor_us = bytes / kHbm * 1e6;
+  std::printf("%-16s T=%d  %7.2f us/call  %8.1f KB  %7.1f GB/s  floor %5.2f us  (%4.1fx)\n", what,
+              T, us, bytes / 1024.0, bytes / (us * 1e-6) / 1e9, floor_us, us / floor_us);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int reps = 200, copies = 32;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) reps = std::atoi(argv[++i]);
+    if (!std::strcmp(argv[i], "--copies") && i + 1 < argc) copies = std::atoi(argv[++i]);
+  }
+  reps = std::max(reps, 1);
+  copies = std::max(copies, 1);
+  cudaDeviceProp prop{};
+  UF_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("device: %s, %d SMs; mHC hc %d dim %d sinkhorn %d, fn F32 [%d, %d], %d copies\n",
+              prop.name, prop.multiProcessorCount, kHc, kDim, kIters, kMix, kHc * kDim, copies);
+  cudaStream_t s;
+  UF_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+
+  const HcShape p{kHc, kDim, kIters, 1e-6f, 1e-6f};
+  const size_t n = size_t(kHc) * kDim, fn_n = size_t(kMix) * n;
+  Buffers b;
+  uint64_t seed = 1;
+  std::vector<DeviceWeight> fn, scale, base, norm;
+  for (int c = 0; c < copies; ++c) {
+    float* f = b.floats(fn_n);
+    fill_random_f32(f, fn_n, seed++, 0.02f, s);
+    fn.push_back(f32_weight(f, kMix, int64_t(n)));
+    float* sc = b.floats(3);
+    fill_random_f32(sc, 3, seed++, 1.0f, s);
+    scale.push_back(f32_weight(sc, 3, 1));
+    float* bs = b.floats(kMix);
+    fill_random_f32(bs, kMix, seed++, 1.0f, s);
+    base.push_back(f32_weight(bs, kMix, 1));
+    float* nw = b.floats(kDim);
+    fill_random_f32(nw, kDim, seed++, 1.0f, s);
+    norm.push_back(f32_weight(nw, kDim, 1));
+  }
+  float* X = b.floats(kTmax * n);
+  float* R = b.floats(kTmax * n);
+  float* y = b.floats(size_t(kTmax) * kDim);
+  float* x = b.floats(size_t(kTmax) * kDim);
+  float* pre_a = b.floats(kTmax * kHc);
+  float* pre_b = b.floats(kTmax * kHc);
+  float* post = b.floats(kTmax * kHc);
+  float* comb = b.floats(kTmax * kHc * kHc);
+  float* partial = b.floats(hc_mixes_scratch_floats(p, kTmax));
+  fill_random_f32(X, kTmax * n, seed++, 1.0f, s);
+  fill_random_f32(R, kTmax * n, seed++, 1.0f, s);
+  fill_random_f32(y, size_t(kTmax) * kDim, seed++, 1.0f, s);
+  fill_random_f32(pre_a, kTmax * kHc, seed++, 1.0f, s);
+  fill_random_f32(post, kTmax * kHc, seed++, 1.0f, s);
+  fill_random_f32(comb, kTmax * kHc * kHc, seed++, 0.5f, s);
+  hc_mixes_partial(p, fn[0], X, kTmax, partial, s);
+  UF_CUDA_CHECK(cudaStreamSynchronize(s));
+
+  const size_t S = hc_mixes_scratch_floats(p, 1) / size_t(kMix + 1);
+  std::printf("splits %zu, partials %zu floats per row\n", S, S * (kMix + 1));
+  for (int T : {1, 2, 4, 7, 8}) {
+    const double part_bytes = double(T) * double(S) * (kMix + 1) * 4;
+    // fn once; R read, out written, x read; partials written.
+    const double pm_bytes = double(fn_n) * 4 + double(T) * (2.0 * n + kDim) * 4 + part_bytes;
+    // partials read; X read, y written, norm weight; pre / post / comb written.
+    const double mp_bytes =
+        part_bytes + double(T) * (double(n) + 2.0 * kDim + (2 * kHc + kHc * kHc)) * 4 + kDim * 4.0;
+    const float t_pm = time_graph(s, reps, [&] {
+      for (int c = 0; c < copies; ++c)
+        hc_post_mixes(p, y, X, post, comb, T, R, fn[size_t(c)], partial, s);
+    });
+    const float t_mp = time_graph(s, reps, [&] {
+      for (int c = 0; c < copies; ++c)
+        hc_mix_pre_norm(p, scale[size_t(c)], base[size_t(c)], partial, R, c % 2 ? pre_b : pre_a,
+                        norm[size_t(c)], 1e-6f, T, x, c % 2 ? pre_a : pre_b, post, comb, s);
+    });
+    const float t_pair = time_graph(s, reps, [&] {
+      for (int c = 0; c < copies; ++c) {
+        hc_post_mixes(p, y, X, post, comb, T, R, fn[size_t(c)], partial, s);
+        hc_mix_pre_norm(p, scale[size_t(c)], base[size_t(c)], partial, R, c % 2 ? pre_b : pre_a,
+                        norm[size_t(c)], 1e-6f, T, x, c % 2 ? pre_a : pre_b, post, comb, s);
+      }
+    });
+    // The two halves of hc_mix_pre_norm as separate kernels (a step may fork the finish).
+    const float t_fin = time_graph(s, reps, [&] {
+      for (int c = 0; c < copies; ++c)
+        hc_mixes_finish(p, scale[size_t(c)], base[size_t(c)], partial, T, c % 2 ? pre_a : pre_b,
+                        post, comb, s);
+    });
+    const float t_pn = time_graph(s, reps, [&] {
+      for (int c = 0; c < copies; ++c)
+        hc_pre_norm(p, R, c % 2 ? pre_b : pre_a, norm[size_t(c)], 1e-6f, T, x, s);
+    });
+    const double fin_bytes = part_bytes + double(T) * (2 * kHc + kHc * kHc) * 4;
+    const double pn_bytes = double(T) * (double(n) + 2.0 * kDim) * 4 + kDim * 4.0;
+    line("hc_post_mixes", T, t_pm / float(copies), pm_bytes);
+    line("hc_mix_pre_norm", T, t_mp / float(copies), mp_bytes);
+    line("pair", T, t_pair / float(copies), pm_bytes + mp_bytes);
+    line("hc_mixes_finish", T, t_fin / float(copies), fin_bytes);
+    line("hc_pre_norm", T, t_pn / float(copies), pn_bytes);
+  }
+  UF_CUDA_CHECK(cudaStreamDestroy(s));
+  return 0;
+}
+
+#endif
