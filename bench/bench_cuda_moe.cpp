@@ -1,15 +1,16 @@
 // bench_cuda_moe: the routed-expert MoE of one decode layer of a TP8 rank (MoeFp4, dim 5120,
-// expert intermediate slice 288, 384 experts, top-6), legacy kernels against the persistent
-// ones, for M = 1, 4, 7, 8 rows with random routing (distinct experts per row). Each timing is
-// the median graph replay over several layers' expert stacks (so L2 holds none of the weights),
-// divided by the layer count; GB/s = (distinct experts x one expert's bytes) / time. Also checks
-// that both paths give bitwise equal outputs for each M (a quick sanity line, the real test is
-// tests/cuda/test_moe_persistent.cpp). Then prefill: T = 64, 512 rows by chunks of 8 through
-// MoeFp4 against MoeFp4Prefill (tests/cuda/test_moe_prefill.cpp), us, GB/s, bitwise check.
+// expert intermediate slice 288, 384 experts, top-6) for M = 1, 2, 4, 7, 8 rows: the routing
+// kernel (moe_route), the routed experts (MoeFp4::run: w13 + w2 + combine) with random routing
+// (distinct experts per row), and route + act_quant + MoE on the routing it produced, each beside
+// its floor (distinct experts x one expert's bytes / 4.1 TB/s). Each timing is the median graph
+// replay over several layers' expert stacks (so L2 holds none of the weights), divided by the
+// layer count. Then prefill: T = 64, 512 rows by chunks of 8 through MoeFp4 against
+// MoeFp4Prefill (tests/cuda/test_moe_prefill.cpp), us, GB/s, bitwise check.
 //
 //   bench_cuda_moe [--reps N] [--copies N]
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -30,6 +31,7 @@ int main() {
 #include "cuda/device_fill.h"
 #include "cuda/gemv.h"
 #include "cuda/moe.h"
+#include "cuda/ops/moe.h"
 
 using namespace uf::cuda;
 
@@ -113,7 +115,7 @@ cudaGraphExec_t capture(cudaStream_t s, F&& body) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  int reps = 30, copies = 6;
+  int reps = 200, copies = 6;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) reps = std::atoi(argv[++i]);
     if (!std::strcmp(argv[i], "--copies") && i + 1 < argc) copies = std::atoi(argv[++i]);
@@ -155,39 +157,80 @@ int main(int argc, char** argv) {
   UF_CUDA_CHECK(cudaMemcpy(wts, hw.data(), hw.size() * 4, cudaMemcpyHostToDevice));
 
   MoeFp4 moe(kDim, kInter, kTopk, sms);
-  std::printf("persistent kernels supported: %s; w13 K splits %d\n",
-              moe.persistent_supported() ? "yes" : "NO (falls back to legacy)", moe.w13_splits());
-  std::printf("\n%4s %8s %10s %8s %10s %8s %8s %s\n", "M", "experts", "legacy us", "GB/s",
-              "persist us", "GB/s", "speedup", "bitwise");
-  for (int m : {1, 4, 7, 8}) {
+  std::printf("w13 K splits %d\n", moe.w13_splits());
+
+  // Routing inputs: random gate scores [8, E], zero bias (route -> act_quant -> MoE is one
+  // layer's routed part; the router GEMV and the shared expert are other kernels).
+  MoeShape shape;
+  shape.dim = kDim;
+  shape.inter = kInter;
+  shape.n_experts = kExperts;
+  shape.top_k = kTopk;
+  shape.score_func = "sqrtsoftplus";
+  shape.route_scale = 2.5f;
+  shape.swiglu_limit = kSwigluLimit;
+  float* rscores = reinterpret_cast<float*>(b.bytes(size_t(8) * kExperts * 4));
+  float* rbias = reinterpret_cast<float*>(b.bytes(size_t(kExperts) * 4));
+  float* xf = reinterpret_cast<float*>(b.bytes(size_t(8) * kDim * 4));
+  {
+    std::vector<float> hs(size_t(8) * kExperts), hx(size_t(8) * kDim);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    for (auto& v : hs) v = nd(rng);
+    for (auto& v : hx) v = nd(rng);
+    UF_CUDA_CHECK(cudaMemcpy(rscores, hs.data(), hs.size() * 4, cudaMemcpyHostToDevice));
+    UF_CUDA_CHECK(cudaMemcpy(xf, hx.data(), hx.size() * 4, cudaMemcpyHostToDevice));
+    UF_CUDA_CHECK(cudaMemset(rbias, 0, size_t(kExperts) * 4));
+  }
+  int* ridx = reinterpret_cast<int*>(b.bytes(8 * kTopk * 4));
+  float* rwts = reinterpret_cast<float*>(b.bytes(8 * kTopk * 4));
+
+  // Per layer (graph of `copies` layers over distinct expert stacks, so L2 holds no weights):
+  //   route: moe_route alone; moe: MoeFp4::run (w13 + w2 + combine) on fixed random routing;
+  //   layer: route + act_quant + MoeFp4::run on the routing it produced.
+  // floor = distinct experts x one expert's bytes / 4.1 TB/s (the bytes a perfect kernel reads).
+  std::printf("\n%3s %7s %9s %9s %8s %9s %9s %8s %9s\n", "M", "experts", "route us", "moe us",
+              "moe GB/s", "floor us", "layer us", "experts", "floor us");
+  for (int m : {1, 2, 4, 7, 8}) {
     std::vector<int> uniq(hidx.begin(), hidx.begin() + m * kTopk);
     std::sort(uniq.begin(), uniq.end());
     uniq.erase(std::unique(uniq.begin(), uniq.end()), uniq.end());
     const double bytes = double(uniq.size() * expert_bytes());
-    float us[2];
-    for (int k = 0; k < 2; ++k) {
-      moe.set_kernels(k == 0 ? MoeKernels::kLegacy : MoeKernels::kPersistent);
-      float* out = k == 0 ? out_old : out_new;
-      UF_CUDA_CHECK(cudaMemsetAsync(out, 0xFF, size_t(8) * kDim * 4, s));
-      moe.run(ex[0], QuantActView{codes, scales, m, kDim}, idx, wts, kSwigluLimit, out, s);
+    const QuantActView act{codes, scales, m, kDim};
+    auto timed = [&](auto&& body) {
+      body(ex[0]);
       UF_CUDA_CHECK(cudaStreamSynchronize(s));
       cudaGraphExec_t exec = capture(s, [&] {
-        for (auto& e : ex)
-          moe.run(e, QuantActView{codes, scales, m, kDim}, idx, wts, kSwigluLimit, out, s);
+        for (auto& e : ex) body(e);
       });
-      us[k] = time_graph(exec, s, reps) / copies;
+      const float us = time_graph(exec, s, reps) / copies;
       UF_CUDA_CHECK(cudaGraphExecDestroy(exec));
-    }
-    // The graphs ran ex[0] .. ex[copies - 1]: both outputs come from the last stack.
-    std::vector<float> a(size_t(m) * kDim), c(size_t(m) * kDim);
-    UF_CUDA_CHECK(cudaMemcpy(a.data(), out_old, a.size() * 4, cudaMemcpyDeviceToHost));
-    UF_CUDA_CHECK(cudaMemcpy(c.data(), out_new, c.size() * 4, cudaMemcpyDeviceToHost));
-    const bool same = std::memcmp(a.data(), c.data(), a.size() * 4) == 0;
-    std::printf("%4d %8zu %10.2f %8.0f %10.2f %8.0f %7.2fx %s\n", m, uniq.size(), us[0],
-                bytes / (us[0] * 1e-6) / 1e9, us[1], bytes / (us[1] * 1e-6) / 1e9, us[0] / us[1],
-                same ? "equal" : "DIFFERENT");
+      return us;
+    };
+    UF_CUDA_CHECK(cudaMemsetAsync(out_new, 0xFF, size_t(8) * kDim * 4, s));
+    const float route_us =
+        timed([&](const Fp4ExpertsView&) { moe_route(shape, rscores, rbias, m, ridx, rwts, s); });
+    const float moe_us = timed(
+        [&](const Fp4ExpertsView& e) { moe.run(e, act, idx, wts, kSwigluLimit, out_new, s); });
+    const float layer_us = timed([&](const Fp4ExpertsView& e) {
+      moe_route(shape, rscores, rbias, m, ridx, rwts, s);
+      act_quant_fp8_f32(xf, m, kDim, codes, scales, s);
+      moe.run(e, act, ridx, rwts, kSwigluLimit, out_old, s);
+    });
+    std::vector<int> gi(size_t(m) * kTopk);
+    UF_CUDA_CHECK(cudaMemcpy(gi.data(), ridx, gi.size() * 4, cudaMemcpyDeviceToHost));
+    std::sort(gi.begin(), gi.end());
+    gi.erase(std::unique(gi.begin(), gi.end()), gi.end());
+    const double lbytes = double(gi.size() * expert_bytes());
+    std::vector<float> o(size_t(m) * kDim);
+    UF_CUDA_CHECK(cudaMemcpy(o.data(), out_new, o.size() * 4, cudaMemcpyDeviceToHost));
+    size_t nan = 0;
+    for (float v : o) nan += std::isnan(v) ? 1 : 0;
+    std::printf("%3d %7zu %9.2f %9.2f %8.0f %9.2f %9.2f %8zu %9.2f%s\n", m, uniq.size(), route_us,
+                moe_us, bytes / (moe_us * 1e-6) / 1e9, bytes / 4.1e12 * 1e6, layer_us, gi.size(),
+                lbytes / 4.1e12 * 1e6, nan ? "  NaN in the output!" : "");
   }
-  moe.set_kernels(kDefaultMoeKernels);
+  // Restore the quantised bf16 input for the prefill comparison below.
+  act_quant_fp8_bf16(xb, 8, kDim, codes, scales, s);
 
   // Prefill: T rows through MoeFp4 in chunks of 8 (the old path) vs MoeFp4Prefill (pairs grouped
   // by expert over all T rows, each expert's weights read once). GB/s = distinct experts x one
@@ -244,7 +287,7 @@ int main(int argc, char** argv) {
       cudaGraphExec_t exec = capture(s, [&] {
         for (auto& e : ex) body(e);
       });
-      us[k] = time_graph(exec, s, std::max(3, reps / 3)) / copies;
+      us[k] = time_graph(exec, s, std::max(3, std::min(20, reps / 3))) / copies;
       UF_CUDA_CHECK(cudaGraphExecDestroy(exec));
     }
     std::vector<float> a(size_t(T) * kDim), c(size_t(T) * kDim);

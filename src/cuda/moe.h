@@ -37,16 +37,12 @@ struct Fp4ExpertsView {
   int inter = 0;  // I
 };
 
-// Which kernels MoeFp4 runs. kLegacy: the per-tile grid (w13 split-K over a counter, one 16-row
-// w2 tile per warp). kPersistent: persistent w13 / w2 kernels (one CTA per SM walking work
-// items, weights and scales streamed through one cp.async pipeline per warp across items).
-// Both give bitwise identical outputs (same products, same reduction order); kPersistent falls
-// back to kLegacy for shapes whose shared-memory plan does not fit (persistent_supported()).
-enum class MoeKernels { kLegacy, kPersistent };
-inline constexpr MoeKernels kDefaultMoeKernels = MoeKernels::kLegacy;
-
 // One MoE shape with its workspace. Constraints: dim % 128 == 0, inter % 32 == 0, M <= 8,
-// M * topk <= 64. Construction allocates; run() does not (graph-capturable).
+// M * topk <= 64; weights 16-byte aligned (w1 / w3 scales 4), the FP8 input 8-byte aligned.
+// Construction allocates; run() does not (graph-capturable; one run at a time per object: the
+// w13 group counters live in its workspace). topk_idx must be complete when the w13 kernel's
+// griddepcontrol.wait returns (any chain of kernels that each wait before finishing; the w2
+// kernel reads it before its own wait, moe_fp4.cu).
 class MoeFp4 {
  public:
   MoeFp4(int dim, int inter, int topk, int sm_count);
@@ -71,12 +67,8 @@ class MoeFp4 {
                    const float* topk_w, float swiglu_limit, float* out, int64_t row_stride,
                    cudaStream_t stream) const;
 
+  // K splits of the w13 products (ceil(dim / 32 / 16)): a function of dim only.
   int w13_splits() const { return splits_; }
-  // Selects the kernels of later run*() calls (not thread-safe against a concurrent run).
-  void set_kernels(MoeKernels k) { kernels_ = k; }
-  MoeKernels kernels() const { return kernels_; }
-  // Whether kPersistent runs the persistent kernels for this shape (else it runs kLegacy).
-  bool persistent_supported() const { return w13_smem_ > 0 && w2_smem_ > 0; }
 
  private:
   // w13 + w2 (kernels 1, 2): w2 outputs of pair (t, k) to y[t * y_row_stride + k * dim],
@@ -86,14 +78,12 @@ class MoeFp4 {
                         int64_t y_row_stride, cudaStream_t stream) const;
   int dim_, inter_, topk_, splits_, kb_per_split_;
   int sm_count_ = 0;
-  MoeKernels kernels_ = kDefaultMoeKernels;
-  int w13_smem_ = 0, w2_smem_ = 0;  // persistent kernels' dynamic shared memory; 0: unsupported
-  void* plan_ = nullptr;            // the routing plan (moe_fp4.cu MoePlan)
-  uint8_t* h_codes_ = nullptr;      // [8 * topk slots][inter]
-  float* h_scales_ = nullptr;       // [slots][inter / 32]
-  float* y_ = nullptr;              // [slots][dim]
-  float* partials_ = nullptr;       // [splits][slots][inter/32 groups][4 warps][128]
-  int* counters_ = nullptr;         // [slots][inter/32 groups]
+  bool w2_streamed_ = true;     // moe_w2_kernel fits; false: the per-tile w2 kernel (large inter)
+  uint8_t* h_codes_ = nullptr;  // [8 * topk pairs][inter]
+  float* h_scales_ = nullptr;   // [pairs][inter / 32]
+  float* y_ = nullptr;          // [pairs][dim]
+  float* partials_ = nullptr;   // [slots][inter/32 groups][4 tiles][splits][128]
+  int* counters_ = nullptr;     // [slots][inter/32 groups], zero between calls
 };
 
 // The routed experts for prefill chunks of many rows (m up to max_rows, any m >= 1): the same

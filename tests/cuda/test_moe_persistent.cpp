@@ -1,9 +1,12 @@
-// MoeFp4's persistent kernels (MoeKernels::kPersistent) against the legacy kernels: bitwise equal
-// outputs for run / run_partial / run_experts at M = 1..8, at small dims and at the model's TP8
-// rank slice (dim 5120, inter 288, 384 experts, top-6), and row-count independence (row t of an
-// M = 8 call equals the M = 1 call for that row). No tolerance anywhere: both paths perform the
-// same fp32 operations in the same order (moe_fp4.cu header), so any difference is a bug.
-// The CPU reference comparison of the numerics is test_moe_fp4.cpp / test_moe_partial.cpp.
+// MoeFp4's decode kernels (flat work units, w13 split partials reduced by the group's last warp)
+// against MoeFp4Prefill, an independent implementation of the same operations and order
+// (moe_prefill.cu): bitwise equal outputs for run / run_partial / run_experts at M = 1..8, at
+// small dims and at the model's TP8 rank slice (dim 5120, inter 288, 384 experts, top-6); a
+// repeated call is bitwise the same (counters reset; the order never depends on scheduling); and
+// row-count independence (row t of an M = 8 call equals the M = 1 call for that row). No
+// tolerance anywhere: any difference is a bug. The CPU reference comparison of the numerics is
+// test_moe_fp4.cpp / test_moe_partial.cpp. (The file name is historical: the earlier persistent
+// kernels it compared were retired.)
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -81,10 +84,9 @@ const char* entry_name(Entry e) {
   return e == Entry::kRun ? "run" : e == Entry::kPartial ? "run_partial" : "run_experts";
 }
 
-// One call through `entry` with the given kernels; returns the output (NaN-poisoned first).
-std::vector<float> call(MoeFp4& moe, MoeKernels k, Entry entry, const Experts& x, const Inputs& in,
-                        int m) {
-  moe.set_kernels(k);
+// One call through `entry` of MoeFp4 or MoeFp4Prefill; returns the output (NaN-poisoned first).
+template <typename Moe>
+std::vector<float> call(const Moe& moe, Entry entry, const Experts& x, const Inputs& in, int m) {
   DeviceBuffer<uint8_t> a(in.codes);
   DeviceBuffer<float> as(in.scales);
   DeviceBuffer<int> di(in.idx);
@@ -130,11 +132,11 @@ std::vector<float> call(MoeFp4& moe, MoeKernels k, Entry entry, const Experts& x
   }
   if (bad == 0 && nan_w == 0) return ::testing::AssertionSuccess();
   auto r = ::testing::AssertionFailure();
-  r << bad << "/" << want.size() << " differ, NaN legacy " << nan_w << " new " << nan_g
+  r << bad << "/" << want.size() << " differ, NaN want " << nan_w << " got " << nan_g
     << ", max |diff| (finite) " << max_abs;
   if (first != size_t(-1))
     r << ", first at " << first << " (row " << first / row_len << ", col " << first % row_len
-      << "): legacy " << want[first] << " new " << got[first];
+      << "): want " << want[first] << " got " << got[first];
   return r;
 }
 
@@ -142,42 +144,48 @@ void compare_paths(int E, int dim, int inter, uint64_t seed, const std::vector<i
   std::mt19937 rng{uint32_t(seed)};
   const Experts x(E, dim, inter, seed);
   MoeFp4 moe(dim, inter, kTopk, device_sm_count());
-  ASSERT_TRUE(moe.persistent_supported())
-      << "dim " << dim << " inter " << inter << ": the persistent kernels do not fit";
+  MoeFp4Prefill pre(dim, inter, kTopk, E, 8);
   for (int m : ms) {
     const Inputs in = random_inputs(m, dim, E, rng);
     for (Entry e : {Entry::kRun, Entry::kPartial, Entry::kExperts}) {
-      const auto old_v = call(moe, MoeKernels::kLegacy, e, x, in, m);
-      const auto new_v = call(moe, MoeKernels::kPersistent, e, x, in, m);
-      EXPECT_TRUE(bitwise_equal(old_v, new_v, dim)) << "E " << E << " dim " << dim << " inter "
-                                                    << inter << " m " << m << " " << entry_name(e);
+      const auto want = call(pre, e, x, in, m);
+      const auto got = call(moe, e, x, in, m);
+      EXPECT_TRUE(bitwise_equal(want, got, dim))
+          << "prefill vs decode: E " << E << " dim " << dim << " inter " << inter << " m " << m
+          << " " << entry_name(e);
+      const auto again = call(moe, e, x, in, m);
+      EXPECT_TRUE(bitwise_equal(got, again, dim))
+          << "decode twice: E " << E << " dim " << dim << " inter " << inter << " m " << m << " "
+          << entry_name(e);
     }
   }
 }
 
-TEST(CudaMoePersistent, BitwiseEqualsLegacySmallDims) {
+TEST(CudaMoeDecode, BitwiseEqualsPrefillSmallDims) {
   UF_REQUIRE_GPU();
   // K splits: dim 256 -> 1 split of 8 K blocks (fewer units than warps), 1024 -> 2, 1536 -> 3
-  // (units not a multiple of the 8 warps). 12 experts: rows share experts (up to 8 columns).
+  // (a last chunk of 8 blocks). 12 experts: rows share experts (up to 8 columns).
   compare_paths(12, 256, 64, 101, {1, 3, 8});
   compare_paths(12, 1024, 96, 102, {1, 2, 5, 8});
   compare_paths(40, 1536, 128, 103, {1, 4, 7, 8});
+  // inter 1152: moe_w2_kernel's shared-memory plan does not fit, the per-tile w2 kernel runs.
+  compare_paths(12, 256, 1152, 107, {1, 3, 8});
 }
 
-TEST(CudaMoePersistent, BitwiseEqualsLegacyRealDims) {
+TEST(CudaMoeDecode, BitwiseEqualsPrefillRealDims) {
   UF_REQUIRE_GPU();
   compare_paths(384, 5120, 288, 104, {1, 2, 3, 4, 5, 6, 7, 8});
 }
 
 // Row t of an M = 8 call == the M = 1 call for row t (with its top-k list reversed: the order of
-// a row's experts must not matter either), on the persistent path.
+// a row's experts must not matter either).
 void row_independence(int E, int dim, int inter, uint64_t seed) {
   std::mt19937 rng{uint32_t(seed)};
   const Experts x(E, dim, inter, seed);
   MoeFp4 moe(dim, inter, kTopk, device_sm_count());
   const Inputs full = random_inputs(8, dim, E, rng);
   for (Entry e : {Entry::kRun, Entry::kPartial}) {
-    const auto all = call(moe, MoeKernels::kPersistent, e, x, full, 8);
+    const auto all = call(moe, e, x, full, 8);
     for (int t = 0; t < 8; ++t) {
       Inputs one;
       one.codes.assign(full.codes.begin() + size_t(t) * dim,
@@ -186,7 +194,7 @@ void row_independence(int E, int dim, int inter, uint64_t seed) {
                         full.scales.begin() + size_t(t + 1) * dim / 32);
       one.idx.assign(full.idx.rbegin() + (7 - t) * kTopk, full.idx.rbegin() + (8 - t) * kTopk);
       one.wts.assign(full.wts.rbegin() + (7 - t) * kTopk, full.wts.rbegin() + (8 - t) * kTopk);
-      const auto got = call(moe, MoeKernels::kPersistent, e, x, one, 1);
+      const auto got = call(moe, e, x, one, 1);
       const std::vector<float> want(all.begin() + size_t(t) * dim,
                                     all.begin() + size_t(t + 1) * dim);
       EXPECT_TRUE(bitwise_equal(want, got, dim))
@@ -195,7 +203,7 @@ void row_independence(int E, int dim, int inter, uint64_t seed) {
   }
 }
 
-TEST(CudaMoePersistent, RowIndependentOfOtherRows) {
+TEST(CudaMoeDecode, RowIndependentOfOtherRows) {
   UF_REQUIRE_GPU();
   row_independence(12, 1024, 64, 105);  // few experts: rows share them
   row_independence(384, 5120, 288, 106);

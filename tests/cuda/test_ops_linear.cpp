@@ -23,8 +23,8 @@ struct LinCase {
   LinearKind kind;
   bool row_scale;
   // true: quant_rows, which restates the CPU's fp32 operations in order (ops/linear.cu), so the
-  // outputs must be bitwise equal. false: Fp8Gemv (tensor cores) or dense_rows (another fp32
-  // order): see the tolerance below.
+  // outputs must be bitwise equal. false: Fp8Gemv or DenseMma (tensor cores) or dense_rows (another
+  // fp32 order): see the tolerance below.
   bool exact;
   bool any_x;  // fp32 inputs that are not bf16 values (linear_f32)
 };
@@ -40,9 +40,11 @@ void cpu_linear(const model::Weight& w, LinearKind kind, const std::vector<float
       cpu::linear_quant(w, x.data(), T, y.data());
       break;
     case LinearKind::kBf16Out:
+    case LinearKind::kBf16OutBf16X:
       cpu::linear_bf16_out(w, x.data(), T, y.data());
       break;
     case LinearKind::kF32:
+    case LinearKind::kF32Bf16X:
       cpu::linear_f32(w, x.data(), T, y.data());
       break;
   }
@@ -80,7 +82,9 @@ LinearKind resolved(const LinCase& c) {
                                                                 : LinearKind::kBf16Out;
 }
 bool quantised(const LinCase& c) { return resolved(c) == LinearKind::kQuant; }
-bool rounded(const LinCase& c) { return resolved(c) != LinearKind::kF32; }
+bool rounded(const LinCase& c) {
+  return resolved(c) != LinearKind::kF32 && resolved(c) != LinearKind::kF32Bf16X;
+}
 
 class OpsLinear : public ::testing::TestWithParam<LinCase> {};
 
@@ -161,7 +165,19 @@ INSTANTIATE_TEST_SUITE_P(
         LinCase{"bf16_f32_head", WFormat::kBF16, 1024, 256, LinearKind::kF32, false, false, true},
         // >= 4096 rows: four rows per block; K > 2048: several chunks per warp.
         LinCase{"bf16_f32_wide", WFormat::kBF16, 4096, 2560, LinearKind::kF32, false, false, true},
-        LinCase{"fp4_f32", WFormat::kFP4, 48, 64, LinearKind::kF32, false, false, true}),
+        LinCase{"fp4_f32", WFormat::kFP4, 48, 64, LinearKind::kF32, false, false, true},
+        // Declared bf16-exact x: DenseMma (tensor cores; tests/cuda/test_dense_mma.cpp) for BF16
+        // and FP8 weights with K % 64 == 0, dense_rows for the rest (FP4, K = 100).
+        LinCase{"bf16_mma_f32", WFormat::kBF16, 1024, 256, LinearKind::kF32Bf16X, false, false,
+                false},
+        LinCase{"bf16_mma_split", WFormat::kBF16, 96, 2048, LinearKind::kF32Bf16X, false, false,
+                false},
+        LinCase{"fp8_mma_bf16_out", WFormat::kFP8, 64, 512, LinearKind::kBf16OutBf16X, false, false,
+                false},
+        LinCase{"fp8_mma_row_scale", WFormat::kFP8, 100, 256, LinearKind::kBf16OutBf16X, true,
+                false, false},
+        LinCase{"fp4_bf16x_fallback", WFormat::kFP4, 48, 64, LinearKind::kF32Bf16X, false, false,
+                false}),
     [](const ::testing::TestParamInfo<LinCase>& i) { return std::string(i.param.name); });
 
 // apply_rows (cpu::linear_bf16_out_rows): a row range with strided input and output, within the

@@ -98,21 +98,20 @@ TEST_P(OpsMoe, MatchesCpuAndSpecEqualsPlain) {
     sync_and_check();
     const std::vector<float> got = dy.download(), got_w = dw.download();
     const std::vector<int32_t> got_i = di.download();
-    {  // The legacy routed-expert kernels give bitwise the same output (same operations, order).
-      moe.set_routed_kernels(MoeKernels::kLegacy);
+    {  // A second call gives bitwise the same output: the w13 group counters are reset by each
+       // call and the fixed split order does not depend on which warp finishes last.
       DeviceBuffer<float> ly(size_t(T) * c.dim);
       ly.poison();
       moe.apply(dx.get(), T, ly.get(), di.get(), dw.get(), nullptr);
       sync_and_check();
-      moe.set_routed_kernels(kDefaultMoeKernels);
       const std::vector<float> lv = ly.download();
       size_t diff = 0, first = lv.size();
       for (size_t i = 0; i < lv.size(); ++i)
         if (!bits_equal(lv[i], got[i])) first = std::min(first, i), ++diff;
-      EXPECT_EQ(diff, 0u) << c.name << " T=" << T << ": legacy vs default kernels, first at "
-                          << first << " (row " << first / size_t(c.dim) << ")"
-                          << (first < lv.size() ? " legacy " + std::to_string(lv[first]) +
-                                                      " default " + std::to_string(got[first])
+      EXPECT_EQ(diff, 0u) << c.name << " T=" << T << ": second call differs, first at " << first
+                          << " (row " << first / size_t(c.dim) << ")"
+                          << (first < lv.size() ? " second " + std::to_string(lv[first]) +
+                                                      " first " + std::to_string(got[first])
                                                 : std::string());
     }
 
@@ -383,6 +382,59 @@ TEST(OpsEngram, RowSplitTableEqualsTheWholeTable) {
                                                 << ": " << out[i] << " vs whole " << ref[i];
     }
   }
+}
+
+// moe_route's selection on constructed ties (its keys: order-preserving float bits + ~expert id):
+// equal scores pick the lowest ids in ascending order, increasing scores the highest ids in
+// descending order, the bias decides among equal scores (ties again to the lower id), -0 and +0
+// scores count as equal; weights of equal scores are equal and sum to route_scale (K > 1:
+// normalised). Exact expectations: they depend only on the comparator, not on expf / log1pf.
+TEST(OpsMoeRoute, SelectionOrderAndTies) {
+  UF_REQUIRE_GPU();
+  constexpr int E = 384, K = 6, rows = 5;
+  MoeShape shape;
+  shape.n_experts = E;
+  shape.top_k = K;
+  shape.score_func = "sqrtsoftplus";
+  shape.route_scale = 2.5f;
+  std::vector<float> scores(size_t(rows) * E, 0.5f), bias(size_t(E), 0.f);
+  for (int e = 0; e < E; ++e) scores[size_t(1) * E + e] = 0.01f * float(e);  // row 1: increasing
+  // Rows 0, 2 (equal scores): the bias picks 300 (+4), then 7 and 200 (+3 each: the lower id
+  // first), then the lowest unbiased ids 0, 1, 2.
+  bias[300] = 4.f;
+  bias[7] = 3.f;
+  bias[200] = 3.f;
+  for (int e = 0; e < E; ++e) scores[size_t(3) * E + e] = (e % 2) ? -0.0f : 0.0f;  // row 3
+  // Row 4: one large score at 383, the rest equal: 383 first, then the bias order.
+  scores[size_t(4) * E + 383] = 8.f;
+  DeviceBuffer<float> ds(scores), db(bias);
+  DeviceBuffer<int32_t> gi(size_t(rows) * K);
+  DeviceBuffer<float> gw(size_t(rows) * K);
+  gw.poison();
+  UF_CUDA_CHECK(cudaMemset(gi.get(), 0xFF, gi.size() * sizeof(int32_t)));
+  moe_route(shape, ds.get(), db.get(), rows, gi.get(), gw.get(), nullptr);
+  sync_and_check();
+  const std::vector<int32_t> i = gi.download();
+  const std::vector<float> w = gw.download();
+  // Row 1: sc(3.0) + 4 > sc(2.0) + 3 > sc(0.07) + 3 > sc(3.83) > sc(3.82) > ...
+  const std::vector<std::vector<int32_t>> want = {{300, 7, 200, 0, 1, 2},
+                                                  {300, 200, 7, 383, 382, 381},
+                                                  {300, 7, 200, 0, 1, 2},
+                                                  {300, 7, 200, 0, 1, 2},
+                                                  {300, 7, 200, 383, 0, 1}};
+  for (int t = 0; t < rows; ++t) {
+    const std::vector<int32_t> got(i.begin() + t * K, i.begin() + (t + 1) * K);
+    EXPECT_EQ(got, want[size_t(t)]) << "row " << t;
+    float sum = 0.f;
+    for (int k = 0; k < K; ++k) {
+      ASSERT_TRUE(std::isfinite(w[size_t(t * K + k)])) << "row " << t << " k " << k;
+      sum += w[size_t(t * K + k)];
+    }
+    EXPECT_NEAR(sum, shape.route_scale, 1e-5f) << "row " << t;
+  }
+  for (int t : {0, 2, 3})  // equal scores: equal weights
+    for (int k = 1; k < K; ++k)
+      EXPECT_EQ(w[size_t(t * K + k)], w[size_t(t * K)]) << "row " << t << " k " << k;
 }
 
 }  // namespace

@@ -111,9 +111,9 @@ CudaModel::CudaModel(model::ModelConfig cfg, const model::Checkpoint& ckpt,
              tp_, cfg_.vocab_size);
     model::Weight slice = w_.head;
     slice.rows = cfg_.vocab_size / head_slices_;
-    head_ = DeviceLinear(slice, LinearKind::kF32, arena_);
+    head_ = DeviceLinear(slice, LinearKind::kF32Bf16X, arena_);
   } else {
-    head_ = DeviceLinear(w_.head, LinearKind::kF32, arena_);
+    head_ = DeviceLinear(w_.head, LinearKind::kF32Bf16X, arena_);
   }
   int max_ratio = 1, max_topk = 1;
   for (int l = 0; l < cfg_.n_total_layers(); ++l) {
@@ -136,7 +136,7 @@ CudaModel::CudaModel(model::ModelConfig cfg, const model::Checkpoint& ckpt,
     op->wq_a = make_linear(A.wq_a, LinearKind::kAuto, arena_);
     op->wq_b = make_linear(A.wq_b, LinearKind::kAuto, arena_);
     op->wkv = make_linear(A.wkv, LinearKind::kAuto, arena_);
-    op->wo_a = make_linear(A.wo_a, LinearKind::kBf16Out, arena_);
+    op->wo_a = make_linear(A.wo_a, LinearKind::kBf16OutBf16X, arena_);
     op->wo_b = make_linear(A.wo_b, LinearKind::kAuto, arena_);
     // Ratio 1: cpu::linear; ratio > 1: linear_f32 (fp32 pre-pool rows).
     op->c_wkv =
@@ -176,7 +176,7 @@ CudaModel::CudaModel(model::ModelConfig cfg, const model::Checkpoint& ckpt,
       engram_gather_ = std::max(engram_gather_, size_t(op->engram->gathered_floats_per_row()));
     }
     op->main_proj = make_linear(L.main_proj, LinearKind::kAuto, arena_);
-    op->markov_head = make_linear(L.markov_head, LinearKind::kF32, arena_);
+    op->markov_head = make_linear(L.markov_head, LinearKind::kF32Bf16X, arena_);
     op->main_norm = upload_weight(L.main_norm, arena_);
     op->norm = upload_weight(L.norm, arena_);
     if (r.kv_source && r.compress_ratio > 1) max_ratio = std::max(max_ratio, r.compress_ratio);

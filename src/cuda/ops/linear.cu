@@ -12,6 +12,9 @@
 //     then acc += (partial * a_scale) * w_scale in K order (cpu::quant_row_tile).
 //   quant_rows_x_kernel: quant_rows_kernel with the FP8 act quant of x done in the warp (the same
 //     warp_quant_fp8_block as act_quant_fp8_f32): one launch instead of two, same bits.
+// The *Bf16X kinds (x declared bf16-exact by the caller) run DenseMma (kernels/dense_mma.h) in
+// place of dense_rows where the weight is BF16 or FP8 with cols % 64 == 0: the same exact
+// products on tensor cores, another fp32 order (stated there), split K for weights with few rows.
 // The fast path of kQuant is Fp8Gemv (FP8 32x32-block weights, rows % 16 == 0): it differs from the
 // CPU only in the order of a block's 32 terms (tensor core) and the K-split grouping (fp32 order).
 // DeviceLinear uses its fused entry (run_fused: act quant, GEMV, split-K finish and bf16 rounding
@@ -28,6 +31,7 @@
 #include "cuda/cuda_check.h"
 #include "cuda/gemv.h"
 #include "cuda/kernels/common.cuh"
+#include "cuda/kernels/dense_mma.h"
 #include "cuda/ops/elementwise_common.cuh"
 #include "cuda/ops/linear.h"
 #include "cuda/ops/linear_kernels.h"
@@ -313,6 +317,7 @@ void round_bf16_inplace(float* y, size_t n, cudaStream_t stream) {
 
 struct DeviceLinear::Plan {
   std::unique_ptr<Fp8Gemv> gemv;  // kQuant fast path (FP8 32x32 blocks, rows % 16 == 0)
+  std::unique_ptr<DenseMma> mma;  // *Bf16X kinds on BF16 / FP8 weights (DenseMma::supports)
   uint8_t* codes = nullptr;       // act quant workspace [8, cols] of the misaligned-x fallback
   float* scales = nullptr;        // [8, cols / 32]
   // Prefill GEMM activation workspace: codes [pf_rows, cols], scales [pf_rows, cols / 32];
@@ -349,6 +354,9 @@ DeviceLinear::DeviceLinear(const model::Weight& w, LinearKind kind, DeviceArena&
       plan_->pf_scales = arena.alloc<float>(size_t(max_prefill_rows) * size_t(w.cols / 32));
     }
   }
+  if ((kind_ == LinearKind::kBf16OutBf16X || kind_ == LinearKind::kF32Bf16X) &&
+      DenseMma::supports(w_))
+    plan_->mma = std::make_unique<DenseMma>(w_, device_sm_count());
 }
 
 DeviceLinear::DeviceLinear() = default;
@@ -369,7 +377,11 @@ void DeviceLinear::run(const float* x, int T, float* y, bool round, cudaStream_t
   if (T <= 0) return;
   const int64_t K = w_.cols, N = w_.rows;
   if (kind_ != LinearKind::kQuant) {
-    ops_detail::dense_rows(w_, 0, N, x, K, T, y, N, round && kind_ == LinearKind::kBf16Out, stream);
+    const bool bf16_out = kind_ == LinearKind::kBf16Out || kind_ == LinearKind::kBf16OutBf16X;
+    if (plan_->mma)
+      plan_->mma->run(w_, 0, N, x, K, T, y, N, round && bf16_out, stream);
+    else
+      ops_detail::dense_rows(w_, 0, N, x, K, T, y, N, round && bf16_out, stream);
     return;
   }
   if (!plan_->gemv) {  // quant_rows with the act quant in the kernel: one launch
@@ -452,7 +464,10 @@ void DeviceLinear::apply_rows(int64_t r0, int64_t n, const float* x, int x_strid
           "DeviceLinear::apply_rows: rows [%lld, %lld) outside the weight's %lld rows",
           static_cast<long long>(r0), static_cast<long long>(r0 + n),
           static_cast<long long>(w_.rows));
-  ops_detail::dense_rows(w_, r0, n, x, x_stride, T, y, y_stride, true, stream);
+  if (plan_->mma)
+    plan_->mma->run(w_, r0, n, x, x_stride, T, y, y_stride, true, stream);
+  else
+    ops_detail::dense_rows(w_, r0, n, x, x_stride, T, y, y_stride, true, stream);
 }
 
 }  // namespace uf::cuda

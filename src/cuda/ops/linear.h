@@ -21,6 +21,14 @@ enum class LinearKind {
   kQuant,    // cpu::linear_quant: FP8 act quant per 32, block-scaled product, bf16 output
   kBf16Out,  // cpu::linear_bf16_out: dequantised weight, fp32 accumulation, bf16 output
   kF32,      // cpu::linear_f32: fp32 output, any fp32 input
+  // The same two functions for a caller that guarantees every x value is a bf16 value (x is the
+  // output of a bf16-rounding op: rms_norm, attention + inverse RoPE, an embedding row). BF16 and
+  // FP8 weights with cols % 64 == 0, 256 <= cols <= DenseMma::kMaxCols take the tensor-core GEMV
+  // (kernels/dense_mma.h: exact products, another fp32 order, split K for weights with few rows);
+  // other weights take dense_rows as kBf16Out / kF32. The contract is checked on the device: an x
+  // value that is not bf16-exact makes that token row's outputs NaN (never silently rounded).
+  kBf16OutBf16X,  // cpu::linear_bf16_out, bf16-exact x
+  kF32Bf16X,      // cpu::linear_f32, bf16-exact x
 };
 
 class DeviceLinear;
@@ -61,14 +69,18 @@ class DeviceLinear {
   //   other kQuant weights -> quant_rows_x (act quant inside), bitwise equal to cpu/linear.cpp,
   //     one launch for any T;
   //   kBf16Out / kF32 -> dense_rows, the CPU's products in another fp32 order (ops/linear.cu),
-  //     one launch for any T.
+  //     one launch for any T;
+  //   kBf16OutBf16X / kF32Bf16X -> DenseMma (tensor cores) where the weight allows it, else
+  //     dense_rows; one launch for any T. DenseMma's split-K workspace is this object's: one
+  //     apply() / apply_rows() at a time per DeviceLinear.
   void apply(const float* x, int T, float* y, cudaStream_t stream) const;
   // apply() without the final bf16 rounding of kQuant / kBf16Out (kF32: the same as apply): the
   // fp32 split-K partial of a tensor-parallel rank, to be summed over ranks and then rounded
   // once (round_bf16), so the TP result differs from apply() on the whole weight only in fp32
   // summation order.
   void apply_partial(const float* x, int T, float* y, cudaStream_t stream) const;
-  // cpu::linear_bf16_out_rows: output rows [r0, r0 + n) only, strided input and output.
+  // cpu::linear_bf16_out_rows: output rows [r0, r0 + n) only, strided input and output (the
+  // *Bf16X kinds: DenseMma as apply()).
   void apply_rows(int64_t r0, int64_t n, const float* x, int x_stride, int T, float* y,
                   int y_stride, cudaStream_t stream) const;
 

@@ -15,7 +15,8 @@ namespace uf::cuda::ops_detail {
 
 // y[t * y_stride + j] = post(x[t * x_stride, :K] . W[r0 + j, :]) for t < m, j < n, fp32 (the
 // order of cpu::gemm_rows' dot8 is not kept); post is bf16 rounding when round_bf16, else
-// identity. Any format, any m (one launch: chunks of 8 rows on the grid's y).
+// identity. Any format, any m (one launch: chunks of 8 rows on the grid's y). DeviceLinear's
+// *Bf16X kinds use DenseMma (kernels/dense_mma.h, tensor cores) instead where the weight allows.
 void dense_rows(const DeviceWeight& w, int64_t r0, int64_t n, const float* x, int64_t x_stride,
                 int m, float* y, int64_t y_stride, bool round_bf16, cudaStream_t stream);
 

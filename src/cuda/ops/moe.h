@@ -36,6 +36,13 @@ struct MoeShape {
   int max_prefill_rows = 512;
 };
 
+// The routing step alone (DeviceMoe runs it after the gate GEMV): scores [rows, n_experts] gate
+// outputs -> gate_i / gate_w [rows, top_k] as cpu::moe_route (score function, bias for the
+// selection, top-k with ties to the lower id, normalisation, route_scale). bias [n_experts].
+// One warp per row (n_experts <= 512), PDL-launched. For benchmarks and tests.
+void moe_route(const MoeShape& shape, const float* scores, const float* bias, int rows,
+               int32_t* gate_i, float* gate_w, cudaStream_t stream);
+
 class DeviceMoe {
  public:
   DeviceMoe(const model::MoeWeights& w, const MoeShape& shape, DeviceArena& arena);
@@ -86,9 +93,6 @@ class DeviceMoe {
   // Floats per row of apply_partial_experts' slots: (top_k + 1) * dim.
   int64_t slot_floats_per_row() const;
   int top_k() const;
-  // The routed experts' kernels (cuda/moe.h MoeKernels; default kDefaultMoeKernels). Both give
-  // bitwise identical outputs; for measuring one against the other.
-  void set_routed_kernels(MoeKernels k);
   // Whether T > kMaxDecodeRows uses the prefill path (default: on when max_prefill_rows > 8); off:
   // chunks of 8 rows through the decode kernels. For tests and benchmarks (bitwise the same).
   void set_prefill_enabled(bool on);

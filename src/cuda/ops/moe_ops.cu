@@ -2,10 +2,12 @@
 //
 // Per chunk of m <= 8 rows:
 //   1. gate scores: DeviceLinear kF32 (bitwise cpu::linear_f32);
-//   2. route_warp_kernel (route_kernel beyond 512 experts), one warp per row: score function,
-//      selection bias, top-k (ties to the lower expert id, as the CPU's partial_sort comparator),
-//      normalisation (+1e-20) and route_scale,
-//      the same fp32 operations as cpu::moe_route (expf / log1pf may differ from glibc by an ulp);
+//   2. route_quant_kernel (decode chunks; route_warp_kernel / route_kernel + act quant otherwise):
+//      one warp per row routes (route_row: score function, selection bias, top-k with ties to
+//      the lower expert id, as the CPU's partial_sort comparator, normalisation (+1e-20) and
+//      route_scale, the same fp32 operations as cpu::moe_route; expf / log1pf may differ from
+//      glibc by an ulp) while the other CTAs of the same launch FP8-quantise the input rows
+//      (act_quant_fp8_f32's operations);
 //   3. routed experts: MoeFp4 (MXFP4 W4A8; input FP8-quantised per 32 exactly as linear_quant;
 //      g/u rounded to bf16, clamps, h = bf16(weight * (silu(g) * u)), w2 output rounded to bf16,
 //      expert outputs summed in fp32 in ascending expert id from 0: all as cpu::expert_forward /
@@ -143,19 +145,37 @@ __global__ void __launch_bounds__(kRouteThreads)
 }
 
 // route_kernel on one warp per row (E <= 32 * kRoutePerLane): lane l holds experts l, l + 32, ...
-// in registers, so the K selection rounds are shuffles with no block barrier (route_kernel spent
-// ~11 us a call on its 2K barriers and thread 0's merges). The same fp32 operations, the same
-// comparator and the same weight arithmetic as route_kernel (tests/cuda/test_ops_moe.cpp checks the
-// choice and the weights against cpu::moe_route).
+// in registers, so the K selection rounds are shuffles with no block barrier. Each candidate is a
+// 64-bit key (order-preserving bits of the biased score, then ~expert id: larger key = better,
+// ties to the lower id, exactly route_kernel's comparator `better` for non-NaN scores; -0 counts
+// as +0; a NaN score loses to every number). A round is one 5-step shuffle max over the lanes'
+// best keys; only the winner's lane rescans its own experts (the others keep their best).
+// The same fp32 operations for the scores and weights as route_kernel (tests/cuda/test_ops_moe.cpp
+// checks the choice and the weights against cpu::moe_route). PDL: the bias loads run before the
+// wait for the gate scores.
 constexpr int kRoutePerLane = 16;
 
-__global__ void __launch_bounds__(32)
-    route_warp_kernel(const float* scores, const float* bias, int E, int K, int func,
-                      float gate_temp, float route_scale, int32_t* gate_i, float* gate_w) {
-  extern __shared__ float smem[];  // [E]: the softmax's sequential pass only
-  const int t = blockIdx.x, lane = threadIdx.x;
+__device__ __forceinline__ uint64_t route_key(float v, int e) {
+  uint32_t b = __float_as_uint(__fadd_rn(v, 0.0f));  // -0 -> +0
+  b = (b & 0x80000000u) ? ~b : (b | 0x80000000u);    // monotone in the float order
+  if (v != v) b = 0;                                 // NaN: below every number
+  return (uint64_t(b) << 32) | uint64_t(0xFFFFFFFFu - uint32_t(e));
+}
+
+// Row blockIdx.x, run by one warp (lane = threadIdx.x & 31); smem [E] for the softmax only.
+__device__ __forceinline__ void route_row(const float* scores, const float* bias, int E, int K,
+                                          int func, float gate_temp, float route_scale,
+                                          int32_t* gate_i, float* gate_w, float* smem) {
+  detail::pdl_trigger();
+  const int t = blockIdx.x, lane = threadIdx.x & 31;
   const float* row = scores + size_t(t) * E;
   float sc[kRoutePerLane], bz[kRoutePerLane];
+#pragma unroll
+  for (int i = 0; i < kRoutePerLane; ++i) {
+    const int e = lane + 32 * i;
+    bz[i] = e < E ? __ldg(bias + e) : 0.f;
+  }
+  detail::pdl_wait();
 #pragma unroll
   for (int i = 0; i < kRoutePerLane; ++i) {
     const int e = lane + 32 * i;
@@ -189,51 +209,95 @@ __global__ void __launch_bounds__(32)
     for (int i = 0; i < kRoutePerLane; ++i)
       if (lane + 32 * i < E) sc[i] = smem[lane + 32 * i];
   }
-  unsigned taken = 0;  // bit i: expert lane + 32 i already selected
+  uint64_t key[kRoutePerLane];
 #pragma unroll
-  for (int i = 0; i < kRoutePerLane; ++i)
-    bz[i] = lane + 32 * i < E ? __fadd_rn(sc[i], bias[lane + 32 * i]) : 0.f;
-  float gw[kMaxTopK];
+  for (int i = 0; i < kRoutePerLane; ++i) {
+    const int e = lane + 32 * i;
+    key[i] = e < E ? route_key(__fadd_rn(sc[i], bz[i]), e) : 0ull;  // 0: no candidate
+  }
+  uint64_t mine = 0;
+#pragma unroll
+  for (int i = 0; i < kRoutePerLane; ++i) mine = key[i] > mine ? key[i] : mine;
   int gi[kMaxTopK];
-  for (int k = 0; k < K; ++k) {
-    float bv = 0.f, bsc = 0.f;
-    int bi = -1;
+  float gw[kMaxTopK];
 #pragma unroll
-    for (int i = 0; i < kRoutePerLane; ++i) {
-      const int e = lane + 32 * i;
-      if (e < E && !(taken >> i & 1u) && better(bz[i], e, bv, bi)) {
-        bv = bz[i];
-        bi = e;
-        bsc = sc[i];
+  for (int k = 0; k < kMaxTopK; ++k) {
+    gi[k] = -1;
+    gw[k] = 0.f;
+    if (k < K) {
+      uint64_t best = mine;
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        const uint64_t other = __shfl_xor_sync(0xffffffffu, best, o);
+        best = other > best ? other : best;
       }
-    }
-    for (int o = 16; o > 0; o >>= 1) {
-      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-      const float os = __shfl_xor_sync(0xffffffffu, bsc, o);
-      if (better(ov, oi, bv, bi)) {
-        bv = ov;
-        bi = oi;
-        bsc = os;
+      const int e = best == 0 ? -1 : int(0xFFFFFFFFu - uint32_t(best));
+      gi[k] = e;
+      float w = 0.f;
+      if (e >= 0 && (e & 31) == lane) {  // the owner: its score, then drop the key and rescan
+#pragma unroll
+        for (int i = 0; i < kRoutePerLane; ++i)
+          if (i == (e >> 5)) {
+            w = sc[i];
+            key[i] = 0;
+          }
+        mine = 0;
+#pragma unroll
+        for (int i = 0; i < kRoutePerLane; ++i) mine = key[i] > mine ? key[i] : mine;
       }
+      gw[k] = e >= 0 ? __shfl_sync(0xffffffffu, w, e & 31) : 0.f;
     }
-    // Every lane holds the winner now; its owner marks it taken.
-    if (bi >= 0 && (bi & 31) == lane) taken |= 1u << (bi >> 5);
-    gi[k] = bi;
-    gw[k] = bsc;
   }
   if (lane == 0) {
     if (K > 1) {  // norm_topk_prob (always on for this model)
       float sum = 0.f;
-      for (int k = 0; k < K; ++k) sum = __fadd_rn(sum, gw[k]);
+#pragma unroll
+      for (int k = 0; k < kMaxTopK; ++k)
+        if (k < K) sum = __fadd_rn(sum, gw[k]);
       sum = __fadd_rn(sum, 1e-20f);
-      for (int k = 0; k < K; ++k) gw[k] = __fdiv_rn(gw[k], sum);
+#pragma unroll
+      for (int k = 0; k < kMaxTopK; ++k)
+        if (k < K) gw[k] = __fdiv_rn(gw[k], sum);
     }
-    for (int k = 0; k < K; ++k) {
-      gate_i[size_t(t) * K + k] = gi[k];
-      gate_w[size_t(t) * K + k] = __fmul_rn(gw[k], route_scale);
-    }
+#pragma unroll
+    for (int k = 0; k < kMaxTopK; ++k)
+      if (k < K) {
+        gate_i[size_t(t) * K + k] = gi[k];
+        gate_w[size_t(t) * K + k] = __fmul_rn(gw[k], route_scale);
+      }
   }
+}
+
+__global__ void __launch_bounds__(32)
+    route_warp_kernel(const float* scores, const float* bias, int E, int K, int func,
+                      float gate_temp, float route_scale, int32_t* gate_i, float* gate_w) {
+  extern __shared__ float smem[];  // [E]: the softmax's sequential pass only
+  route_row(scores, bias, E, K, func, gate_temp, route_scale, gate_i, gate_w, smem);
+}
+
+// The decode chunk's routing and FP8 input quantization in one launch (one dependency step
+// less): grid (rows, 1 + ceil(D/32 / 8)), 256 threads. Column 0: warp 0 routes row blockIdx.x
+// (route_row); the other columns: one warp per 32-block of the row, act_quant_fp8_f32's
+// operations (warp_quant_fp8_block), so the codes and scales are bitwise the same.
+__global__ void __launch_bounds__(256)
+    route_quant_kernel(const float* scores, const float* bias, int E, int K, int func,
+                       float gate_temp, float route_scale, int32_t* gate_i, float* gate_w,
+                       const float* x, int D, uint8_t* codes, float* xscales) {
+  extern __shared__ float smem[];
+  if (blockIdx.y == 0) {
+    if (threadIdx.x < 32)
+      route_row(scores, bias, E, K, func, gate_temp, route_scale, gate_i, gate_w, smem);
+    return;
+  }
+  detail::pdl_trigger();
+  detail::pdl_wait();
+  const int nkb = D / 32, kb = (blockIdx.y - 1) * 8 + (threadIdx.x >> 5);
+  if (kb >= nkb) return;
+  const int row = blockIdx.x, lane = threadIdx.x & 31;
+  const size_t idx = size_t(row) * D + kb * 32 + lane;
+  float sc;
+  codes[idx] = detail::warp_quant_fp8_block(x[idx], &sc);
+  if (lane == 0) xscales[size_t(row) * nkb + kb] = sc;
 }
 
 // Shared expert SwiGLU on bf16 g / u (cpu::expert_forward without a routing weight).
@@ -424,7 +488,8 @@ DeviceMoe::DeviceMoe(const model::MoeWeights& w, const MoeShape& shape, DeviceAr
   m.func = shape.score_func == "softmax"   ? kSoftmax
            : shape.score_func == "sigmoid" ? kSigmoid
                                            : kSqrtSoftplus;
-  m.gate = DeviceLinear(w.gate, LinearKind::kF32, arena);
+  // The router reads the ffn norm's bf16 output: the tensor-core path (dense_mma.h).
+  m.gate = DeviceLinear(w.gate, LinearKind::kF32Bf16X, arena);
   std::vector<float> bias(size_t(E), 0.f);
   if (!w.gate_bias.empty()) {
     bias = w.gate_bias.to_vector();
@@ -493,7 +558,24 @@ void DeviceMoe::combine_experts(const float* slots, const int32_t* gate_i, int T
 
 int DeviceMoe::top_k() const { return impl_->s.top_k; }
 
-void DeviceMoe::set_routed_kernels(MoeKernels k) { impl_->moe->set_kernels(k); }
+void moe_route(const MoeShape& shape, const float* scores, const float* bias, int rows,
+               int32_t* gate_i, float* gate_w, cudaStream_t stream) {
+  const int E = shape.n_experts, K = shape.top_k;
+  require(rows >= 1 && rows <= 65535 && K >= 1 && K <= kMaxTopK && K <= E,
+          "moe_route: %d rows, %d experts, top-%d", rows, E, K);
+  const int func = shape.score_func == "softmax"   ? kSoftmax
+                   : shape.score_func == "sigmoid" ? kSigmoid
+                                                   : kSqrtSoftplus;
+  if (E <= 32 * kRoutePerLane) {
+    detail::launch_pdl(route_warp_kernel, dim3(rows), dim3(32),
+                       func == kSoftmax ? sizeof(float) * E : 0, stream, scores, bias, E, K, func,
+                       shape.gate_temp, shape.route_scale, gate_i, gate_w);
+  } else {
+    route_kernel<<<rows, kRouteThreads, 2 * sizeof(float) * E, stream>>>(
+        scores, bias, E, K, func, shape.gate_temp, shape.route_scale, gate_i, gate_w);
+    UF_CUDA_CHECK(cudaGetLastError());
+  }
+}
 
 void DeviceMoe::set_prefill_enabled(bool on) { impl_->pf_on = on && impl_->pf != nullptr; }
 
@@ -537,17 +619,18 @@ void DeviceMoe::run_chunk(const float* x, int t0, int rows, Out mode, float* out
   int32_t* gi = gate_i ? gate_i + int64_t(t0) * K : (pf ? w->gi : m.gi);
   float* gw = gate_w ? gate_w + int64_t(t0) * K : (pf ? w->gw : m.gw);
   m.gate.apply(xc, rows, scores, stream);
-  if (E <= 32 * kRoutePerLane)
-    route_warp_kernel<<<rows, 32, m.func == kSoftmax ? sizeof(float) * E : 0, stream>>>(
-        scores, m.bias, E, K, m.func, m.s.gate_temp, m.s.route_scale, gi, gw);
-  else
-    route_kernel<<<rows, kRouteThreads, 2 * sizeof(float) * E, stream>>>(
-        scores, m.bias, E, K, m.func, m.s.gate_temp, m.s.route_scale, gi, gw);
-  UF_CUDA_CHECK(cudaGetLastError());
-  if (pf)
-    moe_act_quant_rows(xc, rows, D, xcodes, xscales, stream);
-  else
-    act_quant_fp8_f32(xc, rows, D, xcodes, xscales, stream);
+  if (!pf && E <= 32 * kRoutePerLane && D % 32 == 0) {
+    detail::launch_pdl(route_quant_kernel, dim3(rows, 1 + (D / 32 + 7) / 8), dim3(256),
+                       m.func == kSoftmax ? sizeof(float) * E : 0, stream, scores,
+                       static_cast<const float*>(m.bias), E, K, m.func, m.s.gate_temp,
+                       m.s.route_scale, gi, gw, xc, D, xcodes, xscales);
+  } else {
+    moe_route(m.s, scores, m.bias, rows, gi, gw, stream);
+    if (pf)
+      moe_act_quant_rows(xc, rows, D, xcodes, xscales, stream);
+    else
+      act_quant_fp8_f32(xc, rows, D, xcodes, xscales, stream);
+  }
   const QuantActView act{xcodes, xscales, rows, D};
   const int64_t slot_row = int64_t(K + 1) * D;  // kPartialSlots: floats per row of `out`
   if (pf) {

@@ -1,0 +1,481 @@
+// Tensor-core dense GEMV for decode rows (kernels/dense_mma.h states the contract and the sum
+// order).
+//
+// Tiling
+//   One warp = one 16-row weight tile x 8 token columns (tokens >= m are zero), one mma.sync
+//   m16n8k16 (bf16 x bf16 -> fp32) per 16-wide K slice: the weights are the A operand ("swap AB",
+//   as Fp8Gemv). K goes in chunks of 64: per chunk a thread (g = lane / 4, tg = lane % 4) holds
+//   16 weights of rows g and g + 8 in two halves of 8: BF16 elements [8 tg, +8) and
+//   [32 + 8 tg, +8) (two 16-byte loads a row; a warp instruction reads 64 contiguous bytes of each
+//   of 8 rows); FP8 elements [16 tg, +16) (one 16-byte load a row), converted in registers:
+//   e4m3 -> f16 -> f32 (exact), times the E8M0 scale (exact: a power of two), -> bf16 (exact: 4
+//   significant bits; only |w| < 2^-130 would round, which no checkpoint scale reaches).
+//   K mapping (A and B alike): element i < 4 of quarter j (j = 0..3; quarters 0, 1 = half 0) of
+//   the thread's 16 is mma j's fragment K position 2 tg + i (i < 2) or 8 + 2 tg + (i - 2).
+//   x of the CTA's K range is staged once per CTA in shared memory as bf16, laid out as the
+//   fragments read it: [chunk][half][token][tg][8 values], so a warp's 16-byte reads cover 512
+//   contiguous bytes (conflict free). Staging checks that each value is bf16-exact (else NaN).
+//   Weight loads: 16-byte ld.global.nc (no L1 allocation), a group of 8 a thread (4 KB a warp)
+//   issued one group ahead of the mma work (register double buffer), across tile boundaries: a
+//   warp's tiles and chunks are one flat sequence.
+//
+// Configurations (host, run()), S = splits(n) from (tiles = ceil(n / 16), K, SM count) only:
+//   full K (S == 1, or any S with m > 8): CTAs of 8 warps, x [<= 8, K] staged once, each warp
+//     loops over tiles blockIdx.x * 8 + warp + i * (8 * gridDim.x); the grid is capped at one
+//     wave of resident CTAs; blockIdx.z = chunk of 8 token rows. With S > 1 the warp sums the
+//     parts itself: acc restarts at each part boundary and total = ((P0 + P1) + ...) -- the
+//     split-K order below, so rows of a > 8-row call are bitwise those of a <= 8-row call.
+//   split K (S > 1, m <= 8): CTAs of 2 warps, blockIdx.y = part; each warp publishes its tile's
+//     fp32 part to the workspace; the last warp to finish a tile (an integer counter, no float
+//     atomics) adds the S parts in part order P0 + P1 + ... and stores. S doubles while tiles x S
+//     < 3 x SMs (so the router [384, 5120] and wo_a [1024, 4096] fill every SM), keeping >= 2
+//     chunks a part.
+//
+// Why: dense_rows (ops/linear.cu) spends 8 fp32 FMAs per weight element at 8 rows (the head
+// [129280, 5120] bf16 ran at ~1.2 TB/s); here one mma covers 16 x 8 x 16 products and the
+// issue slots go to the loads.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "cuda/cuda_check.h"
+#include "cuda/gemv.h"
+#include "cuda/kernels/common.cuh"
+#include "cuda/kernels/dense_mma.h"
+
+namespace uf::cuda {
+namespace {
+
+using namespace detail;
+using model::WFormat;
+
+constexpr int kChunkK = 64;                             // K per chunk
+constexpr int kFullWarps = 8;                           // warps per CTA, full-K configuration
+constexpr int kSplitWarps = 2;                          // warps per CTA, split-K configuration
+constexpr int kMaxSmem = int(DenseMma::kMaxCols) * 16;  // 8 token rows x K bf16
+constexpr int kRows = kMaxDecodeRows;                   // token rows per mma (B columns)
+// >= 4 chunks a tile: at most one tile ends inside a load group (kG <= 4 chunks), which the
+// epilogue stash relies on.
+constexpr int64_t kMinCols = 4 * kChunkK;
+
+struct Args {
+  const uint8_t* w;      // weight row r0 (row 0 of the call)
+  const uint8_t* scale;  // FP8: the weight's scale array (absolute rows), else null
+  int64_t r0;
+  int n, K, scale_cols, row_scale;
+  const float* x;
+  int64_t x_stride;
+  int m;  // token rows of the launch (chunks of 8 on blockIdx.z)
+  float* y;
+  int64_t y_stride;
+  int round;
+  int tiles;      // ceil(n / 16)
+  int kp;         // K of one part (a multiple of 64)
+  int cta_parts;  // parts one CTA covers: S (full K) or 1 (split K, part = blockIdx.y)
+  int splits;     // S
+  int x_vec;      // x 16-byte aligned with x_stride % 4 == 0: float4 staging loads
+  float* partials;
+  int* counters;
+};
+
+__device__ __forceinline__ uint4 ld_stream_u4(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+// d += A * B: A 16x16 bf16 (a0: row g, K lo; a1: row g+8, K lo; a2: row g, K hi; a3: row g+8,
+// K hi), B 16x8 bf16 (b0: K lo, b1: K hi; column g), fp32 accumulate.
+__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t bf16x2_bits(__nv_bfloat162 v) {
+  uint32_t u;
+  memcpy(&u, &v, 4);
+  return u;
+}
+
+// Two e4m3 codes (low byte = lower K) times scale s, as bf16x2: exact (see the header comment).
+__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t two, float s) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(two & 0xffffu), __NV_E4M3);
+  const float2 f = __half22float2(__half2(h));
+  return bf16x2_bits(__floats2bfloat162_rn(__fmul_rn(f.x, s), __fmul_rn(f.y, s)));
+}
+
+// Two fp32 x values as bf16x2; a value that is not bf16-exact becomes NaN (never rounded).
+__device__ __forceinline__ uint32_t pack_exact_bf16x2(float a, float b) {
+  uint32_t u = bf16x2_bits(__floats2bfloat162_rn(a, b));
+  if (__uint_as_float(u << 16) != a && a == a) u = (u & 0xffff0000u) | 0x7fc0u;
+  if (__uint_as_float(u & 0xffff0000u) != b && b == b) u = (u & 0x0000ffffu) | 0x7fc00000u;
+  return u;
+}
+
+__device__ __forceinline__ float fp8_scale(const Args& p, int row, int k) {
+  const int64_t sr = p.row_scale ? p.r0 + row : (p.r0 + row) / 32;
+  return e8m0_to_f32(__ldg(p.scale + sr * p.scale_cols + k / 32));
+}
+
+template <bool kFp8>
+__global__ void __launch_bounds__(kFullWarps * 32, 2) dense_mma_kernel(const Args p) {
+  extern __shared__ __align__(16) uint8_t xs[];
+  pdl_trigger();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+  const int g = lane >> 2, tg = lane & 3;
+  const int nckp = p.kp / kChunkK;                        // chunks per part
+  const int nck = nckp * p.cta_parts;                     // chunks per tile in this CTA
+  const int kbeg = int(blockIdx.y) * p.cta_parts * p.kp;  // the CTA's first K
+  const int zc = int(blockIdx.z);
+  const int m = min(p.m - zc * kRows, kRows);
+  const float* x = p.x + int64_t(zc) * kRows * p.x_stride;
+  float* y = p.y + int64_t(zc) * kRows * p.y_stride;
+
+  // This warp's tiles: tile0, tile0 + G, ...; chunks of all its tiles are one flat sequence.
+  const int G = int(gridDim.x) * nw;
+  const int tile0 = int(blockIdx.x) * nw + warp;
+  const int ntile = tile0 < p.tiles ? (p.tiles - 1 - tile0) / G + 1 : 0;
+  const int steps = ntile * nck;
+
+  constexpr int kG = kFp8 ? 4 : 2;  // chunks per load group: 8 x 16-byte loads a thread
+  constexpr int kL = kFp8 ? 2 : 4;  // 16-byte loads per chunk
+
+  int lpos = 0, lt = tile0, lc = 0;  // load cursor
+  auto load_group = [&](uint4(&buf)[kG][kL], float(&sc)[kG][2]) {
+#pragma unroll
+    for (int i = 0; i < kG; ++i) {
+      if (lpos < steps) {
+        const int ra = lt * 16 + g, rb = ra + 8;
+        const bool va = ra < p.n, vb = rb < p.n;
+        const uint4 z = make_uint4(0u, 0u, 0u, 0u);
+        if constexpr (kFp8) {
+          const int k = kbeg + lc * kChunkK + tg * 16;
+          const uint8_t* pa = p.w + int64_t(ra) * p.K + k;
+          buf[i][0] = va ? ld_stream_u4(pa) : z;
+          buf[i][1] = vb ? ld_stream_u4(pa + 8 * int64_t(p.K)) : z;
+          sc[i][0] = va ? fp8_scale(p, ra, k) : 1.f;
+          sc[i][1] = vb ? fp8_scale(p, rb, k) : 1.f;
+        } else {
+          // Halves at elements 8 tg and 32 + 8 tg: each load instruction reads 64 contiguous
+          // bytes of a row (whole sectors).
+          const int k = kbeg + lc * kChunkK + tg * 8;
+          const uint8_t* pa = p.w + (int64_t(ra) * p.K + k) * 2;
+          const uint8_t* pb = pa + 16 * int64_t(p.K);
+          buf[i][0] = va ? ld_stream_u4(pa) : z;
+          buf[i][1] = va ? ld_stream_u4(pa + 64) : z;
+          buf[i][2] = vb ? ld_stream_u4(pb) : z;
+          buf[i][3] = vb ? ld_stream_u4(pb + 64) : z;
+        }
+        ++lpos;
+        if (++lc == nck) lc = 0, lt += G;
+      }
+    }
+  };
+
+  // Weights do not depend on the previous kernel: the first group goes out before the PDL wait.
+  uint4 bufA[kG][kL], bufB[kG][kL];
+  float scA[kG][2], scB[kG][2];
+  load_group(bufA, scA);
+  pdl_wait();
+
+  // Stage x[chunk rows, CTA K range] as bf16: item (token r, 8-group q) -> fragment layout.
+  // kStageBatch items a thread per round, all loads first (several L2 round trips in flight).
+  {
+    constexpr int kStageBatch = 4;
+    const int nq = p.cta_parts * p.kp / 8, items = kRows * nq, nt = int(blockDim.x);
+    for (int i0 = int(threadIdx.x); i0 < items; i0 += kStageBatch * nt) {
+      float f[kStageBatch][8];
+#pragma unroll
+      for (int b = 0; b < kStageBatch; ++b) {
+        const int i = i0 + b * nt, r = i / nq, q = i - r * nq;
+        if (i < items && r < m) {
+          const float* src = x + int64_t(r) * p.x_stride + kbeg + q * 8;
+          if (p.x_vec) {
+            const float4 a = __ldg(reinterpret_cast<const float4*>(src));
+            const float4 c = __ldg(reinterpret_cast<const float4*>(src) + 1);
+            f[b][0] = a.x, f[b][1] = a.y, f[b][2] = a.z, f[b][3] = a.w;
+            f[b][4] = c.x, f[b][5] = c.y, f[b][6] = c.z, f[b][7] = c.w;
+          } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) f[b][e] = __ldg(src + e);
+          }
+        }
+      }
+#pragma unroll
+      for (int b = 0; b < kStageBatch; ++b) {
+        const int i = i0 + b * nt, r = i / nq, q = i - r * nq;
+        if (i < items) {
+          uint4 v = make_uint4(0u, 0u, 0u, 0u);
+          if (r < m)
+            v = make_uint4(pack_exact_bf16x2(f[b][0], f[b][1]), pack_exact_bf16x2(f[b][2], f[b][3]),
+                           pack_exact_bf16x2(f[b][4], f[b][5]),
+                           pack_exact_bf16x2(f[b][6], f[b][7]));
+          // 8-group q of chunk c = q / 8 is (tg, half) = FP8: (q / 2 % 4, q % 2), elements
+          // 16 tg + 8 h; BF16: (q % 4, q / 4 % 2), elements 8 tg + 32 h (the weight loads').
+          const int c = q >> 3;
+          const int tq = kFp8 ? (q >> 1) & 3 : q & 3, h = kFp8 ? q & 1 : (q >> 2) & 1;
+          *reinterpret_cast<uint4*>(xs + ((((c * 2 + h) * kRows + r) * 4 + tq) * 16)) = v;
+        }
+      }
+    }
+  }
+  __syncthreads();
+
+  auto store = [&](int tile, const float(&v)[4]) {
+    const int ra = tile * 16 + g, rb = ra + 8, t0 = 2 * tg, t1 = t0 + 1;
+    auto post = [&](float a) { return p.round ? round_bf16(a) : a; };
+    if (t0 < m) {
+      if (ra < p.n) y[int64_t(t0) * p.y_stride + ra] = post(v[0]);
+      if (rb < p.n) y[int64_t(t0) * p.y_stride + rb] = post(v[2]);
+    }
+    if (t1 < m) {
+      if (ra < p.n) y[int64_t(t1) * p.y_stride + ra] = post(v[1]);
+      if (rb < p.n) y[int64_t(t1) * p.y_stride + rb] = post(v[3]);
+    }
+  };
+
+  // Split K: publish this part of the tile and let the last of its S warps add the parts in
+  // part order and store.
+  const bool full = p.cta_parts == p.splits;
+  auto finish_split = [&](int tile, const float(&v)[4]) {
+    const bool used = 2 * tg < m;  // this lane holds tokens 2 tg, 2 tg + 1
+    const size_t stride = size_t(p.tiles) * 128;
+    const size_t frag = size_t(tile) * 128 + size_t(lane) * 4;
+    if (used)
+      __stcg(reinterpret_cast<float4*>(p.partials + blockIdx.y * stride + frag),
+             make_float4(v[0], v[1], v[2], v[3]));
+    __threadfence();
+    __syncwarp();
+    int last = 0;
+    if (lane == 0) last = atomicAdd(p.counters + tile, 1) == p.splits - 1;
+    last = __shfl_sync(0xffffffffu, last, 0);
+    if (!last) return;
+    __threadfence();
+    if (used) {
+      const float4 v0 = __ldcg(reinterpret_cast<const float4*>(p.partials + frag));
+      float sum[4] = {v0.x, v0.y, v0.z, v0.w};
+      constexpr int kBatch = 8;  // loads in flight before the in-order adds
+      for (int s = 1; s < p.splits; s += kBatch) {
+        float4 q[kBatch];
+#pragma unroll
+        for (int i = 0; i < kBatch; ++i)
+          if (s + i < p.splits)
+            q[i] = __ldcg(reinterpret_cast<const float4*>(p.partials + (s + i) * stride + frag));
+#pragma unroll
+        for (int i = 0; i < kBatch; ++i)
+          if (s + i < p.splits) {
+            sum[0] = __fadd_rn(sum[0], q[i].x);
+            sum[1] = __fadd_rn(sum[1], q[i].y);
+            sum[2] = __fadd_rn(sum[2], q[i].z);
+            sum[3] = __fadd_rn(sum[3], q[i].w);
+          }
+      }
+      store(tile, sum);
+    }
+    __syncwarp();
+    if (lane == 0) p.counters[tile] = 0;  // ready for the next launch
+  };
+
+  int cpos = 0, ct = tile0, cc = 0, pc = 0;  // compute cursor; pc: chunk within the part
+  bool first_part = true;
+  float acc[4] = {0.f, 0.f, 0.f, 0.f}, tot[4] = {0.f, 0.f, 0.f, 0.f}, done[4];
+  int done_tile = -1;
+  auto compute_group = [&](const uint4(&buf)[kG][kL], const float(&sc)[kG][2]) {
+#pragma unroll
+    for (int i = 0; i < kG; ++i) {
+      if (cpos < steps) {
+        uint32_t wa[8], wb[8];
+        if constexpr (kFp8) {
+          const uint32_t ca[4] = {buf[i][0].x, buf[i][0].y, buf[i][0].z, buf[i][0].w};
+          const uint32_t cb[4] = {buf[i][1].x, buf[i][1].y, buf[i][1].z, buf[i][1].w};
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            wa[e] = e4m3x2_to_bf16x2(ca[e >> 1] >> (16 * (e & 1)), sc[i][0]);
+            wb[e] = e4m3x2_to_bf16x2(cb[e >> 1] >> (16 * (e & 1)), sc[i][1]);
+          }
+        } else {
+          wa[0] = buf[i][0].x, wa[1] = buf[i][0].y, wa[2] = buf[i][0].z, wa[3] = buf[i][0].w;
+          wa[4] = buf[i][1].x, wa[5] = buf[i][1].y, wa[6] = buf[i][1].z, wa[7] = buf[i][1].w;
+          wb[0] = buf[i][2].x, wb[1] = buf[i][2].y, wb[2] = buf[i][2].z, wb[3] = buf[i][2].w;
+          wb[4] = buf[i][3].x, wb[5] = buf[i][3].y, wb[6] = buf[i][3].z, wb[7] = buf[i][3].w;
+        }
+        const uint8_t* xp = xs + ((cc * 2 * kRows + g) * 4 + tg) * 16;
+        const uint4 x0 = *reinterpret_cast<const uint4*>(xp);
+        const uint4 x1 = *reinterpret_cast<const uint4*>(xp + kRows * 64);
+        const uint32_t xw[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          mma_bf16(acc, wa[2 * j], wb[2 * j], wa[2 * j + 1], wb[2 * j + 1], xw[2 * j],
+                   xw[2 * j + 1]);
+        ++cpos;
+        if (++pc == nckp) {  // a part is complete: fold it into the total, in part order
+          pc = 0;
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            tot[e] = first_part ? acc[e] : __fadd_rn(tot[e], acc[e]);
+            acc[e] = 0.f;
+          }
+          first_part = false;
+        }
+        if (++cc == nck) {  // the tile's K range is complete: finished after the group
+#pragma unroll
+          for (int e = 0; e < 4; ++e) done[e] = tot[e];
+          done_tile = ct;
+          cc = 0;
+          ct += G;
+          first_part = true;
+        }
+      }
+    }
+    // Full K: at most one tile ends per group (nck >= kG): one copy of the store per group
+    // instead of one per chunk. Split K: a warp has at most one tile; its epilogue runs after the
+    // loop, when the weight buffers are dead (its batched partial loads need the registers).
+    if (full && done_tile >= 0) {
+      store(done_tile, done);
+      done_tile = -1;
+    }
+  };
+
+  while (cpos < steps) {  // warp-uniform
+    load_group(bufB, scB);
+    compute_group(bufA, scA);
+    if (cpos >= steps) break;
+    load_group(bufA, scA);
+    compute_group(bufB, scB);
+  }
+  if (done_tile >= 0) finish_split(done_tile, done);
+}
+
+// S: doubles while the grid has fewer than 3 warps' tiles per SM, with whole chunks per part and
+// at least 2 chunks a part. Depends on (tiles, K, SM count) only.
+int split_count(int64_t tiles, int64_t cols, int sms) {
+  const int64_t nck = cols / kChunkK;
+  int s = 1;
+  while (tiles * s < 3LL * sms && nck % (2 * s) == 0 && nck / (2 * s) >= 2) s *= 2;
+  return s;
+}
+
+template <bool kFp8>
+void setup_kernel() {
+  UF_CUDA_CHECK(cudaFuncSetAttribute(dense_mma_kernel<kFp8>,
+                                     cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem));
+  prefer_shared_carveout(dense_mma_kernel<kFp8>);
+}
+
+}  // namespace
+
+bool DenseMma::supports(const DeviceWeight& w) {
+  return !w.empty() && (w.format == WFormat::kBF16 || w.format == WFormat::kFP8) &&
+         w.cols % kChunkK == 0 && w.cols >= kMinCols && w.cols <= kMaxCols &&
+         w.rows < (int64_t(1) << 30) && reinterpret_cast<uintptr_t>(w.data) % 16 == 0 &&
+         (w.format != WFormat::kFP8 || w.scale != nullptr);
+}
+
+DenseMma::DenseMma(const DeviceWeight& w, int sm_count)
+    : rows_(w.rows), cols_(w.cols), sms_(std::max(1, sm_count)), fp8_(w.format == WFormat::kFP8) {
+  require(supports(w),
+          "DenseMma: weight [%lld, %lld] (format %d) is not a BF16/FP8 weight with cols %% 64 == 0 "
+          "and cols <= %lld",
+          static_cast<long long>(w.rows), static_cast<long long>(w.cols), int(w.format),
+          static_cast<long long>(kMaxCols));
+  setup_kernel<false>();
+  setup_kernel<true>();
+  int occ = 0;
+  const size_t smem = size_t(cols_) * 16;
+  if (fp8_)
+    UF_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, dense_mma_kernel<true>,
+                                                                kFullWarps * 32, smem));
+  else
+    UF_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, dense_mma_kernel<false>,
+                                                                kFullWarps * 32, smem));
+  ctas_per_sm_ = std::max(1, occ);
+  // The split workspace for the largest split call over every row count n <= rows.
+  const int64_t max_tiles = (rows_ + 15) / 16;
+  for (int64_t t = 1; t <= max_tiles; ++t) {
+    const int s = split_count(t, cols_, sms_);
+    if (s == 1) continue;
+    partial_floats_ = std::max(partial_floats_, size_t(s) * size_t(t) * 128);
+    counter_count_ = std::max(counter_count_, t);
+  }
+  if (partial_floats_ > 0) {
+    UF_CUDA_CHECK(cudaMalloc(&partials_, partial_floats_ * sizeof(float)));
+    UF_CUDA_CHECK(cudaMalloc(&counters_, size_t(counter_count_) * sizeof(int)));
+    UF_CUDA_CHECK(cudaMemset(counters_, 0, size_t(counter_count_) * sizeof(int)));
+  }
+}
+
+DenseMma::~DenseMma() {
+  cudaFree(partials_);
+  cudaFree(counters_);
+}
+
+int DenseMma::splits(int64_t n) const { return split_count((n + 15) / 16, cols_, sms_); }
+
+void DenseMma::run(const DeviceWeight& w, int64_t r0, int64_t n, const float* x, int64_t x_stride,
+                   int m, float* y, int64_t y_stride, bool round_bf16, cudaStream_t stream) const {
+  if (n <= 0 || m <= 0) return;
+  require(w.cols == cols_ && w.rows == rows_ && (w.format == WFormat::kFP8) == fp8_ && r0 >= 0 &&
+              r0 + n <= rows_,
+          "DenseMma::run: weight [%lld, %lld] rows [%lld, %lld) do not match the plan [%lld, %lld]",
+          static_cast<long long>(w.rows), static_cast<long long>(w.cols),
+          static_cast<long long>(r0), static_cast<long long>(r0 + n), static_cast<long long>(rows_),
+          static_cast<long long>(cols_));
+  const int64_t chunks = (int64_t(m) + kRows - 1) / kRows;
+  require(chunks <= 65535, "DenseMma::run: %d rows exceed one launch's 65535 chunks of 8", m);
+  const int64_t tiles = (n + 15) / 16;
+  const int S = split_count(tiles, cols_, sms_);
+  Args a{};
+  a.w = w.data + r0 * cols_ * (fp8_ ? 1 : 2);
+  a.scale = w.scale;
+  a.r0 = r0;
+  a.n = int(n);
+  a.K = int(cols_);
+  a.scale_cols = int((cols_ + 31) / 32);
+  a.row_scale = w.row_scale ? 1 : 0;
+  a.x = x;
+  a.x_stride = x_stride;
+  a.m = m;
+  a.y = y;
+  a.y_stride = y_stride;
+  a.round = round_bf16 ? 1 : 0;
+  a.tiles = int(tiles);
+  a.kp = int(cols_ / S);
+  a.splits = S;
+  a.x_vec = reinterpret_cast<uintptr_t>(x) % 16 == 0 && x_stride % 4 == 0 ? 1 : 0;
+  a.partials = partials_;
+  a.counters = counters_;
+  dim3 grid, block;
+  size_t smem;
+  if (S > 1 && chunks == 1) {  // split K: one part per CTA
+    require(size_t(S) * size_t(tiles) * 128 <= partial_floats_ && tiles <= counter_count_,
+            "DenseMma::run: the split workspace is smaller than the call's %d x %lld tiles", S,
+            static_cast<long long>(tiles));
+    a.cta_parts = 1;
+    grid = dim3(unsigned((tiles + kSplitWarps - 1) / kSplitWarps), unsigned(S), 1);
+    block = dim3(kSplitWarps * 32);
+    smem = size_t(a.kp) * 16;
+  } else {  // full K per CTA (the parts summed in the warp), one wave at most
+    a.cta_parts = S;
+    const int64_t ctas =
+        std::min<int64_t>((tiles + kFullWarps - 1) / kFullWarps, int64_t(ctas_per_sm_) * sms_);
+    grid = dim3(unsigned(ctas), 1, unsigned(chunks));
+    block = dim3(kFullWarps * 32);
+    smem = size_t(cols_) * 16;
+  }
+  if (fp8_)
+    launch_pdl(dense_mma_kernel<true>, grid, block, smem, stream, a);
+  else
+    launch_pdl(dense_mma_kernel<false>, grid, block, smem, stream, a);
+}
+
+}  // namespace uf::cuda
