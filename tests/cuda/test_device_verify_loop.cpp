@@ -59,7 +59,8 @@ TEST(CudaDeviceVerify, LoopEqualsHostVerification) {
 }
 
 // Under TP rank 0 holds the whole logits rows and verifies on its device while every rank runs
-// the forward: the same tokens as TP 2 verifying on the host (the draft is on the host at TP > 1).
+// the forward: the same tokens as TP 2 verifying on the host. Both draft on the host here, so the
+// comparison is about verification alone (device drafting at TP: test_device_draft.cpp).
 TEST(CudaDeviceVerify, TensorParallelLoopEqualsHostVerification) {
   UF_REQUIRE_GPU();
   int gpus = 0;
@@ -68,6 +69,7 @@ TEST(CudaDeviceVerify, TensorParallelLoopEqualsHostVerification) {
   const auto map = tiny_a_golden_i64("engram_token_map");
   CudaModelOptions on, off;
   on.tp = off.tp = 2;
+  on.device_draft = false;
   off.device_verify = false;
   CudaBackend dev(tiny_a_dir(), map, on), host(tiny_a_dir(), map, off);
   ASSERT_TRUE(dev.device_verify());
