@@ -8,8 +8,10 @@
 // stream through it), median of --reps replays, divided by the copies. The fast chunked path
 // (split scratch: the decode callers) is timed against the reference path (one CTA per (row,
 // head)); c16 / c32: the fast path with chunks of 16 / 32 slots forced (fast: the default rule).
-// The last column: outputs of the two paths that differ (bf16 flips expected, few) and the
-// largest difference, a sanity line only (tests/cuda/test_ops_attention.cpp is the check).
+// The last column: outputs of the fast path that differ from the reference path (the CPU's
+// arithmetic; the fast path has the same bf16(p) values, so only rare fp32 re-association flips
+// are expected: target <= 1%) and the largest difference, a sanity line only
+// (tests/cuda/test_ops_attention.cpp is the check).
 // bytes = distinct KV rows touched x hd x 4 + q + out; GB/s = bytes / time; floor = bytes
 // at 4.1 TB/s.
 //
@@ -36,6 +38,7 @@ int main() {
 #include "cuda/cuda_check.h"
 #include "cuda/device_fill.h"
 #include "cuda/ops/attention.h"
+#include "cuda_bench_util.h"
 
 using namespace uf::cuda;
 
@@ -53,37 +56,6 @@ struct Shape {
   const char* name;
   int T, n_window, k;
 };
-
-template <typename F>
-cudaGraphExec_t capture(cudaStream_t s, F&& body) {
-  cudaGraph_t g;
-  UF_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-  body();
-  UF_CUDA_CHECK(cudaStreamEndCapture(s, &g));
-  cudaGraphExec_t exec;
-  UF_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
-  UF_CUDA_CHECK(cudaGraphDestroy(g));
-  return exec;
-}
-
-float median_ms(cudaGraphExec_t exec, cudaStream_t s, int reps) {
-  cudaEvent_t a, b;
-  UF_CUDA_CHECK(cudaEventCreate(&a));
-  UF_CUDA_CHECK(cudaEventCreate(&b));
-  for (int i = 0; i < 3; ++i) UF_CUDA_CHECK(cudaGraphLaunch(exec, s));
-  std::vector<float> ms(static_cast<size_t>(reps));
-  for (int r = 0; r < reps; ++r) {
-    UF_CUDA_CHECK(cudaEventRecord(a, s));
-    UF_CUDA_CHECK(cudaGraphLaunch(exec, s));
-    UF_CUDA_CHECK(cudaEventRecord(b, s));
-    UF_CUDA_CHECK(cudaEventSynchronize(b));
-    UF_CUDA_CHECK(cudaEventElapsedTime(&ms[size_t(r)], a, b));
-  }
-  UF_CUDA_CHECK(cudaEventDestroy(a));
-  UF_CUDA_CHECK(cudaEventDestroy(b));
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
-}
 
 }  // namespace
 
@@ -178,14 +150,14 @@ int main(int argc, char** argv) {
     const int chunk[3] = {0, 16, 32};
     for (int v = 0; v < 3; ++v) {
       sparse_attn_chunk_override(chunk[v]);
-      cudaGraphExec_t g = capture(stream, [&] { run_all(scratch); });
-      us[v] = 1e3 * median_ms(g, stream, reps) / copies;
+      cudaGraphExec_t g = uf::bench::capture_graph(stream, [&] { run_all(scratch); });
+      us[v] = uf::bench::median_replay_us(g, stream, reps) / copies;
       UF_CUDA_CHECK(cudaGraphExecDestroy(g));
     }
     sparse_attn_chunk_override(0);
     const double fast_us = us[0];
-    cudaGraphExec_t ref = capture(stream, [&] { run_all(nullptr); });
-    const double ref_us = 1e3 * median_ms(ref, stream, reps) / copies;
+    cudaGraphExec_t ref = uf::bench::capture_graph(stream, [&] { run_all(nullptr); });
+    const double ref_us = uf::bench::median_replay_us(ref, stream, reps) / copies;
     const double bytes =
         double(rows_touched) * kHd * 4 + 2.0 * double(T) * kH * kHd * 4;  // KV rows + q + out
     // Sanity (the tests are the real check): copy 0 on both paths, outputs differing in bf16.
@@ -207,10 +179,11 @@ int main(int argc, char** argv) {
       max_abs = std::max(max_abs, std::fabs(double(o_fast[i]) - o_ref[i]));
     }
     std::printf(
-        "%-14s %2d %6d %10.0f %9.2f %8.2f %10.0f %8.2f %8.2f %8.2f %7.1fx   %zu/%zu differ, "
-        "max %.2e\n",
+        "%-14s %2d %6d %10.0f %9.2f %8.2f %10.0f %8.2f %8.2f %8.2f %7.1fx   %zu/%zu differ "
+        "(%.2f%%), max %.2e\n",
         sh.name, T, W + k, bytes, bytes / kFloorBytesPerUs, fast_us, bytes / fast_us / 1e3, us[1],
-        us[2], ref_us, ref_us / fast_us, n_diff, n_out, max_abs);
+        us[2], ref_us, ref_us / fast_us, n_diff, n_out, 100.0 * double(n_diff) / double(n_out),
+        max_abs);
     UF_CUDA_CHECK(cudaGraphExecDestroy(ref));
     for (int c = 0; c < copies; ++c) {
       UF_CUDA_CHECK(cudaFree(dwin[size_t(c)]));

@@ -44,6 +44,7 @@ int main() {
 #include "cuda/gemv.h"
 #include "cuda/moe.h"
 #include "cuda/sampling.h"
+#include "cuda_bench_util.h"
 
 using namespace uf::cuda;
 
@@ -138,44 +139,6 @@ Act make_act(Arena& a, int k) {
   return r;
 }
 
-float median(std::vector<float> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-// Median time (us) of one replay of `graph`, after warm-up.
-float time_graph(cudaGraphExec_t exec, cudaStream_t s, int reps) {
-  cudaEvent_t a, b;
-  UF_CUDA_CHECK(cudaEventCreate(&a));
-  UF_CUDA_CHECK(cudaEventCreate(&b));
-  for (int i = 0; i < 3; ++i) UF_CUDA_CHECK(cudaGraphLaunch(exec, s));
-  std::vector<float> t;
-  for (int i = 0; i < reps; ++i) {
-    UF_CUDA_CHECK(cudaEventRecord(a, s));
-    UF_CUDA_CHECK(cudaGraphLaunch(exec, s));
-    UF_CUDA_CHECK(cudaEventRecord(b, s));
-    UF_CUDA_CHECK(cudaEventSynchronize(b));
-    float ms = 0;
-    UF_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
-    t.push_back(ms * 1000.f);
-  }
-  UF_CUDA_CHECK(cudaEventDestroy(a));
-  UF_CUDA_CHECK(cudaEventDestroy(b));
-  return median(t);
-}
-
-template <typename F>
-cudaGraphExec_t capture(cudaStream_t s, F&& body) {
-  cudaGraph_t g;
-  UF_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-  body();
-  UF_CUDA_CHECK(cudaStreamEndCapture(s, &g));
-  cudaGraphExec_t exec;
-  UF_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
-  UF_CUDA_CHECK(cudaGraphDestroy(g));
-  return exec;
-}
-
 // Memory ceilings, from 2 GiB buffers: cudaMemcpy device-to-device and a 16-byte-vector copy
 // kernel (bytes read plus bytes written), and a read-only kernel (bytes read).
 struct Ceilings {
@@ -191,8 +154,8 @@ Ceilings measure_ceilings(cudaStream_t s) {
   UF_CUDA_CHECK(cudaMalloc(&sink, 4));
   fill_random_bytes(static_cast<uint8_t*>(src), n, 99, 0, 255, s);
   auto time_of = [&](auto&& body) {
-    cudaGraphExec_t exec = capture(s, body);
-    const float us = time_graph(exec, s, 20);
+    cudaGraphExec_t exec = uf::bench::capture_graph(s, body);
+    const float us = uf::bench::median_replay_us(exec, s, 20);
     UF_CUDA_CHECK(cudaGraphExecDestroy(exec));
     return us;
   };
@@ -259,10 +222,10 @@ int main(int argc, char** argv) {
       UF_CUDA_CHECK(cudaDeviceSynchronize());  // fills ran on the legacy stream
       act_quant_fp8_bf16(act.x, 8, k, act.codes, act.scales, s);
       for (int m : {1, 8}) {
-        cudaGraphExec_t exec = capture(s, [&] {
+        cudaGraphExec_t exec = uf::bench::capture_graph(s, [&] {
           for (auto& w : ws) run_gemv(g, w, act, m, out, s, false);
         });
-        const float us = time_graph(exec, s, reps) / copies;
+        const float us = uf::bench::median_replay_us(exec, s, reps) / copies;
         UF_CUDA_CHECK(cudaGraphExecDestroy(exec));
         const double gbs = double(ws[0].bytes()) / (us * 1e-6) / 1e9;
         char name[64];
@@ -297,12 +260,12 @@ int main(int argc, char** argv) {
       std::vector<int> uniq(hidx.begin(), hidx.begin() + m * kTopk);
       std::sort(uniq.begin(), uniq.end());
       uniq.erase(std::unique(uniq.begin(), uniq.end()), uniq.end());
-      cudaGraphExec_t exec = capture(s, [&] {
+      cudaGraphExec_t exec = uf::bench::capture_graph(s, [&] {
         for (auto& e : ex)
           moe.run(e.v, QuantActView{act.codes, act.scales, m, kDim}, idx, wts, kSwigluLimit, out,
                   s);
       });
-      const float us = time_graph(exec, s, reps) / copies;
+      const float us = uf::bench::median_replay_us(exec, s, reps) / copies;
       UF_CUDA_CHECK(cudaGraphExecDestroy(exec));
       const double gbs = double(uniq.size() * Experts::expert_bytes()) / (us * 1e-6) / 1e9;
       char name[64];
@@ -363,7 +326,7 @@ int main(int argc, char** argv) {
               "x floor", "GB/s");
   for (int m : rows_list) {
     double bytes = 0;
-    cudaGraphExec_t exec = capture(s, [&] {
+    cudaGraphExec_t exec = uf::bench::capture_graph(s, [&] {
       for (int l = 0; l < layers; ++l) {
         Layer& y = L[l];
         if (y.has_engram) run_gemv(g_eng, y.engram, a_e, m, out, s, true);
@@ -389,7 +352,7 @@ int main(int argc, char** argv) {
       std::sort(h.begin(), h.end());
       bytes += double(std::unique(h.begin(), h.end()) - h.begin()) * Experts::expert_bytes();
     }
-    const float us = time_graph(exec, s, reps);
+    const float us = uf::bench::median_replay_us(exec, s, reps);
     UF_CUDA_CHECK(cudaGraphExecDestroy(exec));
     const double floor_us = bytes / (bw * 1e9) * 1e6;
     std::printf("%4d %10.1f %10.1f %10.1f %8.2f %8.0f\n", m, us, bytes / 1e6, floor_us,
@@ -416,9 +379,9 @@ int main(int argc, char** argv) {
     UF_CUDA_CHECK(cudaMemcpy(ss, hs, 16, cudaMemcpyHostToDevice));
     int32_t* tok = reinterpret_cast<int32_t*>(a.bytes_of(32));
     for (int m : {1, 8}) {
-      cudaGraphExec_t exec =
-          capture(s, [&] { sample_top_p(logits, m, V, 1.0f, 0.95f, ss, tok, nullptr, s); });
-      const float us = time_graph(exec, s, reps);
+      cudaGraphExec_t exec = uf::bench::capture_graph(
+          s, [&] { sample_top_p(logits, m, V, 1.0f, 0.95f, ss, tok, nullptr, s); });
+      const float us = uf::bench::median_replay_us(exec, s, reps);
       UF_CUDA_CHECK(cudaGraphExecDestroy(exec));
       std::printf("\nsample_top_p rows=%d V=%d T=1 top_p=0.95: %.1f us", m, V, us);
     }

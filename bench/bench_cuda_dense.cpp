@@ -36,6 +36,7 @@ int main() {
 #include "cuda/gemv.h"
 #include "cuda/kernels/dense_mma.h"
 #include "cuda/ops/linear_kernels.h"
+#include "cuda_bench_util.h"
 
 using namespace uf::cuda;
 using uf::model::WFormat;
@@ -51,40 +52,6 @@ struct Shape {
   bool round;
   int copies;
 };
-
-float median(std::vector<float> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-template <typename F>
-float time_graph_calls(cudaStream_t s, int reps, F&& body) {
-  cudaGraph_t g;
-  UF_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-  body();
-  UF_CUDA_CHECK(cudaStreamEndCapture(s, &g));
-  cudaGraphExec_t exec;
-  UF_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
-  UF_CUDA_CHECK(cudaGraphDestroy(g));
-  cudaEvent_t a, b;
-  UF_CUDA_CHECK(cudaEventCreate(&a));
-  UF_CUDA_CHECK(cudaEventCreate(&b));
-  for (int i = 0; i < 3; ++i) UF_CUDA_CHECK(cudaGraphLaunch(exec, s));
-  std::vector<float> t;
-  for (int i = 0; i < reps; ++i) {
-    UF_CUDA_CHECK(cudaEventRecord(a, s));
-    UF_CUDA_CHECK(cudaGraphLaunch(exec, s));
-    UF_CUDA_CHECK(cudaEventRecord(b, s));
-    UF_CUDA_CHECK(cudaEventSynchronize(b));
-    float ms = 0;
-    UF_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
-    t.push_back(ms * 1000.f);
-  }
-  UF_CUDA_CHECK(cudaEventDestroy(a));
-  UF_CUDA_CHECK(cudaEventDestroy(b));
-  UF_CUDA_CHECK(cudaGraphExecDestroy(exec));
-  return median(t);
-}
 
 }  // namespace
 
@@ -154,18 +121,19 @@ int main(int argc, char** argv) {
     const int64_t N = sh.rows, K = sh.cols;
     for (int T : {1, 2, 4, 5, 7, 8}) {
       const double bytes = double(data_bytes + scale_bytes) + double(T) * double(K + N) * 4.0;
-      const float us_mma = time_graph_calls(s, reps,
-                                            [&] {
-                                              for (const DeviceWeight& w : ws)
-                                                mma.run(w, 0, N, x, K, T, y0, N, sh.round, s);
-                                            }) /
-                           float(sh.copies);
+      const float us_mma =
+          uf::bench::time_graph_us(s, reps,
+                                   [&] {
+                                     for (const DeviceWeight& w : ws)
+                                       mma.run(w, 0, N, x, K, T, y0, N, sh.round, s);
+                                   }) /
+          float(sh.copies);
       const float us_rows =
-          time_graph_calls(s, reps,
-                           [&] {
-                             for (const DeviceWeight& w : ws)
-                               ops_detail::dense_rows(w, 0, N, x, K, T, y1, N, sh.round, s);
-                           }) /
+          uf::bench::time_graph_us(s, reps,
+                                   [&] {
+                                     for (const DeviceWeight& w : ws)
+                                       ops_detail::dense_rows(w, 0, N, x, K, T, y1, N, sh.round, s);
+                                   }) /
           float(sh.copies);
       // Both graphs ended on the last copy: compare.
       std::vector<float> a(size_t(T) * size_t(N)), b(a.size());

@@ -32,6 +32,7 @@ int main() {
 #include "cuda/device_fill.h"
 #include "cuda/device_weights.h"
 #include "cuda/ops/elementwise.h"
+#include "cuda_bench_util.h"
 
 using namespace uf::cuda;
 
@@ -61,40 +62,6 @@ DeviceWeight f32_weight(float* p, int64_t rows, int64_t cols) {
   w.cols = cols;
   w.data = reinterpret_cast<const uint8_t*>(p);
   return w;
-}
-
-float median(std::vector<float> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-template <typename F>
-float time_graph(cudaStream_t s, int reps, F&& body) {
-  cudaGraph_t g;
-  UF_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-  body();
-  UF_CUDA_CHECK(cudaStreamEndCapture(s, &g));
-  cudaGraphExec_t exec;
-  UF_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
-  UF_CUDA_CHECK(cudaGraphDestroy(g));
-  cudaEvent_t a, b;
-  UF_CUDA_CHECK(cudaEventCreate(&a));
-  UF_CUDA_CHECK(cudaEventCreate(&b));
-  for (int i = 0; i < 5; ++i) UF_CUDA_CHECK(cudaGraphLaunch(exec, s));
-  std::vector<float> t;
-  for (int i = 0; i < reps; ++i) {
-    UF_CUDA_CHECK(cudaEventRecord(a, s));
-    UF_CUDA_CHECK(cudaGraphLaunch(exec, s));
-    UF_CUDA_CHECK(cudaEventRecord(b, s));
-    UF_CUDA_CHECK(cudaEventSynchronize(b));
-    float ms = 0;
-    UF_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
-    t.push_back(ms * 1000.f);
-  }
-  UF_CUDA_CHECK(cudaEventDestroy(a));
-  UF_CUDA_CHECK(cudaEventDestroy(b));
-  UF_CUDA_CHECK(cudaGraphExecDestroy(exec));
-  return median(t);
 }
 
 void line(const char* what, int T, float us, double bytes) {
@@ -166,16 +133,16 @@ int main(int argc, char** argv) {
     // partials read; X read, y written, norm weight; pre / post / comb written.
     const double mp_bytes =
         part_bytes + double(T) * (double(n) + 2.0 * kDim + (2 * kHc + kHc * kHc)) * 4 + kDim * 4.0;
-    const float t_pm = time_graph(s, reps, [&] {
+    const float t_pm = uf::bench::time_graph_us(s, reps, [&] {
       for (int c = 0; c < copies; ++c)
         hc_post_mixes(p, y, X, post, comb, T, R, fn[size_t(c)], partial, s);
     });
-    const float t_mp = time_graph(s, reps, [&] {
+    const float t_mp = uf::bench::time_graph_us(s, reps, [&] {
       for (int c = 0; c < copies; ++c)
         hc_mix_pre_norm(p, scale[size_t(c)], base[size_t(c)], partial, R, c % 2 ? pre_b : pre_a,
                         norm[size_t(c)], 1e-6f, T, x, c % 2 ? pre_a : pre_b, post, comb, s);
     });
-    const float t_pair = time_graph(s, reps, [&] {
+    const float t_pair = uf::bench::time_graph_us(s, reps, [&] {
       for (int c = 0; c < copies; ++c) {
         hc_post_mixes(p, y, X, post, comb, T, R, fn[size_t(c)], partial, s);
         hc_mix_pre_norm(p, scale[size_t(c)], base[size_t(c)], partial, R, c % 2 ? pre_b : pre_a,
@@ -183,12 +150,12 @@ int main(int argc, char** argv) {
       }
     });
     // The two halves of hc_mix_pre_norm as separate kernels (a step may fork the finish).
-    const float t_fin = time_graph(s, reps, [&] {
+    const float t_fin = uf::bench::time_graph_us(s, reps, [&] {
       for (int c = 0; c < copies; ++c)
         hc_mixes_finish(p, scale[size_t(c)], base[size_t(c)], partial, T, c % 2 ? pre_a : pre_b,
                         post, comb, s);
     });
-    const float t_pn = time_graph(s, reps, [&] {
+    const float t_pn = uf::bench::time_graph_us(s, reps, [&] {
       for (int c = 0; c < copies; ++c)
         hc_pre_norm(p, R, c % 2 ? pre_b : pre_a, norm[size_t(c)], 1e-6f, T, x, s);
     });

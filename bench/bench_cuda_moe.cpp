@@ -32,6 +32,7 @@ int main() {
 #include "cuda/gemv.h"
 #include "cuda/moe.h"
 #include "cuda/ops/moe.h"
+#include "cuda_bench_util.h"
 
 using namespace uf::cuda;
 
@@ -73,43 +74,6 @@ Fp4ExpertsView make_experts(Buffers& b, uint64_t& seed) {
       fill_random_bytes(p[i], sz[i], seed++, 118, 124, nullptr);
   }
   return {p[0], p[1], p[2], p[3], p[4], p[5], kExperts, kDim, kInter};
-}
-
-float median(std::vector<float> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-float time_graph(cudaGraphExec_t exec, cudaStream_t s, int reps) {
-  cudaEvent_t a, b;
-  UF_CUDA_CHECK(cudaEventCreate(&a));
-  UF_CUDA_CHECK(cudaEventCreate(&b));
-  for (int i = 0; i < 3; ++i) UF_CUDA_CHECK(cudaGraphLaunch(exec, s));
-  std::vector<float> t;
-  for (int i = 0; i < reps; ++i) {
-    UF_CUDA_CHECK(cudaEventRecord(a, s));
-    UF_CUDA_CHECK(cudaGraphLaunch(exec, s));
-    UF_CUDA_CHECK(cudaEventRecord(b, s));
-    UF_CUDA_CHECK(cudaEventSynchronize(b));
-    float ms = 0;
-    UF_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
-    t.push_back(ms * 1000.f);
-  }
-  UF_CUDA_CHECK(cudaEventDestroy(a));
-  UF_CUDA_CHECK(cudaEventDestroy(b));
-  return median(t);
-}
-
-template <typename F>
-cudaGraphExec_t capture(cudaStream_t s, F&& body) {
-  cudaGraph_t g;
-  UF_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-  body();
-  UF_CUDA_CHECK(cudaStreamEndCapture(s, &g));
-  cudaGraphExec_t exec;
-  UF_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
-  UF_CUDA_CHECK(cudaGraphDestroy(g));
-  return exec;
 }
 
 }  // namespace
@@ -199,10 +163,10 @@ int main(int argc, char** argv) {
     auto timed = [&](auto&& body) {
       body(ex[0]);
       UF_CUDA_CHECK(cudaStreamSynchronize(s));
-      cudaGraphExec_t exec = capture(s, [&] {
+      cudaGraphExec_t exec = uf::bench::capture_graph(s, [&] {
         for (auto& e : ex) body(e);
       });
-      const float us = time_graph(exec, s, reps) / copies;
+      const float us = uf::bench::median_replay_us(exec, s, reps) / copies;
       UF_CUDA_CHECK(cudaGraphExecDestroy(exec));
       return us;
     };
@@ -284,10 +248,10 @@ int main(int argc, char** argv) {
       UF_CUDA_CHECK(cudaMemsetAsync(out, 0xFF, size_t(kMaxT) * kDim * 4, s));
       body(ex[0]);
       UF_CUDA_CHECK(cudaStreamSynchronize(s));
-      cudaGraphExec_t exec = capture(s, [&] {
+      cudaGraphExec_t exec = uf::bench::capture_graph(s, [&] {
         for (auto& e : ex) body(e);
       });
-      us[k] = time_graph(exec, s, std::max(3, std::min(20, reps / 3))) / copies;
+      us[k] = uf::bench::median_replay_us(exec, s, std::max(3, std::min(20, reps / 3))) / copies;
       UF_CUDA_CHECK(cudaGraphExecDestroy(exec));
     }
     std::vector<float> a(size_t(T) * kDim), c(size_t(T) * kDim);
