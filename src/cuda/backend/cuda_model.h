@@ -95,8 +95,8 @@ struct CudaModelOptions {
   bool tp_split_head = true;
   // Benchmarks of one rank's slice on one GPU (tp = 1, `bench --synthetic tp8-rank`): N > 1
   // computes only vocab rows [0, V / N) of the head, as rank 0 of a TP N server with the split
-  // head does, and leaves the other logits as they are (their all-gather is modelled by
-  // bench-tp). Such logits are not the model's output: for timing only.
+  // head does, and fills the other slices with copies of it (the gather's writes; its time is
+  // modelled by bench-tp). Such logits are not the model's output: for timing only.
   int head_slice_of = 1;
   // Ring-layout spans of up to max_rows rows (decode and verify steps) replay one CUDA graph per
   // (rows, all_logits), captured at first use (cuda_ring_span.cpp). Off: the same launches run

@@ -145,12 +145,16 @@ void CudaModel::apply_head(const float* x, int n, float* logits_dev) {
     head_.apply(x, n, logits_dev, stream_);
     return;
   }
-  if (!split_head_) {  // bench slice (head_slice_of): this rank's columns only, no collective
+  if (!split_head_) {
+    // Bench slice (head_slice_of): this rank's columns, and copies of them standing in for the
+    // other ranks' slices (the writes of the gather; the samplers then see whole rows of logit
+    // values, not stale memory).
     const size_t V = size_t(cfg_.vocab_size), Vl = V / size_t(head_slices_);
     head_.apply(x, n, head_part_, stream_);
-    UF_CUDA_CHECK(cudaMemcpy2DAsync(logits_dev, V * sizeof(float), head_part_, Vl * sizeof(float),
-                                    Vl * sizeof(float), size_t(n), cudaMemcpyDeviceToDevice,
-                                    stream_));
+    for (int r = 0; r < head_slices_; ++r)
+      UF_CUDA_CHECK(cudaMemcpy2DAsync(logits_dev + size_t(r) * Vl, V * sizeof(float), head_part_,
+                                      Vl * sizeof(float), Vl * sizeof(float), size_t(n),
+                                      cudaMemcpyDeviceToDevice, stream_));
     return;
   }
   // Rank r's logits are vocab columns [r * Vl, (r + 1) * Vl): gathered as [tp, n, Vl], then each
