@@ -58,13 +58,17 @@ struct AttnCase {
   int T, H, hd, W, k, entries;
 };
 
-// split: the fast chunked path (a CTA per chunk of 16 slots for 8 heads, then a merge in
-// chunk order; ops/attention.cu). Each chunk rounds its probabilities to bf16 relative to its own
-// max where the CPU uses the running max of its 64-slot blocks, so a term's p may differ by 2 bf16
-// roundings (2^-8 relative); the fp32 sums (FMA dot products, slice / group / chunk sums) are
-// re-associated and exp is CUDA's expf (2 ulp), which move an output by ~1e-6 relative. Bound per
-// output: 2 bf16 ulp + 2^-8 * sum_j p_j |v_j[d]| / sum_j p_j (exact softmax in double), and spec ==
-// plain (bitwise).
+// split: the fast chunked path (scores kernel, P.V per chunk of 16 slots for 8 heads, merge in
+// chunk order; ops/attention.cu). It computes every s_j bit for bit as the CPU (dot8 lanes, no
+// FMA), takes each chunk's base from the CPU's running max after its 64-slot block and the same
+// exp, so every bf16(p_j) equals the CPU's; only the fp32 sums are re-associated (P.V with FMAs
+// per chunk, slot groups, chunk weights w_c = exp(M_b - M) instead of the CPU's running products
+// of exp(m - m_new)). Each side's sum has an error below ~80 * 2^-24 of sum_j p_j |v_j[d]| (its
+// longest addition chain is under 80 steps), so the two differ by at most 2^-16 of the weighted
+// mean |v|, on top of which the final bf16 rounding may flip: bound per output 1 bf16 ulp +
+// 2^-16 * sum_j p_j |v_j[d]| / sum_j p_j (exact softmax in double). Such flips are rare (the
+// sums differ by ~1e-6 relative): more than 1% of outputs not bitwise equal to the CPU fails.
+// spec == plain is checked bitwise.
 void check_sparse_attn(const AttnCase& c, uint32_t seed, bool split = false) {
   SCOPED_TRACE(std::string(c.name) + (split ? " split" : ""));
   std::mt19937 rng(seed);
@@ -135,7 +139,7 @@ void check_sparse_attn(const AttnCase& c, uint32_t seed, bool split = false) {
   // lanes, slot-order sums, no FMA), except exp: glibc expf (< 0.502 ulp) vs a correctly
   // rounded exp here. A 1-fp32-ulp change of p or of the denominator moves the output by far
   // less than a bf16 ulp, so at most one bf16 rounding flips.
-  // Split mode: the weighted mean of |v| per output (the size of the terms whose p may differ).
+  // Split mode: the weighted mean of |v| per output (the scale of the re-associated fp32 sums).
   std::vector<double> wmean;
   if (split) {
     wmean.assign(got.size(), 0.0);
@@ -184,7 +188,7 @@ void check_sparse_attn(const AttnCase& c, uint32_t seed, bool split = false) {
     bool ok = u <= 1;
     if (split) {
       const double bound =
-          2.0 * bf16_spacing(std::max(std::fabs(got[i]), std::fabs(ref[i]))) + 0x1p-8 * wmean[i];
+          bf16_spacing(std::max(std::fabs(got[i]), std::fabs(ref[i]))) + 0x1p-16 * wmean[i];
       const double err = std::fabs(double(got[i]) - ref[i]);
       ok = err <= bound;
       worst = std::max(worst, err / bound);
@@ -205,6 +209,10 @@ void check_sparse_attn(const AttnCase& c, uint32_t seed, bool split = false) {
       (long long)n_nan, (long long)n_bad, worst);
   EXPECT_EQ(n_nan, 0);
   EXPECT_EQ(n_bad, 0) << (split ? "outputs beyond the split bound" : "outputs beyond 1 bf16 ulp");
+  if (split) {  // the split path's p are the CPU's: only rare fp32 re-association flips remain
+    EXPECT_LE(double(n_diff), 0.01 * double(got.size()))
+        << n_diff << " of " << got.size() << " outputs differ from the CPU (more than 1%)";
+  }
   if (first_bad >= 0) {
     const int64_t i = first_bad, t = i / (H * hd), h = (i / hd) % H, d = i % hd;
     ADD_FAILURE() << "first bad output: row " << t << " head " << h << " dim " << d << ": gpu "

@@ -18,31 +18,32 @@
 // i.e. correctly rounded, so the two agree except when the exact value is within ~0.002 ulp of a
 // rounding boundary. That is the only source of difference from the CPU (tests allow 1 bf16 ulp).
 //
-// Fast (chunked) path (a scratch buffer given; the decode callers): the slot list is cut into
-// chunks of S = 16 slots (a constant; 32 is kept for benchmarks, sparse_attn_chunk_override).
-// One CTA of 256 threads per (chunk, row, group of 8 heads) stages the chunk's KV rows in
-// shared memory once (16-byte cp.async) and serves all 8 heads from them, so a KV row is read
-// once per call and head group instead of once per head, and a 1-row call still has
-// n_slots / S CTAs (40 for 128 + 512 slots; 3 CTAs of ~66 KB shared memory fit an SM). Per CTA:
-//  - q.k: thread (slots jp and jp + S/2, slice g) sums its float4 columns f = g, g + G, ...
-//    (G = 512 / S) with fp32 FMAs for the 8 heads; the G slice sums are added in slice order.
-//  - chunk softmax per head (one warp per head, one lane per slot): m_c = max(-1e30, max_j s_j),
-//    p_j = expf(s_j - m_c), sum_c = butterfly sum of the unrounded p_j (a fixed tree), and
-//    bf16(p_j) for P.V, as the CPU rounds p relative to the running max of its 64-slot block.
-//    expf here is CUDA's (max 2 ulp, fp32 instructions: the double exp of the reference path
-//    would put ~0.2 us of FP64 latency on this path's critical chain twice); 2 ulp is 2.4e-7
-//    relative on a weight, far inside the 2^-8 of the bf16 rounding below.
-//  - P.V: thread (float4 column f, slot group sg) sums bf16(p_j) * k_j over the slots
-//    j = sg, sg + ng, ... with FMAs, the ng group sums added in group order.
-//  The chunk's (m_c, sum_c, acc_c[hd]) per head go to the scratch; a merge kernel (4 warps per
-//  (row, head, 128 columns), each summing a quarter of the chunks in chunk order, the quarters
-//  added in order) combines them: M = max m_c, w_c = expf(m_c - M), den = butterfly sum of
-//  w_c * sum_c + expf(sink - M), out = bf16(sum_c w_c acc_c / den).
-//  Every order depends on the slot count and head_dim only, never on T or on other rows
-//  (spec == plain); the result is the CPU's to fp32 order: each p is rounded to bf16 relative to
-//  its chunk's max rather than the CPU's running max (a term's weight may differ by two bf16
-//  roundings, 2^-8 relative) and the sums are re-associated (tests/cuda/test_ops_attention.cpp
-//  states the bound). Both kernels are launched with PDL (griddepcontrol.wait before any read).
+// Fast (chunked) path (a scratch buffer given; the decode callers): three PDL launches (each
+// starts with griddepcontrol.wait), reproducing the CPU's p values and bf16 roundings exactly.
+//  1. scores: one CTA of 128 threads per (16 slots, row, group of 8 heads) stages the slots' KV
+//     rows in shared memory (16-byte cp.async) and writes s_j = dot8(q_h, k_j) * scale for the
+//     8 heads (-inf for empty slots) to the scratch [T, H, n_slots]: the CPU's dot8 lanes in the
+//     CPU's order with __fmul_rn / __fadd_rn, so every s_j has the CPU's bits; and the max of
+//     the 16 scores per head (so that kernel 2 reads 40 maxes, not 640 scores, for its base).
+//  2. P.V: one CTA of 256 threads per (chunk of S = 16 slots, row, head group; 32 is kept for
+//     benchmarks, sparse_attn_chunk_override). A chunk lies in one 64-slot block b of the CPU
+//     loop; warp h takes the CPU's running max after that block, M_b = max(-1e30, s_0 ..
+//     s_{64(b+1)-1}) (from kernel 1's 16-slot maxes; max is exact in any order), then
+//     p_j = exp(s_j - M_b) with the float subtraction and a correctly rounded exp (double, one
+//     rounding: ~0.1 us of FP64 latency, hidden behind the KV copies), psum_c = butterfly sum
+//     of the unrounded p_j, and bf16(p_j) for P.V over the re-staged KV rows (L2 hits right
+//     after kernel 1): thread (float4 column f, slot group sg) sums bf16(p_j) * k_j over
+//     j = sg, sg + ng, ... with FMAs, the group sums added in group order. It writes
+//     (M_b, psum_c) and acc_c[hd] per head.
+//  3. merge: 4 warps per (row, head, 128 columns), each summing a quarter of the chunks in
+//     chunk order, the quarters added in order: M = max M_b (= the CPU's final max),
+//     w_c = exp(M_b - M), den = butterfly sum of w_c * psum_c + exp(sink - M),
+//     out = bf16(sum_c w_c acc_c / den).
+//  Every p_j and bf16(p_j) equals the CPU's (up to the glibc expf vs correctly rounded exp
+//  difference of the reference path); only the fp32 sums are re-associated (chunk weights
+//  instead of the CPU's running products exp(m - m_new), FMA P.V), which flips a bf16 output
+//  rarely (tests/cuda/test_ops_attention.cpp states the bound). Every order depends on the slot
+//  count and head_dim only, never on T or on other rows (spec == plain).
 //
 // A row's result depends on its own inputs only (spec == plain). No allocation, no atomics.
 
@@ -67,42 +68,162 @@ constexpr int kFastThreads = 256;
 constexpr int kHeadGroup = 8;  // heads per CTA: one warp per head in the chunk softmax
 static_assert(kFastThreads / 32 == kHeadGroup, "one softmax warp per head of the group");
 constexpr int kMergeCols = 32 * 4;  // output columns per merge CTA (a float4 per lane)
+constexpr int kScoreChunk = 16;     // slots per scores CTA (whatever the P.V chunk)
+constexpr int kScoreThreads = 128;  // (slot, dot8 half, head pair): 16 x 2 x 4
+static_assert(kScoreThreads == kScoreChunk * 2 * (kHeadGroup / 2), "one thread per work item");
 
 __device__ __forceinline__ float exp_rn(float x) { return float(exp(double(x))); }
 
 int g_chunk_override = 0;  // sparse_attn_chunk_override (benchmarks)
 int fast_chunk(int n_slots) {
-  (void)n_slots;  // chunks of 16: 40 CTAs a row for 128 + 512 slots, 3 resident per SM
+  (void)n_slots;  // chunks of 16: 40 CTAs a row for 128 + 512 slots
   return g_chunk_override ? g_chunk_override : 16;
 }
 int fast_chunks(int n_slots) { return (n_slots + fast_chunk(n_slots) - 1) / fast_chunk(n_slots); }
 constexpr int kMinChunk = 16;  // the scratch is sized for chunks of 16 (any rule above fits)
+static_assert(kBlock % 32 == 0 && kBlock % kMinChunk == 0, "a chunk lies inside one 64-block");
 
-// Row stride of the staged KV rows in float4s: odd, so that the 32 lanes reading 32 different
-// rows at the same column hit 8 distinct 16-byte bank groups (conflict-free).
+// Row stride of the staged KV rows in float4s: odd, so that 8 lanes reading 8 different rows at
+// the same column hit 8 distinct 16-byte bank groups (conflict-free).
 __host__ __device__ constexpr int kv_stride4(int hd4) { return hd4 % 2 ? hd4 : hd4 + 1; }
 // P.V slot groups: 256 threads over hd4 columns (2 for hd 512; 1 from hd 516 up).
 __host__ __device__ constexpr int pv_groups(int hd4) {
   return hd4 >= kFastThreads ? 1 : (kFastThreads / hd4 < 4 ? kFastThreads / hd4 : 4);
 }
 
-// q.k column slices: 256 threads, each on two slots of the chunk.
-__host__ __device__ constexpr int qk_slices(int S) { return 2 * kFastThreads / S; }
-
-struct FastSmem {
-  size_t kv, q, scr, sc, ps, total;  // offsets in floats (total: bytes)
+// Shared memory of the scores kernel (floats): staged KV rows, then q of the 8 heads.
+__host__ __device__ inline size_t score_smem_q(int hd) {
+  return size_t(kScoreChunk) * kv_stride4(hd / 4) * 4;
+}
+__host__ __device__ inline size_t score_smem_bytes(int hd) {
+  return (score_smem_q(hd) + size_t(kHeadGroup) * hd) * sizeof(float);
+}
+// Shared memory of the P.V kernel (floats): staged KV rows, the group sums, bf16(p) [S][8].
+struct PvSmem {
+  size_t red, ps, total;  // offsets in floats (total: bytes)
 };
-__host__ __device__ inline FastSmem fast_smem(int S, int hd) {
-  const int hd4 = hd / 4, G = qk_slices(S), ng = pv_groups(hd4);
-  FastSmem m{};
-  m.kv = 0;
-  m.q = m.kv + size_t(S) * kv_stride4(hd4) * 4;
-  m.scr = m.q + size_t(kHeadGroup) * hd;
-  const size_t qk_part = size_t(G) * S * kHeadGroup, pv_part = size_t(ng - 1) * kHeadGroup * hd;
-  m.sc = m.scr + (qk_part > pv_part ? qk_part : pv_part);
-  m.ps = m.sc + size_t(S) * kHeadGroup;
+__host__ __device__ inline PvSmem pv_smem(int S, int hd) {
+  PvSmem m{};
+  m.red = size_t(S) * kv_stride4(hd / 4) * 4;
+  m.ps = m.red + size_t(pv_groups(hd / 4) - 1) * kHeadGroup * hd;
   m.total = (m.ps + size_t(S) * kHeadGroup) * sizeof(float);
   return m;
+}
+
+// The scratch: acc [T, H, nc, hd], stats [T, H, nc, 2] (M_b, psum), scores [T, H, n_slots],
+// then the max of each 16-slot score chunk [T, H, n16] (n16 = ceil(n_slots / 16)).
+__host__ __device__ inline size_t scratch_stats(int T, int H, int hd, int nc) {
+  return size_t(T) * H * nc * hd;
+}
+__host__ __device__ inline size_t scratch_scores(int T, int H, int hd, int nc) {
+  return size_t(T) * H * nc * (hd + 2);
+}
+__host__ __device__ inline size_t scratch_cmax(int T, int H, int hd, int nc, int n_slots) {
+  return scratch_scores(T, H, hd, nc) + size_t(T) * H * n_slots;
+}
+
+// The pointer of slot j of row t (nullptr: empty).
+__device__ __forceinline__ const float* slot_ptr(int t, int j, const float* const* window,
+                                                 int n_window, const int32_t* topk, int k,
+                                                 const float* ckv, int hd) {
+  if (j < n_window) return window[int64_t(t) * n_window + j];
+  const int32_t e = topk[int64_t(t) * k + (j - n_window)];
+  return e >= 0 ? ckv + int64_t(e) * hd : nullptr;
+}
+
+// Stage rows slot[0 .. nb) (present ones) at kv4 + j * st4: 16-byte cp.async (all in flight at
+// once), or plain loads for a row that is not 16-byte aligned. The caller commits and waits.
+__device__ __forceinline__ void stage_rows(float4* kv4, int st4, const float* const* slot, int nb,
+                                           int hd4, int tid, int nthreads) {
+  for (int i = tid; i < nb * hd4; i += nthreads) {
+    const int j = i / hd4, f = i - j * hd4;
+    const float* p = slot[j];
+    if (!p) continue;
+    float4* dst = kv4 + j * st4 + f;
+    if ((reinterpret_cast<uintptr_t>(p) & 15u) == 0) {
+      const uint32_t d = uint32_t(__cvta_generic_to_shared(dst));
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(p + 4 * f) : "memory");
+    } else {
+      *dst = make_float4(p[4 * f], p[4 * f + 1], p[4 * f + 2], p[4 * f + 3]);
+    }
+  }
+  detail::cp_async_commit();
+}
+
+// Kernel 1: s_j = dot8(q_h, k_j) * scale for 16 slots and 8 heads, into the scores scratch
+// (-inf for empty slots). Thread (slot j, half hf, head pair hp): the dot8 lanes 4hf .. 4hf + 3
+// of heads 2hp and 2hp + 1, i.e. the float4 columns f = hf, hf + 2, ... (element 4f + e is dot8
+// lane 4hf + e), each lane summed in increasing element order with __fmul_rn / __fadd_rn; the two
+// halves meet through one shuffle as ((l0+l1)+(l2+l3)) + ((l4+l5)+(l6+l7)). A warp is one head
+// pair: its q loads are 2 addresses (broadcast), its KV loads 8 rows a phase (odd stride).
+__global__ void __launch_bounds__(kScoreThreads)
+    sparse_attn_scores_kernel(const float* __restrict__ q, int T, int H, int hd,
+                              const float* const* window, int n_window,
+                              const int32_t* __restrict__ topk, int k, const float* ckv,
+                              const float* const* ckv_ref, float scale, float* __restrict__ scores,
+                              float* __restrict__ cmax) {
+  extern __shared__ __align__(16) float smem[];
+  __shared__ const float* slot[kScoreChunk];
+  const int c = blockIdx.x, t = blockIdx.y, h0 = blockIdx.z * kHeadGroup, tid = threadIdx.x;
+  const int nh = min(kHeadGroup, H - h0), hd4 = hd / 4, st4 = kv_stride4(hd4);
+  const int n_slots = n_window + k, j0 = c * kScoreChunk, nb = min(kScoreChunk, n_slots - j0);
+  float4* kv4 = reinterpret_cast<float4*>(smem);
+  float4* q4 = reinterpret_cast<float4*>(smem + score_smem_q(hd));
+
+  // q, the window pointers, the top-k ids and the KV rows all come from earlier kernels.
+  detail::pdl_wait();
+  detail::pdl_trigger();
+  if (ckv_ref) ckv = *ckv_ref;
+  if (tid < kScoreChunk)
+    slot[tid] = tid < nb ? slot_ptr(t, j0 + tid, window, n_window, topk, k, ckv, hd) : nullptr;
+  const float4* qg = reinterpret_cast<const float4*>(q + (int64_t(t) * H + h0) * hd);
+  for (int i = tid; i < kHeadGroup * hd4; i += kScoreThreads)
+    q4[i] = i < nh * hd4 ? qg[i] : make_float4(0.f, 0.f, 0.f, 0.f);
+  __syncthreads();
+  stage_rows(kv4, st4, slot, nb, hd4, tid, kScoreThreads);
+  detail::cp_async_wait<0>();
+  __syncthreads();
+
+  // Rows of empty or missing slots hold stale shared memory: their sums are computed anyway (no
+  // divergence) and never written.
+  const int j = tid % kScoreChunk, hf = (tid / kScoreChunk) % 2, hp = tid / (2 * kScoreChunk);
+  float a[2][4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) a[0][e] = a[1][e] = 0.f;
+  const float4* kr = kv4 + j * st4;
+  const float4* q0 = q4 + (2 * hp) * hd4;
+  const float4* q1 = q0 + hd4;
+#pragma unroll 2
+  for (int f = hf; f < hd4; f += 2) {
+    const float4 x = kr[f], u = q0[f], v = q1[f];
+    a[0][0] = __fadd_rn(a[0][0], __fmul_rn(u.x, x.x));
+    a[0][1] = __fadd_rn(a[0][1], __fmul_rn(u.y, x.y));
+    a[0][2] = __fadd_rn(a[0][2], __fmul_rn(u.z, x.z));
+    a[0][3] = __fadd_rn(a[0][3], __fmul_rn(u.w, x.w));
+    a[1][0] = __fadd_rn(a[1][0], __fmul_rn(v.x, x.x));
+    a[1][1] = __fadd_rn(a[1][1], __fmul_rn(v.y, x.y));
+    a[1][2] = __fadd_rn(a[1][2], __fmul_rn(v.z, x.z));
+    a[1][3] = __fadd_rn(a[1][3], __fmul_rn(v.w, x.w));
+  }
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const float mine = __fadd_rn(__fadd_rn(a[hh][0], a[hh][1]), __fadd_rn(a[hh][2], a[hh][3]));
+    const float other = __shfl_xor_sync(0xffffffffu, mine, kScoreChunk);  // the other half
+    // Addition commutes bitwise: both halves hold ((l0+l1)+(l2+l3)) + ((l4+l5)+(l6+l7)).
+    const float dot = hf == 0 ? __fadd_rn(mine, other) : __fadd_rn(other, mine);
+    const int h = 2 * hp + hh;
+    const float sj = j < nb && slot[j] ? __fmul_rn(dot, scale) : -INFINITY;
+    float mx = sj;  // the chunk's max over the 16 slot lanes of this half-warp (exact)
+#pragma unroll
+    for (int o = kScoreChunk / 2; o > 0; o >>= 1) {
+      const float v = __shfl_xor_sync(0xffffffffu, mx, o);
+      mx = mx < v ? v : mx;
+    }
+    if (hf == 0 && h < nh) {
+      if (j < nb) scores[(int64_t(t) * H + h0 + h) * n_slots + j0 + j] = sj;
+      if (j == 0) cmax[(int64_t(t) * H + h0 + h) * gridDim.x + c] = mx;
+    }
+  }
 }
 
 // sum_j bf16(p_j[h]) * k_j[4f .. 4f + 3] over the present slots j = j_first, j_first + step, ...
@@ -128,136 +249,68 @@ __device__ __forceinline__ void pv_sum(float4 (&acc)[kHeadGroup], const float4* 
   }
 }
 
-// One CTA per (chunk, row, head group). scratch: acc [T, H, nc, hd] then stats [T, H, nc, 2].
+// Kernel 2: one CTA per (chunk of S slots, row, head group). The chunk lies in the CPU's 64-slot
+// block b; its base is the CPU's running max after block b, M_b = max(-1e30, s_0 .. s_{64(b+1)-1})
+// (warp h over the scores of head h, max is exact in any order), p_j = exp(s_j - M_b) exactly as
+// the CPU (float subtraction, correctly rounded exp), psum = butterfly sum of the unrounded p_j,
+// bf16(p_j) for P.V over the re-staged KV rows (L2 hits after kernel 1; the copies fly while the
+// softmax runs). Writes (M_b, psum) and the chunk's P.V per head.
 template <int S>
 __global__ void __launch_bounds__(kFastThreads)
-    sparse_attn_chunk_kernel(const float* __restrict__ q, int T, int H, int hd,
-                             const float* const* window, int n_window,
-                             const int32_t* __restrict__ topk, int k, const float* ckv,
-                             const float* const* ckv_ref, float scale,
-                             float* __restrict__ scratch) {
-  constexpr int G = qk_slices(S);  // q.k column slices
+    sparse_attn_pv_kernel(int T, int H, int hd, const float* const* window, int n_window,
+                          const int32_t* __restrict__ topk, int k, const float* ckv,
+                          const float* const* ckv_ref, float* __restrict__ scratch) {
+  static_assert(S <= 32 && kBlock % S == 0, "a chunk is at most a warp and inside one block");
   extern __shared__ __align__(16) float smem[];
   __shared__ const float* slot[S];
   const int c = blockIdx.x, t = blockIdx.y, h0 = blockIdx.z * kHeadGroup, tid = threadIdx.x;
   const int nh = min(kHeadGroup, H - h0), hd4 = hd / 4, st4 = kv_stride4(hd4);
   const int n_slots = n_window + k, nc = gridDim.x, j0 = c * S, nb = min(S, n_slots - j0);
-  const FastSmem L = fast_smem(S, hd);
-  float4* kv4 = reinterpret_cast<float4*>(smem + L.kv);
-  float4* q4 = reinterpret_cast<float4*>(smem + L.q);
-  float* scr = smem + L.scr;
-  float* sc = smem + L.sc;  // [S][8] scores
+  const PvSmem L = pv_smem(S, hd);
+  float4* kv4 = reinterpret_cast<float4*>(smem);
   float* ps = smem + L.ps;  // [S][8] bf16(p)
 
-  // q, the window pointers, the top-k ids and the KV rows all come from earlier kernels.
-  detail::pdl_wait();
+  detail::pdl_wait();  // the scores come from kernel 1
   detail::pdl_trigger();
   if (ckv_ref) ckv = *ckv_ref;
-  if (tid < S) {
-    const float* p = nullptr;
-    if (tid < nb) {
-      const int j = j0 + tid;
-      if (j < n_window) {
-        p = window[int64_t(t) * n_window + j];
-      } else {
-        const int32_t e = topk[int64_t(t) * k + (j - n_window)];
-        p = e >= 0 ? ckv + int64_t(e) * hd : nullptr;
-      }
-    }
-    slot[tid] = p;
-  }
-  const float4* qg = reinterpret_cast<const float4*>(q + (int64_t(t) * H + h0) * hd);
-  for (int i = tid; i < kHeadGroup * hd4; i += kFastThreads)
-    q4[i] = i < nh * hd4 ? qg[i] : make_float4(0.f, 0.f, 0.f, 0.f);
+  if (tid < S)
+    slot[tid] = tid < nb ? slot_ptr(t, j0 + tid, window, n_window, topk, k, ckv, hd) : nullptr;
   __syncthreads();
-  // Stage the chunk's present rows: 16-byte cp.async (all in flight at once), or plain loads for
-  // a row that is not 16-byte aligned.
-  for (int i = tid; i < nb * hd4; i += kFastThreads) {
-    const int j = i / hd4, f = i - j * hd4;
-    const float* p = slot[j];
-    if (!p) continue;
-    float4* dst = kv4 + j * st4 + f;
-    if ((reinterpret_cast<uintptr_t>(p) & 15u) == 0) {
-      const uint32_t d = uint32_t(__cvta_generic_to_shared(dst));
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(p + 4 * f) : "memory");
-    } else {
-      *dst = make_float4(p[4 * f], p[4 * f + 1], p[4 * f + 2], p[4 * f + 3]);
-    }
-  }
-  detail::cp_async_commit();
-  detail::cp_async_wait<0>();
-  __syncthreads();
+  stage_rows(kv4, st4, slot, nb, hd4, tid, kFastThreads);
 
-  // q.k partial sums: thread (slot pair jp, slice g) over the float4 columns f = g, g + G, ...
-  // for the slots jp and jp + S / 2 (two slots share each q load: as many shared-memory
-  // wavefronts as FMA issue slots). A warp holds all S / 2 pairs and 32 / (S / 2) consecutive
-  // slices, so its q loads touch a few adjacent addresses (one wavefront) and its KV loads
-  // spread over all banks (odd row stride). Rows of empty or missing slots hold stale shared
-  // memory: their sums are computed anyway (no divergence) and masked to -inf below.
-  {
-    constexpr int P = S / 2;
-    const int lane = tid % 32, jp = lane % P, g = (tid / 32) * (32 / P) + lane / P;
-    float a0[kHeadGroup], a1[kHeadGroup];
-#pragma unroll
-    for (int h = 0; h < kHeadGroup; ++h) a0[h] = a1[h] = 0.f;
-    const float4* k0 = kv4 + jp * st4;
-    const float4* k1 = kv4 + (jp + P) * st4;
-    for (int f = g; f < hd4; f += G) {
-      const float4 x = k0[f], y = k1[f];
-#pragma unroll
-      for (int h = 0; h < kHeadGroup; ++h) {
-        const float4 qf = q4[h * hd4 + f];
-        a0[h] = fmaf(qf.x, x.x, a0[h]);
-        a0[h] = fmaf(qf.y, x.y, a0[h]);
-        a0[h] = fmaf(qf.z, x.z, a0[h]);
-        a0[h] = fmaf(qf.w, x.w, a0[h]);
-        a1[h] = fmaf(qf.x, y.x, a1[h]);
-        a1[h] = fmaf(qf.y, y.y, a1[h]);
-        a1[h] = fmaf(qf.z, y.z, a1[h]);
-        a1[h] = fmaf(qf.w, y.w, a1[h]);
-      }
-    }
-    float4* d0 = reinterpret_cast<float4*>(scr + (g * S + jp) * kHeadGroup);
-    float4* d1 = reinterpret_cast<float4*>(scr + (g * S + jp + P) * kHeadGroup);
-    d0[0] = make_float4(a0[0], a0[1], a0[2], a0[3]);
-    d0[1] = make_float4(a0[4], a0[5], a0[6], a0[7]);
-    d1[0] = make_float4(a1[0], a1[1], a1[2], a1[3]);
-    d1[1] = make_float4(a1[4], a1[5], a1[6], a1[7]);
-  }
-  __syncthreads();
-  if (tid < S * kHeadGroup) {  // (slot j, head h): the slices in slice order
-    const int j = tid / kHeadGroup, h = tid % kHeadGroup;
-    float s = 0.f;
-#pragma unroll
-    for (int g = 0; g < G; ++g) s += scr[(g * S + j) * kHeadGroup + h];
-    sc[tid] = j < nb && slot[j] ? __fmul_rn(s, scale) : -INFINITY;
-  }
-  __syncthreads();
-
-  // Chunk softmax: warp h, lane j.
-  {
+  {  // warp h: head h0 + h (a head past H reads head nh - 1 and writes nothing)
     const int h = tid / 32, lane = tid % 32;
-    const float s = lane < S ? sc[lane * kHeadGroup + h] : -INFINITY;
-    float mx = s;
+    const int64_t th = int64_t(t) * H + h0 + min(h, nh - 1);
+    const float* srow = scratch + scratch_scores(T, H, hd, nc) + th * n_slots;
+    // The 16-slot chunk maxes of kernel 1 over slots [0, 64(b + 1)): at most 40 for 640 slots.
+    const int n16 = (n_slots + kScoreChunk - 1) / kScoreChunk;
+    const float* crow = scratch + scratch_cmax(T, H, hd, nc, n_slots) + th * n16;
+    const int end = min(n16, (j0 / kBlock + 1) * (kBlock / kScoreChunk));
+    const bool present = lane < nb && slot[lane] != nullptr;
+    const float s_j = present ? srow[j0 + lane] : 0.f;  // loaded with the maxes, not after
+    float mx = -INFINITY;
+    for (int i = lane; i < end; i += 32) {
+      const float v = crow[i];
+      mx = mx < v ? v : mx;
+    }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
       const float v = __shfl_xor_sync(0xffffffffu, mx, o);
       mx = mx < v ? v : mx;
     }
     const float m = -1e30f < mx ? mx : -1e30f;  // the CPU's running max starts at -1e30
-    const bool present = lane < nb && slot[lane] != nullptr;
-    const float p = present ? expf(s - m) : 0.f;
+    const float p = present ? exp_rn(__fadd_rn(s_j, -m)) : 0.f;
     float sum = p;  // xor butterfly: every lane ends with the same, fixed-order sum
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
     if (lane < S) ps[lane * kHeadGroup + h] = detail::round_bf16(p);
     if (lane == 0 && h < nh) {
-      float* stats = scratch + size_t(T) * H * nc * hd;
-      float* rec = stats + ((int64_t(t) * H + h0 + h) * nc + c) * 2;
+      float* rec = scratch + scratch_stats(T, H, hd, nc) + ((int64_t(t) * H + h0 + h) * nc + c) * 2;
       rec[0] = m;
       rec[1] = sum;
     }
   }
+  detail::cp_async_wait<0>();
   __syncthreads();
 
   // P.V: thread (column f, slot group sg) over the slots j = sg, sg + ng, ...
@@ -272,12 +325,12 @@ __global__ void __launch_bounds__(kFastThreads)
     return;
   }
   // ng > 1 means hd4 * ng <= 256: at most one item per thread. Groups 1.. hand their sums to
-  // group 0 through shared memory (the q.k scratch, free now), added in group order.
+  // group 0 through shared memory, added in group order.
   const int f = tid % hd4, sg = tid / hd4;
   const bool active = tid < hd4 * ng;
   float4 acc[kHeadGroup];
   if (active) pv_sum(acc, kv4, st4, ps, slot, f, sg, ng, nb);
-  float4* red = reinterpret_cast<float4*>(scr);
+  float4* red = reinterpret_cast<float4*>(smem + L.red);
   if (active && sg > 0)
 #pragma unroll
     for (int h = 0; h < kHeadGroup; ++h) red[((sg - 1) * kHeadGroup + h) * hd4 + f] = acc[h];
@@ -341,13 +394,13 @@ __global__ void __launch_bounds__(kMergeWarps * 32)
   }
   float den = 0.f;
   for (int c = lane; c < nc; c += 32) {
-    const float w = expf(st[2 * c] - mx);
+    const float w = exp_rn(__fadd_rn(st[2 * c], -mx));
     wsh[c] = w;
     den = fmaf(st[2 * c + 1], w, den);
   }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) den += __shfl_xor_sync(0xffffffffu, den, o);
-  den += expf(sink[h] - mx);
+  den += exp_rn(__fadd_rn(sink[h], -mx));
   __syncwarp();
 
   float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -479,21 +532,22 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 template <int S>
-void launch_chunked(const float* q, int T, int H, int hd, const float* const* window, int n_window,
-                    const int32_t* topk, int k, const float* ckv, const float* const* ckv_ref,
-                    float scale, float* scratch, cudaStream_t stream) {
-  const auto kernel = sparse_attn_chunk_kernel<S>;
+void launch_pv(int T, int H, int hd, const float* const* window, int n_window, const int32_t* topk,
+               int k, const float* ckv, const float* const* ckv_ref, float* scratch,
+               cudaStream_t stream) {
+  const auto kernel = sparse_attn_pv_kernel<S>;
   static const bool configured = [&] {
     UF_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       int(fast_smem(S, kMaxHeadDim).total)));
+                                       int(pv_smem(S, kMaxHeadDim).total)));
     detail::prefer_shared_carveout(kernel);
     return true;
   }();
   (void)configured;
-  const dim3 grid(unsigned(fast_chunks(n_window + k)), unsigned(T),
+  const int n_slots = n_window + k;
+  const dim3 grid(unsigned((n_slots + S - 1) / S), unsigned(T),
                   unsigned((H + kHeadGroup - 1) / kHeadGroup));
-  detail::launch_pdl(kernel, grid, dim3(kFastThreads), fast_smem(S, hd).total, stream, q, T, H, hd,
-                     window, n_window, topk, k, ckv, ckv_ref, scale, scratch);
+  detail::launch_pdl(kernel, grid, dim3(kFastThreads), pv_smem(S, hd).total, stream, T, H, hd,
+                     window, n_window, topk, k, ckv, ckv_ref, scratch);
 }
 
 }  // namespace
@@ -517,12 +571,24 @@ void sparse_attn(const float* q, int T, int H, int hd, const float* const* windo
   if (split_scratch && hd % 4 == 0 && n_slots > 0 && int64_t(T) * H <= 65535 && aligned &&
       fast_chunks(n_slots) <= 2048) {
     const int nc = fast_chunks(n_slots);
+    static const bool configured = [] {
+      UF_CUDA_CHECK(cudaFuncSetAttribute(sparse_attn_scores_kernel,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         int(score_smem_bytes(kMaxHeadDim))));
+      detail::prefer_shared_carveout(sparse_attn_scores_kernel);
+      return true;
+    }();
+    (void)configured;
+    const dim3 sgrid(unsigned((n_slots + kScoreChunk - 1) / kScoreChunk), unsigned(T),
+                     unsigned((H + kHeadGroup - 1) / kHeadGroup));
+    detail::launch_pdl(sparse_attn_scores_kernel, sgrid, dim3(kScoreThreads), score_smem_bytes(hd),
+                       stream, q, T, H, hd, window, n_window, topk, k, ckv, ckv_ref, scale,
+                       split_scratch + scratch_scores(T, H, hd, nc),
+                       split_scratch + scratch_cmax(T, H, hd, nc, n_slots));
     if (fast_chunk(n_slots) == 16)
-      launch_chunked<16>(q, T, H, hd, window, n_window, topk, k, ckv, ckv_ref, scale, split_scratch,
-                         stream);
+      launch_pv<16>(T, H, hd, window, n_window, topk, k, ckv, ckv_ref, split_scratch, stream);
     else
-      launch_chunked<32>(q, T, H, hd, window, n_window, topk, k, ckv, ckv_ref, scale, split_scratch,
-                         stream);
+      launch_pv<32>(T, H, hd, window, n_window, topk, k, ckv, ckv_ref, split_scratch, stream);
     const dim3 grid(unsigned((hd + kMergeCols - 1) / kMergeCols), unsigned(T * H));
     detail::launch_pdl(sparse_attn_merge_kernel, grid, dim3(kMergeWarps * 32),
                        size_t(kMergeWarps) * size_t(nc) * sizeof(float), stream,
@@ -540,7 +606,9 @@ void sparse_attn(const float* q, int T, int H, int hd, const float* const* windo
 
 size_t sparse_attn_scratch_floats(int T, int H, int hd, int n_slots) {
   const size_t chunks = size_t((std::max(n_slots, 1) + kMinChunk - 1) / kMinChunk);
-  return size_t(std::max(T, 0)) * size_t(H) * chunks * size_t(hd + 2);
+  // acc and stats per chunk of 16 (chunks of 32 need half), the scores (<= 16 a chunk), the
+  // chunk maxes (one a chunk of 16).
+  return size_t(std::max(T, 0)) * size_t(H) * chunks * size_t(hd + 2 + kMinChunk + 1);
 }
 
 void sparse_attn_chunk_override(int slots) {

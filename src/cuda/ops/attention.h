@@ -24,12 +24,13 @@ namespace uf::cuda {
 // graphs replayed against different sessions (ckv is then ignored).
 // split_scratch (optional, device, sparse_attn_scratch_floats(T, H, hd, n) floats for any
 // n >= n_window + k, 16-byte aligned; no initial contents needed): the fast chunked path for
-// decode shapes (ops/attention.cu): a CTA per (chunk of 16 slots, row, 8 heads) that reads
-// each KV row once for all its heads, and a merge kernel in chunk order; both launched with PDL.
-// Its result is the CPU's to fp32 order (p rounded to bf16 relative to the chunk's max, sums
-// re-associated: a rare bf16 ulp, tests/cuda/test_ops_attention.cpp states the bound), not bit
-// for bit; every order depends on the slot count and hd only, never on T. hd % 4 != 0 or
-// unaligned q / out take the reference path.
+// decode shapes (ops/attention.cu): a scores kernel (the CPU's s_j bits), a P.V kernel per
+// (chunk of 16 slots, row, 8 heads) that rounds p to bf16 relative to the CPU's running max of
+// the chunk's 64-slot block (the CPU's bf16(p) exactly), and a merge in chunk order; all launched
+// with PDL. Its result is the CPU's up to fp32 re-association of the sums (a rare bf16 ulp,
+// tests/cuda/test_ops_attention.cpp states the bound), not bit for bit; every order depends on
+// the slot count and hd only, never on T. hd % 4 != 0 or unaligned q / out take the reference
+// path.
 void sparse_attn(const float* q, int T, int H, int hd, const float* const* window, int n_window,
                  const int32_t* topk, int k, const float* ckv, const float* sink, float scale,
                  float* out, cudaStream_t stream, const float* const* ckv_ref = nullptr,
