@@ -19,6 +19,7 @@
 #include "cpu/indexer.h"
 #include "cuda/ops/attention.h"
 #include "cuda_test_util.h"
+#include "score_rows_test_util.h"
 
 namespace uf::cuda::test {
 namespace {
@@ -397,40 +398,6 @@ TEST(CudaOpsAttention, IndexScoresReal) {
 // ------------------------------------------------------------------------------------------
 // topk_select and candidate_mask: score rows of several kinds.
 
-enum class RowKind { kNormal, kFewValues, kAllEqual, kAllNegInf, kSignedZeros };
-
-// Row scores as the indexer produces them: bf16 values, -inf at i >= vis, and (masked) random
-// -inf holes.
-std::vector<float> make_row(RowKind kind, int width, int vis, std::mt19937& rng) {
-  std::vector<float> s(static_cast<size_t>(width));
-  std::normal_distribution<float> nd(0.f, 3.f);
-  std::uniform_int_distribution<int> few(0, 5), hole(0, 9);
-  for (int i = 0; i < width; ++i) {
-    switch (kind) {
-      case RowKind::kNormal:
-        s[size_t(i)] = core::round_bf16(nd(rng));
-        break;
-      case RowKind::kFewValues:
-        s[size_t(i)] = 0.5f * float(few(rng));
-        break;  // heavy ties
-      case RowKind::kAllEqual:
-        s[size_t(i)] = 1.25f;
-        break;
-      case RowKind::kAllNegInf:
-        s[size_t(i)] = -INFINITY;
-        break;
-      case RowKind::kSignedZeros: {
-        const int v = few(rng);
-        s[size_t(i)] = v == 0 ? -0.f : (v == 1 ? 0.f : -0.5f * float(v));
-        break;
-      }
-    }
-    if (kind != RowKind::kAllEqual && hole(rng) == 0) s[size_t(i)] = -INFINITY;
-    if (i >= vis) s[size_t(i)] = -INFINITY;
-  }
-  return s;
-}
-
 struct SelRow {
   int width, vis;
   RowKind kind;
@@ -449,7 +416,8 @@ SelData make_rows(const std::vector<SelRow>& rows, std::mt19937& rng) {
   d.max_width += 5;
   d.score.assign(size_t(d.T) * d.max_width, NAN);  // past width: must never be read
   for (int t = 0; t < d.T; ++t) {
-    const auto s = make_row(rows[size_t(t)].kind, rows[size_t(t)].width, rows[size_t(t)].vis, rng);
+    const auto s =
+        make_score_row(rows[size_t(t)].kind, rows[size_t(t)].width, rows[size_t(t)].vis, rng);
     std::copy(s.begin(), s.end(), d.score.begin() + int64_t(t) * d.max_width);
     d.width.push_back(rows[size_t(t)].width);
     d.vis.push_back(rows[size_t(t)].vis);

@@ -21,6 +21,7 @@
 #include "cpu/linear.h"
 #include "cuda/ops/attention.h"
 #include "cuda_test_util.h"
+#include "score_rows_test_util.h"
 
 namespace uf::cuda::test {
 namespace {
@@ -193,44 +194,9 @@ TEST(CudaIndexerLong, IndexScoresMixedBanksAndGroups) {
 // ------------------------------------------------------------------------------------------
 // topk_select and candidate_mask
 
-enum class Kind { kNormal, kFewValues, kAllEqual, kAllNegInf, kSignedZeros };
-
-// bf16 scores as the indexer makes them, -inf past vis and in random holes (1 in 10).
-std::vector<float> make_row(Kind kind, int width, int vis, std::mt19937& rng) {
-  std::vector<float> s(static_cast<size_t>(width));
-  std::normal_distribution<float> nd(0.f, 3.f);
-  std::uniform_int_distribution<int> few(0, 5), hole(0, 9);
-  for (int i = 0; i < width; ++i) {
-    float v = 0.f;
-    switch (kind) {
-      case Kind::kNormal:
-        v = core::round_bf16(nd(rng));
-        break;
-      case Kind::kFewValues:
-        v = 0.5f * float(few(rng));  // six levels: ties everywhere, also at the threshold
-        break;
-      case Kind::kAllEqual:
-        v = 1.25f;
-        break;
-      case Kind::kAllNegInf:
-        v = -INFINITY;
-        break;
-      case Kind::kSignedZeros: {
-        const int x = few(rng);
-        v = x == 0 ? -0.f : (x == 1 ? 0.f : -0.5f * float(x));
-        break;
-      }
-    }
-    if (kind != Kind::kAllEqual && hole(rng) == 0) v = -INFINITY;
-    if (i >= vis) v = -INFINITY;
-    s[size_t(i)] = v;
-  }
-  return s;
-}
-
 struct Row {
   int width, vis;
-  Kind kind;
+  RowKind kind;
 };
 
 struct Rows {
@@ -247,7 +213,8 @@ Rows make_rows(const std::vector<Row>& rows, std::mt19937& rng, int pad) {
   d.max_width += pad;
   d.score.assign(size_t(d.T) * d.max_width, NAN);
   for (int t = 0; t < d.T; ++t) {
-    const auto s = make_row(rows[size_t(t)].kind, rows[size_t(t)].width, rows[size_t(t)].vis, rng);
+    const auto s =
+        make_score_row(rows[size_t(t)].kind, rows[size_t(t)].width, rows[size_t(t)].vis, rng);
     std::copy(s.begin(), s.end(), d.score.begin() + int64_t(t) * d.max_width);
     d.width.push_back(rows[size_t(t)].width);
     d.vis.push_back(rows[size_t(t)].vis);
@@ -257,8 +224,9 @@ Rows make_rows(const std::vector<Row>& rows, std::mt19937& rng, int pad) {
 
 // 7 decode/verify rows at one width: the kinds in turn, vis < width on some.
 std::vector<Row> verify_rows(int width, int T) {
-  const Kind kinds[] = {Kind::kNormal,   Kind::kFewValues, Kind::kNormal,   Kind::kSignedZeros,
-                        Kind::kAllEqual, Kind::kFewValues, Kind::kAllNegInf};
+  const RowKind kinds[] = {RowKind::kNormal,      RowKind::kFewValues, RowKind::kNormal,
+                           RowKind::kSignedZeros, RowKind::kAllEqual,  RowKind::kFewValues,
+                           RowKind::kAllNegInf};
   std::vector<Row> rows;
   for (int t = 0; t < T; ++t) {
     const int vis = t % 3 == 1 ? width - 777 * (t + 1) : width;
@@ -338,7 +306,7 @@ TEST(CudaIndexerLong, TopkSelect1M) {
   check_topk(verify_rows(262144, 7), 512, 701, "1M x 7");
   check_topk(verify_rows(262144, 1), 512, 702, "1M x 1");
   check_topk(verify_rows(262144, 7), 512, 704, "1M x 7, aligned rows", 0);
-  check_topk({{262144, 200003, Kind::kFewValues}}, 512, 703, "1M x 1, vis < width, ties");
+  check_topk({{262144, 200003, RowKind::kFewValues}}, 512, 703, "1M x 1, vis < width, ties");
 }
 
 TEST(CudaIndexerLong, TopkSelect64k) {
@@ -352,23 +320,23 @@ TEST(CudaIndexerLong, TopkSelectMixedWidthsAndRounds) {
   UF_REQUIRE_GPU();
   // Rows that finish in different rounds of one call, chunk edges, tiny rows.
   const std::vector<Row> mixed = {
-      {0, 0, Kind::kNormal},           {1, 1, Kind::kNormal},
-      {7, 0, Kind::kNormal},           {600, 550, Kind::kSignedZeros},
-      {16384, 16384, Kind::kAllEqual}, {16385, 16000, Kind::kFewValues},
-      {32768, 32768, Kind::kNormal},   {150001, 149990, Kind::kFewValues},
-      {262144, 262144, Kind::kNormal}};
+      {0, 0, RowKind::kNormal},           {1, 1, RowKind::kNormal},
+      {7, 0, RowKind::kNormal},           {600, 550, RowKind::kSignedZeros},
+      {16384, 16384, RowKind::kAllEqual}, {16385, 16000, RowKind::kFewValues},
+      {32768, 32768, RowKind::kNormal},   {150001, 149990, RowKind::kFewValues},
+      {262144, 262144, RowKind::kNormal}};
   check_topk(mixed, 512, 721, "mixed k=512");
   check_topk(mixed, 8, 722, "mixed k=8");
   check_topk(mixed, 1, 723, "mixed k=1");
   // Three rounds (list B): k = 512 at 600000 keys, k = 4096 at 100000 keys.
-  check_topk({{600000, 600000, Kind::kNormal}, {600000, 590000, Kind::kFewValues}}, 512, 724,
+  check_topk({{600000, 600000, RowKind::kNormal}, {600000, 590000, RowKind::kFewValues}}, 512, 724,
              "3 rounds k=512");
-  check_topk({{100000, 100000, Kind::kFewValues},
-              {99999, 50000, Kind::kNormal},
-              {40000, 40000, Kind::kAllEqual}},
+  check_topk({{100000, 100000, RowKind::kFewValues},
+              {99999, 50000, RowKind::kNormal},
+              {40000, 40000, RowKind::kAllEqual}},
              4096, 725, "3 rounds k=4096");
   // k above the rounds' limit: no workspace needed, one CTA per row.
-  check_topk({{70000, 70000, Kind::kNormal}}, 4097, 726, "k=4097 fallback");
+  check_topk({{70000, 70000, RowKind::kNormal}}, 4097, 726, "k=4097 fallback");
 }
 
 void check_mask(const std::vector<Row>& rows, int topk_blocks, int block_size, uint32_t seed,
@@ -463,17 +431,17 @@ TEST(CudaIndexerLong, CandidateMask64k) {
 
 TEST(CudaIndexerLong, CandidateMaskMixedAndRounds) {
   UF_REQUIRE_GPU();
-  const std::vector<Row> mixed = {{0, 0, Kind::kNormal},
-                                  {30, 13, Kind::kFewValues},
-                                  {600, 550, Kind::kSignedZeros},
-                                  {5000, 5000, Kind::kAllNegInf},
-                                  {131073, 131000, Kind::kFewValues},
-                                  {262144, 200003, Kind::kNormal}};
+  const std::vector<Row> mixed = {{0, 0, RowKind::kNormal},
+                                  {30, 13, RowKind::kFewValues},
+                                  {600, 550, RowKind::kSignedZeros},
+                                  {5000, 5000, RowKind::kAllNegInf},
+                                  {131073, 131000, RowKind::kFewValues},
+                                  {262144, 200003, RowKind::kNormal}};
   check_mask(mixed, 2048, 8, 821, "mixed");
   check_mask(mixed, 3, 4, 822, "mixed 3 x 4");
   // Block size 1 (every position a block): three rounds at 100000 blocks with 4096 kept.
-  check_mask({{100000, 100000, Kind::kFewValues}, {100000, 77777, Kind::kNormal}}, 4096, 1, 823,
-             "3 rounds");
+  check_mask({{100000, 100000, RowKind::kFewValues}, {100000, 77777, RowKind::kNormal}}, 4096, 1,
+             823, "3 rounds");
 }
 
 // The index_select sequence (scores, candidate pool, mask, top-k) captured in a CUDA graph and
