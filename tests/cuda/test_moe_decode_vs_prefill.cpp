@@ -5,8 +5,7 @@
 // repeated call is bitwise the same (counters reset; the order never depends on scheduling); and
 // row-count independence (row t of an M = 8 call equals the M = 1 call for that row). No
 // tolerance anywhere: any difference is a bug. The CPU reference comparison of the numerics is
-// test_moe_fp4.cpp / test_moe_partial.cpp. (The file name is historical: the earlier persistent
-// kernels it compared were retired.)
+// test_moe_fp4.cpp / test_moe_partial.cpp.
 #include <gtest/gtest.h>
 
 #include <algorithm>
