@@ -86,15 +86,10 @@ void CudaModel::dspark_write(CudaSession& s, const float* main_hidden, int n, in
 CudaModel::SpanBlock CudaModel::commit_block(int n) const {
   SpanBlock b;
   b.T = n;
-  size_t off = 0;
-  auto add = [&](size_t count, size_t elem) {
-    const size_t at = (off + 15) / 16 * 16;
-    off = at + count * elem;
-    return at;
-  };
-  b.pos = add(size_t(n), sizeof(int64_t));
-  for (int st = 0; st < cfg_.n_mtp_layers; ++st) b.stage_window.push_back(add(1, sizeof(void*)));
-  b.bytes = (off + 15) / 16 * 16;
+  BlockPacker pk;
+  b.pos = pk.add(size_t(n), sizeof(int64_t));
+  for (int st = 0; st < cfg_.n_mtp_layers; ++st) b.stage_window.push_back(pk.add(1, sizeof(void*)));
+  b.bytes = pk.bytes();
   return b;
 }
 
@@ -117,17 +112,12 @@ CudaModel::SpanBlock CudaModel::draft_block() const {
   const int B = cfg_.dspark_block_size;
   SpanBlock b;
   b.T = B;
-  size_t off = 0;
-  auto add = [&](size_t count, size_t elem) {
-    const size_t at = (off + 15) / 16 * 16;
-    off = at + count * elem;
-    return at;
-  };
-  b.p0 = add(1, sizeof(int64_t));
-  b.ids = add(size_t(B), sizeof(int32_t));
-  b.pos = add(size_t(B), sizeof(int64_t));
-  for (int st = 0; st < cfg_.n_mtp_layers; ++st) b.stage_window.push_back(add(1, sizeof(void*)));
-  b.bytes = (off + 15) / 16 * 16;
+  BlockPacker pk;
+  b.p0 = pk.add(1, sizeof(int64_t));
+  b.ids = pk.add(size_t(B), sizeof(int32_t));
+  b.pos = pk.add(size_t(B), sizeof(int64_t));
+  for (int st = 0; st < cfg_.n_mtp_layers; ++st) b.stage_window.push_back(pk.add(1, sizeof(void*)));
+  b.bytes = pk.bytes();
   return b;
 }
 

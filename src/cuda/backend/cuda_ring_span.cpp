@@ -39,21 +39,6 @@ inline int64_t visible(int64_t p, int r) { return (p + 1) / r; }
 // The most compressed entries T consecutive positions can emit at ratio r (multiples of r).
 inline int max_emitted(int T, int r) { return r == 1 ? T : (T + r - 1) / r; }
 
-// Appends 16-byte aligned arrays to a block layout.
-class Packer {
- public:
-  size_t add(size_t count, size_t elem) {
-    const size_t off = align(bytes_);
-    bytes_ = off + count * elem;
-    return off;
-  }
-  size_t bytes() const { return align(bytes_); }
-
- private:
-  static size_t align(size_t n) { return (n + 15) / 16 * 16; }
-  size_t bytes_ = 0;
-};
-
 constexpr size_t kPtr = sizeof(void*);
 
 }  // namespace
@@ -61,7 +46,7 @@ constexpr size_t kPtr = sizeof(void*);
 CudaModel::SpanBlock CudaModel::span_block(int T) const {
   SpanBlock b;
   b.T = T;
-  Packer pk;
+  BlockPacker pk;
   b.p0 = pk.add(1, sizeof(int64_t));
   b.ids = pk.add(size_t(T), sizeof(int32_t));
   b.pos = pk.add(size_t(T), sizeof(int64_t));

@@ -13,6 +13,22 @@
 
 namespace uf::cuda {
 
+// Appends 16-byte aligned arrays to a pinned block's layout (SpanBlock offsets: span, draft and
+// commit programs).
+class BlockPacker {
+ public:
+  size_t add(size_t count, size_t elem) {
+    const size_t off = align(bytes_);
+    bytes_ = off + count * elem;
+    return off;
+  }
+  size_t bytes() const { return align(bytes_); }
+
+ private:
+  static size_t align(size_t n) { return (n + 15) / 16 * 16; }
+  size_t bytes_ = 0;
+};
+
 // One layer's weights on the device, bound as CpuModel uses them (LinearKind = the CPU function
 // each call site uses).
 struct CudaModel::LayerOps {
