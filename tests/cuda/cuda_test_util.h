@@ -1,5 +1,5 @@
 #pragma once
-// Helpers for the GPU tests: device buffers, NaN poisoning, random checkpoint-format data.
+// Helpers for the GPU tests: device buffers, NaN poisoning, random checkpoint-format data, bits.
 
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -10,6 +10,7 @@
 #include <random>
 #include <vector>
 
+#include "core/dtypes.h"
 #include "cuda/cuda_check.h"
 
 namespace uf::cuda::test {
@@ -72,11 +73,21 @@ inline std::vector<uint8_t> random_bytes(size_t n, std::mt19937& rng, int lo = 0
   return v;
 }
 
-inline bool bits_equal(float a, float b) {
-  uint32_t x, y;
-  std::memcpy(&x, &a, 4);
-  std::memcpy(&y, &b, 4);
-  return x == y;
+// The float's IEEE bits.
+inline uint32_t f32_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+inline bool bits_equal(float a, float b) { return f32_bits(a) == f32_bits(b); }
+
+// n bf16-exact values drawn from N(0, sd) (rounded to bf16).
+inline std::vector<float> normal_bf16(size_t n, std::mt19937& rng, float sd) {
+  std::normal_distribution<float> d(0.f, sd);
+  std::vector<float> v(n);
+  for (auto& x : v) x = core::round_bf16(d(rng));
+  return v;
 }
 
 }  // namespace uf::cuda::test

@@ -36,12 +36,6 @@ std::vector<float> fused_acts(size_t n, std::mt19937& rng) {
   return x;
 }
 
-uint32_t bits(float v) {
-  uint32_t u;
-  std::memcpy(&u, &v, 4);
-  return u;
-}
-
 // Bitwise comparison of [m, n] outputs; NaN equals NaN (only the non-finite-input case has any).
 // Returns "" or a diagnostic naming the count, the first bad (token, row) and both bit patterns.
 std::string compare_bits(const std::vector<float>& got, const std::vector<float>& want, int n,
@@ -51,7 +45,8 @@ std::string compare_bits(const std::vector<float>& got, const std::vector<float>
   for (size_t i = 0; i < want.size(); ++i) {
     nan_got += std::isnan(got[i]);
     nan_want += std::isnan(want[i]);
-    const bool ok = bits(got[i]) == bits(want[i]) || (std::isnan(got[i]) && std::isnan(want[i]));
+    const bool ok =
+        f32_bits(got[i]) == f32_bits(want[i]) || (std::isnan(got[i]) && std::isnan(want[i]));
     if (!ok && bad++ == 0) first = long(i);
   }
   if (bad == 0) return "";
@@ -60,8 +55,8 @@ std::string compare_bits(const std::vector<float>& got, const std::vector<float>
                 "%s: %zu of %zu outputs differ (NaN: got %zu, want %zu); first at token %ld row "
                 "%ld: got %.9g (0x%08x) want %.9g (0x%08x)",
                 what, bad, want.size(), nan_got, nan_want, first / n, first % n,
-                double(got[size_t(first)]), bits(got[size_t(first)]), double(want[size_t(first)]),
-                bits(want[size_t(first)]));
+                double(got[size_t(first)]), f32_bits(got[size_t(first)]),
+                double(want[size_t(first)]), f32_bits(want[size_t(first)]));
   return buf;
 }
 
@@ -108,7 +103,7 @@ Outs fused(const Fp8Gemv& g, const Weight& w, const float* x, long long x_stride
   size_t written = 0;
   long first = -1;
   for (size_t i = size_t(m) * w.n; i < o.f32.size(); ++i)
-    if (bits(o.f32[i]) != 0xFFFFFFFFu && written++ == 0) first = long(i);
+    if (f32_bits(o.f32[i]) != 0xFFFFFFFFu && written++ == 0) first = long(i);
   EXPECT_EQ(written, 0u) << "run_fused [" << w.n << ", " << w.k << "] m=" << m << " wrote "
                          << written << " outputs of rows >= m, first at row " << first / w.n;
   o.f32.resize(size_t(m) * w.n);

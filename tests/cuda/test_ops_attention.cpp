@@ -26,16 +26,10 @@ namespace {
 
 constexpr uint32_t kPoisonF32 = 0xffffffffu;
 
-uint32_t bits_of(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-
 // Distance in bf16 steps between two bf16-valued floats (signed-magnitude order, -0 == +0).
 int64_t bf16_ulps(float a, float b) {
   auto ord = [](float f) {
-    const uint32_t c = bits_of(f) >> 16;
+    const uint32_t c = f32_bits(f) >> 16;
     return (c & 0x8000u) ? -int64_t(c & 0x7fffu) : int64_t(c & 0x7fffu);
   };
   return std::llabs(ord(a) - ord(b));
@@ -43,13 +37,6 @@ int64_t bf16_ulps(float a, float b) {
 
 // The spacing of bf16 values at |v| (8 significant bits).
 double bf16_spacing(float v) { return v == 0.f ? 0x1p-133 : std::ldexp(1.0, std::ilogb(v) - 7); }
-
-std::vector<float> normal_bf16(size_t n, std::mt19937& rng, float sd) {
-  std::normal_distribution<float> d(0.f, sd);
-  std::vector<float> v(n);
-  for (auto& x : v) x = core::round_bf16(d(rng));
-  return v;
-}
 
 // ------------------------------------------------------------------------------------------
 // sparse_attn
@@ -340,7 +327,7 @@ void check_index_scores(const IndexCase& c, uint32_t seed) {
     const float* g = got.data() + int64_t(t) * max_width;
     for (int i = 0; i < max_width; ++i) {
       if (i >= wd) {
-        if (bits_of(g[i]) != kPoisonF32 && n_bad++ == 0)
+        if (f32_bits(g[i]) != kPoisonF32 && n_bad++ == 0)
           ADD_FAILURE() << "row " << t << " entry " << i << " past width " << wd
                         << " was written: " << g[i];
         continue;

@@ -26,19 +26,6 @@
 namespace uf::cuda::test {
 namespace {
 
-uint32_t f32_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-
-std::vector<float> bf16_normal(size_t n, std::mt19937& rng, float sd) {
-  std::normal_distribution<float> nd(0.f, sd);
-  std::vector<float> v(n);
-  for (auto& x : v) x = core::round_bf16(nd(rng));
-  return v;
-}
-
 // ------------------------------------------------------------------------------------------
 // index_scores
 
@@ -73,12 +60,12 @@ void check_scores(const ScoreCase& c, uint32_t seed) {
   const int T = int(c.vis.size()), Hi = c.n_heads;
   const int max_width = *std::max_element(c.width.begin(), c.width.end()) + 3;
   const int max_vis = std::max(1, *std::max_element(c.vis.begin(), c.vis.end()));
-  const auto q = bf16_normal(size_t(T) * Hi * hd, rng, 1.f);
-  const auto w = bf16_normal(size_t(T) * Hi, rng, 0.1f);  // negative weights included
+  const auto q = normal_bf16(size_t(T) * Hi * hd, rng, 1.f);
+  const auto w = normal_bf16(size_t(T) * Hi, rng, 0.1f);  // negative weights included
   std::vector<std::vector<float>> banks;
   const int off = c.misaligned ? 1 : 0;
   for (int b = 0; b < c.banks; ++b)
-    banks.push_back(bf16_normal(size_t(max_vis) * hd + off, rng, 1.f));
+    banks.push_back(normal_bf16(size_t(max_vis) * hd + off, rng, 1.f));
   DeviceBuffer<float> dq(q), dw(w);
   std::vector<std::unique_ptr<DeviceBuffer<float>>> dbanks;
   for (const auto& b : banks) dbanks.push_back(std::make_unique<DeviceBuffer<float>>(b));
@@ -450,9 +437,9 @@ TEST(CudaIndexerLong, GraphCapture) {
   UF_REQUIRE_GPU();
   constexpr int T = 7, Hi = 4, hd = 128, k = 512, width = 65536, max_width = 65536;
   std::mt19937 rng(901);
-  const auto q = bf16_normal(size_t(T) * Hi * hd, rng, 1.f);
-  const auto w = bf16_normal(size_t(T) * Hi, rng, 0.1f);
-  const auto bank = bf16_normal(size_t(width) * hd, rng, 1.f);
+  const auto q = normal_bf16(size_t(T) * Hi * hd, rng, 1.f);
+  const auto w = normal_bf16(size_t(T) * Hi, rng, 0.1f);
+  const auto bank = normal_bf16(size_t(width) * hd, rng, 1.f);
   DeviceBuffer<float> dq(q), dw(w), dbank(bank);
   DeviceBuffer<const float*> dkeys(std::vector<const float*>(T, dbank.get()));
   std::vector<int32_t> vis(T), wid(T, width);

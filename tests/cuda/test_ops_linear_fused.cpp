@@ -24,29 +24,24 @@ namespace {
 
 using model::WFormat;
 
-uint32_t bits(float v) {
-  uint32_t u;
-  std::memcpy(&u, &v, 4);
-  return u;
-}
-
 // "" or: how many of [T, n] differ bitwise (NaN counts), the first (token, feature), both values.
 std::string diff(const std::vector<float>& got, const std::vector<float>& want, int64_t n) {
   size_t bad = 0, nan = 0;
   long first = -1;
   for (size_t i = 0; i < want.size(); ++i) {
     nan += !std::isfinite(got[i]);
-    if (bits(got[i]) != bits(want[i]) && bad++ == 0) first = long(i);
+    if (f32_bits(got[i]) != f32_bits(want[i]) && bad++ == 0) first = long(i);
   }
   if (bad == 0 && nan == 0) return "";
   char buf[300];
-  std::snprintf(
-      buf, sizeof buf,
-      "%zu of %zu differ, %zu non-finite; first at token %ld feature %ld: got %.9g "
-      "(0x%08x) want %.9g (0x%08x)",
-      bad, want.size(), nan, first < 0 ? -1 : first / long(n), first < 0 ? -1 : first % long(n),
-      first < 0 ? 0.0 : double(got[size_t(first)]), first < 0 ? 0u : bits(got[size_t(first)]),
-      first < 0 ? 0.0 : double(want[size_t(first)]), first < 0 ? 0u : bits(want[size_t(first)]));
+  std::snprintf(buf, sizeof buf,
+                "%zu of %zu differ, %zu non-finite; first at token %ld feature %ld: got %.9g "
+                "(0x%08x) want %.9g (0x%08x)",
+                bad, want.size(), nan, first < 0 ? -1 : first / long(n),
+                first < 0 ? -1 : first % long(n), first < 0 ? 0.0 : double(got[size_t(first)]),
+                first < 0 ? 0u : f32_bits(got[size_t(first)]),
+                first < 0 ? 0.0 : double(want[size_t(first)]),
+                first < 0 ? 0u : f32_bits(want[size_t(first)]));
   return buf;
 }
 
