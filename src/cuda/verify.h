@@ -11,9 +11,10 @@
 //   - sums use the fixed order of sampling/row_ops.h (256 lanes of contiguous chunks, each lane
 //     in index order, then the pairwise tree stride 128..1, the shared-memory tree of a block);
 //   - inverse-CDF draws walk the lane sums then one chunk in index order on one thread;
-//   - the top-k cut is the k-th largest value (bisection over the float bits, exact); the top-p
-//     walk sums the survivors in descending value order on one thread (the largest values are
-//     selected, then bitonic-sorted in the plan's scratch), as transform.cpp's top_p_cut does;
+//   - the top-k cut is the k-th largest value (radix select over the float bits, exact); the
+//     top-p walk sums the survivors in descending value order, sequentially in fp32, as
+//     transform.cpp's top_p_cut does (the candidates are radix-sorted in the plan's scratch and
+//     walked by one warp; only values matter, equal values being interchangeable);
 //   - products that the CPU rounds before a subtraction (w * p(x) - q(x)) use __fmul_rn, so nvcc
 //     cannot contract them into an FMA;
 //   - the draws are make_verify_draws(seed, step) of sampling/rng.h (integer Philox, exact
@@ -32,7 +33,9 @@
 // block for the verification. No allocation inside the calls (the plan owns the scratch); seed
 // and step are read from device memory at run time, so the calls are graph-capturable (one graph
 // per (g, mode, params), as those are launch arguments).
-// Speed is not the goal yet: the selection, the sort and the sequential walks are simple.
+// Top-p speed: a whole-vocab nucleus (flat logits) is a few radix passes plus a sequential walk
+// of ~120k fp32 adds (a few hundred microseconds a row); typical nuclei (1-4k) cost a few passes
+// over the row. bench/bench_cuda_verify.cpp times it against the previous bitonic cut.
 
 #include <cuda_runtime.h>
 
@@ -124,6 +127,12 @@ void sample_slot_on_device(float* logits, const float* bias, int vocab,
 // the host's value. proj [dim + rank], x5 [rows, dim], emb [rows, rank].
 void draft_confidence_on_device(const float* proj, const float* x5, const float* emb, int rows,
                                 int dim, int rank, float* conf, cudaStream_t stream);
+
+// Bench/test hook: true makes the transforms launched afterwards (logits_to_probs_on_device,
+// verify_on_device, sample_slot_on_device) use the previous top-p cut (bisection selection and a
+// bitonic sort in global memory, thread 0 walking) instead of the radix one; same results, for
+// timing the two side by side. Process-wide, not thread-safe; default false.
+void set_legacy_top_p_for_bench(bool legacy);
 
 // Test hook: out[i] = the transform's exp of the float with bit pattern first_bits + i (i < n),
 // so a test can compare every argument with the CPU's.

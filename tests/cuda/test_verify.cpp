@@ -15,6 +15,7 @@
 // end-to-end disagreements (expected 0) is printed.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -533,6 +534,202 @@ TEST(CudaVerify, GraphReplayFollowsSeedStep) {
   UF_CUDA_CHECK(cudaGraphExecDestroy(exec));
   UF_CUDA_CHECK(cudaGraphDestroy(graph));
   UF_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+// ---- the top-p cut on hard rows
+// ------------------------------------------------------------------ The radix top-p cut
+// (cuda/kernels/verify.cu) against transform.cpp, bitwise, on the rows that stress it: flat logits
+// (a nucleus of ~95% of the vocab, several radix passes, the probs row as the sort's second
+// buffer), peaked and Zipf-like rows (typical nuclei), quantised rows (long runs of equal values:
+// the walk adds them one by one, as the CPU), a flat cluster under one dominant token (the key
+// range spans many binades: four radix passes) and an all-equal row (no pass). Exact-exp logits
+// (nudged) so that any difference is the cut's; no tolerance.
+
+enum class RowKind { kFlat, kPeaked, kZipf, kTies, kOutlier, kEqual };
+
+const char* kind_name(RowKind k) {
+  switch (k) {
+    case RowKind::kFlat:
+      return "flat";
+    case RowKind::kPeaked:
+      return "peaked";
+    case RowKind::kZipf:
+      return "zipf";
+    case RowKind::kTies:
+      return "ties";
+    case RowKind::kOutlier:
+      return "outlier";
+    case RowKind::kEqual:
+      return "equal";
+  }
+  return "?";
+}
+
+std::vector<float> make_row(RowKind kind, int vocab, std::mt19937& rng) {
+  std::vector<float> l(static_cast<size_t>(vocab));
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  switch (kind) {
+    case RowKind::kFlat:
+      for (float& x : l) x = 0.01f * nd(rng);
+      break;
+    case RowKind::kPeaked:
+      for (float& x : l) x = 3.0f * nd(rng);
+      break;
+    case RowKind::kZipf: {  // logit = -1.1 log(rank + 1) + small noise, ranks shuffled
+      std::vector<int> rank(static_cast<size_t>(vocab));
+      for (int i = 0; i < vocab; ++i) rank[size_t(i)] = i;
+      std::shuffle(rank.begin(), rank.end(), rng);
+      for (int i = 0; i < vocab; ++i)
+        l[size_t(i)] = -1.1f * std::log(float(rank[size_t(i)]) + 1.0f) + 0.05f * nd(rng);
+      break;
+    }
+    case RowKind::kTies: {  // a few levels, most of the mass in the flat top ones
+      const float levels[] = {0.0f, -0.01f, -0.02f, -0.5f, -3.0f};
+      std::uniform_int_distribution<int> pick(0, 4);
+      for (float& x : l) x = levels[pick(rng)];
+      break;
+    }
+    case RowKind::kOutlier:  // one dominant token over a very tight flat cluster
+      for (float& x : l) x = 0.0005f * nd(rng);
+      l[size_t(rng() % uint32_t(vocab))] = 6.0f;
+      break;
+    case RowKind::kEqual:
+      for (float& x : l) x = 0.25f;
+      break;
+  }
+  return l;
+}
+
+struct TopPSetup {
+  int vocab;
+  SamplingParams params;
+};
+
+// Runs rows through logits_to_probs_on_device (legacy = the previous cut) and checks them.
+void check_top_p_rows(int vocab, const SamplingParams& params, const std::vector<RowKind>& kinds,
+                      uint32_t seed, bool legacy) {
+  const int rows = int(kinds.size());
+  const size_t V = size_t(vocab);
+  std::mt19937 rng(seed);
+  std::vector<float> logits(size_t(rows) * V), want(size_t(rows) * V), scratch(V);
+  for (int r = 0; r < rows; ++r) {
+    std::vector<float> l = make_row(kinds[size_t(r)], vocab, rng);
+    nudge_for_exact_exp(l.data(), vocab, params.temperature);
+    std::copy(l.begin(), l.end(), logits.begin() + ptrdiff_t(r * V));
+    sampling::logits_to_probs(&logits[r * V], vocab, params, &want[r * V], scratch.data());
+  }
+  VerifyPlan plan(vocab);
+  DeviceBuffer<float> d_logits(logits), d_probs(logits.size());
+  d_probs.poison();
+  set_legacy_top_p_for_bench(legacy);
+  logits_to_probs_on_device(plan, d_logits.get(), rows, vocab, params, d_probs.get(), nullptr);
+  set_legacy_top_p_for_bench(false);
+  sync_and_check();
+  const std::vector<float> got = d_probs.download();
+  for (int r = 0; r < rows; ++r) {
+    const std::vector<float> g(got.begin() + ptrdiff_t(r * V),
+                               got.begin() + ptrdiff_t((r + 1) * V));
+    const std::vector<float> w(want.begin() + ptrdiff_t(r * V),
+                               want.begin() + ptrdiff_t((r + 1) * V));
+    const RowDiff d = compare_rows(g, w);
+    size_t nucleus_dev = 0, nucleus_cpu = 0;
+    for (size_t i = 0; i < V; ++i) {
+      nucleus_dev += g[i] > 0.0f;
+      nucleus_cpu += w[i] > 0.0f;
+    }
+    const std::string where = "V=" + std::to_string(vocab) + " " + params_name(params) + " row " +
+                              std::to_string(r) + " (" + kind_name(kinds[size_t(r)]) + ")" +
+                              (legacy ? " legacy" : "");
+    ASSERT_EQ(d.nan, 0u) << where << ": NaN in the device row";
+    EXPECT_EQ(d.bit_diffs, 0u) << where << ": first diff at " << d.first << " (device "
+                               << (d.first < V ? g[d.first] : 0.0f) << " cpu "
+                               << (d.first < V ? w[d.first] : 0.0f) << "), " << d.support_diffs
+                               << " support diffs, nucleus device " << nucleus_dev << " cpu "
+                               << nucleus_cpu << ", max rel " << d.max_rel;
+    if (r == 0 || d.bit_diffs != 0)
+      std::printf("[top-p] %s: nucleus %zu of %d\n", where.c_str(), nucleus_cpu, vocab);
+  }
+}
+
+TEST(CudaVerify, TopPCutMatchesCpuOnHardRowsRealVocab) {
+  UF_REQUIRE_GPU();
+  const std::vector<RowKind> kinds = {
+      RowKind::kFlat, RowKind::kFlat,    RowKind::kPeaked, RowKind::kPeaked,  RowKind::kZipf,
+      RowKind::kZipf, RowKind::kTies,    RowKind::kTies,   RowKind::kOutlier, RowKind::kEqual,
+      RowKind::kFlat, RowKind::kOutlier, RowKind::kZipf,   RowKind::kTies,    RowKind::kPeaked};
+  const SamplingParams setups[] = {{1.0f, 0.95f, 0},     {1.0f, 0.5f, 0},  {1.0f, 0.95f, 50},
+                                   {1.0f, 0.999f, 0},    {0.7f, 0.05f, 0}, {1.0f, 0.9f, 5000},
+                                   {1.3f, 0.99f, 70000}, {1.0f, 1.0f, 50}};
+  uint32_t seed = 100;
+  for (const SamplingParams& p : setups) {
+    check_top_p_rows(kRealVocab, p, kinds, seed++, false);
+    if (::testing::Test::HasFatalFailure()) return;
+  }
+}
+
+TEST(CudaVerify, TopPCutMatchesCpuOnHardRowsSmallVocabs) {
+  UF_REQUIRE_GPU();
+  const std::vector<RowKind> kinds = {RowKind::kFlat, RowKind::kPeaked,  RowKind::kZipf,
+                                      RowKind::kTies, RowKind::kOutlier, RowKind::kEqual,
+                                      RowKind::kFlat, RowKind::kTies};
+  uint32_t seed = 500;
+  for (int vocab : {1, 2, 33, 257, 1000, 8193, 40000}) {
+    for (const SamplingParams& p :
+         {SamplingParams{1.0f, 0.95f, 0}, SamplingParams{1.0f, 0.5f, 0},
+          SamplingParams{1.0f, 0.9f, 7}, SamplingParams{0.5f, 0.999f, 0}}) {
+      check_top_p_rows(vocab, p, kinds, seed++, false);
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+  }
+}
+
+// The previous cut, still selectable for the benchmark, gives the same rows.
+TEST(CudaVerify, LegacyTopPCutStillMatchesCpu) {
+  UF_REQUIRE_GPU();
+  check_top_p_rows(kRealVocab, {1.0f, 0.95f, 0},
+                   {RowKind::kFlat, RowKind::kZipf, RowKind::kTies, RowKind::kPeaked}, 900, true);
+  check_top_p_rows(1000, {1.0f, 0.5f, 50}, {RowKind::kFlat, RowKind::kZipf, RowKind::kTies}, 901,
+                   true);
+}
+
+// The draft slot path (sample_slot_on_device) with a scratch of exactly next_pow2(vocab) floats,
+// the documented minimum: flat rows make the sort use the probs row as its second buffer.
+TEST(CudaVerify, DraftSlotTopPMatchesCpuOnFlatRows) {
+  UF_REQUIRE_GPU();
+  const int V = kRealVocab;
+  int cap = 1;
+  while (cap < V) cap <<= 1;
+  std::mt19937 rng(4242);
+  DeviceBuffer<float> d_logits{size_t(V)}, d_probs{size_t(V)}, d_scratch{size_t(cap)}, d_u{1};
+  DeviceBuffer<DeviceSamplingParams> d_params(1);
+  DeviceBuffer<int32_t> d_token(1), d_prev(1);
+  std::vector<float> q(static_cast<size_t>(V)), scratch(static_cast<size_t>(V));
+  for (RowKind kind : {RowKind::kFlat, RowKind::kTies, RowKind::kOutlier, RowKind::kZipf}) {
+    for (float top_p : {0.95f, 0.5f}) {
+      SamplingParams prm{1.0f, top_p, 0};
+      std::vector<float> l = make_row(kind, V, rng);
+      nudge_for_exact_exp(l.data(), V, prm.temperature);
+      const float u = std::uniform_real_distribution<float>(0.0f, 1.0f)(rng);
+      std::vector<float> l_cpu = l;
+      const int32_t want =
+          sampling::sample_from_logits(l_cpu.data(), V, prm, u, q.data(), scratch.data());
+      d_logits.upload(l);
+      d_u.upload({u});
+      d_params.upload({device_sampling_params(prm)});
+      d_probs.poison();
+      d_scratch.poison();
+      d_token.poison();
+      sample_slot_on_device(d_logits.get(), nullptr, V, d_params.get(), d_u.get(), d_probs.get(),
+                            d_scratch.get(), d_token.get(), d_prev.get(), nullptr);
+      sync_and_check();
+      const RowDiff d = compare_rows(d_probs.download(), q);
+      const std::string where = std::string(kind_name(kind)) + " top_p " + std::to_string(top_p);
+      EXPECT_EQ(d.nan, 0u) << where << ": NaN in the device row";
+      EXPECT_EQ(d.bit_diffs, 0u) << where << ": first diff at " << d.first << ", "
+                                 << d.support_diffs << " support diffs";
+      EXPECT_EQ(d_token.download()[0], want) << where << ": token";
+    }
+  }
 }
 
 }  // namespace

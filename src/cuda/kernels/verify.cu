@@ -2,10 +2,12 @@
 // described in src/cuda/verify.h.
 //
 // transform_kernel: one 1024-thread block per row. max (order-free), e = exp((l - m) / T) in
-// double rounded to float; top-k: the k-th largest value by bisection over the float bits (counts
-// only, exact); top-p: the largest 1024 (then 4x more, as transform.cpp) values compacted into the
-// plan's scratch, bitonic-sorted descending, and walked on thread 0; then the fixed-order sums of
-// row_ops.h on threads 0..255 (lane = thread) and the normalisation.
+// double rounded to float; top-k: the k-th largest value by radix select over the float bits
+// (counts only, exact); top-p: top_p_cut_radix below (candidates from a coarse histogram,
+// radix-sorted in the plan's scratch, walked by warp 0); then the fixed-order sums of row_ops.h
+// on threads 0..255 (lane = thread) and the normalisation. The previous top-k / top-p code
+// (bisection, bitonic sort in global memory) stays selectable for the benchmark
+// (set_legacy_top_p_for_bench).
 // verify_kernel: one 256-thread block (lane = thread); every thread follows the same control flow
 // (all values it branches on are identical in every thread), thread 0 does the sequential walks.
 // All float arithmetic that the CPU does in a fixed order uses the explicit _rn intrinsics so that
@@ -214,11 +216,426 @@ __device__ int compact_sorted(const float* p, int n, uint32_t t, float* s, Share
   return c;
 }
 
+// ---- top-p / top-k selection (radix) ------------------------------------------------------------
+//
+// The fast path of the top-p cut. Exact because the walk sees the same values in the same order as
+// the CPU's: any candidate set "all survivors with bits >= t" is a prefix of the descending order
+// (ties included), and the walk over a prefix that reaches the limit stops where the full walk
+// stops. So t only has to be small enough, and is chosen from a coarse histogram:
+//   1. one pass over the row: a 2048-bin histogram of the survivors' top 12 bits (1/16 binade
+//      each) and their largest bits;
+//   2. t = the lower edge of the first bin (from the top) where count x lower edge (a lower bound
+//      of the bin's mass) reaches 1.02 x limit. The CPU's sequential fp32 sum of c <= 2^17 values
+//      is at least (1 - c 2^-24) >= 0.992 of the exact one, so its walk reaches the limit inside
+//      the candidates; if it does not anyway (it cannot, but nothing depends on it), a second
+//      attempt takes every survivor;
+//   3. the candidates are compacted into the scratch (warp-aggregated atomics) and sorted by an
+//      LSD radix sort on key = max_bits - bits (ascending key = descending value), 8-bit digits,
+//      only as many passes as the key range needs (3 for a flat row), each pass stable: per-warp
+//      ranking with __match_any_sync, then an exclusive scan of the per-warp digit counts;
+//   4. warp 0 walks the sorted values: every lane sums all 32 values of a chunk in order
+//      (shuffles), so the fp32 chain is the CPU's, with the next chunks' loads in flight.
+// The sort needs a second buffer of c floats: the scratch's second half when 2c fits, else the
+// probs row itself, which is recomputed afterwards (the same exp of the same logits).
+
+constexpr int kCoarseBins = 2048;  // bits >> 19: 1/16 binade; p <= 1 uses bins <= 2032
+constexpr int kRadixItems = 8;     // values per thread per tile of the radix sort
+
+struct SortShared {
+  union {
+    int warp_count[32][256];  // radix sort: per-warp digit counts, then their offsets
+    int coarse[kCoarseBins];  // survivors per coarse bin
+  };
+  int hist[256];
+  int base[256];
+  int count;
+  unsigned umin;
+  unsigned umax;
+  unsigned t;
+  int sel_digit;
+  int sel_before;
+  float cut;
+  int done;
+};
+
+__device__ __forceinline__ unsigned lanemask_lt() {
+  unsigned m;
+  asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
+  return m;
+}
+
+// h[bin] += 1 for each lane with bin >= 0, one shared atomic per distinct bin of the warp (flat
+// rows put most values in one bin: plain atomics would serialise on it). All 32 lanes must call.
+__device__ __forceinline__ void warp_aggregated_increment(int* h, int bin) {
+  const unsigned peers = __match_any_sync(0xffffffffu, bin);
+  if (bin >= 0 && int(threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&h[bin], __popc(peers));
+}
+
+// Warp 0 (all 32 lanes): bins nb-1, nb-2, ..., 0 of weight w(bin) visited from the top; returns
+// the first bin at which the running total reaches target (-1 if none) and, in *before, the total
+// of the bins above it. nb must be a multiple of 32. Same result in every lane.
+template <typename T, typename W>
+__device__ int warp_first_from_top(int nb, const W& w, T target, T* before) {
+  const int lane = threadIdx.x & 31;
+  const int span = nb / 32;
+  T local = T(0);
+  for (int i = 0; i < span; ++i) local += w(nb - 1 - (lane * span + i));
+  T incl = local;
+  for (int o = 1; o < 32; o <<= 1) {
+    const T y = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += y;
+  }
+  const unsigned hit = __ballot_sync(0xffffffffu, incl >= target);
+  if (hit == 0) return -1;
+  const int src = __ffs(hit) - 1;
+  int bin = -1;
+  T run = incl - local;  // exclusive prefix of this lane
+  if (lane == src) {
+    for (int i = 0; i < span; ++i) {
+      const int b = nb - 1 - (lane * span + i);
+      const T nxt = run + w(b);
+      if (nxt >= target) {
+        bin = b;
+        break;
+      }
+      run = nxt;
+    }
+  }
+  bin = __shfl_sync(0xffffffffu, bin, src);
+  *before = __shfl_sync(0xffffffffu, run, src);
+  return bin;
+}
+
+// Clamped bits: NaN counts as +inf, as the bisection over [0, 0x7F800000] did.
+__device__ __forceinline__ uint32_t sel_bits(float v) {
+  const uint32_t b = __float_as_uint(v);
+  return b < 0x7F800000u ? b : 0x7F800000u;
+}
+
+// The bits of the k-th largest of p[0..n) (1 <= k <= n), with multiplicity: the same value as the
+// bisection (the largest t with count(bits >= t) >= k), by a 4-pass radix select, 8 bits a pass.
+// Must be called by the whole block.
+__device__ uint32_t kth_largest_bits_radix(const float* p, int n, int k, SortShared& ss) {
+  const int tid = threadIdx.x, nt = blockDim.x;
+  uint32_t prefix = 0;
+  int kk = k;  // rank still wanted among the values that match the prefix
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    __syncthreads();
+    for (int i = tid; i < 256; i += nt) ss.hist[i] = 0;
+    __syncthreads();
+    const uint32_t high_mask = shift == 24 ? 0u : ~((1u << (shift + 8)) - 1u);
+    for (int x0 = 0; x0 < n; x0 += nt) {
+      const int x = x0 + tid;
+      int d = -1;
+      if (x < n) {
+        const uint32_t b = sel_bits(p[x]);
+        if ((b & high_mask) == prefix) d = int((b >> shift) & 255u);
+      }
+      warp_aggregated_increment(ss.hist, d);
+    }
+    __syncthreads();
+    if (tid < 32) {
+      int before = 0;
+      const int d = warp_first_from_top<int>(
+          256, [&](int b) { return ss.hist[b]; }, kk, &before);
+      if (tid == 0) {
+        ss.sel_digit = d < 0 ? 0 : d;  // d >= 0 whenever 1 <= k <= n
+        ss.sel_before = before;
+      }
+    }
+    __syncthreads();
+    prefix |= uint32_t(ss.sel_digit) << shift;
+    kk -= ss.sel_before;
+  }
+  return prefix;
+}
+
+// Sorts a[0..c) descending by value, keys top - bits (which must fit in 8 * passes bits), with b
+// (c floats) as the other buffer; returns the buffer holding the result. Whole block, blockDim
+// a multiple of 32 up to 1024.
+__device__ float* radix_sort_desc(float* a, float* b, int c, uint32_t top, int passes,
+                                  SortShared& ss) {
+  const int tid = threadIdx.x, nt = blockDim.x;
+  const int warp = tid >> 5, lane = tid & 31, warps = nt >> 5;
+  const int tile = warps * 32 * kRadixItems;
+  const unsigned lt = lanemask_lt();
+  for (int pass = 0; pass < passes; ++pass) {
+    const int shift = 8 * pass;
+    __syncthreads();
+    for (int i = tid; i < 256; i += nt) ss.hist[i] = 0;
+    __syncthreads();
+    for (int x0 = 0; x0 < c; x0 += nt) {
+      const int x = x0 + tid;
+      const int d = x < c ? int(((top - __float_as_uint(a[x])) >> shift) & 255u) : -1;
+      warp_aggregated_increment(ss.hist, d);
+    }
+    __syncthreads();
+    if (tid < 32) {  // exclusive scan of the digit counts: lane l owns digits 8l..8l+7
+      int v[8], s = 0;
+      for (int i = 0; i < 8; ++i) {
+        v[i] = ss.hist[lane * 8 + i];
+        s += v[i];
+      }
+      int incl = s;
+      for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += y;
+      }
+      int run = incl - s;
+      for (int i = 0; i < 8; ++i) {
+        ss.base[lane * 8 + i] = run;
+        run += v[i];
+      }
+    }
+    for (int t0 = 0; t0 < c; t0 += tile) {
+      // Per-warp stable ranks: element order within the tile is (warp, item, lane).
+      __syncthreads();  // previous tile's offsets read; base written
+      for (int i = lane; i < 256; i += 32) ss.warp_count[warp][i] = 0;
+      __syncwarp();
+      float v[kRadixItems];
+      int d[kRadixItems], r[kRadixItems];
+#pragma unroll
+      for (int i = 0; i < kRadixItems; ++i) {
+        const int idx = t0 + (warp * kRadixItems + i) * 32 + lane;
+        const bool valid = idx < c;
+        v[i] = valid ? a[idx] : 0.0f;
+        d[i] = valid ? int(((top - __float_as_uint(v[i])) >> shift) & 255u) : 256;
+        const unsigned peers = __match_any_sync(0xffffffffu, d[i]);
+        r[i] = valid ? ss.warp_count[warp][d[i]] + __popc(peers & lt) : 0;
+        __syncwarp();
+        if (valid && lane == __ffs(peers) - 1) ss.warp_count[warp][d[i]] += __popc(peers);
+        __syncwarp();
+      }
+      __syncthreads();
+      for (int dg = tid; dg < 256; dg += nt) {  // digit dg: offsets of each warp's run, in order
+        int run = ss.base[dg];
+        for (int w = 0; w < warps; ++w) {
+          const int cw = ss.warp_count[w][dg];
+          ss.warp_count[w][dg] = run;
+          run += cw;
+        }
+        ss.base[dg] = run;
+      }
+      __syncthreads();
+#pragma unroll
+      for (int i = 0; i < kRadixItems; ++i) {
+        if (d[i] < 256) b[ss.warp_count[warp][d[i]] + r[i]] = v[i];
+      }
+    }
+    float* tmp = a;
+    a = b;
+    b = tmp;
+  }
+  __syncthreads();
+  return a;
+}
+
+// transform.cpp's top_p_cut walk over s[0..c) (sorted descending) by warp 0: sets ss.cut to the
+// value of the group at which the fp32 running sum (in this order) reaches limit, or s[c-1] when
+// it never does; ss.done = reached || final. The running sum is monotone, so the group is the
+// one holding the first element after which the sum is >= limit. Every lane adds every value (the
+// same chain in every lane), so no broadcast is needed; elements past c add +0, which leaves the
+// (non-negative) sum unchanged.
+__device__ void walk_sorted(const float* s, int c, float limit, bool final, SortShared& ss) {
+  if (threadIdx.x >= 32) return;
+  const int lane = threadIdx.x;
+  float cut;
+  int done;
+  if (!(0.0f < limit)) {  // the CPU's walk does not start: the largest value
+    cut = s[0];
+    done = 1;
+  } else {
+    constexpr int kDepth = 4;  // chunks of 32 per step; the next step's loads are issued first
+    float S = 0.0f;
+    int hit = -1;
+    float v[kDepth];
+#pragma unroll
+    for (int q = 0; q < kDepth; ++q) {
+      const int i = q * 32 + lane;
+      v[q] = i < c ? s[i] : 0.0f;
+    }
+    for (int base = 0; base < c && hit < 0; base += 32 * kDepth) {
+      float nv[kDepth];
+#pragma unroll
+      for (int q = 0; q < kDepth; ++q) {
+        const int i = base + 32 * kDepth + q * 32 + lane;
+        nv[q] = i < c ? s[i] : 0.0f;
+      }
+#pragma unroll
+      for (int q = 0; q < kDepth; ++q) {
+        if (hit < 0) {
+          const float s0 = S;
+#pragma unroll
+          for (int k = 0; k < 32; ++k) S = __fadd_rn(S, __shfl_sync(0xffffffffu, v[q], k));
+          if (S >= limit) {  // reached inside this chunk: find the element
+            S = s0;
+            for (int k = 0; k < 32; ++k) {
+              S = __fadd_rn(S, __shfl_sync(0xffffffffu, v[q], k));
+              if (S >= limit) {
+                hit = base + q * 32 + k;
+                break;
+              }
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int q = 0; q < kDepth; ++q) v[q] = nv[q];
+    }
+    if (hit >= 0) {
+      cut = s[hit];
+      done = 1;
+    } else {
+      cut = s[c - 1];
+      done = final ? 1 : 0;
+    }
+  }
+  if (lane == 0) {
+    ss.cut = cut;
+    ss.done = done;
+  }
+}
+
+// The top-p cut of transform.cpp (top_p_cut over the survivors p[x] >= kcut, n of them, with
+// limit = top_p * zk), the fast way described above. s: scratch of cap >= n floats. May overwrite
+// p (returns true then; the caller recomputes it). recompute(): rewrites p exactly (whole block).
+template <typename Recompute>
+__device__ float top_p_cut_radix(float* p, int vocab, float kcut, int n, float limit, float* s,
+                                 int cap, SortShared& ss, bool* clobbered,
+                                 const Recompute& recompute) {
+  const int tid = threadIdx.x, nt = blockDim.x;
+  const uint32_t kbits = __float_as_uint(kcut);
+  // 1. coarse histogram of the survivors and their largest bits
+  __syncthreads();
+  for (int i = tid; i < kCoarseBins; i += nt) ss.coarse[i] = 0;
+  if (tid == 0) ss.umax = 0;
+  __syncthreads();
+  uint32_t mx = 0;
+  for (int x0 = 0; x0 < vocab; x0 += nt) {
+    const int x = x0 + tid;
+    int bin = -1;
+    if (x < vocab) {
+      const float v = p[x];
+      if (v >= kcut) {
+        const uint32_t b = __float_as_uint(v);
+        bin = int(min(b >> 19, uint32_t(kCoarseBins - 1)));
+        mx = max(mx, b);
+      }
+    }
+    warp_aggregated_increment(ss.coarse, bin);
+  }
+  mx = __reduce_max_sync(0xffffffffu, mx);
+  if ((tid & 31) == 0) atomicMax(&ss.umax, mx);
+  __syncthreads();
+  // 2. the candidate threshold
+  if (tid < 32) {
+    const float target = __fmul_rn(limit, 1.02f);
+    float before = 0.0f;
+    const int bin = warp_first_from_top<float>(
+        kCoarseBins,
+        [&](int b) { return float(ss.coarse[b]) * __uint_as_float(uint32_t(b) << 19); }, target,
+        &before);
+    if (tid == 0) {
+      uint32_t t = bin < 0 ? kbits : uint32_t(bin) << 19;
+      if (!(0.0f < limit)) t = ss.umax;  // the walk takes only the largest value
+      ss.t = max(t, kbits);
+    }
+  }
+  __syncthreads();
+  const uint32_t top = ss.umax;
+  uint32_t t = ss.t;
+  *clobbered = false;
+  for (int attempt = 0;; ++attempt) {
+    const bool final = t == kbits;
+    // 3. compaction and sort
+    __syncthreads();
+    if (tid == 0) {
+      ss.count = 0;
+      ss.umin = 0xFFFFFFFFu;
+    }
+    __syncthreads();
+    uint32_t mn = 0xFFFFFFFFu;
+    for (int x0 = 0; x0 < vocab; x0 += nt) {
+      const int x = x0 + tid;
+      float v = 0.0f;
+      bool keep = false;
+      if (x < vocab) {
+        v = p[x];
+        keep = v >= kcut && __float_as_uint(v) >= t;
+      }
+      const unsigned ballot = __ballot_sync(0xffffffffu, keep);
+      int at = 0;
+      if ((tid & 31) == 0 && ballot != 0) at = atomicAdd(&ss.count, __popc(ballot));
+      at = __shfl_sync(0xffffffffu, at, 0);
+      if (keep) {
+        s[at + __popc(ballot & lanemask_lt())] = v;
+        mn = min(mn, __float_as_uint(v));
+      }
+    }
+    mn = __reduce_min_sync(0xffffffffu, mn);
+    if ((tid & 31) == 0) atomicMin(&ss.umin, mn);
+    __syncthreads();
+    const int c = ss.count;
+    const uint32_t range = c > 0 ? top - ss.umin : 0u;
+    const int passes = (32 - __clz(range) + 7) / 8;
+    float* other = s + c;
+    if (passes > 0 && 2 * c > cap) {
+      other = p;
+      *clobbered = true;
+    }
+    const float* sorted = c > 0 ? radix_sort_desc(s, other, c, top, passes, ss) : s;
+    // 4. the walk
+    if (c > 0) {
+      walk_sorted(sorted, c, limit, final || c == n, ss);
+    } else if (tid == 0) {
+      ss.done = final ? 1 : 0;
+      ss.cut = kcut;
+    }
+    __syncthreads();
+    if (ss.done) return ss.cut;
+    t = kbits;  // take every survivor
+    if (*clobbered) {
+      recompute();
+      *clobbered = false;
+      __syncthreads();
+    }
+  }
+}
+
+// The previous top-p cut (kept for the benchmark's comparison): transform.cpp's top_p_cut with
+// the largest `want` values selected by bisection (all ties of the smallest included, so the walk
+// over them is the full walk's prefix), bitonic-sorted in the scratch and walked on thread 0,
+// widening 4x while the walk runs out below the limit.
+__device__ float top_p_cut_legacy(const float* p, int vocab, float kcut, int n, float limit,
+                                  float* s, SharedRow& sh) {
+  const int tid = threadIdx.x;
+  for (int want = 1024;; want *= 4) {
+    const uint32_t t = want >= n ? __float_as_uint(kcut) : kth_largest_bits(p, vocab, want, sh);
+    const int c = compact_sorted(p, vocab, t, s, sh);
+    if (tid == 0) {
+      float larger = 0.0f;
+      float cv = s[0];
+      int i = 0;
+      while (i < c && larger < limit) {
+        const float value = s[i];
+        cv = value;
+        while (i < c && s[i] == value) larger = __fadd_rn(larger, s[i++]);
+      }
+      sh.cut = cv;
+      sh.ival = (larger >= limit || c == n) ? 1 : 0;
+    }
+    __syncthreads();
+    if (sh.ival) break;
+  }
+  return sh.cut;
+}
+
 // transform.cpp's logits_to_probs of one row l into p, by the whole block (any multiple of 32
 // threads >= kLanes). s: the row's sort scratch (next_pow2(vocab) floats). Returns the greedy
 // argmax (lowest index on ties) when temperature == 0, else -1.
 __device__ int transform_row(const float* l, int vocab, float temperature, float top_p, int top_k,
-                             float* p, float* s, SharedRow& sh, ArgMax* s_warp) {
+                             float* p, float* s, int cap, bool legacy, SharedRow& sh,
+                             SortShared& ss, ArgMax* s_warp) {
   const int tid = threadIdx.x;
   const int nt = blockDim.x;
 
@@ -234,10 +651,8 @@ __device__ int transform_row(const float* l, int vocab, float temperature, float
   ArgMax mx{-INFINITY, 0};
   for (int x = tid; x < vocab; x += nt) mx.v = fmaxf(mx.v, l[x]);
   const float m = block_argmax(mx, s_warp).v;
-  for (int x = tid; x < vocab; x += nt) {
-    const float z = __fdiv_rn(__fsub_rn(l[x], m), temperature);
-    p[x] = exp_rounded(z);
-  }
+  auto prob = [=](int x) { return exp_rounded(__fdiv_rn(__fsub_rn(l[x], m), temperature)); };
+  for (int x = tid; x < vocab; x += nt) p[x] = prob(x);
 
   const bool use_k = top_k > 0 && top_k < vocab;
   const bool use_p = top_p < 1.0f;
@@ -245,7 +660,8 @@ __device__ int transform_row(const float* l, int vocab, float temperature, float
   if (use_k || use_p) {
     int n = vocab;  // survivors of the top-k filter
     if (use_k) {
-      cut = __uint_as_float(kth_largest_bits(p, vocab, top_k, sh));  // with multiplicity
+      cut = __uint_as_float(legacy ? kth_largest_bits(p, vocab, top_k, sh)
+                                   : kth_largest_bits_radix(p, vocab, top_k, ss));
       n = count_at_least(p, vocab, __float_as_uint(cut), sh);
     }
     if (use_p) {
@@ -253,29 +669,17 @@ __device__ int transform_row(const float* l, int vocab, float temperature, float
       const float zk = lane_sums([=](int64_t x) { return p[x] >= kcut ? p[x] : 0.0f; }, vocab,
                                  sh.lane, sh.tree, nullptr);
       const float limit = __fmul_rn(top_p, zk);
-      // transform.cpp's top_p_cut: walk the survivors in descending order, summing in that
-      // order, until the mass reaches the limit. Like the CPU, sort only the largest `want`
-      // values (all ties of the smallest included, so the walk over them is the full walk's
-      // prefix) and widen 4x while the walk runs out below the limit.
-      for (int want = 1024;; want *= 4) {
-        const uint32_t t = want >= n ? __float_as_uint(kcut) : kth_largest_bits(p, vocab, want, sh);
-        const int c = compact_sorted(p, vocab, t, s, sh);
-        if (tid == 0) {
-          float larger = 0.0f;
-          float cv = s[0];
-          int i = 0;
-          while (i < c && larger < limit) {
-            const float value = s[i];
-            cv = value;
-            while (i < c && s[i] == value) larger = __fadd_rn(larger, s[i++]);
-          }
-          sh.cut = cv;
-          sh.ival = (larger >= limit || c == n) ? 1 : 0;
+      if (legacy) {
+        cut = top_p_cut_legacy(p, vocab, kcut, n, limit, s, sh);
+      } else {
+        bool clobbered = false;
+        cut = top_p_cut_radix(p, vocab, kcut, n, limit, s, cap, ss, &clobbered, [&] {
+          for (int x = tid; x < vocab; x += nt) p[x] = prob(x);
+        });
+        if (clobbered) {  // the sort used the row as its second buffer: recompute it
+          for (int x = tid; x < vocab; x += nt) p[x] = prob(x);
         }
-        __syncthreads();
-        if (sh.ival) break;
       }
-      cut = sh.cut;
     }
     for (int x = tid; x < vocab; x += nt) {
       if (!(p[x] >= cut)) p[x] = 0.0f;
@@ -288,12 +692,13 @@ __device__ int transform_row(const float* l, int vocab, float temperature, float
 
 __global__ void __launch_bounds__(kTransformThreads)
     transform_kernel(const float* logits, int vocab, float temperature, float top_p, int top_k,
-                     float* probs, float* sort_scratch, int sort_stride) {
+                     float* probs, float* sort_scratch, int sort_stride, bool legacy) {
   __shared__ SharedRow sh;
+  __shared__ SortShared ss;
   __shared__ ArgMax s_warp[32];
   transform_row(logits + size_t(blockIdx.x) * vocab, vocab, temperature, top_p, top_k,
                 probs + size_t(blockIdx.x) * vocab, sort_scratch + size_t(blockIdx.x) * sort_stride,
-                sh, s_warp);
+                sort_stride, legacy, sh, ss, s_warp);
 }
 
 // ---- verification ----------------------------------------------------------------------------
@@ -408,16 +813,19 @@ __global__ void __launch_bounds__(kLanes)
 __global__ void __launch_bounds__(kTransformThreads)
     draft_slot_kernel(float* logits, const float* bias, int vocab,
                       const DeviceSamplingParams* params, const float* u, float* probs,
-                      float* sort_scratch, int32_t* token, int32_t* prev) {
+                      float* sort_scratch, int32_t* token, int32_t* prev, bool legacy) {
   __shared__ SharedRow sh;
+  __shared__ SortShared ss;
   __shared__ ArgMax s_warp[32];
   if (bias != nullptr) {
     for (int x = threadIdx.x; x < vocab; x += blockDim.x) logits[x] = __fadd_rn(logits[x], bias[x]);
   }
   __syncthreads();
   const DeviceSamplingParams prm = *params;
+  int cap = 1;  // the documented scratch size: next_pow2(vocab)
+  while (cap < vocab) cap <<= 1;
   const int best = transform_row(logits, vocab, prm.temperature, prm.top_p, prm.top_k, probs,
-                                 sort_scratch, sh, s_warp);
+                                 sort_scratch, cap, legacy, sh, ss, s_warp);
   __syncthreads();
   int32_t t = best;
   if (prm.temperature != 0.0f) t = block_inverse_cdf_pick(Plain{probs}, vocab, *u, sh);
@@ -449,6 +857,8 @@ __global__ void draft_confidence_kernel(const float* proj, const float* x5, cons
   }
 }
 
+bool g_legacy_top_p = false;  // set_legacy_top_p_for_bench
+
 int next_pow2(int n) {
   int p = 1;
   while (p < n) p <<= 1;
@@ -476,11 +886,13 @@ void logits_to_probs_on_device(const VerifyPlan& plan, const float* logits, int 
           "logits_to_probs_on_device: rows = %d must be in 0..%d and vocab = %d in 1..%d", rows,
           kMaxRows, vocab, plan.max_vocab());
   if (rows == 0) return;
-  transform_kernel<<<rows, kTransformThreads, 0, stream>>>(logits, vocab, params.temperature,
-                                                           params.top_p, params.top_k, probs,
-                                                           plan.sort_scratch(), plan.sort_stride());
+  transform_kernel<<<rows, kTransformThreads, 0, stream>>>(
+      logits, vocab, params.temperature, params.top_p, params.top_k, probs, plan.sort_scratch(),
+      plan.sort_stride(), g_legacy_top_p);
   UF_CUDA_CHECK(cudaGetLastError());
 }
+
+void set_legacy_top_p_for_bench(bool legacy) { g_legacy_top_p = legacy; }
 
 void exp_of_bits_on_device(uint32_t first_bits, int64_t n, float* out, cudaStream_t stream) {
   require(n >= 0 && uint64_t(first_bits) + uint64_t(n) <= (uint64_t(1) << 32),
@@ -544,7 +956,7 @@ void sample_slot_on_device(float* logits, const float* bias, int vocab,
               probs != nullptr && sort_scratch != nullptr && token != nullptr && prev != nullptr,
           "sample_slot_on_device: vocab = %d, or a null buffer", vocab);
   draft_slot_kernel<<<1, kTransformThreads, 0, stream>>>(logits, bias, vocab, params, u, probs,
-                                                         sort_scratch, token, prev);
+                                                         sort_scratch, token, prev, g_legacy_top_p);
   UF_CUDA_CHECK(cudaGetLastError());
 }
 
