@@ -57,14 +57,22 @@ struct Fp8GemvCall {
   uint16_t* out_bf16 = nullptr;
 };
 
+// Which kernel a plan runs. kAuto: the resident kernel (every CTA holds all its weight bytes in
+// shared memory, K split over the warps of a thread-block cluster) where the weight fits one wave
+// of such CTAs, else the pipelined split-K kernel. kPipelined forces the latter (benchmarks: the
+// kernel every plan ran before the resident one).
+enum class Fp8GemvPath { kAuto, kPipelined };
+
 // One GEMV shape (n, k) with its split-K plan and workspace. Constraints: n % 16 == 0,
-// k % 32 == 0, 1 <= m <= 8. The split count depends on (n, k, SM count) only, never on m.
+// k % 32 == 0, 1 <= m <= 8. The split plan (kb_per_split, splits) depends on (n, k, SM count,
+// path) only, never on m: every output is the in-order sum over the splits of the K-order sum of
+// its split's K blocks (the grouping fp8_gemm_prefill reproduces from kb_per_split).
 // Construction allocates; run*() do not (they may be captured in a CUDA graph). Every run is ONE
-// kernel launch (split-K finish and roundings included); one run at a time per plan (the split
-// counters and partials are the plan's).
+// kernel launch per path (split-K finish and roundings included); one run at a time per plan (a
+// pipelined plan's split counters and partials are the plan's).
 class Fp8Gemv {
  public:
-  Fp8Gemv(int n, int k, int sm_count);
+  Fp8Gemv(int n, int k, int sm_count, Fp8GemvPath path = Fp8GemvPath::kAuto);
   ~Fp8Gemv();
   Fp8Gemv(const Fp8Gemv&) = delete;
   Fp8Gemv& operator=(const Fp8Gemv&) = delete;
@@ -79,7 +87,7 @@ class Fp8Gemv {
   // x must satisfy fused_input_ok.
   void run_fused(const Fp8WeightView& w, const float* x, long long x_stride, int m, float* out_f32,
                  bool round_f32, uint16_t* out_bf16, cudaStream_t stream) const;
-  // Several weights with the same k reading the same x, in ONE launch (their blocks
+  // Several weights with the same k reading the same x, in ONE launch per path (their blocks
   // concatenated); each output is bitwise what run_fused of its own plan gives. 1..kMaxGemvGroup
   // calls, distinct plans.
   static void run_fused_group(const Fp8GemvCall* calls, int n_calls, const float* x,
@@ -91,14 +99,19 @@ class Fp8Gemv {
   int k() const { return k_; }
   int splits() const { return splits_; }
   int kb_per_split() const { return kb_per_split_; }
-  int stages() const { return stages_; }  // weight pipeline depth (1..3)
-  // Resident blocks per SM of the kernel this plan launches (diagnostics, tests).
+  int stages() const { return stages_; }  // weight pipeline depth (1..3; 1 for resident plans)
+  bool resident() const { return resident_; }
+  // Thread-block cluster size of a resident plan (CTAs sharing one output tile's K), else 1.
+  int cluster() const { return cluster_; }
+  // Resident blocks per SM of the kernel this plan launches alone (diagnostics, tests).
   int blocks_per_sm(bool fused) const;
 
  private:
-  int n_, k_, splits_, kb_per_split_, n_blocks_, stages_;
-  float* partials_ = nullptr;  // [splits][n_blocks][8 warps][16 x 8]
-  int* counters_ = nullptr;    // [n_blocks], self-resetting
+  int n_, k_, sms_, splits_, kb_per_split_, n_blocks_, stages_;
+  bool resident_ = false;
+  int cluster_ = 1;
+  float* partials_ = nullptr;  // pipelined: [splits][n_blocks][8 warps][16 x 8]
+  int* counters_ = nullptr;    // pipelined: [n_blocks], self-resetting
 };
 
 // ---- Prefill (M > 8): src/cuda/kernels/fp8_gemm.cu ----
@@ -110,9 +123,9 @@ void act_quant_fp8_rows(const float* x, long long x_stride, int m, int k, uint8_
 
 // out[m, n] (row stride n) for pre-quantised activations of any m >= 1, tensor cores, each weight
 // tile read once per 64 rows. kb_per_split: the decode plan's (Fp8Gemv::kb_per_split() of the
-// same shape): the K sum is grouped at those split boundaries and the splits added in order, so
-// every output is bitwise what Fp8Gemv::run gives for that row (round: bf16-rounded fp32 as
-// run_fused's round_f32). One launch, no workspace; graph-capturable (no allocation).
+// same shape, either path): the K sum is grouped at those split boundaries and the splits added
+// in order, so every output is bitwise what Fp8Gemv::run gives for that row (round: bf16-rounded
+// fp32 as run_fused's round_f32). One launch, no workspace; graph-capturable (no allocation).
 void fp8_gemm_prefill(const Fp8WeightView& w, const QuantActView& a, int kb_per_split, float* out,
                       bool round, cudaStream_t stream);
 

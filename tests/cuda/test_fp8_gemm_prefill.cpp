@@ -236,5 +236,44 @@ TEST(Fp8GemmPrefillRows, GroupMatchesOwnApply) {
   EXPECT_EQ(first_diff(g2, o2, g2.size()), -1) << "apply_group output 1 (partial) != apply_partial";
 }
 
+// fp8_gemm_prefill with a plan's kb_per_split is bitwise Fp8Gemv::run of that plan, for the
+// resident plan (kAuto) and the pipelined one (forced) of the same shape: their groupings differ,
+// the GEMM follows either.
+TEST(Fp8GemmPrefillRows, MatchesEachDecodePath) {
+  UF_REQUIRE_GPU();
+  std::mt19937 rng(79);
+  const int sms = device_sm_count();
+  for (const auto& s :
+       {std::pair{5120, 1024}, std::pair{1280, 5120}, std::pair{208, 288}, std::pair{256, 8192}}) {
+    const int n = s.first, k = s.second, m = 8;
+    const DeviceBuffer<uint8_t> w(random_e4m3(size_t(n) * k, rng));
+    const DeviceBuffer<uint8_t> ws(random_bytes(size_t((n + 31) / 32) * (k / 32), rng, 118, 122));
+    const DeviceBuffer<float> x(random_acts(m, k, rng));
+    DeviceBuffer<uint8_t> codes(size_t(m) * k);
+    DeviceBuffer<float> scales(size_t(m) * (k / 32));
+    act_quant_fp8_f32(x.get(), m, k, codes.get(), scales.get(), nullptr);
+    const Fp8WeightView wv{w.get(), ws.get(), n, k};
+    const QuantActView av{codes.get(), scales.get(), m, k};
+    for (const Fp8GemvPath path : {Fp8GemvPath::kAuto, Fp8GemvPath::kPipelined}) {
+      const Fp8Gemv plan(n, k, sms, path);
+      DeviceBuffer<float> dec(size_t(m) * n), pre(size_t(m) * n);
+      dec.poison();
+      pre.poison();
+      plan.run(wv, av, dec.get(), nullptr, nullptr);
+      fp8_gemm_prefill(wv, av, plan.kb_per_split(), pre.get(), false, nullptr);
+      sync_and_check();
+      const std::vector<float> a = dec.download(), b = pre.download();
+      const long d = first_diff(b, a, a.size());
+      EXPECT_EQ(count_nan(a, a.size()), 0u);
+      EXPECT_EQ(d, -1) << "n=" << n << " k=" << k << " "
+                       << (plan.resident() ? "resident" : "pipelined") << " plan (" << plan.splits()
+                       << " x " << plan.kb_per_split()
+                       << " K blocks): prefill differs from the GEMV first at token "
+                       << (d < 0 ? 0 : d / n) << " row " << (d < 0 ? 0 : d % n) << ": gemm "
+                       << (d < 0 ? 0.f : b[size_t(d)]) << " gemv " << (d < 0 ? 0.f : a[size_t(d)]);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace uf::cuda::test

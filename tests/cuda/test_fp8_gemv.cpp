@@ -108,27 +108,31 @@ GemvRun run_gemv(const Fp8Gemv& g, const DeviceBuffer<uint8_t>& w, const DeviceB
   return {out.download(), out_bf16.download()};
 }
 
+// Both kernels (the resident one, Fp8GemvPath::kAuto where the shape allows, and the pipelined
+// one, forced) against the fp64 reference on the same inputs.
 TEST(CudaFp8Gemv, MatchesFp64Reference) {
   UF_REQUIRE_GPU();
   const int sms = device_sm_count();
   std::mt19937 rng(12);
-  // Rank slices of the model (wq_a, wq_b, wo_b), odd splits, and a single-split shape.
-  const int shapes[][2] = {{160, 5120}, {4096, 1280}, {5120, 1024}, {256, 1056}, {32768, 1280}};
+  // Rank slices of the model (wq_a, wq_b, wo_b, shared w2), odd splits, a cluster of 6 (K 8192),
+  // and a pipelined-only shape.
+  const int shapes[][2] = {{160, 5120}, {4096, 1280}, {5120, 1024}, {256, 1056},
+                           {5120, 288}, {256, 8192},  {32768, 1280}};
   for (const auto& s : shapes) {
     const int n = s[0], k = s[1], nkb = k / 32;
     const Problem p = random_problem(n, k, rng);
     DeviceBuffer<uint8_t> w(p.w), ws(p.ws);
-    Fp8Gemv g(n, k, sms);
+    const Fp8Gemv auto_plan(n, k, sms), piped(n, k, sms, Fp8GemvPath::kPipelined);
+    EXPECT_FALSE(piped.resident());
     for (int m : {1, 3, 8}) {
       const auto x = random_activations(m, k, rng);
       std::vector<uint8_t> codes;
       std::vector<float> scales;
       cpu_quant(x, m, k, codes, scales);
-      const GemvRun r = run_gemv(g, w, ws, codes, scales, m);
-      double err2 = 0, ref2 = 0, worst = 0;
+      std::vector<double> ref(size_t(m) * n), mag(size_t(m) * n);
       for (int t = 0; t < m; ++t) {
         for (int row = 0; row < n; ++row) {
-          double ref = 0, mag = 0;
+          double acc = 0, am = 0;
           for (int kb = 0; kb < nkb; ++kb) {
             double part = 0;
             for (int i = 0; i < 32; ++i) {
@@ -138,27 +142,40 @@ TEST(CudaFp8Gemv, MatchesFp64Reference) {
             }
             const double sc = double(scales[size_t(t) * nkb + kb]) *
                               double(core::e8m0_to_float(p.ws[size_t(row / 32) * nkb + kb]));
-            ref += part * sc;
-            mag += std::fabs(part) * sc;
+            acc += part * sc;
+            am += std::fabs(part) * sc;
           }
-          const float got = r.out[size_t(t) * n + row];
-          ASSERT_TRUE(std::isfinite(got)) << "unwritten or NaN output at " << t << "," << row;
-          ASSERT_EQ(r.out_bf16[size_t(t) * n + row], core::float_to_bf16(got));
-          const double e = std::fabs(double(got) - ref);
-          // fp32 accumulation over <= 256 K blocks plus the tensor core's sum of a block's 32
-          // exact products (observed on H200: <= 2e-6 of sum|terms|, i.e. fp32-like).
-          ASSERT_LE(e, 0x1p-16 * mag + 1e-30) << "n=" << n << " k=" << k << " m=" << m << " t=" << t
-                                              << " row=" << row << " ref=" << ref;
-          worst = std::max(worst, mag > 0 ? e / mag : 0.0);
-          err2 += e * e;
-          ref2 += ref * ref;
+          ref[size_t(t) * n + row] = acc;
+          mag[size_t(t) * n + row] = am;
         }
       }
-      const double rel = std::sqrt(err2 / std::max(ref2, 1e-300));
-      std::printf(
-          "fp8_gemv n=%d k=%d m=%d splits=%d: |err|/|ref| = %.3g, max err/sum|terms| = %.3g\n", n,
-          k, m, g.splits(), rel, worst);
-      EXPECT_LE(rel, 1e-6);
+      for (const Fp8Gemv* g : {&auto_plan, &piped}) {
+        const GemvRun r = run_gemv(*g, w, ws, codes, scales, m);
+        double err2 = 0, ref2 = 0, worst = 0;
+        for (size_t i = 0; i < ref.size(); ++i) {
+          const float got = r.out[i];
+          ASSERT_TRUE(std::isfinite(got))
+              << "unwritten or NaN output at token " << i / n << " row " << i % n
+              << (g->resident() ? " (resident)" : " (pipelined)");
+          ASSERT_EQ(r.out_bf16[i], core::float_to_bf16(got));
+          const double e = std::fabs(double(got) - ref[i]);
+          // fp32 accumulation over <= 256 K blocks plus the tensor core's sum of a block's 32
+          // exact products (observed on H200: <= 2e-6 of sum|terms|, i.e. fp32-like).
+          ASSERT_LE(e, 0x1p-16 * mag[i] + 1e-30)
+              << "n=" << n << " k=" << k << " m=" << m << " t=" << i / n << " row=" << i % n
+              << " ref=" << ref[i] << (g->resident() ? " (resident)" : " (pipelined)");
+          worst = std::max(worst, mag[i] > 0 ? e / mag[i] : 0.0);
+          err2 += e * e;
+          ref2 += ref[i] * ref[i];
+        }
+        const double rel = std::sqrt(err2 / std::max(ref2, 1e-300));
+        std::printf(
+            "fp8_gemv n=%d k=%d m=%d %s splits=%d x %d K blocks cluster=%d: |err|/|ref| = %.3g, "
+            "max err/sum|terms| = %.3g\n",
+            n, k, m, g->resident() ? "resident" : "pipelined", g->splits(), g->kb_per_split(),
+            g->cluster(), rel, worst);
+        EXPECT_LE(rel, 1e-6);
+      }
     }
   }
 }
@@ -169,29 +186,60 @@ TEST(CudaFp8Gemv, RowResultIndependentOfM) {
   UF_REQUIRE_GPU();
   const int sms = device_sm_count();
   std::mt19937 rng(13);
-  for (const auto& s : {std::pair{5120, 1024}, std::pair{256, 8192}}) {
-    const int n = s.first, k = s.second;
-    const Problem p = random_problem(n, k, rng);
-    DeviceBuffer<uint8_t> w(p.w), ws(p.ws);
-    Fp8Gemv g(n, k, sms);
-    const auto x = random_activations(8, k, rng);
-    std::vector<uint8_t> codes;
-    std::vector<float> scales;
-    cpu_quant(x, 8, k, codes, scales);
-    const GemvRun full = run_gemv(g, w, ws, codes, scales, 8);
-    for (int m = 1; m <= 8; ++m) {
-      const GemvRun r = run_gemv(g, w, ws, codes, scales, m);  // the first m rows
-      for (size_t i = 0; i < r.out.size(); ++i)
-        ASSERT_TRUE(bits_equal(r.out[i], full.out[i])) << "m=" << m << " i=" << i;
+  for (const auto& s : {std::pair{5120, 1024}, std::pair{256, 8192}, std::pair{5120, 288}})
+    for (const Fp8GemvPath path : {Fp8GemvPath::kAuto, Fp8GemvPath::kPipelined}) {
+      const int n = s.first, k = s.second;
+      const Problem p = random_problem(n, k, rng);
+      DeviceBuffer<uint8_t> w(p.w), ws(p.ws);
+      Fp8Gemv g(n, k, sms, path);
+      SCOPED_TRACE(g.resident() ? "resident" : "pipelined");
+      const auto x = random_activations(8, k, rng);
+      std::vector<uint8_t> codes;
+      std::vector<float> scales;
+      cpu_quant(x, 8, k, codes, scales);
+      const GemvRun full = run_gemv(g, w, ws, codes, scales, 8);
+      for (int m = 1; m <= 8; ++m) {
+        const GemvRun r = run_gemv(g, w, ws, codes, scales, m);  // the first m rows
+        for (size_t i = 0; i < r.out.size(); ++i)
+          ASSERT_TRUE(bits_equal(r.out[i], full.out[i])) << "m=" << m << " i=" << i;
+      }
+      for (int row = 0; row < 8; ++row) {  // row alone, in column 0
+        std::vector<uint8_t> c1(codes.begin() + size_t(row) * k,
+                                codes.begin() + size_t(row + 1) * k);
+        std::vector<float> s1(scales.begin() + size_t(row) * (k / 32),
+                              scales.begin() + size_t(row + 1) * (k / 32));
+        const GemvRun r = run_gemv(g, w, ws, c1, s1, 1);
+        for (int i = 0; i < n; ++i)
+          ASSERT_TRUE(bits_equal(r.out[i], full.out[size_t(row) * n + i])) << "row=" << row;
+      }
     }
-    for (int row = 0; row < 8; ++row) {  // row alone, in column 0
-      std::vector<uint8_t> c1(codes.begin() + size_t(row) * k, codes.begin() + size_t(row + 1) * k);
-      std::vector<float> s1(scales.begin() + size_t(row) * (k / 32),
-                            scales.begin() + size_t(row + 1) * (k / 32));
-      const GemvRun r = run_gemv(g, w, ws, c1, s1, 1);
-      for (int i = 0; i < n; ++i)
-        ASSERT_TRUE(bits_equal(r.out[i], full.out[size_t(row) * n + i])) << "row=" << row;
+}
+
+// The plan picks the resident kernel for every decode weight of a TP8 rank (H200: 132 SMs) and
+// the pipelined one for Engram's wkv and the large prefill-like shapes.
+TEST(CudaFp8Gemv, ResidentPlanForDecodeShapes) {
+  UF_REQUIRE_GPU();
+  const int sms = device_sm_count();
+  const int resident[][2] = {{1280, 5120}, {512, 5120}, {4096, 1280}, {512, 1280},
+                             {5120, 1024}, {288, 5120}, {5120, 288}};
+  for (const auto& s : resident) {
+    const Fp8Gemv g(s[0], s[1], sms);
+    std::printf("fp8_gemv plan [%d, %d]: %s, %d splits x %d K blocks, cluster %d, %d blocks/SM\n",
+                s[0], s[1], g.resident() ? "resident" : "pipelined", g.splits(), g.kb_per_split(),
+                g.cluster(), g.blocks_per_sm(true));
+    if (sms >= 132) {
+      EXPECT_TRUE(g.resident()) << "[" << s[0] << ", " << s[1] << "]";
     }
+    if (g.resident()) {
+      EXPECT_GE(g.blocks_per_sm(true), 2) << "[" << s[0] << ", " << s[1] << "]";
+      EXPECT_LE(g.cluster(), 8);
+      EXPECT_LE(g.kb_per_split(), 6);
+      EXPECT_EQ(g.splits(), (s[1] / 32 + g.kb_per_split() - 1) / g.kb_per_split());
+    }
+  }
+  for (const auto& s : {std::pair{25600, 6144}, std::pair{32768, 1280}, std::pair{128, 16384}}) {
+    const Fp8Gemv g(s.first, s.second, sms);
+    EXPECT_FALSE(g.resident()) << "[" << s.first << ", " << s.second << "]";
   }
 }
 

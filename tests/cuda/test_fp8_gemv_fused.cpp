@@ -121,8 +121,11 @@ std::vector<float> rounded(const std::vector<float>& v) {
 // shared expert w1+w3 576x5120), a K tail chunk (1056 = 33 blocks), a single-split wide weight and
 // splits of 5 and 2 chunks (3- and 2-stage pipelines, the act double buffer), 64 splits (the
 // batched split sum) and a one-tile weight.
+// Resident plans: all but 32768x1280, 16384x1024 and 128x16384 (pipelined); shared w2 (K 288),
+// a cluster of 6 (K 8192) and of 3 (K 4128).
 const int kShapes[][2] = {{1280, 5120}, {4096, 1280},  {512, 5120},   {5120, 1024}, {576, 5120},
-                          {256, 1056},  {32768, 1280}, {16384, 1024}, {128, 16384}, {16, 64}};
+                          {256, 1056},  {32768, 1280}, {16384, 1024}, {128, 16384}, {16, 64},
+                          {5120, 288},  {256, 8192},   {1040, 4128}};
 
 TEST(CudaFp8GemvFused, EqualsTwoKernelPathBitwise) {
   UF_REQUIRE_GPU();
@@ -133,10 +136,10 @@ TEST(CudaFp8GemvFused, EqualsTwoKernelPathBitwise) {
     const Weight w(n, k, rng);
     const Fp8Gemv g(n, k, sms);
     std::printf(
-        "[fp8_gemv_fused] n=%d k=%d: splits=%d kb_per_split=%d stages=%d blocks/SM fused=%d "
-        "two-kernel=%d\n",
-        n, k, g.splits(), g.kb_per_split(), g.stages(), g.blocks_per_sm(true),
-        g.blocks_per_sm(false));
+        "[fp8_gemv_fused] n=%d k=%d: %s splits=%d kb_per_split=%d cluster=%d stages=%d "
+        "blocks/SM fused=%d two-kernel=%d\n",
+        n, k, g.resident() ? "resident" : "pipelined", g.splits(), g.kb_per_split(), g.cluster(),
+        g.stages(), g.blocks_per_sm(true), g.blocks_per_sm(false));
     EXPECT_GE(g.blocks_per_sm(true), 2) << "n=" << n << " k=" << k
                                         << ": the fused kernel's shared memory or registers "
                                            "leave less than the plan's 2 blocks per SM";
@@ -205,10 +208,12 @@ TEST(CudaFp8GemvFused, RowResultIndependentOfM) {
   UF_REQUIRE_GPU();
   const int sms = device_sm_count();
   std::mt19937 rng(23);
-  for (const auto& s : {std::pair{1280, 5120}, std::pair{5120, 1024}, std::pair{128, 16384}}) {
+  for (const auto& s : {std::pair{1280, 5120}, std::pair{5120, 1024}, std::pair{128, 16384},
+                        std::pair{5120, 288}}) {
     const int n = s.first, k = s.second;
     const Weight w(n, k, rng);
     const Fp8Gemv g(n, k, sms);
+    SCOPED_TRACE(g.resident() ? "resident" : "pipelined");
     const DeviceBuffer<float> x(fused_acts(size_t(kMaxDecodeRows) * k, rng));
     const Outs full = fused(g, w, x.get(), k, kMaxDecodeRows, true);
     for (int m = 1; m < kMaxDecodeRows; ++m) {
@@ -228,7 +233,9 @@ TEST(CudaFp8GemvFused, RowResultIndependentOfM) {
 }
 
 // A grouped launch of the weights reading the normalised hidden state (K = 5120): each output is
-// bitwise its own run_fused; different stage counts and split counts in one launch.
+// bitwise its own run_fused. 4096 x 5120 is pipelined (its own launch), the others resident in
+// one launch whose tiles per CTA (4) differ from each weight's own launch (1..3) and whose last
+// cluster of a weight holds fewer tiles: the result must not depend on either.
 TEST(CudaFp8GemvFused, GroupEqualsSeparateRuns) {
   UF_REQUIRE_GPU();
   const int sms = device_sm_count();

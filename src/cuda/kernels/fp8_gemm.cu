@@ -20,8 +20,9 @@
 //
 // Reduction order (the GEMV's, so a prefill row is bitwise the decode row)
 //   For each output (m, n) the K walk is split at the boundaries of the decode plan's splits
-//   (kb_per_split, from the same Fp8Gemv plan): within split s, acc = 0; for kb in K order:
-//   acc = fmaf(mma_partial(kb) * a_scale[m][kb], w_scale[n/32][kb], acc) (the GEMV's
+//   (kb_per_split, from the same Fp8Gemv plan; the resident and the pipelined GEMV kernels both
+//   reduce in this form, only their kb_per_split differ): within split s, acc = 0; for kb in K
+//   order: acc = fmaf(mma_partial(kb) * a_scale[m][kb], w_scale[n/32][kb], acc) (the GEMV's
 //   expression); at the end of split s: total = acc (s = 0) or total = total + acc (s > 0), the
 //   GEMV's in-order split sum; then the bf16 rounding where asked. Nothing depends on M or on the
 //   other rows of the call.

@@ -7,6 +7,38 @@
 //   out[M, N]  fp32 (optionally bf16-rounded) and/or bf16 (RNE of the fp32 result)
 //   Limits: 1 <= M <= 8, N % 16 == 0, K % 32 == 0.
 //
+// Two kernels, chosen per plan (Fp8Gemv ctor): the resident kernel for every weight that fits one
+// wave of CTAs holding all their weight bytes in shared memory (K <= 12288 and N * K <= SMs x
+// 100 KB: every decode weight of a TP8 rank but Engram's wkv), else the pipelined kernel.
+// Both compute the same fragments (below) and the same reduction form, so fp8_gemm_prefill
+// reproduces either from kb_per_split.
+//
+// Resident kernel (fp8_gemv_resident_kernel): latency-bound decode weights
+//   Split plan (a function of K only): C = ceil(K / 1536) CTAs of a thread-block cluster share one
+//   group of output tiles; kbps = ceil((K/32) / (8 C)) <= 6 K blocks a split, S = ceil((K/32) /
+//   kbps) splits, cluster size C = ceil(S / 8). Split s belongs to warp s % 8 of cluster rank s
+//   / 8. A CTA: 8 warps x R 16-row tiles (R <= 8, chosen per launch so that the launch's CTAs fit
+//   one per SM where shared memory allows; R changes no arithmetic). Each warp copies the R x 16
+//   rows x kbps K blocks of its split into its own shared region (cp.async 16 B, rows of kbps x 32
+//   B padded to 32 mod 64 bytes: conflict-free 8-byte fragment reads) and its weight scales into
+//   registers, all before griddepcontrol.wait; launch_dependents follows the issue. Shared memory
+//   is 8 x (R x 16 x row + R x 8) bytes <= 100 KB, so the next kernel's CTAs co-reside.
+//   After the wait a warp loads its activations into registers (fused: lane (g, t) loads the 8 x
+//   values of token g it feeds to the mma, K block bytes 8t..8t+7, and quantises them exactly as
+//   act_quant_fp8_f32: amax over the block's 4 lanes, pow2_scale, e4m3(x / s); pre-quantised: the
+//   same 8 code bytes and the scales), then per tile one mma per K block, acc in K order. Its
+//   16 x 8 partial replaces the tile's weights in shared memory. Cluster barrier; CTA rank c
+//   finishes tiles r = c, c + C, ...: per output, the S partials (distributed shared memory, rank
+//   s / 8, warp s % 8) are added in split order 0..S-1; bf16 rounding and stores; cluster barrier
+//   (no CTA leaves while its partials are read). No global workspace, no counters.
+//   TP8 rank weights on 132 SMs (kbps / S / C / R, CTAs x shared memory): wq_a|wkv [1280|512,
+//   5120] grouped 5 / 32 / 4 / 4, 112 x 80 KB; wq_b [4096, 1280] 5 / 8 / 1 / 2, 128 x 40 KB;
+//   wo_b [5120, 1024] 4 / 8 / 1 / 3, 107 x 60 KB; shared w1|w3 [288|288, 5120] 5 / 32 / 4 / 2,
+//   72 x 40 KB; shared w2 [5120, 288] 2 / 5 / 1 / 3, 107 x 36 KB. Fused x traffic a CTA is
+//   m x K / C x 4 bytes (L2), at m = 8 up to the CTA's weight bytes (wq_b): kResKPerCta trades
+//   it against cluster size.
+//
+// Pipelined kernel (fp8_gemv_kernel): large weights (and Fp8GemvPath::kPipelined)
 // Tiling
 //   One warp = one 16-row tile of W x all 8 token columns (tokens >= M are zero), one mma.sync
 //   m16n8k32 (e4m3, fp32 accumulate) per 32-wide K block: weights are the A operand ("swap AB").
@@ -38,12 +70,13 @@
 //   codes and scales (as run's zero fragments). Two buffers: chunk c + 1 is quantised (its x
 //   loaded one chunk ahead) while chunk c's weights are consumed, one __syncthreads per chunk.
 //
-// Reduction order (what spec == plain relies on)
+// Reduction order (what spec == plain relies on; both kernels)
 //   For each output (m, n): within a split, acc = 0; for kb in K order:
 //   acc += (mma_partial(kb) * a_scale[m][kb]) * w_scale[n/32][kb] (both scales are powers of two,
 //   so only the add rounds, as in the reference). Splits are then summed in split order
-//   0, 1, ..., S-1 by the last block to finish (a counter; no float atomics), which also applies
-//   the bf16 rounding: one launch per apply. S and the split boundaries depend on (N, K, SM count)
+//   0, 1, ..., S-1: total = p0, then total = total + ps (resident: the finishing CTA of the
+//   cluster; pipelined: the last block to finish, a counter, no float atomics), then the bf16
+//   rounding: one launch per apply. S and the split boundaries depend on (N, K, SM count, path)
 //   only; a token's column never mixes with the others. Only the lanes holding tokens < M publish
 //   and read partials (a lane holds tokens 2t, 2t+1), so decode rows move 1/4 of the bytes; the
 //   last block issues up to 8 splits' loads at once and then adds them in split order.
@@ -340,6 +373,290 @@ __global__ void __launch_bounds__(256)
   if (lane == 0) scales[size_t(row) * nkb + kb] = s;
 }
 
+// ---- Resident kernel ----
+
+constexpr int kResWarps = 8;
+constexpr int kResMaxKbps = 6;     // K blocks a split (the plan rule gives <= 6)
+constexpr int kResMaxTiles = 8;    // 16-row tiles a CTA
+constexpr int kResMaxCluster = 8;  // portable cluster size
+constexpr int kResKPerCta = 1536;  // K a CTA aims at: C = ceil(K / 1536)
+constexpr int kResScaleSlots = 8;  // weight-scale bytes a tile in a warp's region (>= kbps)
+constexpr size_t kResSmemBudget = 100 * 1024;
+constexpr int kResBatch = 16;  // distributed-shared loads in flight in the split sum
+
+// One weight of a resident launch.
+struct ResJob {
+  const uint8_t* w;
+  const uint8_t* w_scale;
+  float* out;
+  __nv_bfloat16* out_bf16;
+  int tiles;        // n / 16
+  int block_begin;  // first linear block of this job (a multiple of the cluster size)
+  int out_stride;
+  int round_out;
+};
+
+struct ResParams {
+  ResJob jobs[kMaxGemvGroup];
+  int njobs;
+  const uint8_t* a;
+  const float* a_scale;
+  const float* x;
+  long long x_stride;
+  int m, k;
+  int kbps, splits, cluster;  // the split plan (K only)
+  int tiles_per_cta;          // R
+  int row_stride;             // padded shared row of a split (bytes)
+  int warp_bytes;             // a warp's region: R x 16 rows + R x kResScaleSlots scale bytes
+};
+
+__device__ __forceinline__ uint32_t cluster_ctarank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ void cluster_barrier() {
+  asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
+}
+// fp32 at shared address `addr` (this CTA's window) of cluster rank `cta`.
+__device__ __forceinline__ float ld_cluster_f32(uint32_t addr, uint32_t cta) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(cta));
+  float v;
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+  return v;
+}
+
+template <bool kFused>
+__global__ void __launch_bounds__(kResWarps * 32, 2) fp8_gemv_resident_kernel(const ResParams p) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  // The job of this block: constant indices only, as fp8_gemv_kernel.
+  ResJob job = p.jobs[0];
+#pragma unroll
+  for (int i = 1; i < kMaxGemvGroup; ++i)
+    if (i < p.njobs && int(blockIdx.x) >= p.jobs[i].block_begin) job = p.jobs[i];
+  const int C = p.cluster;
+  const int rank = int(cluster_ctarank());
+  const int tile0 = ((int(blockIdx.x) - job.block_begin) / C) * p.tiles_per_cta;
+  const int ntiles = min(p.tiles_per_cta, job.tiles - tile0);  // >= 1: uniform in the cluster
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int L = p.row_stride;
+  const int nkb = p.k / 32;
+  const int split = rank * kResWarps + warp;
+  const int kb0 = split * p.kbps;
+  const int kw = split < p.splits ? min(p.kbps, nkb - kb0) : 0;  // warp-uniform
+  uint8_t* wreg = smem + warp * p.warp_bytes;
+  uint8_t* sreg = wreg + p.tiles_per_cta * 16 * L;
+
+  // Weights and their scales do not depend on the previous kernel: all issued before the wait.
+  if (kw > 0) {
+    const int ppr = 2 * kw;  // 16-byte pieces a row
+    const int total = ntiles * 16 * ppr;
+    const uint8_t* src0 = job.w + size_t(tile0) * 16 * p.k + size_t(kb0) * 32;
+    for (int q = lane; q < total; q += 32) {
+      const int row = q / ppr, col = q - row * ppr;
+      const uint32_t d = uint32_t(__cvta_generic_to_shared(wreg + row * L + col * 16));
+      const uint8_t* src = src0 + size_t(row) * p.k + col * 16;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+    }
+  }
+  cp_async_commit();
+  // Scale byte (tile r, K block u) at slot r * 8 + u: lane holds slots lane and lane + 32.
+  uint32_t sc[2] = {0u, 0u};
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int slot = lane + 32 * i, r = slot / kResScaleSlots, u = slot % kResScaleSlots;
+    if (r < ntiles && u < kw) sc[i] = __ldg(job.w_scale + size_t((tile0 + r) >> 1) * nkb + kb0 + u);
+  }
+  pdl_trigger();
+  pdl_wait();
+
+  // Activation fragments of the warp's K blocks: codes (b0, b1) of token g, bytes 8t..8t+7 of
+  // each block, and the scales of tokens 2t (sa0) and 2t + 1 (sa1). Tokens >= m: zeros.
+  uint32_t b0[kResMaxKbps], b1[kResMaxKbps];
+  float sa0[kResMaxKbps], sa1[kResMaxKbps];
+  const bool tok = g < p.m;
+  const int t0 = 2 * t, t1 = 2 * t + 1;
+  if constexpr (kFused) {
+    float4 xv[kResMaxKbps][2];
+    const float* xr = p.x + size_t(tok ? g : 0) * size_t(p.x_stride) + size_t(kb0) * 32 + t * 8;
+#pragma unroll
+    for (int u = 0; u < kResMaxKbps; ++u) {
+      if (tok && u < kw) {
+        xv[u][0] = __ldg(reinterpret_cast<const float4*>(xr + u * 32));
+        xv[u][1] = __ldg(reinterpret_cast<const float4*>(xr + u * 32 + 4));
+      } else {
+        xv[u][0] = xv[u][1] = make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kResMaxKbps; ++u) {
+      b0[u] = b1[u] = 0u;
+      sa0[u] = sa1[u] = 0.f;
+      if (u < kw) {  // warp-uniform: the shuffles below see the whole warp
+        const float v[8] = {xv[u][0].x, xv[u][0].y, xv[u][0].z, xv[u][0].w,
+                            xv[u][1].x, xv[u][1].y, xv[u][1].z, xv[u][1].w};
+        float a = fabsf(v[0]);
+#pragma unroll
+        for (int i = 1; i < 8; ++i) a = fmaxf(a, fabsf(v[i]));
+        a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 1));
+        a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 2));
+        // Exactly warp_quant_fp8_block's scale and codes (the same max over the same 32 values).
+        const float s = tok ? pow2_scale(fmaxf(a, kActAmaxFloor), kFp8MaxInv) : 0.f;
+        if (tok) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) b0[u] |= uint32_t(f32_to_e4m3(v[i] / s)) << (8 * i);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) b1[u] |= uint32_t(f32_to_e4m3(v[4 + i] / s)) << (8 * i);
+        }
+        sa0[u] = __shfl_sync(0xffffffffu, s, 8 * t);      // lane of token 2t
+        sa1[u] = __shfl_sync(0xffffffffu, s, 8 * t + 4);  // lane of token 2t + 1
+      }
+    }
+  } else {
+    const uint8_t* ar = p.a + size_t(tok ? g : 0) * p.k + size_t(kb0) * 32 + t * 8;
+    const float* as0 = p.a_scale + size_t(t0 < p.m ? t0 : 0) * nkb + kb0;
+    const float* as1 = p.a_scale + size_t(t1 < p.m ? t1 : 0) * nkb + kb0;
+#pragma unroll
+    for (int u = 0; u < kResMaxKbps; ++u) {
+      uint2 c = make_uint2(0u, 0u);
+      if (tok && u < kw) c = __ldg(reinterpret_cast<const uint2*>(ar + u * 32));
+      b0[u] = c.x;
+      b1[u] = c.y;
+      sa0[u] = t0 < p.m && u < kw ? __ldg(as0 + u) : 0.f;
+      sa1[u] = t1 < p.m && u < kw ? __ldg(as1 + u) : 0.f;
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+    if (lane + 32 * i < p.tiles_per_cta * kResScaleSlots) sreg[lane + 32 * i] = uint8_t(sc[i]);
+  cp_async_wait<0>();  // this lane's weight pieces have landed
+  __syncwarp();        // ... and every other lane's, and the scale bytes
+
+  if (kw > 0) {
+    // Two tiles at a time (independent mma chains); each tile's partial replaces its weights.
+    for (int r = 0; r < ntiles; r += 2) {
+      const int nt = min(2, ntiles - r);
+      float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+      for (int u = 0; u < kResMaxKbps; ++u) {
+        if (u < kw) {
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            if (j < nt) {
+              const uint8_t* tb = wreg + (r + j) * 16 * L + t * 8 + u * 32;
+              const uint2 wa = *reinterpret_cast<const uint2*>(tb + g * L);
+              const uint2 wb = *reinterpret_cast<const uint2*>(tb + (g + 8) * L);
+              const float sw = e8m0_to_f32(sreg[(r + j) * kResScaleSlots + u]);
+              const uint32_t af[4] = {wa.x, wb.x, wa.y, wb.y};
+              float d[4];
+              mma_e4m3_16x8x32(d, af, b0[u], b1[u]);
+              acc[j][0] = fmaf(d[0] * sa0[u], sw, acc[j][0]);
+              acc[j][1] = fmaf(d[1] * sa1[u], sw, acc[j][1]);
+              acc[j][2] = fmaf(d[2] * sa0[u], sw, acc[j][2]);
+              acc[j][3] = fmaf(d[3] * sa1[u], sw, acc[j][3]);
+            }
+          }
+        }
+      }
+      __syncwarp();  // every lane is done with these tiles' weights
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+        if (j < nt)
+          *reinterpret_cast<float4*>(wreg + (r + j) * 16 * L + lane * 16) =
+              make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
+    }
+  }
+  cluster_barrier();  // every split's partials are in its CTA's shared memory
+
+  // Output slot of thread: fragment element e of lane ln (d[e]: row g + 8 (e >> 1), token
+  // 2 (ln % 4) + (e & 1)); the two halves of the block finish alternate tiles.
+  const int slot = threadIdx.x & 127;
+  const int ln = slot >> 2, e = slot & 3;
+  const int otok = 2 * (ln & 3) + (e & 1);
+  const int orow = (ln >> 2) + ((e & 2) ? 8 : 0);
+  if (otok < p.m) {
+    const uint32_t base = uint32_t(__cvta_generic_to_shared(smem));
+    for (int r = rank + C * (threadIdx.x >> 7); r < ntiles; r += 2 * C) {
+      const uint32_t off = base + uint32_t(r * 16 * L + slot * 4);
+      float total = 0.f;
+      for (int s0 = 0; s0 < p.splits; s0 += kResBatch) {
+        float v[kResBatch];
+#pragma unroll
+        for (int i = 0; i < kResBatch; ++i) {
+          const int s = s0 + i;
+          v[i] = s < p.splits ? ld_cluster_f32(off + uint32_t((s % kResWarps) * p.warp_bytes),
+                                               uint32_t(s / kResWarps))
+                              : 0.f;
+        }
+#pragma unroll
+        for (int i = 0; i < kResBatch; ++i)
+          if (s0 + i < p.splits) total = s0 + i == 0 ? v[i] : total + v[i];
+      }
+      const size_t o = size_t(otok) * job.out_stride + size_t(tile0 + r) * 16 + orow;
+      if (job.out) job.out[o] = job.round_out ? round_bf16(total) : total;
+      if (job.out_bf16) job.out_bf16[o] = __float2bfloat16_rn(total);
+    }
+  }
+  cluster_barrier();  // no CTA leaves while the cluster reads its partials
+}
+
+// The resident split plan of K (numerics: kbps and splits; the cluster follows).
+struct ResPlan {
+  int kbps, splits, cluster, row_stride;
+};
+ResPlan res_plan(int k) {
+  const int nkb = k / 32;
+  const int c0 = std::max(1, (k + kResKPerCta - 1) / kResKPerCta);
+  ResPlan r{};
+  r.kbps = (nkb + kResWarps * c0 - 1) / (kResWarps * c0);
+  r.splits = (nkb + r.kbps - 1) / r.kbps;
+  r.cluster = (r.splits + kResWarps - 1) / kResWarps;
+  // Rows of kbps x 32 bytes padded to 32 mod 64: the 8-byte fragment reads of rows g = 0..3
+  // (one half-warp phase) fall in distinct 32-byte bank groups.
+  r.row_stride = r.kbps * 32 + (r.kbps % 2 == 0 ? 32 : 0);
+  return r;
+}
+int res_warp_bytes(const ResPlan& r, int tiles_per_cta) {
+  return (tiles_per_cta * 16 * r.row_stride + tiles_per_cta * kResScaleSlots + 15) / 16 * 16;
+}
+size_t res_smem_bytes(const ResPlan& r, int tiles_per_cta) {
+  return size_t(kResWarps) * size_t(res_warp_bytes(r, tiles_per_cta));
+}
+// Tiles a CTA for a launch of jobs with these tile counts: the smallest R whose grid fits one CTA
+// per SM, within the shared-memory budget (else the largest R the budget allows).
+int res_tiles_per_cta(const ResPlan& r, const int* tiles, int njobs, int sms) {
+  int best = 1;
+  for (int R = 1; R <= kResMaxTiles; ++R) {
+    if (res_smem_bytes(r, R) > kResSmemBudget) break;
+    best = R;
+    long long ctas = 0;
+    for (int j = 0; j < njobs; ++j) ctas += (tiles[j] + R - 1) / R * r.cluster;
+    if (ctas <= sms) break;
+  }
+  return best;
+}
+
+template <bool kFused>
+void launch_resident(const ResParams& p, int blocks, cudaStream_t stream) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(unsigned(blocks));
+  cfg.blockDim = dim3(kResWarps * 32);
+  cfg.dynamicSmemBytes = size_t(kResWarps) * size_t(p.warp_bytes);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[2];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  attr[1].id = cudaLaunchAttributeClusterDimension;
+  attr[1].val.clusterDim.x = unsigned(p.cluster);
+  attr[1].val.clusterDim.y = 1;
+  attr[1].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 2;
+  UF_CUDA_CHECK(cudaLaunchKernelEx(&cfg, fp8_gemv_resident_kernel<kFused>, p));
+}
+
 template <typename T>
 void act_quant(const T* x, int m, int k, uint8_t* codes, float* scales, cudaStream_t stream) {
   require(m >= 1 && m <= kMaxDecodeRows && k % 32 == 0,
@@ -383,6 +700,11 @@ void setup_kernels() {
   setup_kernel<1, true>();
   setup_kernel<2, true>();
   setup_kernel<3, true>();
+  for (auto kernel : {fp8_gemv_resident_kernel<false>, fp8_gemv_resident_kernel<true>}) {
+    UF_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       int(kResSmemBudget)));
+    prefer_shared_carveout(kernel);
+  }
   prefer_shared_carveout(act_quant_kernel<uint16_t>);
   prefer_shared_carveout(act_quant_kernel<float>);
 }
@@ -405,20 +727,34 @@ int device_sm_count() {
   return sms;
 }
 
-Fp8Gemv::Fp8Gemv(int n, int k, int sm_count) : n_(n), k_(k) {
+Fp8Gemv::Fp8Gemv(int n, int k, int sm_count, Fp8GemvPath path)
+    : n_(n), k_(k), sms_(std::max(sm_count, 1)) {
   require(n > 0 && k > 0 && n % 16 == 0 && k % 32 == 0,
           "Fp8Gemv: shape [%d, %d] needs n %% 16 == 0 and k %% 32 == 0", n, k);
   const int nkb = k / 32;
   n_blocks_ = (n / 16 + kWarpsPerBlock - 1) / kWarpsPerBlock;
   setup_kernels();
-  // The split plan is sized by the residency of the 3-stage pre-quantised kernel (108 KB of
-  // stages), whatever variant runs, so that it stays what it was before the fused variants.
+  // Resident where one wave of CTAs holding all their weights fits: K split over at most 8
+  // clustered CTAs, and the weight within SMs x the per-CTA budget.
+  const ResPlan rp = res_plan(k);
+  resident_ = path == Fp8GemvPath::kAuto && rp.cluster <= kResMaxCluster &&
+              double(n) * double(k) <= double(sms_) * double(kResSmemBudget);
+  if (resident_) {
+    kb_per_split_ = rp.kbps;
+    splits_ = rp.splits;
+    cluster_ = rp.cluster;
+    stages_ = 1;
+    return;
+  }
+  // Pipelined: the split plan is sized by the residency of the 3-stage pre-quantised kernel
+  // (108 KB of stages), whatever variant runs, so that it stays what it was before the fused
+  // variants.
   int per_sm = 0;
   UF_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
       &per_sm, fp8_gemv_kernel<3, false>, kWarpsPerBlock * 32, smem_bytes(3, false)));
   // Split K so that the grid fills the resident block slots once without spilling into a second
   // wave, with whole 8-block chunks per split. Depends on (n, k, device) only, never on m.
-  const int capacity = std::max(1, per_sm) * std::max(sm_count, 1);
+  const int capacity = std::max(1, per_sm) * sms_;
   const int s_max = std::max(1, capacity / n_blocks_);
   int kbps = (nkb + s_max - 1) / s_max;
   kbps = std::min(nkb, (kbps + 7) / 8 * 8);
@@ -440,8 +776,17 @@ Fp8Gemv::~Fp8Gemv() {
 
 int Fp8Gemv::blocks_per_sm(bool fused) const {
   int per_sm = 0;
-  const size_t smem = smem_bytes(stages_, fused);
   const int threads = kWarpsPerBlock * 32;
+  if (resident_) {
+    const ResPlan rp = res_plan(k_);
+    const int tiles = n_ / 16;
+    const size_t smem = res_smem_bytes(rp, res_tiles_per_cta(rp, &tiles, 1, sms_));
+    UF_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &per_sm, fused ? fp8_gemv_resident_kernel<true> : fp8_gemv_resident_kernel<false>, threads,
+        smem));
+    return per_sm;
+  }
+  const size_t smem = smem_bytes(stages_, fused);
   if (stages_ == 1)
     UF_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
         &per_sm, fused ? fp8_gemv_kernel<1, true> : fp8_gemv_kernel<1, false>, threads, smem));
@@ -455,7 +800,7 @@ int Fp8Gemv::blocks_per_sm(bool fused) const {
 }
 
 namespace {
-// The job entry of one Fp8Gemv call; block_begin is filled by the caller.
+// The job entry of one pipelined Fp8Gemv call; block_begin is filled by the caller.
 GemvJob make_job(const Fp8Gemv& g, const Fp8WeightView& w, float* partials, int* counters,
                  int n_blocks, int kbps, float* out_f32, bool round_f32, uint16_t* out_bf16) {
   GemvJob j{};
@@ -473,6 +818,48 @@ GemvJob make_job(const Fp8Gemv& g, const Fp8WeightView& w, float* partials, int*
   j.round_out = round_f32 ? 1 : 0;
   return j;
 }
+
+// One resident launch of calls[0..n) (all resident, the same k): pre-quantised activations a
+// (x null) or fp32 x.
+void run_resident(const Fp8GemvCall* calls, int n, const QuantActView* a, const float* x,
+                  long long x_stride, int m, int sms, cudaStream_t stream) {
+  const int k = calls[0].gemv->k();
+  const ResPlan rp = res_plan(k);
+  int tiles[kMaxGemvGroup];
+  for (int i = 0; i < n; ++i) tiles[i] = calls[i].gemv->n() / 16;
+  const int R = res_tiles_per_cta(rp, tiles, n, sms);
+  ResParams p{};
+  p.njobs = n;
+  p.a = a ? a->codes : nullptr;
+  p.a_scale = a ? a->scales : nullptr;
+  p.x = x;
+  p.x_stride = x_stride;
+  p.m = m;
+  p.k = k;
+  p.kbps = rp.kbps;
+  p.splits = rp.splits;
+  p.cluster = rp.cluster;
+  p.tiles_per_cta = R;
+  p.row_stride = rp.row_stride;
+  p.warp_bytes = res_warp_bytes(rp, R);
+  int blocks = 0;
+  for (int i = 0; i < n; ++i) {
+    ResJob& j = p.jobs[i];
+    j.w = calls[i].w.data;
+    j.w_scale = calls[i].w.scale;
+    j.out = calls[i].out_f32;
+    j.out_bf16 = reinterpret_cast<__nv_bfloat16*>(calls[i].out_bf16);
+    j.tiles = tiles[i];
+    j.block_begin = blocks;
+    j.out_stride = calls[i].gemv->n();
+    j.round_out = calls[i].round_f32 ? 1 : 0;
+    blocks += (tiles[i] + R - 1) / R * rp.cluster;
+  }
+  if (a)
+    launch_resident<false>(p, blocks, stream);
+  else
+    launch_resident<true>(p, blocks, stream);
+}
 }  // namespace
 
 void Fp8Gemv::run(const Fp8WeightView& w, const QuantActView& a, float* out_f32, uint16_t* out_bf16,
@@ -480,6 +867,11 @@ void Fp8Gemv::run(const Fp8WeightView& w, const QuantActView& a, float* out_f32,
   require(w.n == n_ && w.k == k_ && a.k == k_ && a.m >= 1 && a.m <= kMaxDecodeRows,
           "Fp8Gemv::run: weight [%d, %d] / activation [%d, %d] do not match the plan [%d, %d]", w.n,
           w.k, a.m, a.k, n_, k_);
+  if (resident_) {
+    const Fp8GemvCall call{this, w, out_f32, false, out_bf16};
+    run_resident(&call, 1, &a, nullptr, 0, a.m, sms_, stream);
+    return;
+  }
   GemvParams p{};
   p.jobs[0] =
       make_job(*this, w, partials_, counters_, n_blocks_, kb_per_split_, out_f32, false, out_bf16);
@@ -510,33 +902,45 @@ void Fp8Gemv::run_fused_group(const Fp8GemvCall* calls, int n_calls, const float
   require(fused_input_ok(x, x_stride),
           "Fp8Gemv::run_fused: x must be 16-byte aligned with a row stride %% 4 == 0 (stride %lld)",
           x_stride);
-  GemvParams p{};
-  p.njobs = n_calls;
-  p.x = x;
-  p.x_stride = x_stride;
-  p.m = m;
-  p.k = calls[0].gemv->k_;
-  int blocks = 0, stages = 1;
+  const int k = calls[0].gemv->k_;
   for (int i = 0; i < n_calls; ++i) {
     const Fp8Gemv& g = *calls[i].gemv;
     const Fp8WeightView& w = calls[i].w;
-    require(w.n == g.n_ && w.k == g.k_ && g.k_ == p.k,
+    require(w.n == g.n_ && w.k == g.k_ && g.k_ == k,
             "Fp8Gemv::run_fused_group: weight %d [%d, %d] does not match its plan [%d, %d] or the "
             "shared K %d",
-            i, w.n, w.k, g.n_, g.k_, p.k);
+            i, w.n, w.k, g.n_, g.k_, k);
     for (int j = 0; j < i; ++j)
       require(
           calls[j].gemv != &g,
           "Fp8Gemv::run_fused_group: calls %d and %d share a plan (its split counters serve one "
           "launch at a time)",
           j, i);
-    p.jobs[i] = make_job(g, w, g.partials_, g.counters_, g.n_blocks_, g.kb_per_split_,
-                         calls[i].out_f32, calls[i].round_f32, calls[i].out_bf16);
-    p.jobs[i].block_begin = blocks;
+  }
+  // Resident plans in one launch, pipelined plans in another (a group normally has one kind).
+  Fp8GemvCall res[kMaxGemvGroup];
+  int n_res = 0;
+  GemvParams p{};
+  p.x = x;
+  p.x_stride = x_stride;
+  p.m = m;
+  p.k = k;
+  int blocks = 0, stages = 1;
+  for (int i = 0; i < n_calls; ++i) {
+    const Fp8Gemv& g = *calls[i].gemv;
+    if (g.resident_) {
+      res[n_res++] = calls[i];
+      continue;
+    }
+    GemvJob& j = p.jobs[p.njobs++];
+    j = make_job(g, calls[i].w, g.partials_, g.counters_, g.n_blocks_, g.kb_per_split_,
+                 calls[i].out_f32, calls[i].round_f32, calls[i].out_bf16);
+    j.block_begin = blocks;
     blocks += g.n_blocks_ * g.splits_;
     stages = std::max(stages, g.stages_);  // pipeline depth only: no effect on the numerics
   }
-  launch_gemv<true>(stages, p, blocks, stream);
+  if (n_res > 0) run_resident(res, n_res, nullptr, x, x_stride, m, res[0].gemv->sms_, stream);
+  if (p.njobs > 0) launch_gemv<true>(stages, p, blocks, stream);
 }
 
 }  // namespace uf::cuda
