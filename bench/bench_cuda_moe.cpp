@@ -1,19 +1,26 @@
-// bench_cuda_moe: the routed-expert MoE of one decode layer of a TP8 rank (MoeFp4, dim 5120,
-// expert intermediate slice 288, 384 experts, top-6) for M = 1, 2, 4, 7, 8 rows: the routing
-// kernel (moe_route), the routed experts (MoeFp4::run: w13 + w2 + combine) with random routing
-// (distinct experts per row), and route + act_quant + MoE on the routing it produced, each beside
-// its floor (distinct experts x one expert's bytes / 4.1 TB/s). Each timing is the median graph
-// replay over several layers' expert stacks (so L2 holds none of the weights), divided by the
-// layer count. Then prefill: T = 64, 512 rows by chunks of 8 through MoeFp4 against
-// MoeFp4Prefill (tests/cuda/test_moe_prefill.cpp), us, GB/s, bitwise check.
+// bench_cuda_moe: the MoE of one decode layer of a TP8 rank (dim 5120, expert intermediate
+// slice 288, 384 MXFP4 experts, top-6, FP8 shared expert) for T = 1, 2, 4, 7, 8 rows.
+//  1. The whole layer through DeviceMoe::apply (router gate GEMV + route/quant + routed experts +
+//     shared expert + combine), new path vs the legacy one (DeviceMoe::set_legacy: persistent
+//     MoeFp4 kernels, shared expert serialised after the routed experts, separate combine), over
+//     `layers` DeviceMoe copies each fed its own input (different experts, so L2 holds none of
+//     the weights), bitwise check of new vs legacy, floor = (distinct experts x one expert's
+//     bytes + gate + shared expert bytes) / 4.1 TB/s.
+//  2. The routing kernel (moe_route) and the routed experts alone (MoeFp4::run: w13 + w2 +
+//     combine, unit kernels vs persistent ones) with random routing, and route + act_quant + MoE
+//     on the routing it produced, each beside its floor.
+// Each timing is the median CUDA-graph replay over several layers' weights, divided by the layer
+// count. Then prefill: T = 64, 512 rows by chunks of 8 through MoeFp4 against MoeFp4Prefill
+// (tests/cuda/test_moe_prefill.cpp), us, GB/s, bitwise check.
 //
-//   bench_cuda_moe [--reps N] [--copies N]
+//   bench_cuda_moe [--reps N] [--copies N] [--layers N]
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -27,12 +34,15 @@ int main() {
 
 #include <cuda_runtime.h>
 
+#include "core/dtypes.h"
 #include "cuda/cuda_check.h"
 #include "cuda/device_fill.h"
+#include "cuda/device_memory.h"
 #include "cuda/gemv.h"
 #include "cuda/moe.h"
 #include "cuda/ops/moe.h"
 #include "cuda_bench_util.h"
+#include "model/weights.h"
 
 using namespace uf::cuda;
 
@@ -76,13 +86,166 @@ Fp4ExpertsView make_experts(Buffers& b, uint64_t& seed) {
   return {p[0], p[1], p[2], p[3], p[4], p[5], kExperts, kDim, kInter};
 }
 
+// Host weights of one MoE layer in checkpoint formats (random bytes; kPool distinct expert
+// byte sets shared round-robin by the 384 experts: each DeviceMoe uploads its own device copy).
+struct HostLayer {
+  static constexpr int kPool = 4;
+  std::vector<uint8_t> gate, w13[kPool][2], s13[kPool][2], w2[kPool], s2[kPool];
+  std::vector<uint8_t> sh[3], shs[3];
+  uf::model::MoeWeights w;
+  uint64_t st = 0x9E3779B97F4A7C15ull;
+  uint8_t next() {
+    st ^= st << 13;
+    st ^= st >> 7;
+    st ^= st << 17;
+    return uint8_t(st >> 24);
+  }
+  std::vector<uint8_t> bytes(size_t n, int lo = 0, int hi = 255, int mask = 0xFF) {
+    std::vector<uint8_t> v(n);
+    for (auto& b : v) b = uint8_t(lo + (next() & mask) % (hi - lo + 1));
+    return v;
+  }
+  static uf::model::Weight view(uf::model::WFormat f, int64_t rows, int64_t cols,
+                                const std::vector<uint8_t>& d, const std::vector<uint8_t>* sc,
+                                const char* name) {
+    uf::model::Weight x;
+    x.format = f;
+    x.rows = rows;
+    x.cols = cols;
+    x.data = d.data();
+    x.scale = sc ? sc->data() : nullptr;
+    x.name = name;
+    return x;
+  }
+  HostLayer() {
+    using uf::model::WFormat;
+    gate.resize(size_t(kExperts) * kDim * 2);
+    for (size_t i = 0; i < gate.size(); i += 2) {
+      const float v = (float(next()) - 127.5f) / 1275.f;  // |v| < 0.1
+      const uint16_t b = uf::core::float_to_bf16(v);
+      std::memcpy(&gate[i], &b, 2);
+    }
+    w.gate = view(WFormat::kBF16, kExperts, kDim, gate, nullptr, "gate");
+    for (int p = 0; p < kPool; ++p) {
+      for (int j = 0; j < 2; ++j) {
+        w13[p][j] = bytes(size_t(kInter) * kDim / 2);
+        s13[p][j] = bytes(size_t(kInter) * kDim / 32, 119, 123);
+      }
+      w2[p] = bytes(size_t(kDim) * kInter / 2);
+      s2[p] = bytes(size_t(kDim) * kInter / 32, 118, 122);
+    }
+    for (int e = 0; e < kExperts; ++e) {
+      const int p = e % kPool;
+      uf::model::ExpertWeights x;
+      x.w1 = view(WFormat::kFP4, kInter, kDim, w13[p][0], &s13[p][0], "w1");
+      x.w3 = view(WFormat::kFP4, kInter, kDim, w13[p][1], &s13[p][1], "w3");
+      x.w2 = view(WFormat::kFP4, kDim, kInter, w2[p], &s2[p], "w2");
+      w.experts.push_back(x);
+    }
+    // FP8 (e4m3 codes without NaN: bit 3 clear), 32x32 block scales.
+    const int64_t rows[3] = {kInter, kInter, kDim}, cols[3] = {kDim, kDim, kInter};
+    for (int j = 0; j < 3; ++j) {
+      sh[j] = bytes(size_t(rows[j]) * cols[j], 0, 255, 0xF7);
+      shs[j] = bytes(size_t((rows[j] + 31) / 32) * ((cols[j] + 31) / 32), 116, 120);
+    }
+    w.shared.w1 = view(WFormat::kFP8, kInter, kDim, sh[0], &shs[0], "s1");
+    w.shared.w3 = view(WFormat::kFP8, kInter, kDim, sh[1], &shs[1], "s3");
+    w.shared.w2 = view(WFormat::kFP8, kDim, kInter, sh[2], &shs[2], "s2");
+  }
+};
+
+// Part 1: the whole MoE layer through DeviceMoe, new vs legacy path.
+void bench_layer(int layers, int reps, cudaStream_t s) {
+  std::printf(
+      "\nwhole MoE layer (DeviceMoe::apply: gate + route + experts + shared + combine), "
+      "%d layers\n",
+      layers);
+  HostLayer host;
+  MoeShape shape;
+  shape.dim = kDim;
+  shape.inter = kInter;
+  shape.n_experts = kExperts;
+  shape.top_k = kTopk;
+  shape.score_func = "sqrtsoftplus";
+  shape.route_scale = 2.5f;
+  shape.swiglu_limit = kSwigluLimit;
+  shape.max_prefill_rows = 0;
+  DeviceArena arena;
+  std::vector<std::unique_ptr<DeviceMoe> > moes;
+  for (int l = 0; l < layers; ++l)
+    moes.push_back(std::make_unique<DeviceMoe>(host.w, shape, arena));
+  // Inputs: bf16-valued fp32 [8, dim] per layer (its own routing); outputs and routing per layer.
+  float* x = arena.alloc<float>(size_t(layers) * 8 * kDim);
+  float* y_new = arena.alloc<float>(size_t(layers) * 8 * kDim);
+  float* y_old = arena.alloc<float>(size_t(layers) * 8 * kDim);
+  int32_t* gi = arena.alloc<int32_t>(size_t(layers) * 8 * kTopk);
+  float* gw = arena.alloc<float>(size_t(layers) * 8 * kTopk);
+  {
+    std::vector<float> hx(size_t(layers) * 8 * kDim);
+    std::mt19937 rng(77);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    for (auto& v : hx) v = uf::core::bf16_to_float(uf::core::float_to_bf16(nd(rng)));
+    UF_CUDA_CHECK(cudaMemcpy(x, hx.data(), hx.size() * 4, cudaMemcpyHostToDevice));
+  }
+  const double shared_bytes =
+      3.0 * kInter * kDim + 3.0 * ((kInter + 31) / 32) * (kDim / 32);  // FP8 + scales
+  const double gate_bytes = double(kExperts) * kDim * 2;
+  std::printf("%3s %8s %10s %10s %8s %10s %8s %s\n", "T", "experts", "legacy us", "new us",
+              "speedup", "floor us", "new GB/s", "new == legacy");
+  for (int T : {1, 2, 4, 7, 8}) {
+    float us[2];
+    for (int k = 0; k < 2; ++k) {
+      const bool legacy = k == 0;
+      float* y = legacy ? y_old : y_new;
+      for (auto& m : moes) m->set_legacy(legacy);
+      UF_CUDA_CHECK(cudaMemsetAsync(y, 0xFF, size_t(layers) * 8 * kDim * 4, s));
+      auto body = [&] {
+        for (int l = 0; l < layers; ++l)
+          moes[size_t(l)]->apply(x + size_t(l) * 8 * kDim, T, y + size_t(l) * 8 * kDim,
+                                 gi + size_t(l) * 8 * kTopk, gw + size_t(l) * 8 * kTopk, s);
+      };
+      body();
+      UF_CUDA_CHECK(cudaStreamSynchronize(s));
+      us[k] = uf::bench::time_graph_us(s, reps, body) / layers;
+    }
+    // Bytes a perfect kernel reads per layer: the distinct experts of that layer's rows.
+    std::vector<int32_t> hi(size_t(layers) * 8 * kTopk);
+    UF_CUDA_CHECK(cudaMemcpy(hi.data(), gi, hi.size() * 4, cudaMemcpyDeviceToHost));
+    double experts = 0;
+    for (int l = 0; l < layers; ++l) {
+      std::vector<int32_t> u(hi.begin() + size_t(l) * 8 * kTopk,
+                             hi.begin() + size_t(l) * 8 * kTopk + size_t(T) * kTopk);
+      std::sort(u.begin(), u.end());
+      experts += double(std::unique(u.begin(), u.end()) - u.begin());
+    }
+    experts /= layers;
+    const double bytes = experts * double(expert_bytes()) + gate_bytes + shared_bytes;
+    std::vector<float> a(size_t(layers) * 8 * kDim), c(a.size());
+    UF_CUDA_CHECK(cudaMemcpy(a.data(), y_old, a.size() * 4, cudaMemcpyDeviceToHost));
+    UF_CUDA_CHECK(cudaMemcpy(c.data(), y_new, c.size() * 4, cudaMemcpyDeviceToHost));
+    size_t diff = 0, nan = 0;
+    for (int l = 0; l < layers; ++l)
+      for (size_t i = 0; i < size_t(T) * kDim; ++i) {
+        const size_t j = size_t(l) * 8 * kDim + i;
+        nan += std::isnan(a[j]) || std::isnan(c[j]);
+        diff += std::memcmp(&a[j], &c[j], 4) != 0;
+      }
+    std::printf("%3d %8.1f %10.2f %10.2f %7.2fx %10.2f %8.0f %s\n", T, experts, us[0], us[1],
+                us[0] / us[1], bytes / 4.1e12 * 1e6, bytes / (us[1] * 1e-6) / 1e9,
+                diff == 0 && nan == 0 ? "bitwise" : "DIFFERENT / NaN!");
+    if (diff || nan) std::printf("    %zu outputs differ, %zu NaN\n", diff, nan);
+  }
+  for (auto& m : moes) m->set_legacy(false);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  int reps = 200, copies = 6;
+  int reps = 200, copies = 6, layers = 8;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) reps = std::atoi(argv[++i]);
     if (!std::strcmp(argv[i], "--copies") && i + 1 < argc) copies = std::atoi(argv[++i]);
+    if (!std::strcmp(argv[i], "--layers") && i + 1 < argc) layers = std::atoi(argv[++i]);
   }
   cudaDeviceProp prop{};
   UF_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
@@ -91,6 +254,7 @@ int main(int argc, char** argv) {
               prop.name, sms, kDim, kInter, kExperts, kTopk, copies);
   cudaStream_t s;
   UF_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  bench_layer(layers, reps, s);
 
   Buffers b;
   uint64_t seed = 1;
@@ -152,8 +316,9 @@ int main(int argc, char** argv) {
   //   route: moe_route alone; moe: MoeFp4::run (w13 + w2 + combine) on fixed random routing;
   //   layer: route + act_quant + MoeFp4::run on the routing it produced.
   // floor = distinct experts x one expert's bytes / 4.1 TB/s (the bytes a perfect kernel reads).
-  std::printf("\n%3s %7s %9s %9s %8s %9s %9s %8s %9s\n", "M", "experts", "route us", "moe us",
-              "moe GB/s", "floor us", "layer us", "experts", "floor us");
+  std::printf("\nrouted experts (MoeFp4, unit kernels; old = persistent kernels)\n");
+  std::printf("%3s %7s %9s %9s %9s %8s %9s %9s %8s %9s\n", "M", "experts", "route us", "old moe",
+              "moe us", "moe GB/s", "floor us", "layer us", "experts", "floor us");
   for (int m : {1, 2, 4, 7, 8}) {
     std::vector<int> uniq(hidx.begin(), hidx.begin() + m * kTopk);
     std::sort(uniq.begin(), uniq.end());
@@ -173,8 +338,14 @@ int main(int argc, char** argv) {
     UF_CUDA_CHECK(cudaMemsetAsync(out_new, 0xFF, size_t(8) * kDim * 4, s));
     const float route_us =
         timed([&](const Fp4ExpertsView&) { moe_route(shape, rscores, rbias, m, ridx, rwts, s); });
+    moe.set_legacy(true);
+    const float old_us = timed(
+        [&](const Fp4ExpertsView& e) { moe.run(e, act, idx, wts, kSwigluLimit, out_old, s); });
+    moe.set_legacy(false);
     const float moe_us = timed(
         [&](const Fp4ExpertsView& e) { moe.run(e, act, idx, wts, kSwigluLimit, out_new, s); });
+    std::vector<float> o_old(size_t(m) * kDim);
+    UF_CUDA_CHECK(cudaMemcpy(o_old.data(), out_old, o_old.size() * 4, cudaMemcpyDeviceToHost));
     const float layer_us = timed([&](const Fp4ExpertsView& e) {
       moe_route(shape, rscores, rbias, m, ridx, rwts, s);
       act_quant_fp8_f32(xf, m, kDim, codes, scales, s);
@@ -189,9 +360,11 @@ int main(int argc, char** argv) {
     UF_CUDA_CHECK(cudaMemcpy(o.data(), out_new, o.size() * 4, cudaMemcpyDeviceToHost));
     size_t nan = 0;
     for (float v : o) nan += std::isnan(v) ? 1 : 0;
-    std::printf("%3d %7zu %9.2f %9.2f %8.0f %9.2f %9.2f %8zu %9.2f%s\n", m, uniq.size(), route_us,
-                moe_us, bytes / (moe_us * 1e-6) / 1e9, bytes / 4.1e12 * 1e6, layer_us, gi.size(),
-                lbytes / 4.1e12 * 1e6, nan ? "  NaN in the output!" : "");
+    const bool same = std::memcmp(o.data(), o_old.data(), o.size() * 4) == 0;
+    std::printf("%3d %7zu %9.2f %9.2f %9.2f %8.0f %9.2f %9.2f %8zu %9.2f%s%s\n", m, uniq.size(),
+                route_us, old_us, moe_us, bytes / (moe_us * 1e-6) / 1e9, bytes / 4.1e12 * 1e6,
+                layer_us, gi.size(), lbytes / 4.1e12 * 1e6, nan ? "  NaN in the output!" : "",
+                same ? "" : "  new != old!");
   }
   // Restore the quantised bf16 input for the prefill comparison below.
   act_quant_fp8_bf16(xb, 8, kDim, codes, scales, s);

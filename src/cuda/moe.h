@@ -38,7 +38,10 @@ struct Fp4ExpertsView {
 };
 
 // One MoE shape with its workspace. Constraints: dim % 128 == 0, inter % 32 == 0, M <= 8,
-// M * topk <= 64; weights 16-byte aligned (w1 / w3 scales 4), the FP8 input 8-byte aligned.
+// M * topk <= 64, each row's expert ids distinct; weights 16-byte aligned (w1 / w3 scales 4), the
+// FP8 input 8-byte aligned. Default kernels: the unit kernels (moe_fp4.cu: w13 grid M * topk *
+// inter / 8 CTAs of 43.5 KB of weights each at dim 5120, w2 grid M * topk * dim / 128 CTAs);
+// shapes whose unit shared-memory plan exceeds the device's opt-in limit run the persistent ones.
 // Construction allocates; run() does not (graph-capturable; one run at a time per object: the
 // w13 group counters live in its workspace). topk_idx must be complete when the w13 kernel's
 // griddepcontrol.wait returns (any chain of kernels that each wait before finishing; the w2
@@ -67,8 +70,22 @@ class MoeFp4 {
                    const float* topk_w, float swiglu_limit, float* out, int64_t row_stride,
                    cudaStream_t stream) const;
 
+  // run / run_partial with an epilogue folded into the combine: out[t] = r(routed[t] + add[t])
+  // where routed[t] is run()'s (partial = false) or run_partial()'s (partial = true) fp32 sum and
+  // r = bf16 rounding when round_out (DeviceMoe's shared-expert add, one launch less; bitwise
+  // combine_kernel's __fadd_rn then round). add [m, dim] fp32. When join is not null, the stream
+  // waits on it right before the combine (the shared expert's forked stream).
+  void run_add(const Fp4ExpertsView& w, const QuantActView& x, const int* topk_idx,
+               const float* topk_w, float swiglu_limit, bool partial, const float* add,
+               bool round_out, cudaEvent_t join, float* out, cudaStream_t stream) const;
+
   // K splits of the w13 products (ceil(dim / 32 / 16)): a function of dim only.
   int w13_splits() const { return splits_; }
+  // The kernels: false (default where the shapes fit) = the one-unit-per-CTA kernels
+  // (moe_w13_unit_kernel / moe_w2_unit_kernel), true = the earlier persistent kernels. Bitwise
+  // the same outputs. For benchmarks and tests.
+  void set_legacy(bool on) { legacy_ = on || !unit_ok_; }
+  bool legacy() const { return legacy_; }
 
  private:
   // w13 + w2 (kernels 1, 2): w2 outputs of pair (t, k) to y[t * y_row_stride + k * dim],
@@ -76,9 +93,14 @@ class MoeFp4 {
   void run_experts_impl(const Fp4ExpertsView& w, const QuantActView& x, const int* topk_idx,
                         const float* topk_w, float swiglu_limit, bool round_w2, float* y,
                         int64_t y_row_stride, cudaStream_t stream) const;
+  void combine(const float* y, const int* topk_idx, int m, int num_experts, const float* add,
+               bool round_out, cudaEvent_t join, float* out, cudaStream_t stream) const;
   int dim_, inter_, topk_, splits_, kb_per_split_;
   int sm_count_ = 0;
   bool w2_streamed_ = true;     // moe_w2_kernel fits; false: the per-tile w2 kernel (large inter)
+  bool unit_ok_ = false;        // the unit kernels' shared memory fits (and splits <= 16)
+  bool legacy_ = true;          // run the earlier persistent kernels
+  float* h_vals_ = nullptr;     // [8 * topk pairs][inter] bf16 values of h (unit kernels)
   uint8_t* h_codes_ = nullptr;  // [8 * topk pairs][inter]
   float* h_scales_ = nullptr;   // [pairs][inter / 32]
   float* y_ = nullptr;          // [pairs][dim]

@@ -1,5 +1,6 @@
-// MoeFp4's decode kernels (flat work units, w13 split partials reduced by the group's last warp)
-// against MoeFp4Prefill, an independent implementation of the same operations and order
+// MoeFp4's decode kernels, both the unit kernels (default: one work unit per CTA) and the
+// persistent ones (set_legacy: flat work units, w13 split partials reduced by the group's last
+// warp), against MoeFp4Prefill, an independent implementation of the same operations and order
 // (moe_prefill.cu): bitwise equal outputs for run / run_partial / run_experts at M = 1..8, at
 // small dims and at the model's TP8 rank slice (dim 5120, inter 288, 384 experts, top-6); a
 // repeated call is bitwise the same (counters reset; the order never depends on scheduling); and
@@ -144,14 +145,19 @@ void compare_paths(int E, int dim, int inter, uint64_t seed, const std::vector<i
   const Experts x(E, dim, inter, seed);
   MoeFp4 moe(dim, inter, kTopk, device_sm_count());
   MoeFp4Prefill pre(dim, inter, kTopk, E, 8);
+  MoeFp4 old(dim, inter, kTopk, device_sm_count());  // the persistent kernels
+  old.set_legacy(true);
   for (int m : ms) {
     const Inputs in = random_inputs(m, dim, E, rng);
     for (Entry e : {Entry::kRun, Entry::kPartial, Entry::kExperts}) {
       const auto want = call(pre, e, x, in, m);
       const auto got = call(moe, e, x, in, m);
       EXPECT_TRUE(bitwise_equal(want, got, dim))
-          << "prefill vs decode: E " << E << " dim " << dim << " inter " << inter << " m " << m
-          << " " << entry_name(e);
+          << "prefill vs decode (" << (moe.legacy() ? "persistent" : "unit") << " kernels): E " << E
+          << " dim " << dim << " inter " << inter << " m " << m << " " << entry_name(e);
+      EXPECT_TRUE(bitwise_equal(want, call(old, e, x, in, m), dim))
+          << "prefill vs decode (persistent kernels): E " << E << " dim " << dim << " inter "
+          << inter << " m " << m << " " << entry_name(e);
       const auto again = call(moe, e, x, in, m);
       EXPECT_TRUE(bitwise_equal(got, again, dim))
           << "decode twice: E " << E << " dim " << dim << " inter " << inter << " m " << m << " "

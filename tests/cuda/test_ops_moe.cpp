@@ -113,6 +113,54 @@ TEST_P(OpsMoe, MatchesCpuAndSpecEqualsPlain) {
                           << (first < lv.size() ? " second " + std::to_string(lv[first]) +
                                                       " first " + std::to_string(got[first])
                                                 : std::string());
+      // The earlier path (persistent MoeFp4 kernels, shared expert on the caller's stream,
+      // separate combine) gives bitwise the same output, for each of the three outputs.
+      moe.set_legacy(true);
+      DeviceBuffer<float> oy(size_t(T) * c.dim), np(size_t(T) * c.dim), op(size_t(T) * c.dim);
+      const int64_t sf = moe.slot_floats_per_row();
+      DeviceBuffer<float> ns(size_t(T) * sf), os(size_t(T) * sf);
+      for (DeviceBuffer<float>* b : {&oy, &np, &op, &ns, &os}) b->poison();
+      moe.apply(dx.get(), T, oy.get(), di.get(), dw.get(), nullptr);
+      sync_and_check();
+      {  // the routing too (the default path's one-launch router vs gate GEMV + route_quant)
+        const std::vector<int32_t> oi = di.download();
+        const std::vector<float> ow = dw.download();
+        size_t bad = 0;
+        for (size_t i = 0; i < oi.size(); ++i)
+          bad += oi[i] != got_i[i] || !bits_equal(ow[i], got_w[i]);
+        EXPECT_EQ(bad, 0u) << c.name << " T=" << T << ": legacy vs new routing differs in " << bad
+                           << " of " << oi.size() << " (expert, weight) pairs";
+      }
+      moe.apply_partial(dx.get(), T, op.get(), di.get(), dw.get(), nullptr);
+      moe.apply_partial_experts(dx.get(), T, os.get(), di.get(), dw.get(), nullptr);
+      moe.set_legacy(false);
+      moe.apply_partial(dx.get(), T, np.get(), di.get(), dw.get(), nullptr);
+      moe.apply_partial_experts(dx.get(), T, ns.get(), di.get(), dw.get(), nullptr);
+      sync_and_check();
+      const std::vector<int32_t> ids = di.download();
+      auto same = [&](const std::vector<float>& a, const std::vector<float>& b, const char* what,
+                      int64_t row_len) {
+        size_t d = 0, f = a.size(), nan = 0;
+        for (size_t i = 0; i < a.size(); ++i) {
+          nan += std::isnan(a[i]) || std::isnan(b[i]);
+          if (!bits_equal(a[i], b[i])) f = std::min(f, i), ++d;
+        }
+        EXPECT_TRUE(d == 0 && nan == 0)
+            << c.name << " T=" << T << " " << what << ": legacy vs new: " << d << " differ, " << nan
+            << " NaN, first at " << f << " (row " << f / size_t(row_len) << ")";
+      };
+      same(oy.download(), got, "apply", c.dim);
+      same(op.download(), np.download(), "apply_partial", c.dim);
+      // Slots of invalid experts are never written (stay NaN in both): compare the valid ones.
+      std::vector<float> a = os.download(), b = ns.download();
+      for (int t = 0; t < T; ++t)
+        for (int k = 0; k < c.K; ++k) {
+          const int32_t e = ids[size_t(t) * c.K + k];
+          if (e < 0 || e >= c.E)
+            for (int d = 0; d < c.dim; ++d)
+              a[t * sf + k * c.dim + d] = b[t * sf + k * c.dim + d] = 0;
+        }
+      same(a, b, "apply_partial_experts", sf);
     }
 
     // Routing: identical choice unless the CPU's biased scores are near-tied (expf / log1pf
@@ -210,6 +258,62 @@ INSTANTIATE_TEST_SUITE_P(
         // DSpark stage MoE: 4 experts
         MoeCase{"e4_sigmoid", 4, 2, 128, 64, "sigmoid", 1.f, 1.5f, 10.f, 120, 124}),
     [](const ::testing::TestParamInfo<MoeCase>& i) { return std::string(i.param.name); });
+
+// DeviceMoe inside a CUDA graph: the shared expert's forked stream (event fork / join) and the
+// router's self-resetting counter are captured; replays on a non-default stream equal the eager
+// call bitwise, for apply, apply_partial and apply_partial_experts, at T = 1 and 8.
+TEST(OpsMoeGraph, CaptureReplayEqualsEager) {
+  UF_REQUIRE_GPU();
+  const MoeCase c{"e384_top6", 384, 6, 256, 64, "sqrtsoftplus", 1.f, 2.5f, 10.f, 119, 123};
+  std::mt19937 rng(99);
+  auto hm = make_moe(c, rng);
+  const MoeShape shape{c.dim, c.inter, c.E, c.K, c.score_func, c.gate_temp, c.route_scale, c.limit};
+  DeviceArena arena;
+  DeviceMoe moe(hm->w, shape, arena);
+  cudaStream_t s;
+  UF_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  const int64_t sf = moe.slot_floats_per_row();
+  for (int T : {1, 8}) {
+    const std::vector<float> x = random_acts(T, c.dim, rng);
+    DeviceBuffer<float> dx(x);
+    DeviceBuffer<int32_t> di(size_t(T) * c.K);
+    DeviceBuffer<float> dw(size_t(T) * c.K);
+    for (int mode = 0; mode < 3; ++mode) {
+      const size_t n = mode == 2 ? size_t(T) * sf : size_t(T) * c.dim;
+      DeviceBuffer<float> eager(n), graph(n);
+      eager.poison();
+      graph.poison();
+      auto call = [&](float* y) {
+        if (mode == 0) moe.apply(dx.get(), T, y, di.get(), dw.get(), s);
+        if (mode == 1) moe.apply_partial(dx.get(), T, y, di.get(), dw.get(), s);
+        if (mode == 2) moe.apply_partial_experts(dx.get(), T, y, di.get(), dw.get(), s);
+      };
+      call(eager.get());
+      UF_CUDA_CHECK(cudaStreamSynchronize(s));
+      cudaGraph_t g;
+      UF_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+      call(graph.get());
+      UF_CUDA_CHECK(cudaStreamEndCapture(s, &g));
+      cudaGraphExec_t exec;
+      UF_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
+      for (int r = 0; r < 3; ++r) UF_CUDA_CHECK(cudaGraphLaunch(exec, s));
+      UF_CUDA_CHECK(cudaStreamSynchronize(s));
+      UF_CUDA_CHECK(cudaGraphExecDestroy(exec));
+      UF_CUDA_CHECK(cudaGraphDestroy(g));
+      sync_and_check();
+      const std::vector<float> a = eager.download(), b = graph.download();
+      size_t diff = 0, nan = 0, first = a.size();
+      for (size_t i = 0; i < a.size(); ++i) {
+        nan += std::isnan(a[i]) || std::isnan(b[i]);
+        if (!bits_equal(a[i], b[i])) first = std::min(first, i), ++diff;
+      }
+      EXPECT_TRUE(diff == 0 && nan == 0)
+          << "T=" << T << " mode " << mode << ": graph replay vs eager: " << diff << " differ ("
+          << nan << " NaN), first at " << first;
+    }
+  }
+  UF_CUDA_CHECK(cudaStreamDestroy(s));
+}
 
 // Engram: FP8 table with per-row scales, FP8 wkv (Fp8Gemv), BF16 q/k weights.
 TEST(OpsEngram, MatchesCpuAliasingAndSpecEqualsPlain) {

@@ -11,10 +11,18 @@
 // (slot u); an expert's rows (ascending row index) are the columns of the mma B operand, so an
 // expert picked by several rows is read once.
 //
-// Work decomposition: both kernels are persistent grids (about one 16-warp CTA per SM for w13,
-// two 8-warp CTAs per SM for w2) over a FLAT list of small work units; warp gw of W takes the
-// contiguous unit range [gw * N / W, (gw + 1) * N / W), so every warp streams the same number of
-// bytes (+- one unit) whatever the routing, and N (known only on the device) needs no host sync.
+// Two kernel sets with bitwise the same outputs (MoeFp4::set_legacy picks):
+//  - the unit kernels (default; moe_w13_unit_kernel, moe_w2_unit_kernel, described at their
+//    definition below): one small work unit per CTA with ALL of its weight bytes in flight at
+//    once (cp.async, one group), no cross-CTA reduction (the w13 K splits are the warps of one
+//    CTA, reduced through shared memory in split order), h's FP8 quantisation moved into the w2
+//    kernel's prologue;
+//  - the persistent kernels (legacy; below), kept for comparison and for shapes whose unit
+//    shared-memory plan does not fit.
+// Persistent work decomposition: both kernels are persistent grids (about one 16-warp CTA per SM
+// for w13, two 8-warp CTAs per SM for w2) over a FLAT list of small work units; warp gw of W takes
+// the contiguous unit range [gw * N / W, (gw + 1) * N / W), so every warp streams the same number
+// of bytes (+- one unit) whatever the routing, and N (known only on the device) needs no host sync.
 // Each warp streams weights AND their UE8M0 scales through its own cp.async ring that runs across
 // unit boundaries (the next unit's bytes are in flight while this one finishes).
 //
@@ -86,6 +94,12 @@ constexpr int kPlanBytes = int((sizeof(MoePlan) + 127) / 128 * 128);
 __device__ __forceinline__ void moe_cp16(void* dst, const void* src) {
   asm volatile(
       "cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(uint32_t(__cvta_generic_to_shared(dst))),
+      "l"(src)
+      : "memory");
+}
+__device__ __forceinline__ void moe_cp8(void* dst, const void* src) {
+  asm volatile(
+      "cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(uint32_t(__cvta_generic_to_shared(dst))),
       "l"(src)
       : "memory");
 }
@@ -185,6 +199,7 @@ struct W13Params {
   float* partials;  // [slot][group][tau][split][column 8][row 16]
   int* counters;    // [slot][group]
   int kb_per_split, splits;
+  float* h_vals;  // unit kernel: [pairs][inter] bf16 values of h (quantised by the w2 kernel)
 };
 
 // The group reduction + SwiGLU + quantization of group gq = u * groups + grp (one warp): lane =
@@ -397,6 +412,7 @@ struct W2Params {
   float* y;
   int64_t y_row_stride;
   bool round;
+  const float* h_vals;  // unit kernel: h as moe_w13_unit_kernel wrote it
 };
 
 __global__ void __maxnreg__(64) moe_w2_kernel(const W2Params p) {
@@ -580,9 +596,253 @@ __global__ void __launch_bounds__(kW2Warps * 32) moe_w2_tile_kernel(const W2Para
   }
 }
 
+// ---- Unit kernels (the default): one work unit per CTA, all of its bytes in flight at once ----
+// moe_w13_unit_kernel: grid P * (I / 8) CTAs, CTA = (slot u = blockIdx.x / (I/8), 8-row group rg
+//   of I); slots beyond the distinct experts exit at once (slot-major order: the real units are
+//   scheduled first). One 16-row mma tile: A rows 0-7 = w1 rows rg*8..+7, rows 8-15 = w3 rows
+//   rg*8..+7 (so a thread's d[0]/d[2] are the gate / up of the same feature; an output's
+//   arithmetic does not depend on its row position). max(2, min(S, 16)) warps; warp w owns the
+//   K splits s = w, w + warps, ... (S = ceil(K/32 / 16) as the persistent kernel) and issues, in
+//   one cp.async group, each split's 16 rows x 256 B of weights + 16 x 16 scale bytes and the
+//   split's slice of the slot's activation columns (8-byte pieces: the FP8 input need only be
+//   8-byte aligned) and scales; it waits for its own group only (no CTA barrier before the math).
+//   Per split from acc = 0 over its K blocks in order (the persistent kernel's products), the
+//   split's [16][8] partial overwrites its weight area; then one barrier and thread (row, column)
+//   sums the splits in split order (split 0's value, then += 1..S-1), rounds g / u to bf16,
+//   clamps, h = bf16(w * silu(g) * u): the persistent kernel's group epilogue exactly, minus the
+//   FP8 quantisation (a block of 32 features spans 4 CTAs), which moe_w2_unit_kernel does.
+//   Shared memory: plan + m columns x (K + 32) activation bytes + m x K/32 scales + S x 4.5 KB
+//   (K = 5120: 53 KB at m = 1, 102 KB at m = 8). Bytes per CTA: 16 x (K/2 + K/32) = 43.5 KB at
+//   K = 5120: 216 CTAs at 1 row (6 experts, one wave), ~1450 at 7 rows (~40 experts; 2-3 CTAs
+//   resident per SM, so 87-130 KB in flight per SM, the next CTAs' loads start as CTAs retire).
+// moe_w2_unit_kernel: grid P * (K / 128), CTA = (slot u, 128 output rows), 8 warps x one 16-row
+//   tile over all of I (the persistent kernel's products and order). The plan and all weights
+//   (128 x (I/2 + I/32) bytes, 19.6 KB at I = 288) are issued BEFORE griddepcontrol.wait; after
+//   it, the CTA quantises h of its slot's columns per 32 (warp_quant_fp8_block: the persistent
+//   w13 epilogue's codes and scales, bitwise) into shared memory, then computes. 240 CTAs at
+//   1 row, ~1600 at 7 rows (up to 8 resident per SM).
+constexpr int kUnitMaxWarps = 16;
+constexpr int kUnitRowStride = 272;  // 16 K blocks x 16 B + 16: conflict-free fragment reads
+constexpr int kUnitScaleOff = 16 * kUnitRowStride;
+constexpr int kUnitSplitBytes = kUnitScaleOff + 16 * 16;  // + 16 rows x 16 scale bytes
+
+__host__ __device__ __forceinline__ int round16(int n) { return (n + 15) / 16 * 16; }
+
+struct W13UnitLayout {
+  int xs_stride, x_off, xsc_off, split_off, total;
+};
+__host__ __device__ __forceinline__ W13UnitLayout w13_unit_layout(int dim, int cols, int splits) {
+  W13UnitLayout l;
+  l.xs_stride = dim + 32;  // = 32 mod 128: the 8-byte B fragment reads are conflict-free
+  l.x_off = kPlanBytes;
+  l.xsc_off = l.x_off + cols * l.xs_stride;
+  l.split_off = l.xsc_off + round16(cols * (dim / 32) * 4);
+  l.total = l.split_off + splits * kUnitSplitBytes;
+  return l;
+}
+__host__ __device__ __forceinline__ int w13_unit_warps(int splits) {
+  return splits < 2 ? 2 : (splits > kUnitMaxWarps ? kUnitMaxWarps : splits);
+}
+
+__global__ void __launch_bounds__(kUnitMaxWarps * 32, 2)
+    moe_w13_unit_kernel(const W13Params p, int cols_cap) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  MoePlan& plan = *reinterpret_cast<MoePlan*>(smem);
+  pdl_wait();
+  pdl_trigger();  // after the wait: kernel 2 reads topk_idx before its own wait
+  build_plan(p.topk_idx, p.topk_w, p.pairs, p.topk, p.E, plan);
+  const int nrg = p.inter / 8;
+  const int u = blockIdx.x / nrg, rg = blockIdx.x - u * nrg;
+  if (u >= plan.n_unique) return;  // uniform over the block
+  const SlotPlan& r = plan.slot[u];
+  const int count = min(r.count, cols_cap);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int NW = blockDim.x >> 5, S = p.splits, kbps = p.kb_per_split, nkb = p.dim / 32;
+  const W13UnitLayout L = w13_unit_layout(p.dim, cols_cap, S);
+  uint8_t* xsm = smem + L.x_off;
+  float* xsc = reinterpret_cast<float*>(smem + L.xsc_off);
+  const size_t row_bytes = size_t(p.dim / 2);
+  const size_t erow = size_t(r.expert) * p.inter + rg * 8;
+  for (int s = warp; s < S; s += NW) {
+    uint8_t* dst = smem + L.split_off + s * kUnitSplitBytes;
+    const int kb0 = s * kbps, nk = min(kbps, nkb - kb0);  // nk % 4 == 0 (K % 128 == 0)
+    for (int i = lane; i < 256; i += 32) {  // 16 rows x 16 pieces: 2 rows x 256 B a warp op
+      const int rr = i >> 4, cc = i & 15;
+      if (cc < nk)
+        moe_cp16(dst + rr * kUnitRowStride + cc * 16,
+                 (rr < 8 ? p.w1 : p.w3) + (erow + (rr & 7)) * row_bytes + size_t(kb0 + cc) * 16);
+    }
+    for (int i = lane; i < 64; i += 32) {  // 16 rows x nk scale bytes as 4-byte pieces
+      const int rr = i >> 2, cc = i & 3;
+      if (cc * 4 < nk)
+        moe_cp4(dst + kUnitScaleOff + rr * 16 + cc * 4,
+                (rr < 8 ? p.w1s : p.w3s) + (erow + (rr & 7)) * nkb + kb0 + cc * 4);
+    }
+    for (int i = lane; i < count * 64; i += 32) {  // columns x 64 8-byte pieces of 16 K blocks
+      const int c = i >> 6, q = i & 63;
+      if (q * 8 < nk * 32)
+        moe_cp8(xsm + c * L.xs_stride + kb0 * 32 + q * 8,
+                p.x + size_t(r.tok[c]) * p.dim + kb0 * 32 + q * 8);
+    }
+    for (int i = lane; i < count * 16; i += 32) {
+      const int c = i >> 4, q = i & 15;
+      if (q < nk) moe_cp4(xsc + c * nkb + kb0 + q, p.xs + size_t(r.tok[c]) * nkb + kb0 + q);
+    }
+  }
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncwarp();
+  for (int s = warp; s < S; s += NW) {
+    uint8_t* st = smem + L.split_off + s * kUnitSplitBytes;
+    const int kb0 = s * kbps, nk = min(kbps, nkb - kb0);
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int kk = 0; kk < nk; ++kk) {
+      const int kb = kb0 + kk;
+      const float sw0 = e8m0_to_f32(st[kUnitScaleOff + g * 16 + kk]);
+      const float sw1 = e8m0_to_f32(st[kUnitScaleOff + (g + 8) * 16 + kk]);
+      uint32_t b0 = 0, b1 = 0;
+      if (g < count) {
+        const uint2 v = *reinterpret_cast<const uint2*>(xsm + g * L.xs_stride + kb * 32 + t * 8);
+        b0 = __byte_perm(v.x, v.y, 0x6420);  // elements [0,2,4,6]
+        b1 = __byte_perm(v.x, v.y, 0x7531);  // elements [1,3,5,7]
+      }
+      const float sa0 = 2 * t < count ? xsc[(2 * t) * nkb + kb] * kE2M1ToE4M3Rescale : 0.f;
+      const float sa1 = 2 * t + 1 < count ? xsc[(2 * t + 1) * nkb + kb] * kE2M1ToE4M3Rescale : 0.f;
+      fp4_mma_step(st + kk * 16 + t * 4, kUnitRowStride, sw0, sw1, b0, b1, sa0, sa1, acc);
+    }
+    __syncwarp();                                // every lane is done with the split's weights
+    float* part = reinterpret_cast<float*>(st);  // [16 rows][8 columns]
+    part[g * 8 + 2 * t] = acc[0];
+    part[g * 8 + 2 * t + 1] = acc[1];
+    part[(g + 8) * 8 + 2 * t] = acc[2];
+    part[(g + 8) * 8 + 2 * t + 1] = acc[3];
+  }
+  __syncthreads();
+  const int i = threadIdx.x;
+  if (i < count * 8) {
+    const int rr = i & 7, c = i >> 3;
+    float ga = 0.f, ua = 0.f;
+    for (int s = 0; s < S; ++s) {  // split order: split 0's value, then += the next
+      const float* part = reinterpret_cast<const float*>(smem + L.split_off + s * kUnitSplitBytes);
+      const float vg = part[rr * 8 + c], vu = part[(rr + 8) * 8 + c];
+      if (s == 0) {
+        ga = vg;
+        ua = vu;
+      } else {
+        ga += vg;
+        ua += vu;
+      }
+    }
+    float gate = round_bf16(ga);
+    float upv = round_bf16(ua);
+    if (p.limit > 0.f) {
+      upv = fminf(fmaxf(upv, -p.limit), p.limit);
+      gate = fminf(gate, p.limit);
+    }
+    const float silu = gate / (1.0f + expf(-gate));
+    const float h = round_bf16(r.weight[c] * (silu * upv));
+    p.h_vals[size_t(r.pair[c]) * p.inter + rg * 8 + rr] = h;
+  }
+}
+
+constexpr int kW2UnitWarps = 8;
+constexpr int kW2UnitRows = kW2UnitWarps * 16;
+
+struct W2UnitLayout {
+  int rs, sc_off, warp_bytes, hcs, h_off, hs_off, w_off, total;
+};
+__host__ __device__ __forceinline__ W2UnitLayout w2_unit_layout(int inter, int cols) {
+  W2UnitLayout l;
+  const int nkb = inter / 32;
+  // Row stride = 16 mod 32 bytes: the 8 rows g of a 4-byte fragment read hit distinct banks.
+  l.rs = inter / 2 + ((inter / 2) % 32 == 0 ? 16 : 0);
+  l.sc_off = 16 * l.rs;
+  l.warp_bytes = round16(l.sc_off + 16 * nkb);
+  l.hcs = (inter - 32 + 127) / 128 * 128 + 32;  // >= inter, = 32 mod 128: conflict-free B reads
+  l.h_off = kPlanBytes;
+  l.hs_off = l.h_off + round16(cols * l.hcs);
+  l.w_off = l.hs_off + round16(cols * nkb * 4);
+  l.total = l.w_off + kW2UnitWarps * l.warp_bytes;
+  return l;
+}
+
+__global__ void __launch_bounds__(kW2UnitWarps * 32, 4)
+    moe_w2_unit_kernel(const W2Params p, int cols_cap) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  MoePlan& plan = *reinterpret_cast<MoePlan*>(smem);
+  // Before the wait: the plan (topk_idx is complete, see the header) and all the weights.
+  build_plan(p.topk_idx, p.topk_w, p.pairs, p.topk, p.E, plan);
+  const int nrb = p.dim / kW2UnitRows;
+  const int u = blockIdx.x / nrb, rb = blockIdx.x - u * nrb;
+  if (u >= plan.n_unique) return;  // uniform over the block
+  const SlotPlan& r = plan.slot[u];
+  const int count = min(r.count, cols_cap);
+  const W2UnitLayout L = w2_unit_layout(p.inter, cols_cap);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int nkb = p.inter / 32;
+  const int row_out = rb * kW2UnitRows + warp * 16;
+  const size_t row0 = size_t(r.expert) * p.dim + row_out;
+  uint8_t* wsm = smem + L.w_off + warp * L.warp_bytes;
+  {
+    const uint8_t* src = p.w2 + row0 * (p.inter / 2);  // 16 rows x I/2 bytes, contiguous
+    for (int i = lane; i < 16 * nkb; i += 32) {
+      const int rr = i / nkb, cc = i - rr * nkb;
+      moe_cp16(wsm + rr * L.rs + cc * 16, src + size_t(i) * 16);
+    }
+    const uint8_t* ssrc = p.w2s + row0 * nkb;  // 16 * nkb bytes, contiguous
+    for (int i = lane; i < nkb; i += 32) moe_cp16(wsm + L.sc_off + i * 16, ssrc + i * 16);
+    cp_async_commit();
+  }
+  pdl_wait();  // h from kernel 1
+  pdl_trigger();
+  uint8_t* hq = smem + L.h_off;
+  float* hs = reinterpret_cast<float*>(smem + L.hs_off);
+  for (int item = warp; item < count * nkb; item += kW2UnitWarps) {
+    const int c = item / nkb, kb = item - c * nkb;
+    const float h = __ldcg(p.h_vals + size_t(r.pair[c]) * p.inter + kb * 32 + lane);
+    float sc;
+    const uint8_t code = warp_quant_fp8_block(h, &sc);
+    hq[c * L.hcs + kb * 32 + lane] = code;
+    if (lane == 0) hs[c * nkb + kb] = sc;
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+  const uint8_t* act_g = g < count ? hq + g * L.hcs : nullptr;
+  const float* as0 = 2 * t < count ? hs + (2 * t) * nkb : nullptr;
+  const float* as1 = 2 * t + 1 < count ? hs + (2 * t + 1) * nkb : nullptr;
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int k = 0; k < nkb; ++k) {
+    const float sw0 = e8m0_to_f32(wsm[L.sc_off + g * nkb + k]);
+    const float sw1 = e8m0_to_f32(wsm[L.sc_off + (g + 8) * nkb + k]);
+    uint32_t b0 = 0, b1 = 0;
+    if (act_g) {
+      const uint2 v = *reinterpret_cast<const uint2*>(act_g + k * 32 + t * 8);
+      b0 = __byte_perm(v.x, v.y, 0x6420);  // elements [0,2,4,6]
+      b1 = __byte_perm(v.x, v.y, 0x7531);  // elements [1,3,5,7]
+    }
+    const float sa0 = as0 ? as0[k] * kE2M1ToE4M3Rescale : 0.f;
+    const float sa1 = as1 ? as1[k] * kE2M1ToE4M3Rescale : 0.f;
+    fp4_mma_step(wsm + k * 16 + t * 4, L.rs, sw0, sw1, b0, b1, sa0, sa1, acc);
+  }
+  auto out = [&](int pair) {
+    return p.y + (pair / p.topk) * p.y_row_stride + size_t(pair % p.topk) * p.dim + row_out;
+  };
+  if (2 * t < count) {
+    float* y = out(r.pair[2 * t]);
+    y[g] = p.round ? round_bf16(acc[0]) : acc[0];
+    y[g + 8] = p.round ? round_bf16(acc[2]) : acc[2];
+  }
+  if (2 * t + 1 < count) {
+    float* y = out(r.pair[2 * t + 1]);
+    y[g] = p.round ? round_bf16(acc[1]) : acc[1];
+    y[g + 8] = p.round ? round_bf16(acc[3]) : acc[3];
+  }
+}
+
 // out[t][n] = sum over t's valid experts in ascending id of y[pair][n]. grid (dim/256, m).
 __global__ void __launch_bounds__(256)
-    moe_combine_kernel(const float* y, const int* topk_idx, int topk, int E, int dim, float* out) {
+    moe_combine_kernel(const float* y, const int* topk_idx, int topk, int E, int dim,
+                       const float* add, bool round_out, float* out) {
   __shared__ int s_pair[8];
   __shared__ int s_count;
   pdl_trigger();
@@ -611,6 +871,10 @@ __global__ void __launch_bounds__(256)
   if (col >= dim) return;
   float sum = 0.f;
   for (int j = 0; j < s_count; ++j) sum += y[size_t(s_pair[j]) * dim + col];
+  if (add) {  // DeviceMoe's combine_kernel: bf16(routed + shared), or unrounded
+    const float v = __fadd_rn(sum, add[size_t(row) * dim + col]);
+    sum = round_out ? round_bf16(v) : v;
+  }
   out[size_t(row) * dim + col] = sum;
 }
 
@@ -649,6 +913,8 @@ void raise_smem(Kernel kernel, int bytes) {
 
 }  // namespace
 
+constexpr int kUnitMaxRowsFaster = 4;
+
 MoeFp4::MoeFp4(int dim, int inter, int topk, int sm_count)
     : dim_(dim), inter_(inter), topk_(topk), sm_count_(sm_count) {
   require(dim > 0 && inter > 0 && dim % 128 == 0 && inter % 32 == 0 && topk >= 1 &&
@@ -668,6 +934,17 @@ MoeFp4::MoeFp4(int dim, int inter, int topk, int sm_count)
   require(kW13Smem <= optin && kW2TileSmem <= optin,
           "MoeFp4: shared memory plan (w13 %d B) exceeds the device's %d B", kW13Smem, optin);
   w2_streamed_ = w2_max <= optin;  // else the per-tile w2 kernel (large inter)
+  const int w13_unit_max = w13_unit_layout(dim, kMaxDecodeRows, splits_).total;
+  const int w2_unit_max = w2_unit_layout(inter, kMaxDecodeRows).total;
+  unit_ok_ = splits_ <= 4 * kUnitMaxWarps && w13_unit_max <= optin && w2_unit_max <= optin &&
+             dim % kW2UnitRows == 0;
+  legacy_ = !unit_ok_;
+  if (unit_ok_) {
+    raise_smem(moe_w13_unit_kernel, w13_unit_max);
+    raise_smem(moe_w2_unit_kernel, w2_unit_max);
+    prefer_shared_carveout(moe_w13_unit_kernel);
+    prefer_shared_carveout(moe_w2_unit_kernel);
+  }
   raise_smem(moe_w13_kernel, kW13Smem);
   if (w2_streamed_) raise_smem(moe_w2_kernel, w2_max);
   raise_smem(moe_w2_tile_kernel, kW2TileSmem);
@@ -679,6 +956,7 @@ MoeFp4::MoeFp4(int dim, int inter, int topk, int sm_count)
   const size_t groups = inter / 32;
   UF_CUDA_CHECK(cudaMalloc(&h_codes_, size_t(slots) * inter));
   UF_CUDA_CHECK(cudaMalloc(&h_scales_, sizeof(float) * slots * groups));
+  UF_CUDA_CHECK(cudaMalloc(&h_vals_, sizeof(float) * slots * inter));
   UF_CUDA_CHECK(cudaMalloc(&y_, sizeof(float) * slots * dim));
   UF_CUDA_CHECK(cudaMalloc(&partials_, sizeof(float) * slots * groups * 4 * splits_ * 128));
   UF_CUDA_CHECK(cudaMalloc(&counters_, sizeof(int) * slots * groups));
@@ -688,6 +966,7 @@ MoeFp4::MoeFp4(int dim, int inter, int topk, int sm_count)
 MoeFp4::~MoeFp4() {
   cudaFree(h_codes_);
   cudaFree(h_scales_);
+  cudaFree(h_vals_);
   cudaFree(y_);
   cudaFree(partials_);
   cudaFree(counters_);
@@ -715,15 +994,31 @@ void MoeFp4::run_experts_impl(const Fp4ExpertsView& w, const QuantActView& x, co
   const int groups = inter_ / 32;
   // Grids: enough CTAs for the largest unit count of this M (P distinct experts), at most the
   // resident ones. The unit split inside depends on the routing; the arithmetic never does.
+  // The unit kernels win at few rows, the persistent ones from ~5 rows (H200, bench_cuda_moe,
+  // routed experts, us: unit 23.7 / 31.1 / 52.3 / 95.0 / 106.3 against persistent 25.4 / 38.7 /
+  // 63.2 / 88.9 / 102.9 at 1 / 2 / 4 / 7 / 8 rows). Bitwise the same outputs either way.
+  if (!legacy_ && x.m <= kUnitMaxRowsFaster) {
+    W13Params a{w.w1,          w.w1_scale,   w.w3,     w.w3_scale, w.num_experts, dim_,
+                inter_,        x.codes,      x.scales, topk_idx,   topk_w,        P,
+                topk_,         swiglu_limit, nullptr,  nullptr,    nullptr,       nullptr,
+                kb_per_split_, splits_,      h_vals_};
+    launch_pdl(moe_w13_unit_kernel, dim3(P * (inter_ / 8)), dim3(w13_unit_warps(splits_) * 32),
+               size_t(w13_unit_layout(dim_, x.m, splits_).total), stream, a, x.m);
+    W2Params b{w.w2,  w.w2_scale, w.num_experts, dim_, inter_,       topk_idx, topk_w, P,
+               topk_, nullptr,    nullptr,       y,    y_row_stride, round_w2, h_vals_};
+    launch_pdl(moe_w2_unit_kernel, dim3(P * (dim_ / kW2UnitRows)), dim3(kW2UnitWarps * 32),
+               size_t(w2_unit_layout(inter_, x.m).total), stream, b, x.m);
+    return;
+  }
   const int w13_units = P * groups * 4 * splits_;
   const int w13_grid = std::max(1, std::min(sm_count_, (w13_units + kW13Warps - 1) / kW13Warps));
-  W13Params a{w.w1,      w.w1_scale, w.w3,      w.w3_scale,    w.num_experts,
-              dim_,      inter_,     x.codes,   x.scales,      topk_idx,
-              topk_w,    P,          topk_,     swiglu_limit,  h_codes_,
-              h_scales_, partials_,  counters_, kb_per_split_, splits_};
+  W13Params a{w.w1,          w.w1_scale,   w.w3,     w.w3_scale, w.num_experts, dim_,
+              inter_,        x.codes,      x.scales, topk_idx,   topk_w,        P,
+              topk_,         swiglu_limit, h_codes_, h_scales_,  partials_,     counters_,
+              kb_per_split_, splits_,      nullptr};
   launch_pdl(moe_w13_kernel, dim3(w13_grid), dim3(kW13Warps * 32), size_t(kW13Smem), stream, a);
-  W2Params b{w.w2, w.w2_scale, w.num_experts, dim_,      inter_, topk_idx,     topk_w,
-             P,    topk_,      h_codes_,      h_scales_, y,      y_row_stride, round_w2};
+  W2Params b{w.w2,  w.w2_scale, w.num_experts, dim_, inter_,       topk_idx, topk_w, P,
+             topk_, h_codes_,   h_scales_,     y,    y_row_stride, round_w2, nullptr};
   if (!w2_streamed_) {
     launch_pdl(moe_w2_tile_kernel, dim3((dim_ / 16 + kW2Warps - 1) / kW2Warps, P),
                dim3(kW2Warps * 32), size_t(kW2TileSmem), stream, b);
@@ -743,11 +1038,27 @@ void MoeFp4::run(const Fp4ExpertsView& w, const QuantActView& x, const int* topk
   moe_combine_rows(y_, topk_idx, x.m, topk_, w.num_experts, dim_, out, stream);
 }
 
+void MoeFp4::run_add(const Fp4ExpertsView& w, const QuantActView& x, const int* topk_idx,
+                     const float* topk_w, float swiglu_limit, bool partial, const float* add,
+                     bool round_out, cudaEvent_t join, float* out, cudaStream_t stream) const {
+  require(add != nullptr, "MoeFp4::run_add: no addend");
+  run_experts_impl(w, x, topk_idx, topk_w, swiglu_limit, /*round_w2=*/!partial, y_,
+                   int64_t(topk_) * dim_, stream);
+  combine(y_, topk_idx, x.m, w.num_experts, add, round_out, join, out, stream);
+}
+
+void MoeFp4::combine(const float* y, const int* topk_idx, int m, int num_experts, const float* add,
+                     bool round_out, cudaEvent_t join, float* out, cudaStream_t stream) const {
+  if (join) UF_CUDA_CHECK(cudaStreamWaitEvent(stream, join, 0));
+  launch_pdl(moe_combine_kernel, dim3((dim_ + 255) / 256, m), dim3(256), 0, stream, y, topk_idx,
+             topk_, num_experts, dim_, add, round_out, out);
+}
+
 void moe_combine_rows(const float* y, const int* topk_idx, int m, int topk, int num_experts,
                       int dim, float* out, cudaStream_t stream) {
   require(m >= 1 && m <= 65535 && topk <= 8, "moe_combine_rows: %d rows, top-%d", m, topk);
   launch_pdl(moe_combine_kernel, dim3((dim + 255) / 256, m), dim3(256), 0, stream, y, topk_idx,
-             topk, num_experts, dim, out);
+             topk, num_experts, dim, static_cast<const float*>(nullptr), false, out);
 }
 
 void MoeFp4::run_partial(const Fp4ExpertsView& w, const QuantActView& x, const int* topk_idx,

@@ -97,6 +97,13 @@ class DeviceMoe {
   // chunks of 8 rows through the decode kernels. For tests and benchmarks (bitwise the same).
   void set_prefill_enabled(bool on);
   bool prefill_enabled() const;
+  // true: the earlier path (gate GEMV + route_quant_kernel, MoeFp4's persistent kernels, the
+  // shared expert on the caller's stream after the routed experts, a separate combine launch).
+  // Default false: one router launch (gate + routing + act quant), MoeFp4's unit kernels, the
+  // shared expert on a forked stream (own stream + 2 events, created at construction), its add
+  // folded into MoeFp4's combine. Bitwise the same outputs. For tests and benchmarks.
+  void set_legacy(bool on);
+  bool legacy() const;
 
  private:
   struct Impl;

@@ -1,7 +1,8 @@
 // DeviceMoe (ops/moe.h): cpu::moe_forward on the device, by chunks of kMaxDecodeRows rows.
 //
-// Per chunk of m <= 8 rows:
-//   1. gate scores: DeviceLinear kF32 (bitwise cpu::linear_f32);
+// Per chunk of m <= 8 rows (steps 1 and 2 are ONE launch, moe_router_kernel, on the default path
+// for a BF16 gate and a 16-byte aligned x; bitwise the same scores, choice, weights and codes):
+//   1. gate scores: DeviceLinear kF32 (dense_rows; the CPU's products, its own fp32 order);
 //   2. route_quant_kernel (decode chunks; route_warp_kernel / route_kernel + act quant otherwise):
 //      one warp per row routes (route_row: score function, selection bias, top-k with ties to
 //      the lower expert id, as the CPU's partial_sort comparator, normalisation (+1e-20) and
@@ -13,8 +14,14 @@
 //      expert outputs summed in fp32 in ascending expert id from 0: all as cpu::expert_forward /
 //      moe_forward; only the order of a block's 32 products and the K-split grouping differ);
 //   4. shared expert: DeviceLinear w1, w3 (kQuant, bf16 outputs), swiglu_kernel
-//      (h = bf16(silu(min(g, L)) * clamp(u, -L, L))), DeviceLinear w2 (bf16 output);
-//   5. combine_kernel: y = bf16(routed + shared).
+//      (h = bf16(silu(min(g, L)) * clamp(u, -L, L))), DeviceLinear w2 (bf16 output); launched
+//      FIRST on the object's own stream (forked from the caller's by an event, joined back by
+//      another before the combine; CUDA graph capture records the fork and the join), so it runs
+//      beside steps 1-3;
+//   5. combine: y = bf16(routed + shared), folded into MoeFp4's combine kernel (MoeFp4::run_add,
+//      combine_kernel's operations). set_legacy(true): the earlier order (4 after 3 on the
+//      caller's stream, a separate combine_kernel) and MoeFp4's persistent kernels; bitwise the
+//      same outputs.
 // T > kMaxDecodeRows (prefill): the same five steps once per chunk of up to max_prefill_rows
 // rows, step 3 through MoeFp4Prefill (pairs grouped by expert over the whole chunk; bitwise
 // MoeFp4's outputs), the other steps on all rows at once (each row-independent: the same bits).
@@ -163,11 +170,14 @@ __device__ __forceinline__ uint64_t route_key(float v, int e) {
 }
 
 // Row blockIdx.x, run by one warp (lane = threadIdx.x & 31); smem [E] for the softmax only.
+// Row t (default blockIdx.x). Scores are read through L2 (__ldcg): moe_router_kernel's finishing
+// CTA reads the other CTAs' scores.
 __device__ __forceinline__ void route_row(const float* scores, const float* bias, int E, int K,
                                           int func, float gate_temp, float route_scale,
-                                          int32_t* gate_i, float* gate_w, float* smem) {
+                                          int32_t* gate_i, float* gate_w, float* smem, int t = -1) {
   detail::pdl_trigger();
-  const int t = blockIdx.x, lane = threadIdx.x & 31;
+  if (t < 0) t = blockIdx.x;
+  const int lane = threadIdx.x & 31;
   const float* row = scores + size_t(t) * E;
   float sc[kRoutePerLane], bz[kRoutePerLane];
 #pragma unroll
@@ -181,7 +191,7 @@ __device__ __forceinline__ void route_row(const float* scores, const float* bias
     const int e = lane + 32 * i;
     float v = 0.f;
     if (e < E) {
-      v = __fdiv_rn(row[e], gate_temp);
+      v = __fdiv_rn(__ldcg(row + e), gate_temp);
       if (func == kSigmoid)
         v = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-v)));
       else if (func == kSqrtSoftplus)
@@ -298,6 +308,111 @@ __global__ void __launch_bounds__(256)
   float sc;
   codes[idx] = detail::warp_quant_fp8_block(x[idx], &sc);
   if (lane == 0) xscales[size_t(row) * nkb + kb] = sc;
+}
+
+// The decode chunk's router in ONE launch (DeviceMoe's default path; the legacy path runs the
+// gate through DeviceLinear kF32 = dense_rows, then route_quant_kernel): grid ceil(E / 2) CTAs
+// of 8 warps, CTA b = gate rows 2b, 2b + 1 (bf16 [E, D]).
+//  1. Before griddepcontrol.wait: the CTA's gate rows into shared memory (cp.async, 20 KB at
+//     D = 5120; the weights never depend on the previous kernel).
+//  2. The FP8 quantisation of x: the m * D/32 blocks spread over all warps of the grid
+//     (warp_quant_fp8_block: route_quant_kernel's / act_quant_fp8_f32's operations, same bits).
+//  3. The gate scores in dense_rows_kernel's fp32 order exactly (ops/linear.cu, kDenseWarps = 8,
+//     kDenseChunk = 256: lane's running fmaf over its 8 elements per 256-element step of its
+//     warp, steps in K order; xor-shuffle tree over the lanes; warps summed in warp order from
+//     warp 0), so the scores are bitwise DeviceLinear kF32's (tests compare with the legacy
+//     path); written to `scores` [m, E].
+//  4. The last CTA to finish (global counter, reset by it for the next call / graph replay)
+//     routes the m rows, one warp each (route_row: route_quant_kernel's routing).
+// One launch less and the gate's weight latency hidden behind the previous kernel; the finishing
+// CTA's extra L2 round trip (~1 us) is what it costs.
+constexpr int kRouterWarps = 8;     // = kDenseWarps of dense_rows_kernel (its fp32 order)
+constexpr int kRouterChunk = 256;   // = kDenseChunk
+constexpr int kRouterGateRows = 2;  // gate rows per CTA
+
+__global__ void __launch_bounds__(kRouterWarps * 32)
+    moe_router_kernel(const uint8_t* gate, int E, int D, const float* x, int m, float* scores,
+                      int* counter, const float* bias, int K, int func, float gate_temp,
+                      float route_scale, int32_t* gate_i, float* gate_w, uint8_t* codes,
+                      float* xscales) {
+  extern __shared__ __align__(16) float router_smem[];  // [2][D] bf16 gate rows, softmax [m][E]
+  uint8_t* smem = reinterpret_cast<uint8_t*>(router_smem);
+  __shared__ float red[kRouterWarps][kRouterGateRows][kMaxDecodeRows];
+  __shared__ int s_last;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int e0 = blockIdx.x * kRouterGateRows, nr = min(kRouterGateRows, E - e0);
+  {
+    const int pieces = D / 8;  // 16-byte pieces per row
+    for (int i = threadIdx.x; i < nr * pieces; i += blockDim.x) {
+      const int r = i / pieces, c = i - r * pieces;
+      const uint32_t d = uint32_t(__cvta_generic_to_shared(smem + (size_t(r) * D + c * 8) * 2));
+      const uint8_t* src = gate + (size_t(e0 + r) * D + c * 8) * 2;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+    }
+    detail::cp_async_commit();
+  }
+  detail::pdl_wait();
+  detail::pdl_trigger();
+  const int nkb = D / 32;
+  for (int item = blockIdx.x * kRouterWarps + warp; item < m * nkb;
+       item += gridDim.x * kRouterWarps) {
+    const int row = item / nkb, kb = item - row * nkb;
+    const size_t idx = size_t(row) * D + kb * 32 + lane;
+    float sc;
+    codes[idx] = detail::warp_quant_fp8_block(x[idx], &sc);
+    if (lane == 0) xscales[size_t(row) * nkb + kb] = sc;
+  }
+  detail::cp_async_wait<0>();
+  __syncthreads();
+  for (int r = 0; r < nr; ++r) {
+    float acc[kMaxDecodeRows];
+#pragma unroll
+    for (int t = 0; t < kMaxDecodeRows; ++t) acc[t] = 0.f;
+    for (int k = warp * kRouterChunk + lane * 8; k < D; k += kRouterWarps * kRouterChunk) {
+      const uint4 q = *reinterpret_cast<const uint4*>(smem + (size_t(r) * D + k) * 2);
+      const uint32_t u[4] = {q.x, q.y, q.z, q.w};
+      float wv[8];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        wv[2 * i] = __uint_as_float(u[i] << 16);
+        wv[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
+      }
+#pragma unroll
+      for (int t = 0; t < kMaxDecodeRows; ++t) {
+        if (t >= m) break;
+        const float4* xp = reinterpret_cast<const float4*>(x + size_t(t) * D + k);
+        const float4 a = xp[0], b = xp[1];
+        const float xv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[t] = fmaf(xv[i], wv[i], acc[t]);
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < kMaxDecodeRows; ++t) {
+      float v = acc[t];
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, o));
+      if (lane == 0) red[warp][r][t] = v;
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < nr * m; i += blockDim.x) {
+    const int r = i / m, t = i - r * m;
+    float v = red[0][r][t];
+    for (int q = 1; q < kRouterWarps; ++q) v = __fadd_rn(v, red[q][r][t]);
+    scores[size_t(t) * E + e0 + r] = v;
+  }
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) s_last = atomicAdd(counter, 1) == int(gridDim.x) - 1;
+  __syncthreads();
+  if (!s_last) return;  // uniform over the block
+  __threadfence();
+  if (warp < m) {
+    float* soft = reinterpret_cast<float*>(smem + size_t(kRouterGateRows) * D * 2) + warp * E;
+    route_row(scores, bias, E, K, func, gate_temp, route_scale, gate_i, gate_w, soft, warp);
+  }
+  if (threadIdx.x == 0) *counter = 0;  // every CTA has counted: safe to reset
 }
 
 // Shared expert SwiGLU on bf16 g / u (cpu::expert_forward without a routing weight).
@@ -470,6 +585,20 @@ struct DeviceMoe::Impl {
   float* shared = nullptr;          // [8, dim]
   std::shared_ptr<PrefillWork> pf;  // null: max_prefill_rows <= kMaxDecodeRows
   bool pf_on = false;
+  // The shared expert runs on its own stream (forked from the caller's stream by fork, joined
+  // back by join before the combine; capture-safe: CUDA graphs record the fork and the join).
+  bool legacy = false;
+  int* router_counter = nullptr;  // moe_router_kernel's finishing counter (zero between calls)
+  cudaStream_t side = nullptr;
+  cudaEvent_t fork = nullptr, join = nullptr;
+  Impl() = default;
+  Impl(const Impl&) = delete;
+  Impl& operator=(const Impl&) = delete;
+  ~Impl() {
+    if (fork) cudaEventDestroy(fork);
+    if (join) cudaEventDestroy(join);
+    if (side) cudaStreamDestroy(side);
+  }
 };
 
 DeviceMoe::DeviceMoe(const model::MoeWeights& w, const MoeShape& shape, DeviceArena& arena)
@@ -524,6 +653,10 @@ DeviceMoe::DeviceMoe(const model::MoeWeights& w, const MoeShape& shape, DeviceAr
     m.pf = prefill_work(&arena, D, I, E, K, shape.max_prefill_rows);
     m.pf_on = true;
   }
+  m.router_counter = arena.alloc<int>(1);  // zero-filled
+  UF_CUDA_CHECK(cudaStreamCreateWithFlags(&m.side, cudaStreamNonBlocking));
+  UF_CUDA_CHECK(cudaEventCreateWithFlags(&m.fork, cudaEventDisableTiming));
+  UF_CUDA_CHECK(cudaEventCreateWithFlags(&m.join, cudaEventDisableTiming));
 }
 
 DeviceMoe::~DeviceMoe() = default;
@@ -581,6 +714,13 @@ void moe_route(const MoeShape& shape, const float* scores, const float* bias, in
 
 void DeviceMoe::set_prefill_enabled(bool on) { impl_->pf_on = on && impl_->pf != nullptr; }
 
+void DeviceMoe::set_legacy(bool on) {
+  impl_->legacy = on;
+  impl_->moe->set_legacy(on);
+}
+
+bool DeviceMoe::legacy() const { return impl_->legacy; }
+
 bool DeviceMoe::prefill_enabled() const { return impl_->pf_on; }
 
 int64_t DeviceMoe::slot_floats_per_row() const {
@@ -620,13 +760,63 @@ void DeviceMoe::run_chunk(const float* x, int t0, int rows, Out mode, float* out
   const float* xc = x + int64_t(t0) * D;
   int32_t* gi = gate_i ? gate_i + int64_t(t0) * K : (pf ? w->gi : m.gi);
   float* gw = gate_w ? gate_w + int64_t(t0) * K : (pf ? w->gw : m.gw);
-  m.gate.apply(xc, rows, scores, stream);
-  if (!pf && E <= 32 * kRoutePerLane && D % 32 == 0) {
+  // The shared expert (independent of the routing), on the forked stream and launched first
+  // unless legacy: w1 and w3 read the same rows (one launch, each output as its own apply()),
+  // SwiGLU, w2.
+  const bool fork = !m.legacy;
+  cudaStream_t ss = fork ? m.side : stream;
+  if (fork) {
+    UF_CUDA_CHECK(cudaEventRecord(m.fork, stream));
+    UF_CUDA_CHECK(cudaStreamWaitEvent(ss, m.fork, 0));
+  }
+  const int64_t slot_row = int64_t(K + 1) * D;  // kPartialSlots: floats per row of `out`
+  auto shared_expert = [&] {
+    const LinearCall gate_up[] = {{&m.sw1, g}, {&m.sw3, u}};
+    DeviceLinear::apply_group(gate_up, xc, rows, ss);
+    const size_t nh = size_t(rows) * I;
+    swiglu_kernel<<<blocks_for(nh, 256), 256, 0, ss>>>(g, u, nh, m.s.swiglu_limit, h);
+    UF_CUDA_CHECK(cudaGetLastError());
+    if (mode == Out::kRounded)
+      m.sw2.apply(h, rows, shared, ss);
+    else
+      m.sw2.apply_partial(h, rows, shared, ss);
+    if (mode == Out::kPartialSlots)  // the shared expert into slot K of each row
+      UF_CUDA_CHECK(cudaMemcpy2DAsync(out + t0 * slot_row + int64_t(K) * D,
+                                      size_t(slot_row) * sizeof(float), shared,
+                                      size_t(D) * sizeof(float), size_t(D) * sizeof(float),
+                                      size_t(rows), cudaMemcpyDeviceToDevice, ss));
+    if (fork) UF_CUDA_CHECK(cudaEventRecord(m.join, ss));
+  };
+  // Legacy: after the routed experts, on the caller's stream (the earlier launch order).
+  auto join = [&] {
+    if (fork)
+      UF_CUDA_CHECK(cudaStreamWaitEvent(stream, m.join, 0));
+    else
+      shared_expert();
+  };
+  if (fork) shared_expert();
+
+  // The routed experts.
+  const DeviceWeight& gw8 = m.gate.weight();
+  const size_t router_smem =
+      size_t(kRouterGateRows) * D * 2 + (m.func == kSoftmax ? sizeof(float) * size_t(rows) * E : 0);
+  const bool router = !pf && !m.legacy && E <= 32 * kRoutePerLane && D % 32 == 0 &&
+                      gw8.format == WFormat::kBF16 && gw8.rows == E && gw8.cols == D &&
+                      reinterpret_cast<uintptr_t>(xc) % 16 == 0 && router_smem <= 48 * 1024;
+  if (router) {
+    const size_t smem = router_smem;
+    detail::launch_pdl(moe_router_kernel, dim3((E + kRouterGateRows - 1) / kRouterGateRows),
+                       dim3(kRouterWarps * 32), smem, stream, gw8.data, E, D, xc, rows, scores,
+                       m.router_counter, static_cast<const float*>(m.bias), K, m.func,
+                       m.s.gate_temp, m.s.route_scale, gi, gw, xcodes, xscales);
+  } else if (!pf && E <= 32 * kRoutePerLane && D % 32 == 0) {
+    m.gate.apply(xc, rows, scores, stream);
     detail::launch_pdl(route_quant_kernel, dim3(rows, 1 + (D / 32 + 7) / 8), dim3(256),
                        m.func == kSoftmax ? sizeof(float) * E : 0, stream, scores,
                        static_cast<const float*>(m.bias), E, K, m.func, m.s.gate_temp,
                        m.s.route_scale, gi, gw, xc, D, xcodes, xscales);
   } else {
+    m.gate.apply(xc, rows, scores, stream);
     moe_route(m.s, scores, m.bias, rows, gi, gw, stream);
     if (pf)
       moe_act_quant_rows(xc, rows, D, xcodes, xscales, stream);
@@ -634,41 +824,34 @@ void DeviceMoe::run_chunk(const float* x, int t0, int rows, Out mode, float* out
       act_quant_fp8_f32(xc, rows, D, xcodes, xscales, stream);
   }
   const QuantActView act{xcodes, xscales, rows, D};
-  const int64_t slot_row = int64_t(K + 1) * D;  // kPartialSlots: floats per row of `out`
-  if (pf) {
-    if (mode == Out::kRounded)
-      w->moe->run(experts, act, gi, gw, m.s.swiglu_limit, routed, stream);
-    else if (mode == Out::kPartialSum)
-      w->moe->run_partial(experts, act, gi, gw, m.s.swiglu_limit, routed, stream);
-    else
+  if (mode == Out::kPartialSlots) {
+    if (pf)
       w->moe->run_experts(experts, act, gi, gw, m.s.swiglu_limit, out + t0 * slot_row, slot_row,
                           stream);
-  } else {
-    if (mode == Out::kRounded)
-      m.moe->run(experts, act, gi, gw, m.s.swiglu_limit, routed, stream);
-    else if (mode == Out::kPartialSum)
-      m.moe->run_partial(experts, act, gi, gw, m.s.swiglu_limit, routed, stream);
     else
       m.moe->run_experts(experts, act, gi, gw, m.s.swiglu_limit, out + t0 * slot_row, slot_row,
                          stream);
-  }
-  // w1 and w3 read the same rows: one launch (each output as its own apply()).
-  const LinearCall gate_up[] = {{&m.sw1, g}, {&m.sw3, u}};
-  DeviceLinear::apply_group(gate_up, xc, rows, stream);
-  const size_t nh = size_t(rows) * I, ny = size_t(rows) * D;
-  swiglu_kernel<<<blocks_for(nh, 256), 256, 0, stream>>>(g, u, nh, m.s.swiglu_limit, h);
-  UF_CUDA_CHECK(cudaGetLastError());
-  if (mode == Out::kRounded)
-    m.sw2.apply(h, rows, shared, stream);
-  else
-    m.sw2.apply_partial(h, rows, shared, stream);
-  if (mode == Out::kPartialSlots) {  // the shared expert into slot K of each row
-    UF_CUDA_CHECK(cudaMemcpy2DAsync(out + t0 * slot_row + int64_t(K) * D,
-                                    size_t(slot_row) * sizeof(float), shared,
-                                    size_t(D) * sizeof(float), size_t(D) * sizeof(float),
-                                    size_t(rows), cudaMemcpyDeviceToDevice, stream));
+    join();
     return;
   }
+  if (!pf && !m.legacy) {  // the combine adds the shared expert (combine_kernel's operations)
+    m.moe->run_add(experts, act, gi, gw, m.s.swiglu_limit, mode == Out::kPartialSum, shared,
+                   mode == Out::kRounded, fork ? m.join : nullptr, out + int64_t(t0) * D, stream);
+    return;
+  }
+  if (pf) {
+    if (mode == Out::kRounded)
+      w->moe->run(experts, act, gi, gw, m.s.swiglu_limit, routed, stream);
+    else
+      w->moe->run_partial(experts, act, gi, gw, m.s.swiglu_limit, routed, stream);
+  } else {
+    if (mode == Out::kRounded)
+      m.moe->run(experts, act, gi, gw, m.s.swiglu_limit, routed, stream);
+    else
+      m.moe->run_partial(experts, act, gi, gw, m.s.swiglu_limit, routed, stream);
+  }
+  join();
+  const size_t ny = size_t(rows) * D;
   combine_kernel<<<blocks_for(ny, 256), 256, 0, stream>>>(routed, shared, ny, mode == Out::kRounded,
                                                           out + int64_t(t0) * D);
   UF_CUDA_CHECK(cudaGetLastError());
