@@ -79,8 +79,9 @@ engine::DraftBlock CpuModel::draft(CpuSession& s, int32_t anchor,
     std::vector<float> R(X);
     std::vector<float> apre(size_t(B) * size_t(hc)), apost(size_t(B) * size_t(hc)),
         acomb(size_t(B) * size_t(hc * hc));
+    // MixOrder::kLanes16: the order of the reference's F.linear on the 5-row block (cpu/mhc.cpp).
     hc_mixes(hc_, L.hc_attn_fn, L.hc_attn_scale, L.hc_attn_base, X.data(), B, apre.data(),
-             apost.data(), acomb.data());
+             apost.data(), acomb.data(), MixOrder::kLanes16);
     std::vector<float> x(size_t(B) * size_t(D)), y(size_t(B) * size_t(D));
     hc_pre(hc_, X.data(), pre.data(), B, x.data());
     rms_norm(L.attn_norm, float(cfg_.norm_eps), x.data(), B, D, x.data());
@@ -109,7 +110,7 @@ engine::DraftBlock CpuModel::draft(CpuSession& s, int32_t anchor,
     R = X;
     std::vector<float> fpost(size_t(B) * size_t(hc)), fcomb(size_t(B) * size_t(hc * hc));
     hc_mixes(hc_, L.hc_ffn_fn, L.hc_ffn_scale, L.hc_ffn_base, X.data(), B, pre.data(), fpost.data(),
-             fcomb.data());
+             fcomb.data(), MixOrder::kLanes16);
     hc_pre(hc_, X.data(), apre.data(), B, x.data());
     rms_norm(L.ffn_norm, float(cfg_.norm_eps), x.data(), B, D, x.data());
     const auto& mp = moe_[size_t(l)];

@@ -13,6 +13,7 @@
 #include "cpu/linear.h"
 #include "cpu/mhc.h"
 #include "cpu/model_types.h"
+#include "cpu/norm.h"
 #include "cpu/session.h"
 #include "test_util.h"
 
@@ -106,6 +107,29 @@ TEST(CpuMhc, PreAndPostFollowTheReferenceFormulas) {
   hc_post(p, x.data(), X.data(), post.data(), comb.data(), 1, out.data());
   EXPECT_FLOAT_EQ(out[0], 2 + 1 + 0.5f * 5);   // copy 0: 2*1 + 1*R0 + 0.5*R1
   EXPECT_FLOAT_EQ(out[3], 0 + 0 * 1 + 1 * 5);  // copy 1: R1
+}
+
+// sum_squares_torch follows torch's cascade sum, not merely some accurate order: one square of
+// 2^24 among ones makes every order visible, since 2^24 + 1 rounds back to 2^24 (ties to even)
+// while 2^24 + 16 is exact. Expected values worked by hand from the cascade (cpu/norm.h).
+TEST(CpuNorm, SumSquaresFollowsTorchCascade) {
+  const float big = 16777216.0f;  // 2^24 = 4096^2
+  // n = 1024: 128 vectors of 8 = 32 quads = two runs of level_step 16. Lane 0 of accumulator 0
+  // holds 4096^2 in run 1 and loses its 15 other ones; run 2 restarts from 0 (16, exact), so
+  // lane 0 ends 2^24 + 16 + 3 * 32, the 7 other lanes 128 each: 2^24 + 1008. (Exact sum
+  // 2^24 + 1023 -> 2^24 + 1024; sequential: 2^24; 8-lane dot with a pairwise finish: 2^24 + 896.)
+  std::vector<float> x(1024, 1.0f);
+  x[0] = 4096.0f;
+  EXPECT_EQ(sum_squares_torch(x.data(), 1024), big + 1008.0f);
+  // n = 20: two vectors and a scalar tail of 4, the tail added first: 4096^2 + 1 + 1 + 1 = 2^24,
+  // then the 8 lanes of 2 each: 2^24 + 16 (exact: 2^24 + 19 -> 2^24 + 20).
+  std::vector<float> y(20, 1.0f);
+  y[16] = 4096.0f;
+  EXPECT_EQ(sum_squares_torch(y.data(), 20), big + 16.0f);
+  // Small values: the plain sum.
+  std::vector<float> z(37);
+  std::iota(z.begin(), z.end(), 1.0f);
+  EXPECT_EQ(sum_squares_torch(z.data(), 37), 37.0f * 38.0f * 75.0f / 6.0f);
 }
 
 TEST(CpuRope, YarnTableMatchesHandComputedRamp) {
