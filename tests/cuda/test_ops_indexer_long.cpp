@@ -301,6 +301,13 @@ TEST(CudaIndexerLong, TopkSelect64k) {
   check_topk(verify_rows(65536, 7), 512, 711, "64k x 7");
   check_topk(verify_rows(65536, 1), 512, 712, "64k x 1");
   check_topk(verify_rows(2048, 7), 512, 713, "8k x 7 (one round)");
+  // Lists of <= 2048 keys take the 4-keys-a-thread round kernel: full, short, tied rows.
+  check_topk({{2048, 2048, RowKind::kNormal},
+              {2048, 1999, RowKind::kFewValues},
+              {1500, 1500, RowKind::kAllEqual},
+              {600, 550, RowKind::kSignedZeros},
+              {3, 3, RowKind::kNormal}},
+             512, 714, "<= 2048 keys (small-list kernel)", 0);
 }
 
 TEST(CudaIndexerLong, TopkSelectMixedWidthsAndRounds) {
@@ -414,6 +421,8 @@ TEST(CudaIndexerLong, CandidateMask64k) {
   check_mask(verify_rows(65536, 7), 2048, 8, 811, "64k x 7 (one round)");
   check_mask(verify_rows(65536, 1), 2048, 8, 812, "64k x 1");
   check_mask(verify_rows(2048, 7), 2048, 8, 813, "8k x 7");
+  // 1025 blocks, the best 512 kept: the small-list kernel's radix passes.
+  check_mask(verify_rows(8192, 3), 512, 8, 814, "32k-entry rows, top 512 of 1025 blocks");
 }
 
 TEST(CudaIndexerLong, CandidateMaskMixedAndRounds) {

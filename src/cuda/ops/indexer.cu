@@ -57,6 +57,8 @@ constexpr int kSelThreads = 512;
 constexpr int kKpt = 32;                    // keys per thread in a selection round
 constexpr int kChunk = kSelThreads * kKpt;  // keys per CTA in a selection round
 constexpr int kMaxFastK = kChunk / 4;       // a round shrinks the list at least ~4x
+constexpr int kSmallKpt = 4;                // one-round lists of <= kSmallList keys
+constexpr int kSmallList = kSelThreads * kSmallKpt;
 constexpr int kMaxRounds = 16;
 constexpr int kMaskThreads = 256;
 constexpr int kBlockMaxThreads = 256;
@@ -70,6 +72,8 @@ __global__ void __launch_bounds__(kFastThreads, 2)
                               int n_heads, int rows, const float* const* keys,
                               const int32_t* __restrict__ vis, const int32_t* __restrict__ width,
                               int max_width, float* __restrict__ score) {
+  detail::pdl_wait();  // PDL: every input comes from an earlier kernel
+  detail::pdl_trigger();
   constexpr int kU = kFastHd / 8;  // float4 per thread half
   extern __shared__ float4 smem4[];
   const int t0 = blockIdx.x * rows, nr = min(rows, T - t0);
@@ -150,6 +154,8 @@ __global__ void __launch_bounds__(kEnt)
     index_scores_kernel(const float* __restrict__ q, const float* __restrict__ w, int n_heads,
                         int hd, const float* const* keys, const int32_t* __restrict__ vis,
                         const int32_t* __restrict__ width, int max_width, float* score) {
+  detail::pdl_wait();  // PDL: every input comes from an earlier kernel
+  detail::pdl_trigger();
   extern __shared__ float ks[];  // [kEnt][hd + 1]
   const int t = blockIdx.y, e0 = blockIdx.x * kEnt, tid = threadIdx.x;
   const int wd = width[t];
@@ -338,6 +344,8 @@ __global__ void __launch_bounds__(kSelThreads)
     topk_select_row_kernel(const float* __restrict__ score, int max_width,
                            const int32_t* __restrict__ width, int k,
                            const int32_t* __restrict__ vis, int32_t* __restrict__ out) {
+  detail::pdl_wait();  // PDL: every input comes from an earlier kernel
+  detail::pdl_trigger();
   __shared__ SelShared sh;
   const int t = blockIdx.x;
   const int wd = width[t], cl = vis[t];
@@ -374,6 +382,8 @@ __global__ void __launch_bounds__(kSelThreads)
     candidate_mask_row_kernel(const float* __restrict__ score, int max_width,
                               const int32_t* __restrict__ width, const int32_t* __restrict__ vis,
                               int topk_blocks, int block_size, uint8_t* __restrict__ keep) {
+  detail::pdl_wait();  // PDL: every input comes from an earlier kernel
+  detail::pdl_trigger();
   __shared__ SelShared sh;
   const int t = blockIdx.x;
   const int wd = width[t], cl = vis[t];
@@ -429,11 +439,12 @@ struct RoundArgs {
   int round;  // 1-based
 };
 
-// kKpt consecutive values from src (cnt of them valid; the rest 0), 16-byte loads when aligned.
-__device__ __forceinline__ void load_run(const uint32_t* src, int cnt, uint32_t (&v)[kKpt]) {
-  if (cnt >= kKpt && (reinterpret_cast<uintptr_t>(src) & 15u) == 0) {
+// KPT consecutive values from src (cnt of them valid; the rest 0), 16-byte loads when aligned.
+template <int KPT>
+__device__ __forceinline__ void load_run(const uint32_t* src, int cnt, uint32_t (&v)[KPT]) {
+  if (cnt >= KPT && (reinterpret_cast<uintptr_t>(src) & 15u) == 0) {
 #pragma unroll
-    for (int q = 0; q < kKpt / 4; ++q) {
+    for (int q = 0; q < KPT / 4; ++q) {
       const uint4 x = __ldg(reinterpret_cast<const uint4*>(src) + q);
       v[4 * q] = x.x;
       v[4 * q + 1] = x.y;
@@ -442,7 +453,7 @@ __device__ __forceinline__ void load_run(const uint32_t* src, int cnt, uint32_t 
     }
   } else {
 #pragma unroll
-    for (int j = 0; j < kKpt; ++j) v[j] = j < cnt ? __ldg(src + j) : 0u;
+    for (int j = 0; j < KPT; ++j) v[j] = j < cnt ? __ldg(src + j) : 0u;
   }
 }
 
@@ -451,9 +462,15 @@ __device__ __forceinline__ void block_fill(uint8_t* p, int64_t n, uint8_t v, int
   for (int64_t i = threadIdx.x; i < n; i += nthreads) p[i] = v;
 }
 
-// One round for one chunk (blockIdx.x) of one row (blockIdx.y).
-template <SelMode kMode>
+// One round for one chunk (blockIdx.x) of one row (blockIdx.y). KPT: keys per thread; kKpt
+// covers a whole chunk, kSmallKpt only a one-round list of <= kSmallList keys (the 8k-context
+// shapes): the radix passes' per-thread loop is then 8x shorter and every warp takes part. The
+// ordered compaction scans the threads in order over consecutive positions either way, so the
+// result does not depend on KPT.
+template <SelMode kMode, int KPT>
 __global__ void __launch_bounds__(kSelThreads, 1) select_round_kernel(RoundArgs a) {
+  detail::pdl_wait();  // PDL: every input comes from an earlier kernel
+  detail::pdl_trigger();
   __shared__ SelShared sh;
   const int t = blockIdx.y, c = blockIdx.x, tid = threadIdx.x;
   const int wd = a.width[t];
@@ -476,22 +493,22 @@ __global__ void __launch_bounds__(kSelThreads, 1) select_round_kernel(RoundArgs 
   const int n = int(min(int64_t(kChunk), len - lo));
   const int kk = last ? int(m) : int(min(m, int64_t(n)));
   const int cl = a.vis[t];
-  const int p0 = tid * kKpt;  // chunk position of key[0]
+  const int p0 = tid * KPT;  // chunk position of key[0]
 
-  uint32_t key[kKpt];
+  uint32_t key[KPT];
   if (a.in_keys != nullptr) {
     load_run(a.in_keys + int64_t(t) * a.in_cap + lo + p0, n - p0, key);
   } else if (kMode == SelMode::kTopk) {
     load_run(reinterpret_cast<const uint32_t*>(a.score + int64_t(t) * a.max_width + lo + p0),
              n - p0, key);
 #pragma unroll
-    for (int j = 0; j < kKpt; ++j) key[j] = order_key_bits(key[j]);
+    for (int j = 0; j < KPT; ++j) key[j] = order_key_bits(key[j]);
   } else {
     // One-round mask: the block maxima here (the list is the whole row: lo == 0), keep zeroed.
     const float* s = a.score + int64_t(t) * a.max_width;
     const int pinned = cl > 0 ? (cl - 1) / bs : -1;
 #pragma unroll
-    for (int j = 0; j < kKpt; ++j) {
+    for (int j = 0; j < KPT; ++j) {
       const int b = p0 + j;
       float mx = -INFINITY;
       if (b < n) {
@@ -506,7 +523,8 @@ __global__ void __launch_bounds__(kSelThreads, 1) select_round_kernel(RoundArgs 
     block_fill(a.keep + int64_t(t) * a.max_width, wd, 0, kSelThreads);
     __syncthreads();  // the zeros land before this block's ones
   }
-  const uint32_t valid = p0 >= n ? 0u : (n - p0 >= kKpt ? 0xffffffffu : (1u << (n - p0)) - 1u);
+  const uint32_t full = KPT == 32 ? 0xffffffffu : (1u << (KPT & 31)) - 1u;
+  const uint32_t valid = p0 >= n ? 0u : (n - p0 >= KPT ? full : (1u << (n - p0)) - 1u);
 
   // The kk-th largest key (kth) and how many keys equal to it are taken (need).
   uint32_t kth = 0, need = 0;
@@ -518,7 +536,7 @@ __global__ void __launch_bounds__(kSelThreads, 1) select_round_kernel(RoundArgs 
       if (tid < 256) sh.hist[tid] = 0;
       __syncthreads();
 #pragma unroll
-      for (int j = 0; j < kKpt; ++j) {
+      for (int j = 0; j < KPT; ++j) {
         const bool ok = ((valid >> j) & 1u) && (key[j] & mask) == prefix;
         const uint32_t act = __ballot_sync(0xffffffffu, ok);
         if (act == 0) continue;  // warp-uniform
@@ -552,7 +570,7 @@ __global__ void __launch_bounds__(kSelThreads, 1) select_round_kernel(RoundArgs 
   // slot of its first selected key; equal keys are taken in index order up to need.
   uint32_t gtm = 0, eqm = 0;
 #pragma unroll
-  for (int j = 0; j < kKpt; ++j) {
+  for (int j = 0; j < KPT; ++j) {
     const bool v = (valid >> j) & 1u;
     gtm |= uint32_t(v && (all || key[j] > kth)) << j;
     eqm |= uint32_t(v && !all && key[j] == kth) << j;
@@ -567,7 +585,7 @@ __global__ void __launch_bounds__(kSelThreads, 1) select_round_kernel(RoundArgs 
   int32_t* o = kMode == SelMode::kTopk ? a.out + int64_t(t) * a.k : nullptr;
   uint8_t* kp = kMode == SelMode::kMask ? a.keep + int64_t(t) * a.max_width : nullptr;
 #pragma unroll
-  for (int j = 0; j < kKpt; ++j) {
+  for (int j = 0; j < KPT; ++j) {
     bool sel = (gtm >> j) & 1u;
     if (!sel && ((eqm >> j) & 1u) && taken < take_eq) {
       sel = true;
@@ -599,6 +617,8 @@ __global__ void __launch_bounds__(kBlockMaxThreads)
                      const int32_t* __restrict__ width, const int32_t* __restrict__ vis,
                      int block_size, uint32_t* __restrict__ keys, int64_t cap,
                      uint8_t* __restrict__ keep) {
+  detail::pdl_wait();  // PDL: every input comes from an earlier kernel
+  detail::pdl_trigger();
   const int t = blockIdx.y, tid = threadIdx.x;
   const int wd = width[t], cl = vis[t];
   if (wd <= 0) return;
@@ -626,6 +646,8 @@ __global__ void __launch_bounds__(kBlockMaxThreads)
 
 __global__ void mask_scores_kernel(float* score, const uint8_t* __restrict__ keep, int max_width,
                                    const int32_t* __restrict__ width) {
+  detail::pdl_wait();  // PDL: every input comes from an earlier kernel
+  detail::pdl_trigger();
   const int t = blockIdx.y;
   const int i = blockIdx.x * kMaskThreads + threadIdx.x;
   if (i >= width[t]) return;
@@ -696,8 +718,10 @@ bool fast_select(int T, int64_t m, const WsLayout& w, const void* workspace) {
   return T <= 65535 && m <= kMaxFastK && (w.total == 0 || workspace != nullptr);
 }
 
+// list_len: the longest first-round list of a row (topk: max_width; mask: its blocks).
 template <SelMode kMode>
-void run_rounds(RoundArgs a, int T, const WsLayout& w, void* workspace, cudaStream_t stream) {
+void run_rounds(RoundArgs a, int T, const WsLayout& w, int64_t list_len, void* workspace,
+                cudaStream_t stream) {
   auto* base = static_cast<uint8_t*>(workspace);
   auto list_keys = [&](int r) {
     return reinterpret_cast<uint32_t*>(base + (r % 2 == 1 ? w.a_keys : w.b_keys));
@@ -723,7 +747,11 @@ void run_rounds(RoundArgs a, int T, const WsLayout& w, void* workspace, cudaStre
     a.out_cap = w.cap;
     a.round = r;
     const dim3 grid(unsigned(w.plan.chunks[r - 1]), unsigned(T));
-    select_round_kernel<kMode><<<grid, kSelThreads, 0, stream>>>(a);
+    if (w.plan.rounds == 1 && list_len <= kSmallList)
+      detail::launch_pdl(select_round_kernel<kMode, kSmallKpt>, grid, dim3(kSelThreads), 0, stream,
+                         a);
+    else
+      detail::launch_pdl(select_round_kernel<kMode, kKpt>, grid, dim3(kSelThreads), 0, stream, a);
     UF_CUDA_CHECK(cudaGetLastError());
   }
 }
@@ -750,11 +778,11 @@ void index_scores(const float* q, const float* w, int T, int n_heads, int head_d
     const dim3 grid(unsigned((T + rows - 1) / rows), unsigned(chunks));
     const size_t smem = size_t(rows) * row_smem;
     if (round_sum)
-      index_scores_hd128_kernel<true><<<grid, kFastThreads, smem, stream>>>(
-          q, w, T, n_heads, rows, keys, vis, width, max_width, score);
+      detail::launch_pdl(index_scores_hd128_kernel<true>, grid, dim3(kFastThreads), smem, stream, q,
+                         w, T, n_heads, rows, keys, vis, width, max_width, score);
     else
-      index_scores_hd128_kernel<false><<<grid, kFastThreads, smem, stream>>>(
-          q, w, T, n_heads, rows, keys, vis, width, max_width, score);
+      detail::launch_pdl(index_scores_hd128_kernel<false>, grid, dim3(kFastThreads), smem, stream,
+                         q, w, T, n_heads, rows, keys, vis, width, max_width, score);
   } else {
     const dim3 grid(unsigned((max_width + kEnt - 1) / kEnt), unsigned(T));
     const size_t smem = size_t(kEnt) * size_t(head_dim + 1) * sizeof(float);
@@ -793,9 +821,10 @@ void candidate_mask(const float* score, int T, int max_width, const int32_t* wid
   }
   if (w.plan.rounds > 1) {
     const dim3 grid(unsigned((nb + kBlockMaxThreads - 1) / kBlockMaxThreads), unsigned(T));
-    block_max_kernel<<<grid, kBlockMaxThreads, 0, stream>>>(
-        score, max_width, width, vis, block_size,
-        reinterpret_cast<uint32_t*>(static_cast<uint8_t*>(workspace) + w.p_off), w.pcap, keep);
+    detail::launch_pdl(block_max_kernel, grid, dim3(kBlockMaxThreads), 0, stream, score, max_width,
+                       width, vis, block_size,
+                       reinterpret_cast<uint32_t*>(static_cast<uint8_t*>(workspace) + w.p_off),
+                       w.pcap, keep);
     UF_CUDA_CHECK(cudaGetLastError());
   }
   RoundArgs a{};
@@ -806,7 +835,7 @@ void candidate_mask(const float* score, int T, int max_width, const int32_t* wid
   a.k = topk_blocks;
   a.block_size = block_size;
   a.keep = keep;
-  run_rounds<SelMode::kMask>(a, T, w, workspace, stream);
+  run_rounds<SelMode::kMask>(a, T, w, nb, workspace, stream);
 }
 
 void mask_scores(float* score, const uint8_t* keep, int T, int max_width, const int32_t* width,
@@ -815,7 +844,8 @@ void mask_scores(float* score, const uint8_t* keep, int T, int max_width, const 
           "mask_scores: unsupported T=%d max_width=%d (T <= 65535)", T, max_width);
   if (T == 0 || max_width == 0) return;
   const dim3 grid(unsigned((max_width + kMaskThreads - 1) / kMaskThreads), unsigned(T));
-  mask_scores_kernel<<<grid, kMaskThreads, 0, stream>>>(score, keep, max_width, width);
+  detail::launch_pdl(mask_scores_kernel, grid, dim3(kMaskThreads), 0, stream, score, keep,
+                     max_width, width);
   UF_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -846,7 +876,7 @@ void topk_select(const float* score, int T, int max_width, const int32_t* width,
   a.vis = vis;
   a.k = k;
   a.out = out;
-  run_rounds<SelMode::kTopk>(a, T, w, workspace, stream);
+  run_rounds<SelMode::kTopk>(a, T, w, max_width, workspace, stream);
 }
 
 }  // namespace uf::cuda
