@@ -38,6 +38,7 @@
 #include <type_traits>
 
 #include "cuda/cuda_check.h"
+#include "cuda/kernels/common.cuh"
 #include "cuda/ops/elementwise.h"
 #include "cuda/ops/elementwise_common.cuh"
 
@@ -151,6 +152,9 @@ __global__ void __launch_bounds__(HC * 32)
     load_fn_segment(fn, m, int64_t(kk) * D + d0, nvalid, partial && task < kTasks && m < kMix,
                     w[q]);
   }
+  // PDL: fn is a weight; everything below reads what earlier kernels wrote.
+  detail::pdl_wait();
+  detail::pdl_trigger();
   // Every row's loads (rows past nt repeat the last one), all in flight together.
   float vals[kPostRows], xv[kPostRows];
 #pragma unroll
@@ -375,6 +379,8 @@ __global__ void __launch_bounds__(kMixPreNormMaxThreads, 1)
                            float* comb, int NT) {
   __shared__ float sm[kMaxMix1 > 32 ? kMaxMix1 : 32];
   const int64_t t = blockIdx.x;
+  detail::pdl_wait();  // PDL: the partials, X and pre_in come from earlier kernels
+  detail::pdl_trigger();
   if (blockIdx.y == 1) {
     mixes_finish<HC>(p, scale, base, S, partial, t, sm, pre, post, comb);
     return;
@@ -511,8 +517,10 @@ void launch_partials(const HcShape& p, const DeviceWeight& fn, const float* X, i
   const dim3 grid(mix_splits(p), (T + kPostRows - 1) / kPostRows);
   dispatch_hc(p.hc, [&](auto H) {
     constexpr int HC = decltype(H)::value;
-    hc_post_mixes_kernel<HC, false>
-        <<<grid, HC * 32, 0, stream>>>(p, nullptr, X, nullptr, nullptr, T, nullptr, fn, partial);
+    detail::launch_pdl(hc_post_mixes_kernel<HC, false>, grid, dim3(HC * 32), 0, stream, p,
+                       static_cast<const float*>(nullptr), X, static_cast<const float*>(nullptr),
+                       static_cast<const float*>(nullptr), T, static_cast<float*>(nullptr), fn,
+                       partial);
   });
   UF_CUDA_CHECK(cudaGetLastError());
 }
@@ -594,8 +602,8 @@ void hc_post_mixes(const HcShape& p, const float* x, const float* R, const float
   float* part = fn.empty() ? nullptr : partial;
   dispatch_hc(p.hc, [&](auto H) {
     constexpr int HC = decltype(H)::value;
-    hc_post_mixes_kernel<HC, true>
-        <<<grid, HC * 32, 0, stream>>>(p, x, R, post, comb, T, out, fn, part);
+    detail::launch_pdl(hc_post_mixes_kernel<HC, true>, grid, dim3(HC * 32), 0, stream, p, x, R,
+                       post, comb, T, out, fn, part);
   });
   UF_CUDA_CHECK(cudaGetLastError());
 }
@@ -628,8 +636,8 @@ void hc_mix_pre_norm(const HcShape& p, const DeviceWeight& scale, const DeviceWe
   dispatch_hc(p.hc, [&](auto H) {
     constexpr int HC = decltype(H)::value;
     auto launch = [&](auto kernel) {
-      kernel<<<grid, B, 0, stream>>>(p, scale, base, S, partial, X, pre_in, norm, eps, y, pre, post,
-                                     comb, NT);
+      detail::launch_pdl(kernel, grid, dim3(B), 0, stream, p, scale, base, S, partial, X, pre_in,
+                         norm, eps, y, pre, post, comb, NT);
     };
     if (mode == ew::kRowVecF32)
       launch(hc_mix_pre_norm_kernel<HC, ew::kRowVecF32>);
