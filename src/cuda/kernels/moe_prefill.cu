@@ -18,6 +18,12 @@
 //   4. moe_combine_rows (moe_fp4.cu): out[t] = sum over t's valid experts in ascending id of y
 //      (fp32, from 0).
 //
+// Activations are staged: per split of kStageKb K blocks, the CTA's threads copy the item's
+// columns (FP8 codes with 16-byte loads, and their scales) into shared memory, then the warps
+// read their B fragments there. (They were read from L2 per K block and column group, one
+// dependent round trip per mma: the w13 kernel ran at ~14 TFLOP/s on a 512-row chunk.) The
+// weights are loaded kLoadKb K blocks ahead of their use.
+//
 // Numerics: per (row, expert) output bitwise the decode kernels' (moe_fp4.cu): the same
 // m16n8k32 e4m3 products (an mma output depends only on its own row of A and column of B), the
 // same per-K-block update acc = fmaf(d * (sa * 2^6), sw, acc), w13 in splits of kKbPerSplit K
@@ -44,6 +50,11 @@ constexpr int kKbPerSplitDecode = 16;  // moe_fp4.cu kKbPerSplit (w13 split-K of
 constexpr int kPlanThreads = 1024;
 constexpr int kW13Warps = 4;
 constexpr int kW2Warps = 8;
+// Staged activations: kStageKb K blocks (one decode split) of up to kCols columns, rows padded
+// by 16 bytes (the 8 columns of a fragment read fall on different banks), then the scales.
+constexpr int kStageKb = kKbPerSplitDecode;
+constexpr int kStageRow = kStageKb * 32 + 16;
+constexpr int kStageBytes = kCols * kStageRow + kCols * kStageKb * int(sizeof(float));
 
 // Plan buffers (device): sorted [P], items [3 * max_items] (expert, pos0, n), n_items [1].
 __global__ void __launch_bounds__(kPlanThreads)
@@ -125,30 +136,49 @@ struct PrefillW13Params {
   float* h_scales;   // [P, inter / 32]
 };
 
-// One K block of the mma for all column groups: A = this lane's decoded fragment, B from each
-// column's activation row. The update is fp4_mma_step's, operation for operation.
-__device__ __forceinline__ void prefill_kb(const uint32_t (&a)[4], float sw0, float sw1, int k,
-                                           int ngroups, const int (&act_row)[kGroups],
-                                           const int (&row0)[kGroups], const int (&row1)[kGroups],
-                                           const uint8_t* act, const float* act_s, int act_k,
-                                           int nkb, float (&acc)[kGroups][4]) {
-  const int t = threadIdx.x & 3;
+// Stages K blocks [kb0, kb0 + kbn) of the columns c < ncols (column c: activation row act_row(c),
+// -1 = none: zeros) into stage: codes at c * kStageRow, then the scales [kCols][kStageKb] as
+// stored (the caller applies kE2M1ToE4M3Rescale, as the unstaged kernel did). All threads of the
+// CTA; the caller synchronises before and after.
+template <typename RowOf>
+__device__ __forceinline__ void stage_act(uint8_t* stage, int ncols, RowOf act_row,
+                                          const uint8_t* act, const float* act_s, int act_k,
+                                          int nkb, int kb0, int kbn) {
+  const int pieces = kbn * 2;  // 16-byte pieces of a column's kbn blocks
+  for (int i = threadIdx.x; i < ncols * pieces; i += blockDim.x) {
+    const int c = i / pieces, q = i % pieces, row = act_row(c);
+    uint4 v = make_uint4(0u, 0u, 0u, 0u);
+    if (row >= 0)
+      v = __ldg(reinterpret_cast<const uint4*>(act + size_t(row) * act_k + size_t(kb0) * 32) + q);
+    *reinterpret_cast<uint4*>(stage + c * kStageRow + q * 16) = v;
+  }
+  float* sc = reinterpret_cast<float*>(stage + kCols * kStageRow);
+  for (int i = threadIdx.x; i < ncols * kbn; i += blockDim.x) {
+    const int c = i / kbn, j = i % kbn, row = act_row(c);
+    sc[c * kStageKb + j] = row >= 0 ? __ldg(act_s + size_t(row) * nkb + kb0 + j) : 0.f;
+  }
+}
+
+// One K block (kl: its index in the stage) of the mma for all column groups: A = this lane's
+// decoded fragment, B from the staged columns. The update is fp4_mma_step's, operation for
+// operation (a missing column has zero codes and a zero scale, as the unstaged kernel used).
+__device__ __forceinline__ void prefill_kb(const uint32_t (&a)[4], float sw0, float sw1, int kl,
+                                           int ngroups, const uint8_t* stage,
+                                           float (&acc)[kGroups][4]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const float* sc = reinterpret_cast<const float*>(stage + kCols * kStageRow);
 #pragma unroll
   for (int cg = 0; cg < kGroups; ++cg) {
     if (cg < ngroups) {
-      uint32_t b0 = 0, b1 = 0;
-      if (act_row[cg] >= 0) {
-        const uint2 v = __ldg(
-            reinterpret_cast<const uint2*>(act + size_t(act_row[cg]) * act_k + k * 32 + t * 8));
-        b0 = __byte_perm(v.x, v.y, 0x6420);
-        b1 = __byte_perm(v.x, v.y, 0x7531);
-      }
+      const uint2 v =
+          *reinterpret_cast<const uint2*>(stage + (cg * 8 + g) * kStageRow + kl * 32 + t * 8);
+      const uint32_t b0 = __byte_perm(v.x, v.y, 0x6420);
+      const uint32_t b1 = __byte_perm(v.x, v.y, 0x7531);
       float d[4];
       mma_e4m3_16x8x32(d, a, b0, b1);
-      const float sa0 =
-          row0[cg] >= 0 ? __ldg(act_s + size_t(row0[cg]) * nkb + k) * kE2M1ToE4M3Rescale : 0.f;
-      const float sa1 =
-          row1[cg] >= 0 ? __ldg(act_s + size_t(row1[cg]) * nkb + k) * kE2M1ToE4M3Rescale : 0.f;
+      const int c0 = cg * 8 + 2 * t;
+      const float sa0 = sc[c0 * kStageKb + kl] * kE2M1ToE4M3Rescale;
+      const float sa1 = sc[(c0 + 1) * kStageKb + kl] * kE2M1ToE4M3Rescale;
       acc[cg][0] = fmaf(d[0] * sa0, sw0, acc[cg][0]);
       acc[cg][1] = fmaf(d[1] * sa1, sw0, acc[cg][1]);
       acc[cg][2] = fmaf(d[2] * sa0, sw1, acc[cg][2]);
@@ -159,14 +189,13 @@ __device__ __forceinline__ void prefill_kb(const uint32_t (&a)[4], float sw0, fl
 
 // K blocks [k0, kb1) of one 16-row weight tile (rows r0 = g, r1 = g + 8, scales sc0 / sc1), in
 // order, kLoadKb at a time: the weight words and scales of kLoadKb blocks are loaded before any
-// is used (memory-level parallelism; the order of the updates is unchanged).
-constexpr int kLoadKb = 4;
+// is used (memory-level parallelism; the order of the updates is unchanged). The activations of
+// those blocks are in stage (staged from K block k0).
+constexpr int kLoadKb = 8;
 __device__ __forceinline__ void weight_steps(const uint8_t* r0, const uint8_t* r1,
                                              const uint8_t* sc0, const uint8_t* sc1, int k0,
-                                             int kb1, int ngroups, const int (&act_row)[kGroups],
-                                             const int (&row0)[kGroups], const int (&row1)[kGroups],
-                                             const uint8_t* act, const float* act_s, int act_k,
-                                             int nkb, float (&acc)[kGroups][4]) {
+                                             int kb1, int ngroups, const uint8_t* stage,
+                                             float (&acc)[kGroups][4]) {
   const int t = threadIdx.x & 3;
   for (int kc = k0; kc < kb1; kc += kLoadKb) {
     uint32_t q0[kLoadKb], q1[kLoadKb];
@@ -185,17 +214,16 @@ __device__ __forceinline__ void weight_steps(const uint8_t* r0, const uint8_t* r
         uint32_t a[4];
         e2m1x8_to_e4m3_scaled(q0[u], a[0], a[2]);
         e2m1x8_to_e4m3_scaled(q1[u], a[1], a[3]);
-        prefill_kb(a, sw0[u], sw1[u], kc + u, ngroups, act_row, row0, row1, act, act_s, act_k, nkb,
-                   acc);
+        prefill_kb(a, sw0[u], sw1[u], kc + u - k0, ngroups, stage, acc);
       }
     }
   }
 }
 
 __global__ void __launch_bounds__(kW13Warps * 32) prefill_w13_kernel(const PrefillW13Params p) {
+  extern __shared__ __align__(16) uint8_t stage[];  // kStageBytes; then the epilogue's s_acc
   __shared__ int s_tok[kCols];
   __shared__ int s_pair[kCols];
-  __shared__ float s_acc[kW13Warps][kGroups][128];
   const int item = blockIdx.y;
   if (item >= *p.n_items) return;
   const int expert = p.items[3 * item], pos0 = p.items[3 * item + 1], n = p.items[3 * item + 2];
@@ -205,7 +233,7 @@ __global__ void __launch_bounds__(kW13Warps * 32) prefill_w13_kernel(const Prefi
     s_tok[c] = pair >= 0 ? pair / p.topk : -1;
   }
   __syncthreads();
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
   const int group = blockIdx.x;
   const int row = group * 32 + (warp & 1) * 16 + g;
   const bool up = warp >= 2;
@@ -216,28 +244,26 @@ __global__ void __launch_bounds__(kW13Warps * 32) prefill_w13_kernel(const Prefi
   const uint8_t* sc0 = (up ? p.w3s : p.w1s) + wrow * nkb;
   const uint8_t* sc1 = sc0 + size_t(8) * nkb;
   const int ngroups = (n + 7) / 8;
-  int act_row[kGroups], row0[kGroups], row1[kGroups];
-#pragma unroll
-  for (int cg = 0; cg < kGroups; ++cg) {
-    act_row[cg] = s_tok[cg * 8 + g];
-    row0[cg] = s_tok[cg * 8 + 2 * t];
-    row1[cg] = s_tok[cg * 8 + 2 * t + 1];
-  }
+  const auto tok = [&](int c) { return s_tok[c]; };
   float total[kGroups][4];
   const int splits = (nkb + kKbPerSplitDecode - 1) / kKbPerSplitDecode;
   for (int s = 0; s < splits; ++s) {
+    const int kb0 = s * kKbPerSplitDecode, kb1 = min(nkb, kb0 + kKbPerSplitDecode);
+    if (s > 0) __syncthreads();  // every warp is done with the previous split's stage
+    stage_act(stage, ngroups * 8, tok, p.x, p.xs, p.dim, nkb, kb0, kb1 - kb0);
+    __syncthreads();
     float acc[kGroups][4];
 #pragma unroll
     for (int cg = 0; cg < kGroups; ++cg) acc[cg][0] = acc[cg][1] = acc[cg][2] = acc[cg][3] = 0.f;
-    const int kb1 = min(nkb, (s + 1) * kKbPerSplitDecode);
-    weight_steps(r0, r1, sc0, sc1, s * kKbPerSplitDecode, kb1, ngroups, act_row, row0, row1, p.x,
-                 p.xs, p.dim, nkb, acc);
+    weight_steps(r0, r1, sc0, sc1, kb0, kb1, ngroups, stage, acc);
     // The decode path's split sum: acc = partial[0]; acc += partial[s] in split order.
 #pragma unroll
     for (int cg = 0; cg < kGroups; ++cg)
 #pragma unroll
       for (int i = 0; i < 4; ++i) total[cg][i] = s == 0 ? acc[cg][i] : total[cg][i] + acc[cg][i];
   }
+  __syncthreads();  // the stage becomes s_acc
+  auto s_acc = reinterpret_cast<float(*)[kGroups][128]>(stage);
 #pragma unroll
   for (int cg = 0; cg < kGroups; ++cg)
     if (cg < ngroups)
@@ -281,6 +307,7 @@ struct PrefillW2Params {
 };
 
 __global__ void __launch_bounds__(kW2Warps * 32) prefill_w2_kernel(const PrefillW2Params p) {
+  extern __shared__ __align__(16) uint8_t stage[];  // kStageBytes
   __shared__ int s_pair[kCols];
   const int item = blockIdx.y;
   if (item >= *p.n_items) return;
@@ -289,29 +316,31 @@ __global__ void __launch_bounds__(kW2Warps * 32) prefill_w2_kernel(const Prefill
   __syncthreads();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int tile = blockIdx.x * kW2Warps + warp;
-  if (tile * 16 >= p.dim) return;
+  // A warp past the last tile still helps stage (the CTA's barriers need every thread).
+  const bool live = tile * 16 < p.dim;
+  const int tile_c = live ? tile : 0;
   const int nkb = p.inter / 32;
   const size_t row_bytes = p.inter / 2;
-  const size_t wrow = size_t(expert) * p.dim + size_t(tile) * 16 + g;
+  const size_t wrow = size_t(expert) * p.dim + size_t(tile_c) * 16 + g;
   const uint8_t* r0 = p.w2 + wrow * row_bytes;
   const uint8_t* r1 = r0 + 8 * row_bytes;
   const uint8_t* sc0 = p.w2s + wrow * nkb;
   const uint8_t* sc1 = sc0 + size_t(8) * nkb;
   const int ngroups = (n + 7) / 8;
   // h rows are the sorted positions pos0 + c (column c valid when c < n).
-  int act_row[kGroups], row0[kGroups], row1[kGroups];
-#pragma unroll
-  for (int cg = 0; cg < kGroups; ++cg) {
-    const int c = cg * 8 + g, c0 = cg * 8 + 2 * t, c1 = c0 + 1;
-    act_row[cg] = c < n ? pos0 + c : -1;
-    row0[cg] = c0 < n ? pos0 + c0 : -1;
-    row1[cg] = c1 < n ? pos0 + c1 : -1;
-  }
+  const auto hrow = [&](int c) { return c < n ? pos0 + c : -1; };
   float acc[kGroups][4];
 #pragma unroll
   for (int cg = 0; cg < kGroups; ++cg) acc[cg][0] = acc[cg][1] = acc[cg][2] = acc[cg][3] = 0.f;
-  weight_steps(r0, r1, sc0, sc1, 0, nkb, ngroups, act_row, row0, row1, p.h_codes, p.h_scales,
-               p.inter, nkb, acc);
+  // w2 sums all of inter from 0 (no splits); staged kStageKb K blocks at a time.
+  for (int kb0 = 0; kb0 < nkb; kb0 += kStageKb) {
+    const int kb1 = min(nkb, kb0 + kStageKb);
+    if (kb0 > 0) __syncthreads();
+    stage_act(stage, ngroups * 8, hrow, p.h_codes, p.h_scales, p.inter, nkb, kb0, kb1 - kb0);
+    __syncthreads();
+    if (live) weight_steps(r0, r1, sc0, sc1, kb0, kb1, ngroups, stage, acc);
+  }
+  if (!live) return;
   const int rbase = tile * 16;
   auto out = [&](int pair) {
     return p.y + (pair / p.topk) * p.y_row_stride + size_t(pair % p.topk) * p.dim + rbase;
@@ -391,13 +420,13 @@ void MoeFp4Prefill::experts_impl(const Fp4ExpertsView& w, const QuantActView& x,
   const PrefillW13Params a{w.w1,     w.w1_scale,   w.w3,     w.w3_scale, dim_,    inter_,
                            topk_,    x.codes,      x.scales, topk_w,     sorted_, items_,
                            n_items_, swiglu_limit, h_codes_, h_scales_};
-  prefill_w13_kernel<<<dim3(inter_ / 32, items), kW13Warps * 32, 0, stream>>>(a);
+  prefill_w13_kernel<<<dim3(inter_ / 32, items), kW13Warps * 32, kStageBytes, stream>>>(a);
   UF_CUDA_CHECK(cudaGetLastError());
   const PrefillW2Params b{w.w2,     w.w2_scale, dim_,      inter_, topk_,        sorted_, items_,
                           n_items_, h_codes_,   h_scales_, y,      y_row_stride, round_w2};
   const int tiles = dim_ / 16;
-  prefill_w2_kernel<<<dim3((tiles + kW2Warps - 1) / kW2Warps, items), kW2Warps * 32, 0, stream>>>(
-      b);
+  prefill_w2_kernel<<<dim3((tiles + kW2Warps - 1) / kW2Warps, items), kW2Warps * 32, kStageBytes,
+                      stream>>>(b);
   UF_CUDA_CHECK(cudaGetLastError());
 }
 
