@@ -124,16 +124,13 @@ CudaModel::SpanBlock CudaModel::draft_block() const {
 // Slots: ring slots 0 .. min(W, p+1)-1 in slot order (slot k holds the latest position congruent
 // to k), then the block's own entries; the same list for every row.
 void CudaModel::draft_attention(const SpanBlock& b, int stage, const float* x, float* out) {
-  const int B = b.T, H = H_, hd = cfg_.head_dim, W = cfg_.window_size, l = cfg_.n_layers + stage;
-  const auto& op = *layers_[size_t(l)];
+  const int B = b.T, hd = cfg_.head_dim, W = cfg_.window_size, l = cfg_.n_layers + stage;
   const int64_t* pos = b.at<int64_t>(block_dev_, b.pos);
   project_qkv(l, x, B, 0, qr_, q_, kv_, pos);
   build_draft_slots(b.at<int64_t>(block_dev_, b.p0), W, B,
                     b.at<float*>(block_dev_, b.stage_window[size_t(stage)]), W + opts_.max_rows,
                     kv_, hd, win_ptrs_, stream_);
-  const float scale = float(std::pow(double(hd), -0.5));
-  sparse_attn(q_, B, H, hd, win_ptrs_, W + B, nullptr, 0, nullptr, op.sink, scale, o_, stream_,
-              nullptr, attn_scratch_);
+  attend(l, B, win_ptrs_, W + B, nullptr, 0, nullptr, nullptr);
   output_proj(l, o_, B, 0, out, pos);
 }
 

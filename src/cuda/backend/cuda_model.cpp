@@ -51,6 +51,12 @@ CudaModel::CudaModel(model::ModelConfig cfg, const model::Checkpoint& ckpt,
            opts_.device, n_dev);
   UF_CUDA_CHECK(cudaSetDevice(opts_.device));
   UF_CUDA_CHECK(cudaStreamCreate(&stream_));
+  main_stream_ = stream_;
+  for (int i = 0; i < kSideStreams; ++i) {
+    UF_CUDA_CHECK(cudaStreamCreateWithFlags(&side_[i], cudaStreamNonBlocking));
+    UF_CUDA_CHECK(cudaEventCreateWithFlags(&fork_ev_[i], cudaEventDisableTiming));
+    UF_CUDA_CHECK(cudaEventCreateWithFlags(&side_done_[i], cudaEventDisableTiming));
+  }
 
   w_ = model::bind_weights(cfg_, ckpt);
   H_ = cfg_.n_heads;
@@ -226,11 +232,21 @@ CudaModel::CudaModel(model::ModelConfig cfg, const model::Checkpoint& ckpt,
   pool_gate_ptrs_ = arena_.alloc<const float*>(T * size_t(max_ratio));
   key_ptrs_ = arena_.alloc<const float*>(T);
   mix_scratch_ = arena_.alloc<float>(hc_mixes_scratch_floats(hc_, tmax_));
-  // Decode and verify steps (<= max_rows rows) and draft blocks attend in split mode: T * H CTAs
-  // alone would leave most SMs idle.
-  attn_scratch_ = arena_.alloc<float>(
-      sparse_attn_scratch_floats(std::max(opts_.max_rows, B), H_, cfg_.head_dim,
-                                 cfg_.window_size + std::max(cfg_.index_topk, std::max(B, 0))));
+  // Every span attends in split mode (attend): for steps and draft blocks T * H CTAs alone would
+  // leave most SMs idle, and for prefill chunks the split kernels stage each KV row once for 8
+  // heads where the one-CTA-per-(row, head) reference path reads it once per head. Prefill chunks
+  // go in groups of rows whose scratch stays within kAttnScratchBytes (at least 64 rows, at
+  // least a step or a draft block).
+  {
+    constexpr size_t kAttnScratchBytes = size_t(64) << 20;
+    const int slots = cfg_.window_size + std::max(cfg_.index_topk, std::max(B, 0));
+    const size_t row_bytes =
+        sparse_attn_scratch_floats(1, H_, cfg_.head_dim, slots) * sizeof(float);
+    const int fit = int(std::min<size_t>(kAttnScratchBytes / row_bytes, size_t(T)));
+    attn_rows_ = std::max({opts_.max_rows, B, std::min(64, int(T)), fit});
+    attn_scratch_ =
+        arena_.alloc<float>(sparse_attn_scratch_floats(attn_rows_, H_, cfg_.head_dim, slots));
+  }
   emit_ = arena_.alloc<float>(T * hd);
   if (!cfg_.index_source_layers.empty())
     emit_keys_ = arena_.alloc<float>(T * size_t(cfg_.index_head_dim));
@@ -293,8 +309,33 @@ CudaModel::~CudaModel() {
   if (score_) cudaFree(score_);
   if (keep_) cudaFree(keep_);
   if (index_ws_) cudaFree(index_ws_);
-  if (stream_) cudaStreamDestroy(stream_);
+  for (int i = 0; i < kSideStreams; ++i) {
+    if (side_done_[i]) cudaEventDestroy(side_done_[i]);
+    if (fork_ev_[i]) cudaEventDestroy(fork_ev_[i]);
+    if (side_[i]) cudaStreamDestroy(side_[i]);
+  }
+  if (main_stream_) cudaStreamDestroy(main_stream_);
 }
+
+// Events are recorded and waited on at enqueue time, so one event per side stream serves every
+// fork and join in turn.
+void CudaModel::fork(int side) {
+  UF_CHECK(open_side_ < 0 && side >= 0 && side < kSideStreams,
+           "fork({}): side {} is open (branches start from the main stream)", side, open_side_);
+  UF_CUDA_CHECK(cudaEventRecord(fork_ev_[side], main_stream_));
+  UF_CUDA_CHECK(cudaStreamWaitEvent(side_[side], fork_ev_[side], 0));
+  stream_ = side_[side];
+  open_side_ = side;
+}
+
+void CudaModel::unfork() {
+  UF_CHECK(open_side_ >= 0, "unfork: no branch is open");
+  UF_CUDA_CHECK(cudaEventRecord(side_done_[open_side_], stream_));
+  stream_ = main_stream_;
+  open_side_ = -1;
+}
+
+void CudaModel::join(int side) { UF_CUDA_CHECK(cudaStreamWaitEvent(stream_, side_done_[side], 0)); }
 
 int64_t CudaModel::compressed_id(int32_t token) const {
   UF_CHECK(token >= 0 && token < cfg_.vocab_size, "token id {} is outside the vocab of {}", token,
@@ -390,9 +431,28 @@ void CudaModel::project_qkv(int l, const float* x, int T, int64_t p0, float* qr,
 
 void CudaModel::finish_q(int l, float* qr, int T, int64_t p0, float* q, const int64_t* pos) {
   const auto& op = *layers_[size_t(l)];
-  rms_norm(op.q_norm, float(cfg_.norm_eps), qr, T, cfg_.q_lora_rank, qr, stream_);
+  // rms_norm and rope as PDL launches (row_chains, bitwise the ops).
+  RowChain c;
+  c.rows = T;
+  c.n = cfg_.q_lora_rank;
+  c.y = qr;
+  c.norm = op.q_norm;
+  c.eps = float(cfg_.norm_eps);
+  if (c.n <= kRowChainMaxNorm)
+    row_chains(&c, 1, nullptr, stream_);
+  else
+    rms_norm(op.q_norm, c.eps, qr, T, c.n, qr, stream_);
   op.wq_b.apply(qr, T, q, stream_);
-  rope(op.freqs, op.rope_dim, q, T, H_, cfg_.head_dim, p0, 1, false, stream_, pos);
+  c = RowChain{};
+  c.rows = T;
+  c.n = H_ * cfg_.head_dim;
+  c.y = q;
+  c.count = H_;
+  c.freqs = op.freqs;
+  c.rope_dim = op.rope_dim;
+  c.p0 = p0;
+  c.positions = pos;
+  row_chains(&c, 1, nullptr, stream_);
 }
 
 void CudaModel::project_kv(int l, const float* x, int T, int64_t p0, float* kv,
@@ -403,16 +463,38 @@ void CudaModel::project_kv(int l, const float* x, int T, int64_t p0, float* kv,
 
 void CudaModel::finish_kv(int l, float* kv, int T, int64_t p0, const int64_t* pos) {
   const auto& op = *layers_[size_t(l)];
-  const int hd = cfg_.head_dim;
-  rms_norm(op.kv_norm, float(cfg_.norm_eps), kv, T, hd, kv, stream_);
-  rope(op.freqs, op.rope_dim, kv, T, 1, hd, p0, 1, false, stream_, pos);
-  qdq_fp8(kv, T, hd, 32, stream_);
+  // rms_norm(kv_norm) + rope + qdq_fp8 (blocks of 32) in one launch, bitwise the three ops.
+  RowChain c;
+  c.rows = T;
+  c.n = cfg_.head_dim;
+  c.y = kv;
+  c.norm = op.kv_norm;
+  c.eps = float(cfg_.norm_eps);
+  c.freqs = op.freqs;
+  c.rope_dim = op.rope_dim;
+  c.p0 = p0;
+  c.positions = pos;
+  c.qdq = QdqKind::kFp8;
+  c.qdq_block = 32;
+  row_chains(&c, 1, nullptr, stream_);
 }
 
 void CudaModel::output_proj(int l, float* o, int T, int64_t p0, float* out, const int64_t* pos) {
   const auto& op = *layers_[size_t(l)];
   const int H = H_, hd = cfg_.head_dim, G = G_, R = cfg_.o_lora_rank;
-  rope(op.freqs, op.rope_dim, o, T, H, hd, p0, 1, /*inverse=*/true, stream_, pos);
+  {  // rope(inverse) as a PDL launch: wo_a's CTAs can start loading weights while it runs
+    RowChain c;
+    c.rows = T;
+    c.n = H * hd;
+    c.y = o;
+    c.count = H;
+    c.freqs = op.freqs;
+    c.rope_dim = op.rope_dim;
+    c.p0 = p0;
+    c.positions = pos;
+    c.inverse = true;
+    row_chains(&c, 1, nullptr, stream_);
+  }
   // wo_a is block-diagonal over groups: a bf16 einsum without activation quantisation.
   const int gin = H * hd / G;
   for (int g = 0; g < G; ++g)
@@ -681,16 +763,34 @@ void CudaModel::kv_path(Span& sp, int l, const float* x) {
 void CudaModel::finish_entries(int l, float* lat, int n, float* keys, int64_t p0, int64_t stride,
                                const int64_t* pos) {
   const auto& op = *layers_[size_t(l)];
-  const int hd = cfg_.head_dim;
+  // The keys' rms_norm + rope + FP4 (UE8M0 scales, blocks of 32) and the latents' rope + FP4 (E4M3
+  // scales, blocks of 16) in one launch after i_wk (which reads the latents before their rope).
+  RowChain c[2];
+  int nc = 0;
+  auto entries = [&](RowChain& e, float* y, int width) {
+    e.rows = n;
+    e.n = width;
+    e.y = y;
+    e.freqs = op.freqs;
+    e.rope_dim = op.rope_dim;
+    e.p0 = p0;
+    e.stride = stride;
+    e.positions = pos;
+  };
   if (cfg_.role(l).index_source) {
-    const int ihd = cfg_.index_head_dim;
     op.i_wk.apply(lat, n, keys, stream_);
-    rms_norm(op.i_k_norm, float(cfg_.norm_eps), keys, n, ihd, keys, stream_);
-    rope(op.freqs, op.rope_dim, keys, n, 1, ihd, p0, stride, false, stream_, pos);
-    qdq_fp4_e8m0_scale(keys, n, ihd, 32, stream_);
+    RowChain& k = c[nc++];
+    entries(k, keys, cfg_.index_head_dim);
+    k.norm = op.i_k_norm;
+    k.eps = float(cfg_.norm_eps);
+    k.qdq = QdqKind::kFp4E8m0;
+    k.qdq_block = 32;
   }
-  rope(op.freqs, op.rope_dim, lat, n, 1, hd, p0, stride, false, stream_, pos);
-  qdq_fp4_e4m3_scale(lat, n, hd, 16, stream_);
+  RowChain& v = c[nc++];
+  entries(v, lat, cfg_.head_dim);
+  v.qdq = QdqKind::kFp4E4m3;
+  v.qdq_block = 16;
+  row_chains(c, nc, nullptr, stream_);
 }
 
 void CudaModel::index_queries(int l, const float* x, const float* qr, int T, int64_t p0,
@@ -702,9 +802,24 @@ void CudaModel::index_queries(int l, const float* x, const float* qr, int T, int
   // The whole model's index head count (not the rank's) sets the scale.
   const float wscale =
       float(std::pow(double(ihd), -0.5) * std::pow(double(cfg_.index_n_heads), -0.5));
-  scale_round_bf16(iw_, int64_t(T) * Hi, wscale, stream_);
-  rope(op.freqs, op.rope_dim, iq_, T, Hi, ihd, p0, 1, false, stream_, pos);
-  qdq_fp4_e8m0_scale(iq_, T, Hi * ihd, 32, stream_);
+  // scale_round_bf16(iw_) and the queries' rope + FP4 (UE8M0 scales, blocks of 32) in one launch.
+  RowChain c[2];
+  c[0].rows = T;
+  c[0].n = Hi;
+  c[0].y = iw_;
+  c[0].scale_round = true;
+  c[0].scale = wscale;
+  c[1].rows = T;
+  c[1].n = Hi * ihd;
+  c[1].y = iq_;
+  c[1].freqs = op.freqs;
+  c[1].rope_dim = op.rope_dim;
+  c[1].count = Hi;
+  c[1].p0 = p0;
+  c[1].positions = pos;
+  c[1].qdq = QdqKind::kFp4E8m0;
+  c[1].qdq_block = 32;
+  row_chains(c, 2, nullptr, stream_);
 }
 
 void CudaModel::index_select(int l, int T, const float* const* keys, const int32_t* vis,
@@ -766,6 +881,19 @@ void CudaModel::indexer(Span& sp, int l, const float* x, const float* qr) {
   sp.topk_valid[size_t(l)] = 1;
 }
 
+void CudaModel::attend(int l, int T, const float* const* window, int n_window, const int32_t* topk,
+                       int k, const float* ckv, const float* const* ckv_ref) {
+  const int H = H_, hd = cfg_.head_dim;
+  const float scale = float(std::pow(double(hd), -0.5));
+  for (int t0 = 0; t0 < T; t0 += attn_rows_) {
+    const int n = std::min(attn_rows_, T - t0);
+    const int64_t o = int64_t(t0) * H * hd;
+    sparse_attn(q_ + o, n, H, hd, window + int64_t(t0) * n_window, n_window,
+                topk ? topk + int64_t(t0) * k : nullptr, k, ckv, layers_[size_t(l)]->sink, scale,
+                o_ + o, stream_, ckv_ref, attn_scratch_);
+  }
+}
+
 void CudaModel::attention(Span& sp, int l, const float* x, float* out) {
   if (sp.program) {
     attention_program(*sp.program, l, x, out);
@@ -774,9 +902,8 @@ void CudaModel::attention(Span& sp, int l, const float* x, float* out) {
   // Host-driven spans are prefill-layout ones (forward, CED); ring spans are span programs.
   UF_CHECK(sp.prefill, "layer {}: a ring-layout span reached the host-driven attention", l);
   const auto& role = cfg_.role(l);
-  const auto& op = *layers_[size_t(l)];
   auto& st = sp.s->layers[size_t(l)];
-  const int T = sp.T, H = H_, hd = cfg_.head_dim, W = cfg_.window_size;
+  const int T = sp.T, hd = cfg_.head_dim, W = cfg_.window_size;
   project_qkv(l, x, T, sp.p0, qr_, q_, kv_);
   const int32_t* topk = nullptr;
   int k = 0;
@@ -790,7 +917,6 @@ void CudaModel::attention(Span& sp, int l, const float* x, float* out) {
     }
     ckv = sp.s->layers[size_t(role.kv_from)].ckv;
   }
-  const float scale = float(std::pow(double(hd), -0.5));
   // The prefill layout: row t sees the span's own rows from max(p0, p - W + 1) to p.
   const int nw = std::min(T, W);
   std::vector<const float*> slots(size_t(T) * size_t(nw));
@@ -801,7 +927,7 @@ void CudaModel::attention(Span& sp, int l, const float* x, float* out) {
     for (int j = 0; j < nw; ++j) row[j] = lo + j <= p ? kv_ + (lo + j - sp.p0) * hd : nullptr;
   }
   to_device(win_ptrs_, slots);
-  sparse_attn(q_, T, H, hd, win_ptrs_, nw, topk, k, ckv, op.sink, scale, o_, stream_);
+  attend(l, T, win_ptrs_, nw, topk, k, ckv, nullptr);
   // After the attention (stream order): the span's window KV into the ring.
   for (int t = std::max(0, T - st.window.slots); t < T; ++t)
     UF_CUDA_CHECK(cudaMemcpyAsync(st.window.put(sp.pos[size_t(t)]), kv_ + int64_t(t) * hd,

@@ -231,7 +231,6 @@ class CudaModel {
   // CED: a ring-layout encoder chunk on a non-empty session (sp: its span). Returns the publisher
   // after it; commits it (no DSpark rows) unless it is the last chunk, whose rows stay in X_.
   int ced_encoder_chunk(CudaSession& s, std::span<const int32_t> tokens, Span& sp, bool last);
-  void indexer_program(const SpanBlock& b, int l, const float* x, const float* qr);
   // Device verification of the last verify rows (logits_) against g drafts whose q rows are at
   // q on the device: verify_last (host q rows, uploaded) and verify_last_drafted (the device
   // draft's) both end here.
@@ -277,6 +276,10 @@ class CudaModel {
   // A DSpark stage's attention of a draft program: over its window ring and the block itself.
   void draft_attention(const SpanBlock& b, int stage, const float* x, float* out);
   void attention(Span& sp, int l, const float* x, float* out);
+  // sparse_attn of T rows on the fast chunked path, in groups of attn_rows_ rows (its scratch
+  // grows with the rows): decode steps, draft blocks and prefill chunks alike.
+  void attend(int l, int T, const float* const* window, int n_window, const int32_t* topk, int k,
+              const float* ckv, const float* const* ckv_ref);
   void kv_path(Span& sp, int l, const float* x);
   void indexer(Span& sp, int l, const float* x, const float* qr);
   // Shared by the host-driven path and the span programs. Rows are at positions p0 + t * stride,
@@ -341,8 +344,22 @@ class CudaModel {
   std::optional<model::EngramHasher> hasher_;
   HcShape hc_;
   int tmax_ = 0;
+  // The stream every op of the model launches on: main_stream_, or a side stream while a graph
+  // branch is open (fork .. unfork), so the ops themselves never name a stream.
   cudaStream_t stream_ = nullptr;
-  DeviceArena arena_;                          // weights and fixed scratch
+  cudaStream_t main_stream_ = nullptr;
+  // Graph branches: work of a layer that does not depend on the main chain (the compressor, the
+  // indexer) runs on a side stream; CUDA graph capture records the event edges as dependencies
+  // and an eager run keeps them. Forks start from the main stream only.
+  static constexpr int kSideStreams = 2;
+  cudaStream_t side_[kSideStreams] = {};
+  cudaEvent_t fork_ev_[kSideStreams] = {};
+  cudaEvent_t side_done_[kSideStreams] = {};
+  int open_side_ = -1;
+  void fork(int side);  // side waits for the main stream's work so far; stream_ = side
+  void unfork();        // stream_ = the main stream (the branch keeps running)
+  void join(int side);  // stream_ (main or another side) waits for side's work so far
+  DeviceArena arena_;   // weights and fixed scratch
   std::vector<std::vector<uint8_t>> staging_;  // host sources of uploads in flight
 
   // Weights on the device.
@@ -366,7 +383,8 @@ class CudaModel {
     int T = 0;
   };
   MixReady mix_ready_;
-  float* attn_scratch_ = nullptr;  // sparse_attn's split mode (span and draft programs)
+  float* attn_scratch_ = nullptr;  // sparse_attn's split mode, attn_rows_ rows (attend)
+  int attn_rows_ = 0;
   float *mh_ = nullptr, *logits_ = nullptr, *emb_ = nullptr;
   int32_t *ids_ = nullptr, *gate_i_ = nullptr, *vis_ = nullptr, *width_ = nullptr;
   float* gate_w_ = nullptr;

@@ -241,30 +241,100 @@ void CudaModel::attention_program(const SpanBlock& b, int l, const float* x, flo
   const auto& L = b.layers[size_t(l)];
   const int T = b.T, H = H_, hd = cfg_.head_dim, W = cfg_.window_size;
   const int64_t* pos = b.at<int64_t>(block_dev_, b.pos);
-  project_qkv(l, x, T, 0, qr_, q_, kv_, pos);
+  const int slots = W + opts_.max_rows;  // CudaSession window rings (new_session)
+  float* const* ring = b.at<float*>(block_dev_, L.window);
+  // Graph branches: the compressor (it reads only x) and the indexer (x and the normed qr) run on
+  // side streams beside the q / kv projections; the attention joins them. Their buffers (the
+  // compressor's rows and entries, the index queries, scores and selections) are theirs alone,
+  // and a layer that is both keeps its keys' order: the index scores wait for the compressor.
+  const bool kv_branch = role.compress_ratio > 0 && role.kv_source;
+  const bool index_branch = role.compress_ratio > 0 && role.index_source;
+  if (kv_branch) {
+    fork(0);
+    kv_program(b, l, x);
+    unfork();
+  }
+  // project_qkv with finish_q's rope and finish_kv's chain in one launch (bitwise the ops).
+  const LinearCall calls[] = {{&op.wq_a, qr_}, {&op.wkv, kv_}};
+  DeviceLinear::apply_group(calls, x, T, stream_);
+  RowChain c[2];
+  if (cfg_.q_lora_rank <= kRowChainMaxNorm) {  // rms_norm(q_norm) as a PDL launch
+    c[0].rows = T;
+    c[0].n = cfg_.q_lora_rank;
+    c[0].y = qr_;
+    c[0].norm = op.q_norm;
+    c[0].eps = float(cfg_.norm_eps);
+    row_chains(c, 1, nullptr, stream_);
+    c[0] = RowChain{};
+  } else {
+    rms_norm(op.q_norm, float(cfg_.norm_eps), qr_, T, cfg_.q_lora_rank, qr_, stream_);
+  }
+  if (index_branch) {
+    fork(1);
+    index_queries(l, x, qr_, T, 0, pos);
+    if (kv_branch) join(0);  // this layer's new index keys
+    index_select(l, T, b.at<const float*>(block_dev_, L.keys), b.at<int32_t>(block_dev_, L.vis),
+                 b.at<int32_t>(block_dev_, L.width));
+    unfork();
+  }
+  op.wq_b.apply(qr_, T, q_, stream_);
+  c[0].rows = T;  // rope(q): H vectors of head_dim per row
+  c[0].n = H * hd;
+  c[0].y = q_;
+  c[0].count = H;
+  c[1].rows = T;  // rms_norm(kv_norm) + rope + qdq_fp8 (blocks of 32)
+  c[1].n = hd;
+  c[1].y = kv_;
+  c[1].norm = op.kv_norm;
+  c[1].eps = float(cfg_.norm_eps);
+  c[1].qdq = QdqKind::kFp8;
+  c[1].qdq_block = 32;
+  for (RowChain& e : c) {
+    e.freqs = op.freqs;
+    e.rope_dim = op.rope_dim;
+    e.positions = pos;
+  }
+  // Steps (T <= max_rows) put the span's KV rows into the window ring and build the slot list in
+  // the same launch, BEFORE the attention reads the ring. That cannot overwrite a row the attention
+  // reads: row t reads ring rows of positions q in [p0 - W + 1, p0 - 1] only (its positions >= p0
+  // come from kv_), the put writes positions p in [p0, p0 + T - 1], and two positions share a slot
+  // only if they differ by a multiple of slots = W + max_rows, while 0 < p - q <= T + W - 2 <
+  // W + max_rows. The slot list holds pointers only (no ring row is read in this launch), and
+  // nothing between here and the attention writes the window ring (the compressor and the indexer
+  // have their own buffers). Longer chunks put their last `slots` rows after the attention: those
+  // can take slots of window positions still to be read.
+  const bool early = T <= opts_.max_rows;
+  WindowSlotsJob ws;
+  ws.pos = pos;
+  ws.p0 = b.at<int64_t>(block_dev_, b.p0);
+  ws.T = T;
+  ws.W = W;
+  ws.ring = ring;
+  ws.ring_slots = slots;
+  ws.local = kv_;
+  ws.hd = hd;
+  ws.out = win_ptrs_;
+  if (early) {
+    c[1].ring = ring;
+    c[1].ring_pos = pos;
+    c[1].ring_slots = slots;
+  }
+  row_chains(c, 2, early ? &ws : nullptr, stream_);
   const int32_t* topk = nullptr;
   int k = 0;
   const float* const* ckv = nullptr;
+  if (kv_branch) join(0);
+  if (index_branch) join(1);
   if (role.compress_ratio > 0) {
-    if (role.kv_source) kv_program(b, l, x);
-    if (role.index_source) indexer_program(b, l, x, qr_);
     if (role.topk_from >= 0) {  // plan_ring_span checked that its indexer ran
       topk = topk_[size_t(role.topk_from)];
       k = cfg_.index_topk;
     }
     ckv = b.at<const float*>(block_dev_, L.ckv_src);
   }
-  const int slots = W + opts_.max_rows;  // CudaSession window rings (new_session)
-  float* const* ring = b.at<float*>(block_dev_, L.window);
-  build_window_slots(pos, b.at<int64_t>(block_dev_, b.p0), T, W, ring, slots, kv_, hd, win_ptrs_,
-                     stream_);
-  const float scale = float(std::pow(double(hd), -0.5));
-  // Steps of up to max_rows rows attend in split mode (one CTA per 16 slots for 8 heads, then a
-  // merge); longer chunks have CTAs enough without it.
-  float* split = T <= opts_.max_rows ? attn_scratch_ : nullptr;
-  sparse_attn(q_, T, H, hd, win_ptrs_, W, topk, k, nullptr, op.sink, scale, o_, stream_, ckv,
-              split);
-  put_ring_rows(kv_, T, hd, pos, ring, slots, stream_);  // after the attention read the ring
+  if (!early) build_window_slots(pos, ws.p0, T, W, ring, slots, kv_, hd, win_ptrs_, stream_);
+  attend(l, T, win_ptrs_, W, topk, k, nullptr, ckv);
+  if (!early) put_ring_rows(kv_, T, hd, pos, ring, slots, stream_);  // after the attention read it
   output_proj(l, o_, T, 0, out, pos);
 }
 
@@ -273,37 +343,96 @@ void CudaModel::kv_program(const SpanBlock& b, int l, const float* x) {
   const auto& op = *layers_[size_t(l)];
   const auto& L = b.layers[size_t(l)];
   const int T = b.T, hd = cfg_.head_dim, r = role.compress_ratio, G = L.gmax;
-  const float eps = float(cfg_.norm_eps);
   const int64_t* pos = b.at<int64_t>(block_dev_, b.pos);
+  const int64_t* emit_pos = b.at<int64_t>(block_dev_, L.emit_pos);
+  const int32_t* n = b.at<int32_t>(block_dev_, L.n_emit);
+  // Launch 1: the G entries' source (c_wkv's rows, or compress_pool + round_bf16 of the pre-pool
+  // rows) and rms_norm(c_norm); without an indexer also finish_entries' latent chain (rope + FP4,
+  // E4M3 scales, blocks of 16) and copy_rows_to into the session. Launch 2 (indexer layers), after
+  // i_wk read the normed latents: the keys' chain (rms_norm + rope + FP4, UE8M0 scales, blocks of
+  // 32) and the latents' chain, each with its copy. Bitwise the unfused ops.
+  RowChain src;
+  src.rows = G;
+  src.n = hd;
+  src.y = emit_;
+  src.norm = op.c_norm;
+  src.eps = float(cfg_.norm_eps);
+  auto entries = [&](RowChain& e) {
+    e.freqs = op.freqs;
+    e.rope_dim = op.rope_dim;
+    e.positions = emit_pos;
+    e.copy_n = n;
+  };
+  RowChain lat;
+  lat.rows = G;
+  lat.n = hd;
+  lat.y = emit_;
+  entries(lat);
+  lat.qdq = QdqKind::kFp4E4m3;
+  lat.qdq_block = 16;
+  lat.copy_dst = b.at<float*>(block_dev_, L.ckv_dst);
+  if (!role.index_source) {  // the latents' chain continues the source's
+    src.freqs = lat.freqs;
+    src.rope_dim = lat.rope_dim;
+    src.positions = lat.positions;
+    src.qdq = lat.qdq;
+    src.qdq_block = lat.qdq_block;
+    src.copy_n = lat.copy_n;
+    src.copy_dst = lat.copy_dst;
+  }
+  RowChain c[3];
+  int nc = 0;
+  c[nc++] = src;
   if (r == 1) {
     op.c_wkv.apply(x, T, emit_, stream_);
-    rms_norm(op.c_norm, eps, emit_, T, hd, emit_, stream_);
+    row_chains(c, nc, nullptr, stream_);
   } else {
     const LinearCall kv_gate[] = {{&op.c_wkv, ckv_kv_}, {&op.c_wgate, ckv_gate_}};
     DeviceLinear::apply_group(kv_gate, x, T, stream_);
-    compress_pool(b.at<const float*>(block_dev_, L.pool_kv),
-                  b.at<const float*>(block_dev_, L.pool_gate), G, r, hd, emit_, stream_);
-    round_bf16(emit_, int64_t(G) * hd, stream_);
-    rms_norm(op.c_norm, eps, emit_, G, hd, emit_, stream_);
-    // After the pooling read them: the span's pre-pool rows into the rings.
+    c[0].pool_kv = b.at<const float*>(block_dev_, L.pool_kv);
+    c[0].pool_gate = b.at<const float*>(block_dev_, L.pool_gate);
+    c[0].pool_r = r;
+    c[0].pool_round = true;
+    // The span's pre-pool rows into the rings (put_ring_rows). Steps (T <= max_rows) do it in the
+    // pooling's launch: a group reads ring rows of positions q in [p0 - r + 1, p0 - 1] only (later
+    // ones from the span's rows), the puts write positions p in [p0, p0 + T - 1], and 0 < p - q <=
+    // T + r - 2 < raw_slots = r + max_rows, so no slot is both read and written. Longer chunks
+    // put after the pooling (a later launch).
     const int raw_slots = r + opts_.max_rows;  // new_session
-    put_ring_rows(ckv_kv_, T, hd, pos, b.at<float*>(block_dev_, L.raw_kv), raw_slots, stream_);
-    put_ring_rows(ckv_gate_, T, hd, pos, b.at<float*>(block_dev_, L.raw_gate), raw_slots, stream_);
+    RowChain put[2];
+    put[0].y = ckv_kv_;
+    put[0].ring = b.at<float*>(block_dev_, L.raw_kv);
+    put[1].y = ckv_gate_;
+    put[1].ring = b.at<float*>(block_dev_, L.raw_gate);
+    for (RowChain& e : put) {
+      e.rows = T;
+      e.n = hd;
+      e.ring_pos = pos;
+      e.ring_slots = raw_slots;
+    }
+    if (T <= opts_.max_rows) {
+      c[nc++] = put[0];
+      c[nc++] = put[1];
+      row_chains(c, nc, nullptr, stream_);
+    } else {
+      row_chains(c, nc, nullptr, stream_);
+      row_chains(put, 2, nullptr, stream_);
+    }
   }
-  const int32_t* n = b.at<int32_t>(block_dev_, L.n_emit);
-  finish_entries(l, emit_, G, role.index_source ? emit_keys_ : nullptr, 0, 1,
-                 b.at<int64_t>(block_dev_, L.emit_pos));
-  if (role.index_source)
-    copy_rows_to(emit_keys_, G, cfg_.index_head_dim, n, b.at<float*>(block_dev_, L.ikey_dst),
-                 stream_);
-  copy_rows_to(emit_, G, hd, n, b.at<float*>(block_dev_, L.ckv_dst), stream_);
-}
-
-void CudaModel::indexer_program(const SpanBlock& b, int l, const float* x, const float* qr) {
-  const auto& L = b.layers[size_t(l)];
-  index_queries(l, x, qr, b.T, 0, b.at<int64_t>(block_dev_, b.pos));
-  index_select(l, b.T, b.at<const float*>(block_dev_, L.keys), b.at<int32_t>(block_dev_, L.vis),
-               b.at<int32_t>(block_dev_, L.width));
+  if (!role.index_source) return;
+  RowChain fin[2];
+  op.i_wk.apply(emit_, G, emit_keys_, stream_);
+  fin[0].rows = G;
+  fin[0].n = cfg_.index_head_dim;
+  fin[0].y = emit_keys_;
+  fin[0].norm = op.i_k_norm;
+  fin[0].eps = float(cfg_.norm_eps);
+  entries(fin[0]);
+  fin[0].qdq = QdqKind::kFp4E8m0;
+  fin[0].qdq_block = 32;
+  fin[0].copy_dst = b.at<float*>(block_dev_, L.ikey_dst);
+  fin[1] = lat;
+  row_chains(fin, 2, nullptr, stream_);
 }
 
 // ---------------------------------------------------------------------------------------------

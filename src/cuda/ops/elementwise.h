@@ -107,4 +107,69 @@ void tap_mean(const float* X, int T, int hc, int dim, float* out, int64_t out_st
 void compress_pool(const float* const* kv, const float* const* gate, int n_groups, int r, int hd,
                    float* out, cudaStream_t stream);
 
+// ---- Fused row chains (ops/fused_rows.cu): several short sequences of the ops above in ONE
+// launch, each chain bitwise the unfused sequence (tests/cuda/test_fused_rows.cpp): every stage
+// uses the op's own per-element formulas (elementwise_common.cuh), rms_norm its row partition,
+// and the stages of a row run in order in one block (in place on y, a barrier between stages).
+// A chain of `rows` rows of n floats at y (row stride n); the stages that are set run in this
+// order:
+//   1. pool: y = compress_pool(pool_kv, pool_gate, rows, pool_r, n), then round_bf16 if
+//      pool_round (pool_kv null: y holds the rows already);
+//   2. scale_round: y = bf16(y * scale) (backend_kernels.h scale_round_bf16);
+//   3. norm (not empty): rms_norm(norm, eps) in place (n <= kRowChainMaxNorm);
+//   4. rope (freqs set): rope(freqs, rope_dim, y, rows, count, n / count, p0, stride, inverse,
+//      positions): `count` vectors of n / count channels per row;
+//   5. qdq (not kNone): qdq_fp8 / qdq_fp4_e4m3_scale / qdq_fp4_e8m0_scale(y, rows, n, qdq_block);
+//   6. copy (copy_dst set): copy_rows_to(y, rows, n, copy_n, copy_dst) (backend_kernels.h);
+//   7. ring (ring set): put_ring_rows(y, rows, n, ring_pos, ring, ring_slots).
+// Chains must not overlap one another's rows or destinations, and no chain may read what another
+// writes (the blocks of one launch run in any order); a chain reading ring rows that another
+// chain's ring stage writes needs the caller's argument that the slots differ.
+enum class QdqKind { kNone, kFp8, kFp4E4m3, kFp4E8m0 };
+struct RowChain {
+  int rows = 0;
+  int n = 0;
+  float* y = nullptr;
+  const float* const* pool_kv = nullptr;
+  const float* const* pool_gate = nullptr;
+  int pool_r = 0;
+  bool pool_round = false;
+  bool scale_round = false;
+  float scale = 1.f;
+  DeviceWeight norm;
+  float eps = 0.f;
+  const float* freqs = nullptr;
+  int rope_dim = 0;
+  int count = 1;
+  int64_t p0 = 0;
+  int64_t stride = 1;
+  bool inverse = false;
+  const int64_t* positions = nullptr;
+  QdqKind qdq = QdqKind::kNone;
+  int qdq_block = 0;
+  const int32_t* copy_n = nullptr;
+  float* const* copy_dst = nullptr;
+  const int64_t* ring_pos = nullptr;
+  float* const* ring = nullptr;
+  int ring_slots = 0;
+};
+// build_window_slots (backend_kernels.h) as a job of the same launch.
+struct WindowSlotsJob {
+  const int64_t* pos = nullptr;
+  const int64_t* p0 = nullptr;
+  int T = 0;
+  int W = 0;
+  const float* const* ring = nullptr;
+  int ring_slots = 0;
+  const float* local = nullptr;
+  int hd = 0;
+  const float** out = nullptr;
+};
+constexpr int kMaxRowChains = 4;
+constexpr int kRowChainMaxNorm = 4096;  // the longest row a chain's norm stage takes
+// Up to kMaxRowChains chains (and optionally the window slots) in one launch (PDL: it waits for
+// the previous kernel before touching any activation).
+void row_chains(const RowChain* chains, int n_chains, const WindowSlotsJob* slots,
+                cudaStream_t stream);
+
 }  // namespace uf::cuda

@@ -105,6 +105,50 @@ __device__ __forceinline__ float pow2_scale(float amax, float max_inv) {
   return __uint_as_float(uint32_t(log2_ceil + 127) << 23);
 }
 
+// ---- the per-element formulas of the quantisers (ops/quant.cu) and rope (ops/norm_rope.cu),
+// shared with the fused row kernels (ops/fused_rows.cu) so that those are bitwise the ops ----
+enum class QdqFormat { kFp8, kFp4E4m3, kFp4E8m0 };
+constexpr float kFp8MaxInv = 1.0f / 448.0f;  // core::kFp8MaxInv
+constexpr float kFp4MaxInv = 1.0f / 6.0f;    // core::kFp4MaxInv
+constexpr float kFp8ActAmaxFloor = 1e-4f;    // core::kFp8ActAmaxFloor
+// A quantisation block's scale from its amax (the max of |x|, exact in any order; NaNs never
+// enter it: the running max starts at 0 and smax keeps its first argument against NaN).
+template <QdqFormat kKind>
+__device__ __forceinline__ float qdq_scale(float amax) {
+  if constexpr (kKind == QdqFormat::kFp8)
+    return pow2_scale(smax(amax, kFp8ActAmaxFloor), kFp8MaxInv);
+  else if constexpr (kKind == QdqFormat::kFp4E4m3)
+    return round_e4m3(fdiv(smax(amax, 6.0f * 0x1p-9f), 6.0f));
+  else
+    return pow2_scale(smax(amax, 6.0f * 0x1p-126f), kFp4MaxInv);
+}
+// One element's fake-quantised value with its block's scale s.
+template <QdqFormat kKind>
+__device__ __forceinline__ float qdq_value(float x, float s) {
+  if constexpr (kKind == QdqFormat::kFp8) {
+    return round_bf16(fmul(round_e4m3(fdiv(x, s)), s));
+  } else {
+    const float q = sclamp(fdiv(x, s), -6.0f, 6.0f);
+    return round_bf16(fmul(round_e2m1(q), s));
+  }
+}
+// Rope::cos_sin of one frequency: double sin/cos of the fp32 angle fp32(pos) * freq, rounded to
+// fp32 (the sine negated for the inverse rotation).
+__device__ __forceinline__ void rope_cos_sin(int64_t pos, float freq, bool inverse, float* c,
+                                             float* s) {
+  const float angle = fmul(float(pos), freq);
+  double sd, cd;
+  sincos(double(angle), &sd, &cd);
+  *c = float(cd);
+  *s = inverse ? -float(sd) : float(sd);
+}
+// One channel pair: bf16(a c - b s), bf16(a s + b c), the CPU's operation order.
+__device__ __forceinline__ void rope_pair(float* t, float c, float s) {
+  const float a = t[0], b = t[1];
+  t[0] = round_bf16(fsub(fmul(a, c), fmul(b, s)));
+  t[1] = round_bf16(fadd(fmul(a, s), fmul(b, c)));
+}
+
 // ---- checkpoint weight formats (model::WFormat) on a DeviceWeight ----
 // FP8 / FP4 elements are a code times the E8M0 scale of their 32-block (exact in fp32); F32 /
 // BF16 elements are their value.

@@ -73,21 +73,14 @@ __global__ void rope_kernel(const float* freqs, int rope_dim, float* v, int coun
   const int half = rope_dim / 2;
   const int64_t pos = positions ? positions[blockIdx.x] : p0 + int64_t(blockIdx.x) * stride;
   for (int i = threadIdx.x; i < half; i += kRopeThreads) {
-    const float angle = ew::fmul(float(pos), freqs[i]);
-    double s, c;
-    sincos(double(angle), &s, &c);
-    cs[i] = float(c);
-    sn[i] = inverse ? -float(s) : float(s);
+    ew::rope_cos_sin(pos, freqs[i], inverse, &cs[i], &sn[i]);
   }
   __syncthreads();
   float* row = v + int64_t(blockIdx.x) * count * n;
   const int pairs = count * half;
   for (int k = threadIdx.x; k < pairs; k += kRopeThreads) {
     const int h = k / half, i = k % half;
-    float* t = row + int64_t(h) * n + (n - rope_dim) + 2 * i;
-    const float a = t[0], b = t[1];
-    t[0] = ew::round_bf16(ew::fsub(ew::fmul(a, cs[i]), ew::fmul(b, sn[i])));
-    t[1] = ew::round_bf16(ew::fadd(ew::fmul(a, sn[i]), ew::fmul(b, cs[i])));
+    ew::rope_pair(row + int64_t(h) * n + (n - rope_dim) + 2 * i, cs[i], sn[i]);
   }
 }
 

@@ -14,17 +14,14 @@ namespace uf::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr float kFp8MaxInv = 1.0f / 448.0f;  // core::kFp8MaxInv
-constexpr float kFp4MaxInv = 1.0f / 6.0f;    // core::kFp4MaxInv
-constexpr float kFp8ActAmaxFloor = 1e-4f;    // core::kFp8ActAmaxFloor
 
-enum class Qdq { kFp8, kFp4E4m3, kFp4E8m0 };
+using Qdq = ew::QdqFormat;
 
 template <Qdq kKind>
 __global__ void qdq_kernel(float* x, int64_t n_blocks, int block) {
   // A quantisation block on L = min(block, 32) lanes (a group of the warp), each lane holding the
   // elements lane, lane + L, ... of it; amax by a group max (exact in any order), then every
-  // element the CPU's formula.
+  // element the CPU's formula (ew::qdq_scale, ew::qdq_value).
   const int lane = threadIdx.x & 31, L = block < 32 ? block : 32, per_warp = 32 / L;
   const int64_t b = (int64_t(blockIdx.x) * kThreads + threadIdx.x) / 32 * per_warp + lane / L;
   const bool ok = b < n_blocks;
@@ -35,21 +32,8 @@ __global__ void qdq_kernel(float* x, int64_t n_blocks, int block) {
   for (int o = L / 2; o > 0; o >>= 1)
     amax = ew::smax(amax, __shfl_xor_sync(0xffffffffu, amax, o, L));
   if (!ok) return;
-  if constexpr (kKind == Qdq::kFp8) {
-    const float s = ew::pow2_scale(ew::smax(amax, kFp8ActAmaxFloor), kFp8MaxInv);
-    for (int i = 0; i < block; i += L)
-      p[i] = ew::round_bf16(ew::fmul(ew::round_e4m3(ew::fdiv(p[i], s)), s));
-  } else {
-    float s;
-    if constexpr (kKind == Qdq::kFp4E4m3)
-      s = ew::round_e4m3(ew::fdiv(ew::smax(amax, 6.0f * 0x1p-9f), 6.0f));
-    else
-      s = ew::pow2_scale(ew::smax(amax, 6.0f * 0x1p-126f), kFp4MaxInv);
-    for (int i = 0; i < block; i += L) {
-      const float q = ew::sclamp(ew::fdiv(p[i], s), -6.0f, 6.0f);
-      p[i] = ew::round_bf16(ew::fmul(ew::round_e2m1(q), s));
-    }
-  }
+  const float s = ew::qdq_scale<kKind>(amax);
+  for (int i = 0; i < block; i += L) p[i] = ew::qdq_value<kKind>(p[i], s);
 }
 
 template <Qdq kKind>
