@@ -301,13 +301,16 @@ TEST(CudaIndexerLong, TopkSelect64k) {
   check_topk(verify_rows(65536, 7), 512, 711, "64k x 7");
   check_topk(verify_rows(65536, 1), 512, 712, "64k x 1");
   check_topk(verify_rows(2048, 7), 512, 713, "8k x 7 (one round)");
-  // Lists of <= 2048 keys take the 4-keys-a-thread round kernel: full, short, tied rows.
+  // Lists of <= 4096 keys take the 8-keys-a-thread round kernel: full, short, tied rows, with
+  // the score stride of an 8k-context session (2064) and at the list limit.
   check_topk({{2048, 2048, RowKind::kNormal},
               {2048, 1999, RowKind::kFewValues},
               {1500, 1500, RowKind::kAllEqual},
               {600, 550, RowKind::kSignedZeros},
               {3, 3, RowKind::kNormal}},
-             512, 714, "<= 2048 keys (small-list kernel)", 0);
+             512, 714, "<= 2048 keys, stride 2064 (small-list kernel)", 16);
+  check_topk({{4096, 4096, RowKind::kNormal}, {4096, 4000, RowKind::kFewValues}}, 512, 715,
+             "4096 keys (small-list kernel)", 0);
 }
 
 TEST(CudaIndexerLong, TopkSelectMixedWidthsAndRounds) {

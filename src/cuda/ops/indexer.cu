@@ -57,7 +57,7 @@ constexpr int kSelThreads = 512;
 constexpr int kKpt = 32;                    // keys per thread in a selection round
 constexpr int kChunk = kSelThreads * kKpt;  // keys per CTA in a selection round
 constexpr int kMaxFastK = kChunk / 4;       // a round shrinks the list at least ~4x
-constexpr int kSmallKpt = 4;                // one-round lists of <= kSmallList keys
+constexpr int kSmallKpt = 8;                // one-round lists of <= kSmallList keys
 constexpr int kSmallList = kSelThreads * kSmallKpt;
 constexpr int kMaxRounds = 16;
 constexpr int kMaskThreads = 256;
@@ -464,7 +464,7 @@ __device__ __forceinline__ void block_fill(uint8_t* p, int64_t n, uint8_t v, int
 
 // One round for one chunk (blockIdx.x) of one row (blockIdx.y). KPT: keys per thread; kKpt
 // covers a whole chunk, kSmallKpt only a one-round list of <= kSmallList keys (the 8k-context
-// shapes): the radix passes' per-thread loop is then 8x shorter and every warp takes part. The
+// shapes): the radix passes' per-thread loop is then 4x shorter and every warp takes part. The
 // ordered compaction scans the threads in order over consecutive positions either way, so the
 // result does not depend on KPT.
 template <SelMode kMode, int KPT>
