@@ -98,6 +98,30 @@ inline std::unique_ptr<HostMoe> make_host_moe(int E, int dim, int inter, int rou
   return m;
 }
 
+// An Engram layer in checkpoint formats (the Engram tests): an FP8 table of `rows` rows with
+// per-row E8M0 scales, an FP8 wkv [(hc + 1) * dim, n_cols * head_dim], BF16 q / k weights.
+struct HostEngram {
+  std::vector<std::unique_ptr<HostWeight>> keep;
+  model::EngramWeights w;
+  model::Weight add(std::unique_ptr<HostWeight> h) {
+    keep.push_back(std::move(h));
+    return keep.back()->w;
+  }
+};
+
+inline std::unique_ptr<HostEngram> make_host_engram(int hc, int dim, int n_cols, int head_dim,
+                                                    int64_t rows, std::mt19937& rng) {
+  using model::WFormat;
+  auto e = std::make_unique<HostEngram>();
+  e->w.table =
+      e->add(make_weight(WFormat::kFP8, rows, head_dim, rng, 118, 124, true, "engram.embed"));
+  e->w.wkv = e->add(make_weight(WFormat::kFP8, int64_t(hc + 1) * dim, int64_t(n_cols) * head_dim,
+                                rng, 116, 120, false, "engram.wkv"));
+  e->w.q_weight = e->add(make_weight(WFormat::kBF16, hc, dim, rng, 0, 0, false, "q_weight"));
+  e->w.k_weight = e->add(make_weight(WFormat::kBF16, hc, dim, rng, 0, 0, false, "k_weight"));
+  return e;
+}
+
 // Activations: bf16 values whose rows and 32-blocks span several magnitudes.
 inline std::vector<float> random_acts(int T, int64_t K, std::mt19937& rng, float scale = 1.f,
                                       bool bf16 = true) {

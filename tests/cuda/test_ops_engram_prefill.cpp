@@ -16,24 +16,13 @@
 namespace uf::cuda::test {
 namespace {
 
-using model::WFormat;
-
 TEST(OpsEngram, PrefillChunksEqualOneRowCalls) {
   UF_REQUIRE_GPU();
   std::mt19937 rng(9090);
   // wkv [(hc + 1) * D, n_cols * head_dim] = [640, 512]: the FP8 GEMV / GEMM path.
   const int hc = 4, D = 128, n_cols = 4, head_dim = 128, rows = 700;
-  std::vector<std::unique_ptr<HostWeight>> keep;
-  auto add = [&](std::unique_ptr<HostWeight> h) {
-    keep.push_back(std::move(h));
-    return keep.back()->w;
-  };
-  model::EngramWeights w;
-  w.table = add(make_weight(WFormat::kFP8, rows, head_dim, rng, 118, 124, true, "engram.embed"));
-  w.wkv = add(make_weight(WFormat::kFP8, (hc + 1) * D, n_cols * head_dim, rng, 116, 120, false,
-                          "engram.wkv"));
-  w.q_weight = add(make_weight(WFormat::kBF16, hc, D, rng, 0, 0, false, "q_weight"));
-  w.k_weight = add(make_weight(WFormat::kBF16, hc, D, rng, 0, 0, false, "k_weight"));
+  const auto host = make_host_engram(hc, D, n_cols, head_dim, rows, rng);
+  const model::EngramWeights& w = host->w;
   const EngramShape shape{hc, D, n_cols, head_dim, 1e-6f};
   const cpu::EngramParams p{hc, D, n_cols, head_dim, 1e-6f};
   DeviceArena arena;

@@ -320,17 +320,8 @@ TEST(OpsEngram, MatchesCpuAliasingAndSpecEqualsPlain) {
   UF_REQUIRE_GPU();
   std::mt19937 rng(777);
   const int hc = 4, D = 64, n_cols = 4, head_dim = 64, rows = 500;
-  std::vector<std::unique_ptr<HostWeight>> keep;
-  auto add = [&](std::unique_ptr<HostWeight> h) {
-    keep.push_back(std::move(h));
-    return keep.back()->w;
-  };
-  model::EngramWeights w;
-  w.table = add(make_weight(WFormat::kFP8, rows, head_dim, rng, 118, 124, true, "engram.embed"));
-  w.wkv = add(make_weight(WFormat::kFP8, (hc + 1) * D, n_cols * head_dim, rng, 116, 120, false,
-                          "engram.wkv"));
-  w.q_weight = add(make_weight(WFormat::kBF16, hc, D, rng, 0, 0, false, "q_weight"));
-  w.k_weight = add(make_weight(WFormat::kBF16, hc, D, rng, 0, 0, false, "k_weight"));
+  const auto host = make_host_engram(hc, D, n_cols, head_dim, rows, rng);
+  const model::EngramWeights& w = host->w;
   const EngramShape shape{hc, D, n_cols, head_dim, 1e-6f};
   const cpu::EngramParams p{hc, D, n_cols, head_dim, 1e-6f};
   DeviceArena arena;
@@ -402,17 +393,8 @@ TEST(OpsEngram, RowSplitTableEqualsTheWholeTable) {
   UF_REQUIRE_GPU();
   std::mt19937 rng(4242);
   const int hc = 4, D = 64, n_cols = 4, head_dim = 64, rows = 500, ranks = 3;
-  std::vector<std::unique_ptr<HostWeight>> keep;
-  auto add = [&](std::unique_ptr<HostWeight> h) {
-    keep.push_back(std::move(h));
-    return keep.back()->w;
-  };
-  model::EngramWeights w;
-  w.table = add(make_weight(WFormat::kFP8, rows, head_dim, rng, 118, 124, true, "engram.embed"));
-  w.wkv = add(make_weight(WFormat::kFP8, (hc + 1) * D, n_cols * head_dim, rng, 116, 120, false,
-                          "engram.wkv"));
-  w.q_weight = add(make_weight(WFormat::kBF16, hc, D, rng, 0, 0, false, "q_weight"));
-  w.k_weight = add(make_weight(WFormat::kBF16, hc, D, rng, 0, 0, false, "k_weight"));
+  const auto host = make_host_engram(hc, D, n_cols, head_dim, rows, rng);
+  const model::EngramWeights& w = host->w;
   DeviceArena arena;
   const EngramShape whole_shape{hc, D, n_cols, head_dim, 1e-6f};
   DeviceEngram whole(w, whole_shape, arena);
