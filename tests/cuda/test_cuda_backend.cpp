@@ -115,12 +115,9 @@ TEST_F(CudaBackendTest, MatchesCpuBackend) {
   std::printf("prefill CUDA vs CPU: %s, argmax %d/%d\n", pc.str().c_str(), agree, S);
 
   std::vector<float> g(static_cast<size_t>(V_)), c(static_cast<size_t>(V_));
-  // The reference's decode logits (owner keys, the backends' default). The two backends' fp32
-  // orders differ, and the model amplifies a rounding into different argmaxes: the CPU backend
-  // agrees with the reference's decode argmax on 6 of tiny-a's 9 steps, while the CUDA backend
-  // (session 5's kernels) follows the reference to ~1e-7 (check-fixture). So the backends must
-  // agree with each other on >= 85% of the steps, or else the CUDA backend must agree with the
-  // reference at least as often as the CPU backend does.
+  // The reference's decode logits (owner keys, the backends' default), for the diagnostics line:
+  // since the CPU backend sums the mHC mixes in the reference's order (cpu/mhc.cpp), both
+  // backends follow tiny-a's golden decode (9 of 9 argmaxes each), and each other to ~1e-7.
   const model::Golden ref(tiny_a_dir() / "golden" / "reference_ownerkeys.safetensors");
   const std::vector<float>& rl = ref.f32("decode_logits");
   int dagree = 0, cuda_ref = 0, cpu_ref = 0;
@@ -144,9 +141,9 @@ TEST_F(CudaBackendTest, MatchesCpuBackend) {
   }
   std::printf("decode argmax: CUDA vs CPU %d/%d, CUDA vs reference %d/%d, CPU vs reference %d/%d\n",
               dagree, N, cuda_ref, N, cpu_ref, N);
-  EXPECT_TRUE(double(dagree) / N >= 0.85 || cuda_ref >= cpu_ref)
-      << dagree << "/" << N << " decode steps agree on argmax with the CPU backend, and the CUDA "
-      << "backend agrees with the reference on " << cuda_ref << " against the CPU's " << cpu_ref;
+  EXPECT_GE(double(dagree) / N, 0.85)
+      << dagree << "/" << N << " decode steps agree on argmax with the CPU backend (CUDA vs the "
+      << "reference " << cuda_ref << ", CPU vs the reference " << cpu_ref << ")";
   EXPECT_EQ(gs->length(), cs->length());
   EXPECT_EQ(gs->tokens(), cs->tokens());
 }
