@@ -18,6 +18,7 @@
 #include "cpu/attention.h"
 #include "cpu/indexer.h"
 #include "cuda/ops/attention.h"
+#include "cuda/ops/elementwise.h"
 #include "cuda_test_util.h"
 #include "score_rows_test_util.h"
 
@@ -268,6 +269,74 @@ TEST(CudaOpsAttention, SparseAttnSplitDecodeShapes) {
   check_sparse_attn({"odd c32", 6, 3, 100, 37, 50, 90}, 173, true);
   check_sparse_attn({"hd1024 c32", 2, 8, 1024, 40, 300, 500}, 174, true);
   sparse_attn_chunk_override(0);
+}
+
+// The output's inverse rope (AttnOutRope): the split path applies it in its merge, the reference
+// path as a separate rope; either way bitwise sparse_attn without it followed by rope(inverse).
+// Shapes: the TP8 rank's (hd 512, rope 64), an odd head_dim whose rotated channels start on a
+// float4 (100 / 36: the merge rotates), one that does not (100 / 30: the reference path), device
+// positions and p0 + t positions.
+void check_out_rope(int T, int H, int hd, int rope_dim, bool split, bool device_pos,
+                    uint32_t seed) {
+  SCOPED_TRACE("T=" + std::to_string(T) + " hd=" + std::to_string(hd) +
+               " rope=" + std::to_string(rope_dim) + (split ? " split" : " reference") +
+               (device_pos ? " positions" : " p0"));
+  std::mt19937 rng(seed);
+  const int W = 40, k = 60, entries = 300;
+  const auto q = normal_bf16(size_t(T) * H * hd, rng, 2.5f);
+  const auto wbank = normal_bf16(size_t(T) * W * hd, rng, 1.f);
+  const auto ckv = normal_bf16(size_t(entries) * hd, rng, 1.f);
+  const auto sink = normal_bf16(size_t(H), rng, 1.f);
+  std::vector<float> freqs(size_t(rope_dim / 2));
+  for (size_t i = 0; i < freqs.size(); ++i)
+    freqs[i] = float(std::pow(10000.0, -2.0 * double(i) / double(rope_dim)));
+  std::uniform_int_distribution<int> ent(0, entries - 1);
+  std::uniform_int_distribution<int64_t> pos_d(0, 1 << 20);
+  std::vector<int32_t> topk(size_t(T) * k);
+  for (auto& e : topk) e = ent(rng);
+  std::vector<int64_t> pos(static_cast<size_t>(T));
+  for (auto& p : pos) p = pos_d(rng);
+  const int64_t p0 = pos_d(rng);
+  DeviceBuffer<float> dq(q), dwbank(wbank), dckv(ckv), dsink(sink), dfreqs(freqs);
+  std::vector<const float*> wptr(size_t(T) * W);
+  for (size_t i = 0; i < wptr.size(); ++i) wptr[i] = dwbank.get() + int64_t(i) * hd;
+  DeviceBuffer<const float*> dwin(wptr);
+  DeviceBuffer<int32_t> dtopk(topk);
+  DeviceBuffer<int64_t> dpos(pos);
+  DeviceBuffer<float> scratch(sparse_attn_scratch_floats(T, H, hd, W + k));
+  DeviceBuffer<float> fused(size_t(T) * H * hd), want(size_t(T) * H * hd);
+  const float scale = float(std::pow(double(hd), -0.5));
+  float* sp = split ? scratch.get() : nullptr;
+  const int64_t* positions = device_pos ? dpos.get() : nullptr;
+  fused.poison();
+  want.poison();
+  sparse_attn(dq.get(), T, H, hd, dwin.get(), W, dtopk.get(), k, dckv.get(), dsink.get(), scale,
+              fused.get(), nullptr, nullptr, sp,
+              AttnOutRope{dfreqs.get(), rope_dim, p0, positions});
+  sparse_attn(dq.get(), T, H, hd, dwin.get(), W, dtopk.get(), k, dckv.get(), dsink.get(), scale,
+              want.get(), nullptr, nullptr, sp);
+  rope(dfreqs.get(), rope_dim, want.get(), T, H, hd, p0, 1, /*inverse=*/true, nullptr, positions);
+  sync_and_check();
+  const auto a = fused.download(), b = want.download();
+  size_t diff = 0, nan = 0, first = a.size();
+  for (size_t i = 0; i < a.size(); ++i) {
+    nan += std::isnan(a[i]) || std::isnan(b[i]);
+    if (!bits_equal(a[i], b[i])) first = std::min(first, i), ++diff;
+  }
+  EXPECT_EQ(nan, 0u);
+  EXPECT_EQ(diff, 0u) << "first at " << first << ": " << a[std::min(first, a.size() - 1)] << " vs "
+                      << b[std::min(first, b.size() - 1)];
+}
+
+TEST(CudaOpsAttention, OutputRopeEqualsSeparateRope) {
+  UF_REQUIRE_GPU();
+  uint32_t seed = 900;
+  for (bool split : {true, false})
+    for (bool device_pos : {true, false}) {
+      check_out_rope(7, 8, 512, 64, split, device_pos, seed++);
+      check_out_rope(3, 4, 100, 36, split, device_pos, seed++);
+      check_out_rope(3, 4, 100, 30, split, device_pos, seed++);
+    }
 }
 
 TEST(CudaOpsAttention, SparseAttnRealAllHeads) {

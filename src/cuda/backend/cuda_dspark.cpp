@@ -130,8 +130,8 @@ void CudaModel::draft_attention(const SpanBlock& b, int stage, const float* x, f
   build_draft_slots(b.at<int64_t>(block_dev_, b.p0), W, B,
                     b.at<float*>(block_dev_, b.stage_window[size_t(stage)]), W + opts_.max_rows,
                     kv_, hd, win_ptrs_, stream_);
-  attend(l, B, win_ptrs_, W + B, nullptr, 0, nullptr, nullptr);
-  output_proj(l, o_, B, 0, out, pos);
+  attend(l, B, win_ptrs_, W + B, nullptr, 0, nullptr, nullptr, 0, pos);
+  output_proj(l, o_, B, out);
 }
 
 // The stages on the block (anchor + noise), non-causal over the stage's window ring and the block

@@ -479,22 +479,9 @@ void CudaModel::finish_kv(int l, float* kv, int T, int64_t p0, const int64_t* po
   row_chains(&c, 1, nullptr, stream_);
 }
 
-void CudaModel::output_proj(int l, float* o, int T, int64_t p0, float* out, const int64_t* pos) {
+void CudaModel::output_proj(int l, const float* o, int T, float* out) {
   const auto& op = *layers_[size_t(l)];
   const int H = H_, hd = cfg_.head_dim, G = G_, R = cfg_.o_lora_rank;
-  {  // rope(inverse) as a PDL launch: wo_a's CTAs can start loading weights while it runs
-    RowChain c;
-    c.rows = T;
-    c.n = H * hd;
-    c.y = o;
-    c.count = H;
-    c.freqs = op.freqs;
-    c.rope_dim = op.rope_dim;
-    c.p0 = p0;
-    c.positions = pos;
-    c.inverse = true;
-    row_chains(&c, 1, nullptr, stream_);
-  }
   // wo_a is block-diagonal over groups: a bf16 einsum without activation quantisation.
   const int gin = H * hd / G;
   for (int g = 0; g < G; ++g)
@@ -882,15 +869,19 @@ void CudaModel::indexer(Span& sp, int l, const float* x, const float* qr) {
 }
 
 void CudaModel::attend(int l, int T, const float* const* window, int n_window, const int32_t* topk,
-                       int k, const float* ckv, const float* const* ckv_ref) {
+                       int k, const float* ckv, const float* const* ckv_ref, int64_t p0,
+                       const int64_t* pos) {
+  const auto& op = *layers_[size_t(l)];
   const int H = H_, hd = cfg_.head_dim;
   const float scale = float(std::pow(double(hd), -0.5));
   for (int t0 = 0; t0 < T; t0 += attn_rows_) {
     const int n = std::min(attn_rows_, T - t0);
     const int64_t o = int64_t(t0) * H * hd;
+    // The output's inverse rope rides on the merge (output_proj reads o rotated back).
+    const AttnOutRope rope{op.freqs, op.rope_dim, p0 + t0, pos ? pos + t0 : nullptr};
     sparse_attn(q_ + o, n, H, hd, window + int64_t(t0) * n_window, n_window,
-                topk ? topk + int64_t(t0) * k : nullptr, k, ckv, layers_[size_t(l)]->sink, scale,
-                o_ + o, stream_, ckv_ref, attn_scratch_);
+                topk ? topk + int64_t(t0) * k : nullptr, k, ckv, op.sink, scale, o_ + o, stream_,
+                ckv_ref, attn_scratch_, rope);
   }
 }
 
@@ -927,12 +918,12 @@ void CudaModel::attention(Span& sp, int l, const float* x, float* out) {
     for (int j = 0; j < nw; ++j) row[j] = lo + j <= p ? kv_ + (lo + j - sp.p0) * hd : nullptr;
   }
   to_device(win_ptrs_, slots);
-  attend(l, T, win_ptrs_, nw, topk, k, ckv, nullptr);
+  attend(l, T, win_ptrs_, nw, topk, k, ckv, nullptr, sp.p0, nullptr);
   // After the attention (stream order): the span's window KV into the ring.
   for (int t = std::max(0, T - st.window.slots); t < T; ++t)
     UF_CUDA_CHECK(cudaMemcpyAsync(st.window.put(sp.pos[size_t(t)]), kv_ + int64_t(t) * hd,
                                   size_t(hd) * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
-  output_proj(l, o_, T, sp.p0, out);
+  output_proj(l, o_, T, out);
 }
 
 }  // namespace uf::cuda

@@ -279,7 +279,7 @@ class CudaModel {
   // sparse_attn of T rows on the fast chunked path, in groups of attn_rows_ rows (its scratch
   // grows with the rows): decode steps, draft blocks and prefill chunks alike.
   void attend(int l, int T, const float* const* window, int n_window, const int32_t* topk, int k,
-              const float* ckv, const float* const* ckv_ref);
+              const float* ckv, const float* const* ckv_ref, int64_t p0, const int64_t* pos);
   void kv_path(Span& sp, int l, const float* x);
   void indexer(Span& sp, int l, const float* x, const float* qr);
   // Shared by the host-driven path and the span programs. Rows are at positions p0 + t * stride,
@@ -303,7 +303,9 @@ class CudaModel {
                   const int64_t* pos = nullptr);
   void finish_q(int l, float* qr, int T, int64_t p0, float* q, const int64_t* pos);  // after wq_a
   void finish_kv(int l, float* kv, int T, int64_t p0, const int64_t* pos);           // after wkv
-  void output_proj(int l, float* o, int T, int64_t p0, float* out, const int64_t* pos = nullptr);
+  // wo_a (per group) + wo_b (+ the TP sum) of the attention output o, whose inverse rope attend
+  // applied.
+  void output_proj(int l, const float* o, int T, float* out);
   // The MoE sublayer y [T, dim] of x (one GPU: DeviceMoe::apply; TP: the ranks' fp32 partials
   // summed and rounded once).
   void moe(int l, const float* x, int T, float* y);

@@ -333,9 +333,9 @@ void CudaModel::attention_program(const SpanBlock& b, int l, const float* x, flo
     ckv = b.at<const float*>(block_dev_, L.ckv_src);
   }
   if (!early) build_window_slots(pos, ws.p0, T, W, ring, slots, kv_, hd, win_ptrs_, stream_);
-  attend(l, T, win_ptrs_, W, topk, k, nullptr, ckv);
+  attend(l, T, win_ptrs_, W, topk, k, nullptr, ckv, 0, pos);
   if (!early) put_ring_rows(kv_, T, hd, pos, ring, slots, stream_);  // after the attention read it
-  output_proj(l, o_, T, 0, out, pos);
+  output_proj(l, o_, T, out);
 }
 
 void CudaModel::kv_program(const SpanBlock& b, int l, const float* x) {

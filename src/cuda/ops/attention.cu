@@ -55,6 +55,8 @@
 #include "cuda/cuda_check.h"
 #include "cuda/kernels/common.cuh"
 #include "cuda/ops/attention.h"
+#include "cuda/ops/elementwise.h"
+#include "cuda/ops/elementwise_common.cuh"
 
 namespace uf::cuda {
 namespace {
@@ -367,7 +369,8 @@ __device__ __forceinline__ void fma_f4(float4& a, float w, const float4& v) {
 
 __global__ void __launch_bounds__(kMergeWarps * 32)
     sparse_attn_merge_kernel(const float* __restrict__ scratch, int T, int H, int hd, int nc,
-                             const float* __restrict__ sink, float* __restrict__ out) {
+                             const float* __restrict__ sink, AttnOutRope rope,
+                             float* __restrict__ out) {
   extern __shared__ float wsh_all[];  // [kMergeWarps][nc] chunk weights, one copy per warp
   __shared__ float4 red[kMergeWarps][32];
   detail::pdl_wait();
@@ -433,6 +436,22 @@ __global__ void __launch_bounds__(kMergeWarps * 32)
   o.y = detail::round_bf16(__fdiv_rn(r.y, den));
   o.z = detail::round_bf16(__fdiv_rn(r.z, den));
   o.w = detail::round_bf16(__fdiv_rn(r.w, den));
+  // The inverse rope on the rotated channels [hd - rope_dim, hd): this float4 holds two whole
+  // pairs (the host checks (hd - rope_dim) % 4 == 0); rope_kernel's operations on them.
+  const int r0 = hd - rope.rope_dim;
+  if (rope.freqs && 4 * f >= r0) {
+    const int t = th / H, i = (4 * f - r0) / 2;
+    const int64_t pos = rope.positions ? rope.positions[t] : rope.p0 + t;
+    float c, s, pr[2];
+    ew::rope_cos_sin(pos, rope.freqs[i], true, &c, &s);
+    pr[0] = o.x, pr[1] = o.y;
+    ew::rope_pair(pr, c, s);
+    o.x = pr[0], o.y = pr[1];
+    ew::rope_cos_sin(pos, rope.freqs[i + 1], true, &c, &s);
+    pr[0] = o.z, pr[1] = o.w;
+    ew::rope_pair(pr, c, s);
+    o.z = pr[0], o.w = pr[1];
+  }
   reinterpret_cast<float4*>(out + int64_t(th) * hd)[f] = o;
 }
 
@@ -554,8 +573,8 @@ void launch_pv(int T, int H, int hd, const float* const* window, int n_window, c
 
 void sparse_attn(const float* q, int T, int H, int hd, const float* const* window, int n_window,
                  const int32_t* topk, int k, const float* ckv, const float* sink, float scale,
-                 float* out, cudaStream_t stream, const float* const* ckv_ref,
-                 float* split_scratch) {
+                 float* out, cudaStream_t stream, const float* const* ckv_ref, float* split_scratch,
+                 const AttnOutRope& out_rope) {
   require(T >= 0 && H > 0 && hd > 0 && hd <= kMaxHeadDim && n_window >= 0 && k >= 0,
           "sparse_attn: unsupported shape T=%d H=%d hd=%d n_window=%d k=%d (hd <= %d)", T, H, hd,
           n_window, k, kMaxHeadDim);
@@ -568,8 +587,13 @@ void sparse_attn(const float* q, int T, int H, int hd, const float* const* windo
   const bool aligned = ((reinterpret_cast<uintptr_t>(q) | reinterpret_cast<uintptr_t>(out) |
                          reinterpret_cast<uintptr_t>(split_scratch)) &
                         15u) == 0;
+  if (out_rope.freqs)
+    require(out_rope.rope_dim > 0 && out_rope.rope_dim % 2 == 0 && out_rope.rope_dim <= hd,
+            "sparse_attn: output rope of %d channels of %d", out_rope.rope_dim, hd);
+  // The merge rotates whole float4s of pairs.
+  const bool merge_rope = !out_rope.freqs || (hd - out_rope.rope_dim) % 4 == 0;
   if (split_scratch && hd % 4 == 0 && n_slots > 0 && int64_t(T) * H <= 65535 && aligned &&
-      fast_chunks(n_slots) <= 2048) {
+      fast_chunks(n_slots) <= 2048 && merge_rope) {
     const int nc = fast_chunks(n_slots);
     static const bool configured = [] {
       UF_CUDA_CHECK(cudaFuncSetAttribute(sparse_attn_scores_kernel,
@@ -592,7 +616,7 @@ void sparse_attn(const float* q, int T, int H, int hd, const float* const* windo
     const dim3 grid(unsigned((hd + kMergeCols - 1) / kMergeCols), unsigned(T * H));
     detail::launch_pdl(sparse_attn_merge_kernel, grid, dim3(kMergeWarps * 32),
                        size_t(kMergeWarps) * size_t(nc) * sizeof(float), stream,
-                       static_cast<const float*>(split_scratch), T, H, hd, nc, sink, out);
+                       static_cast<const float*>(split_scratch), T, H, hd, nc, sink, out_rope, out);
     return;
   }
   const int64_t blocks = int64_t(T) * H;
@@ -602,6 +626,9 @@ void sparse_attn(const float* q, int T, int H, int hd, const float* const* windo
   sparse_attn_kernel<<<unsigned(blocks), kThreads, smem, stream>>>(
       q, H, hd, window, n_window, topk, k, ckv, ckv_ref, sink, scale, out);
   UF_CUDA_CHECK(cudaGetLastError());
+  if (out_rope.freqs)
+    rope(out_rope.freqs, out_rope.rope_dim, out, T, H, hd, out_rope.p0, 1, /*inverse=*/true, stream,
+         out_rope.positions);
 }
 
 size_t sparse_attn_scratch_floats(int T, int H, int hd, int n_slots) {
