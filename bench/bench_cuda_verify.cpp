@@ -3,8 +3,9 @@
 //   flat   logits = normal * 0.01 (random weights: the nucleus is ~95% of the vocab),
 //   peaked logits = normal * 3,
 //   zipf   logits = -1.1 log(rank + 1) + normal * 0.05 (real-looking; ranks shuffled),
-// each with the radix top-p cut (new) and the previous one (old: bisection selection, bitonic
-// sort in global memory, thread 0 walking; set_legacy_top_p_for_bench). Figures: median replay
+// each with the cluster kernels (new: a row over the CTAs of a thread-block cluster) and the
+// single-CTA ones (old: one 1024-thread block a row, the same radix top-p cut;
+// set_single_cta_transform_for_bench). Figures: median replay
 // of a CUDA graph (events) of
 //   row    logits_to_probs_on_device on one row (latency of a row),
 //   rows15 logits_to_probs_on_device on 15 rows in one launch (a verify step with 7 drafts),
@@ -107,7 +108,7 @@ int main(int argc, char** argv) {
       UF_CUDA_CHECK(cudaMemcpy(d_params, &dp, sizeof(dp), cudaMemcpyHostToDevice));
       float t[2][3] = {{0, 0, 0}, {0, 0, 0}};
       for (int old = 0; old < (skip_old ? 1 : 2); ++old) {
-        set_legacy_top_p_for_bench(old != 0);
+        set_single_cta_transform_for_bench(old != 0);
         // The draft slots add no bias and keep the logits, so every replay sees the same rows.
         UF_CUDA_CHECK(
             cudaMemcpy(d_logits, l.data(), l.size() * sizeof(float), cudaMemcpyHostToDevice));
@@ -124,7 +125,7 @@ int main(int argc, char** argv) {
           }
         });
       }
-      set_legacy_top_p_for_bench(false);
+      set_single_cta_transform_for_bench(false);
       logits_to_probs_on_device(plan, d_logits, 1, kVocab, p, d_probs, s);
       UF_CUDA_CHECK(cudaStreamSynchronize(s));
       std::vector<float> row(kVocab);

@@ -29,13 +29,18 @@
 // extra token and all diagnostics are bitwise the CPU's. If the CPU transform used
 // float(std::exp(double(z))) as well, the two paths would agree on the rows too.
 //
-// Layout: one 1024-thread block per row for the transform (2g + 1 rows), then one 256-thread
-// block for the verification. No allocation inside the calls (the plan owns the scratch); seed
-// and step are read from device memory at run time, so the calls are graph-capturable (one graph
-// per (g, mode, params), as those are launch arguments).
-// Top-p speed: a whole-vocab nucleus (flat logits) is a few radix passes plus a sequential walk
-// of ~120k fp32 adds (a few hundred microseconds a row); typical nuclei (1-4k) cost a few passes
-// over the row. bench/bench_cuda_verify.cpp times it against the previous bitonic cut.
+// Layout: each row of the transform (2g + 1 rows) over the 16 CTAs (8 where a 16-CTA cluster
+// cannot be resident) of a thread-block cluster, 1024 threads each: CTA r owns row_ops.h's lanes
+// [r 256/C, (r + 1) 256/C) (a contiguous slice, kept in shared memory), order-free reductions
+// through distributed shared memory, each lane's sum in one thread, the 256-lane tree in every
+// CTA (same bits), the top-p sort and walk on rank 0; a vocab whose slice exceeds 160 KiB falls
+// back to one 1024-thread block per row. Then one 256-thread block for the verification. No
+// allocation inside the calls (the plan owns the scratch); seed and step are read from device
+// memory at run time, so the calls are graph-capturable (one graph per (g, mode, params), as those
+// are launch arguments). Top-p speed: a whole-vocab nucleus (flat logits) is a few radix passes
+// plus a sequential walk of ~120k fp32 adds (a few hundred microseconds a row); typical nuclei
+// (1-4k) cost a few passes over the row. bench/bench_cuda_verify.cpp times it against the previous
+// bitonic cut.
 
 #include <cuda_runtime.h>
 
@@ -107,7 +112,7 @@ struct DeviceSamplingParams {
 };
 DeviceSamplingParams device_sampling_params(const sampling::SamplingParams& p);
 
-// One draft slot, one 1024-thread block (all pointers device):
+// One draft slot, one cluster as above (all pointers device):
 //   logits[x] += bias[x] (fp32 add, in place; bias may be null),
 //   probs = sampling::logits_to_probs(logits, *params)   (the transform above, same bits),
 //   *token = sampling::sample_from_logits' choice: greedy (temperature 0) the argmax with the
@@ -133,6 +138,11 @@ void draft_confidence_on_device(const float* proj, const float* x5, const float*
 // bitonic sort in global memory, thread 0 walking) instead of the radix one; same results, for
 // timing the two side by side. Process-wide, not thread-safe; default false.
 void set_legacy_top_p_for_bench(bool legacy);
+
+// Bench/test hook: true makes the transforms launched afterwards use the single-CTA kernels (one
+// 1024-thread block a row, radix top-p cut) instead of the cluster ones; same results.
+// Process-wide, not thread-safe; default false. set_legacy_top_p_for_bench(true) implies it.
+void set_single_cta_transform_for_bench(bool single);
 
 // Test hook: out[i] = the transform's exp of the float with bit pattern first_bits + i (i < n),
 // so a test can compare every argument with the CPU's.

@@ -545,7 +545,7 @@ TEST(CudaVerify, GraphReplayFollowsSeedStep) {
 // range spans many binades: four radix passes) and an all-equal row (no pass). Exact-exp logits
 // (nudged) so that any difference is the cut's; no tolerance.
 
-enum class RowKind { kFlat, kPeaked, kZipf, kTies, kOutlier, kEqual };
+enum class RowKind { kFlat, kPeaked, kZipf, kTies, kOutlier, kEqual, kOneFinite };
 
 const char* kind_name(RowKind k) {
   switch (k) {
@@ -561,6 +561,8 @@ const char* kind_name(RowKind k) {
       return "outlier";
     case RowKind::kEqual:
       return "equal";
+    case RowKind::kOneFinite:
+      return "one-finite";
   }
   return "?";
 }
@@ -596,6 +598,10 @@ std::vector<float> make_row(RowKind kind, int vocab, std::mt19937& rng) {
     case RowKind::kEqual:
       for (float& x : l) x = 0.25f;
       break;
+    case RowKind::kOneFinite:  // -inf everywhere but one token: a one-hot row
+      for (float& x : l) x = -INFINITY;
+      l[size_t(rng() % uint32_t(vocab))] = 0.3f;
+      break;
   }
   return l;
 }
@@ -606,8 +612,9 @@ struct TopPSetup {
 };
 
 // Runs rows through logits_to_probs_on_device (legacy = the previous cut) and checks them.
+// single: the single-CTA kernels instead of the cluster ones.
 void check_top_p_rows(int vocab, const SamplingParams& params, const std::vector<RowKind>& kinds,
-                      uint32_t seed, bool legacy) {
+                      uint32_t seed, bool legacy, bool single = false) {
   const int rows = int(kinds.size());
   const size_t V = size_t(vocab);
   std::mt19937 rng(seed);
@@ -622,8 +629,10 @@ void check_top_p_rows(int vocab, const SamplingParams& params, const std::vector
   DeviceBuffer<float> d_logits(logits), d_probs(logits.size());
   d_probs.poison();
   set_legacy_top_p_for_bench(legacy);
+  set_single_cta_transform_for_bench(single);
   logits_to_probs_on_device(plan, d_logits.get(), rows, vocab, params, d_probs.get(), nullptr);
   set_legacy_top_p_for_bench(false);
+  set_single_cta_transform_for_bench(false);
   sync_and_check();
   const std::vector<float> got = d_probs.download();
   for (int r = 0; r < rows; ++r) {
@@ -639,7 +648,7 @@ void check_top_p_rows(int vocab, const SamplingParams& params, const std::vector
     }
     const std::string where = "V=" + std::to_string(vocab) + " " + params_name(params) + " row " +
                               std::to_string(r) + " (" + kind_name(kinds[size_t(r)]) + ")" +
-                              (legacy ? " legacy" : "");
+                              (legacy ? " legacy" : "") + (single ? " single-cta" : "");
     ASSERT_EQ(d.nan, 0u) << where << ": NaN in the device row";
     EXPECT_EQ(d.bit_diffs, 0u) << where << ": first diff at " << d.first << " (device "
                                << (d.first < V ? g[d.first] : 0.0f) << " cpu "
@@ -729,6 +738,133 @@ TEST(CudaVerify, DraftSlotTopPMatchesCpuOnFlatRows) {
                                  << d.support_diffs << " support diffs";
       EXPECT_EQ(d_token.download()[0], want) << where << ": token";
     }
+  }
+}
+
+// ------------------------------------------------------------------ The cluster transform
+// (a row over the CTAs of a thread-block cluster, cuda/kernels/verify.cu) where the split changes
+// the control flow: vocabularies below 256 (empty lanes and empty CTAs), not divisible by 256 or
+// by the cluster size (a short last lane / CTA), exactly 256 and powers of two, the real vocab and
+// one past it, and a vocab too large for the shared-memory slice (the single-CTA fallback); rows
+// that are all equal (every lane sum equal, no radix pass), -inf but one token (a one-hot row,
+// zero lane sums), flat / peaked / tied rows; greedy, no cut, top-k (k = 1 and ties), top-p, both.
+// Every row bitwise against transform.cpp (exact-exp logits: no tolerance), outputs NaN-poisoned
+// first; the single-CTA kernels on the same rows too.
+TEST(CudaVerify, ClusterTransformMatchesCpuAtSplitEdges) {
+  UF_REQUIRE_GPU();
+  const std::vector<RowKind> kinds = {RowKind::kFlat,      RowKind::kPeaked, RowKind::kEqual,
+                                      RowKind::kOneFinite, RowKind::kTies,   RowKind::kZipf};
+  const SamplingParams setups[] = {{1.0f, 1.0f, 0}, {0.8f, 1.0f, 0},  {0.0f, 1.0f, 0},
+                                   {1.0f, 1.0f, 1}, {1.0f, 1.0f, 5},  {1.0f, 0.9f, 0},
+                                   {2.0f, 0.3f, 3}, {1.0f, 0.95f, 50}};
+  uint32_t seed = 2000;
+  for (int vocab :
+       {1, 2, 3, 15, 31, 200, 255, 256, 257, 511, 4095, 4096, 4097, 8200, 129280, 129281}) {
+    for (const SamplingParams& p : setups) {
+      check_top_p_rows(vocab, p, kinds, seed, false);
+      if (::testing::Test::HasFatalFailure()) return;
+      check_top_p_rows(vocab, p, kinds, seed++, false, true);
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+  }
+}
+
+// A vocab whose slice does not fit in shared memory (the single-CTA fallback) and 15 rows of the
+// real vocab in one launch (15 clusters).
+TEST(CudaVerify, ClusterTransformFallbackAndManyRows) {
+  UF_REQUIRE_GPU();
+  check_top_p_rows(700000, {1.0f, 1.0f, 0}, {RowKind::kPeaked, RowKind::kEqual}, 3000, false);
+  check_top_p_rows(700000, {1.0f, 0.9f, 20}, {RowKind::kZipf}, 3001, false);
+  const std::vector<RowKind> fifteen = {
+      RowKind::kFlat,  RowKind::kPeaked,    RowKind::kZipf,  RowKind::kTies,      RowKind::kOutlier,
+      RowKind::kEqual, RowKind::kOneFinite, RowKind::kFlat,  RowKind::kPeaked,    RowKind::kZipf,
+      RowKind::kTies,  RowKind::kOutlier,   RowKind::kEqual, RowKind::kOneFinite, RowKind::kZipf};
+  for (const SamplingParams& p : {SamplingParams{1.0f, 1.0f, 0}, SamplingParams{1.0f, 0.95f, 0},
+                                  SamplingParams{1.0f, 1.0f, 50}, SamplingParams{0.0f, 1.0f, 0}}) {
+    check_top_p_rows(kRealVocab, p, fifteen, 3100, false);
+    if (::testing::Test::HasFatalFailure()) return;
+  }
+}
+
+// The draft slot over a cluster at the split edges: logits + bias written back, the probs row
+// and the token (the pick walks the gathered lane sums, the CTA owning the chunk walks inside it)
+// bitwise the CPU's sample_from_logits; u near 0 and 1 (first and last positive token); an
+// all-NaN row gives token -1 and prev 0.
+TEST(CudaVerify, ClusterDraftSlotMatchesCpuAtSplitEdges) {
+  UF_REQUIRE_GPU();
+  std::mt19937 rng(777);
+  for (int V : {1, 7, 255, 257, 4097, kRealVocab}) {
+    int cap = 1;
+    while (cap < V) cap <<= 1;
+    DeviceBuffer<float> d_logits{size_t(V)}, d_bias{size_t(V)}, d_probs{size_t(V)},
+        d_scratch{size_t(cap)}, d_u{1};
+    DeviceBuffer<DeviceSamplingParams> d_params(1);
+    DeviceBuffer<int32_t> d_token(1), d_prev(1);
+    std::vector<float> q(static_cast<size_t>(V)), scratch(static_cast<size_t>(V)),
+        bias(static_cast<size_t>(V));
+    std::normal_distribution<float> nd(0.0f, 0.5f);
+    for (RowKind kind : {RowKind::kPeaked, RowKind::kEqual, RowKind::kOneFinite, RowKind::kTies}) {
+      for (const SamplingParams& prm :
+           {SamplingParams{1.0f, 1.0f, 0}, SamplingParams{0.0f, 1.0f, 0},
+            SamplingParams{1.0f, 0.9f, 0}, SamplingParams{1.0f, 1.0f, 3}}) {
+        for (float u : {1.0f / 16777216.0f, 0.37f, 1.0f}) {
+          // The summed logits are drawn (and nudged for an exact exp); the bias is random and
+          // the logits are sum - bias, with the bias zeroed where fl(fl(sum - b) + b) != sum, so
+          // the device's in-place fp32 add reproduces the drawn sums exactly.
+          std::vector<float> sum = make_row(kind, V, rng);
+          if (prm.temperature > 0.0f) nudge_for_exact_exp(sum.data(), V, prm.temperature);
+          std::vector<float> l(static_cast<size_t>(V));
+          for (int x = 0; x < V; ++x) {
+            const float s = sum[size_t(x)];
+            float b = kind == RowKind::kEqual || !std::isfinite(s) ? 0.0f : nd(rng);
+            if ((s - b) + b != s) b = 0.0f;
+            bias[size_t(x)] = b;
+            l[size_t(x)] = s - b;
+          }
+          std::vector<float> sum_cpu = sum;
+          const int32_t want =
+              sampling::sample_from_logits(sum_cpu.data(), V, prm, u, q.data(), scratch.data());
+          d_logits.upload(l);
+          d_bias.upload(bias);
+          d_u.upload({u});
+          d_params.upload({device_sampling_params(prm)});
+          d_probs.poison();
+          d_scratch.poison();
+          d_token.poison();
+          d_prev.poison();
+          sample_slot_on_device(d_logits.get(), d_bias.get(), V, d_params.get(), d_u.get(),
+                                d_probs.get(), d_scratch.get(), d_token.get(), d_prev.get(),
+                                nullptr);
+          sync_and_check();
+          const std::string where = "V=" + std::to_string(V) + " " + kind_name(kind) + " " +
+                                    params_name(prm) + " u=" + std::to_string(u);
+          const RowDiff dl = compare_rows(d_logits.download(), sum);
+          EXPECT_EQ(dl.bit_diffs, 0u) << where << ": logits + bias, first diff at " << dl.first;
+          const std::vector<float> got = d_probs.download();
+          const RowDiff d = compare_rows(got, q);
+          EXPECT_EQ(d.nan, 0u) << where << ": NaN in the device row";
+          EXPECT_EQ(d.bit_diffs, 0u) << where << ": first diff at " << d.first << " (device "
+                                     << (d.first < got.size() ? got[d.first] : 0.0f) << " cpu "
+                                     << (d.first < q.size() ? q[d.first] : 0.0f) << "), "
+                                     << d.support_diffs << " support diffs";
+          EXPECT_EQ(d_token.download()[0], want) << where << ": token";
+          EXPECT_EQ(d_prev.download()[0], want >= 0 ? want : 0) << where << ": prev";
+        }
+      }
+    }
+    // All-NaN logits: no positive weight, token -1, prev 0 (the rows themselves are NaN).
+    d_logits.upload(std::vector<float>(size_t(V), NAN));
+    DeviceBuffer<float> d_nobias{size_t(V)};
+    d_nobias.upload(std::vector<float>(size_t(V), 0.0f));
+    d_u.upload({0.5f});
+    d_params.upload({device_sampling_params(SamplingParams{1.0f, 1.0f, 0})});
+    d_token.poison();
+    d_prev.poison();
+    sample_slot_on_device(d_logits.get(), d_nobias.get(), V, d_params.get(), d_u.get(),
+                          d_probs.get(), d_scratch.get(), d_token.get(), d_prev.get(), nullptr);
+    sync_and_check();
+    EXPECT_EQ(d_token.download()[0], -1) << "V=" << V << " all-NaN row: token";
+    EXPECT_EQ(d_prev.download()[0], 0) << "V=" << V << " all-NaN row: prev";
   }
 }
 

@@ -1,6 +1,10 @@
 // Speculative-decoding verification on the device: the port of src/sampling/{transform,verify}.cpp
 // described in src/cuda/verify.h.
 //
+// cluster_transform_kernel / cluster_draft_slot_kernel (the default): a row over the 16 (or 8)
+// CTAs of a thread-block cluster, described at their definition; the single-CTA kernels below
+// are the fallback (a vocab whose slice does not fit in shared memory) and the benchmark's
+// comparison (set_single_cta_transform_for_bench).
 // transform_kernel: one 1024-thread block per row. max (order-free), e = exp((l - m) / T) in
 // double rounded to float; top-k: the k-th largest value by radix select over the float bits
 // (counts only, exact); top-p: top_p_cut_radix below (candidates from a coarse histogram,
@@ -13,6 +17,7 @@
 // All float arithmetic that the CPU does in a fixed order uses the explicit _rn intrinsics so that
 // no FMA contraction or fast-math flag can change a rounding.
 
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include <cfloat>
@@ -701,6 +706,451 @@ __global__ void __launch_bounds__(kTransformThreads)
                 sort_stride, legacy, sh, ss, s_warp);
 }
 
+// ---- transform over a thread-block cluster ------------------------------------------------------
+//
+// The same transform with a row spread over the kC CTAs of a cluster (the single-CTA code above
+// stays as the fallback for vocabularies whose slice does not fit in shared memory, and for the
+// benchmark's comparison). CTA r of the cluster owns lanes [r kC', (r + 1) kC') of row_ops.h
+// (kC' = 256 / kC), i.e. the contiguous elements [r kC' chunk, (r + 1) kC' chunk) of the row, and
+// keeps them in shared memory from the load to the final store (the row is read once and written
+// once). Order-free steps (max, argmax, counts, radix histograms, min / max bits) combine the
+// CTAs' partials through distributed shared memory in any order; each lane's serial sum stays in
+// one thread of the CTA owning it, and every CTA gathers the 256 lane sums and runs the same
+// pairwise tree (same bits everywhere, no broadcast needed). The top-p candidates are compacted
+// by every CTA into the scratch (a counter in rank 0's shared memory); rank 0 alone sorts and
+// walks them, as the single-CTA code does. The probs row in global memory is written only at the
+// end, so the sort may use it as its second buffer without a recompute.
+
+template <int kC>
+struct ClusterShared {
+  static constexpr int kCL = kLanes / kC;  // lanes per CTA
+  float lsum[3][kCL];                      // this CTA's lane sums (one slot per use)
+  int llast[3][kCL];                       // and the last positive index of each lane
+  float lane_all[kLanes];                  // the gathered lane sums
+  int last_all[kLanes];
+  float tree[kLanes];
+  int hist[2][256];  // radix select: this CTA's digit counts (double-buffered by pass)
+  int hist_all[256];
+  ArgMax am;
+  float fmax;
+  int count;         // survivors of top-k in this CTA
+  int ccount[2];     // rank 0: top-p candidates compacted (per attempt)
+  unsigned umin[2];  // rank 0: smallest candidate bits (per attempt)
+  unsigned umax;     // this CTA's largest survivor bits
+  unsigned t;        // rank 0: the candidate threshold
+  unsigned top;      // rank 0: the largest survivor bits of the row
+  float cut;         // rank 0: the walk's result
+  int done;
+  int sel_digit;
+  int sel_before;
+};
+
+// Pairwise tree of row_ops.h over lane sums lsum[slot] of every CTA (whole cluster; returns the
+// same total in every thread of every CTA). weight(i) is the weight of local element i (the
+// CTA's slice starts at lane rank kCL). With `last`, last_all[] receives each lane's last
+// positive index (-1 if none).
+template <int kC, typename Weight>
+__device__ float cluster_lane_total(const Weight& weight, int vocab, int rank, int lo, int slot,
+                                    ClusterShared<kC>& sh) {
+  namespace cg = cooperative_groups;
+  constexpr int kCL = ClusterShared<kC>::kCL;
+  const int tid = threadIdx.x;
+  const int chunk = (vocab + kLanes - 1) / kLanes;
+  if (tid < kCL) {
+    const int lane = rank * kCL + tid;
+    const int begin = lane * chunk;
+    const int end = begin + chunk < vocab ? begin + chunk : vocab;
+    float s = 0.0f;
+    int last = -1;
+#pragma unroll 8
+    for (int x = begin; x < end; ++x) {
+      const float w = weight(x - lo);
+      s = __fadd_rn(s, w);
+      if (w > 0.0f) last = x;
+    }
+    sh.lsum[slot][tid] = s;
+    sh.llast[slot][tid] = last;
+  }
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();  // every CTA's lane sums are in its shared memory
+  if (tid < kLanes) {
+    const int r = tid / kCL, i = tid % kCL;
+    const float s = cluster.map_shared_rank(&sh.lsum[slot][0], r)[i];
+    sh.lane_all[tid] = s;
+    sh.tree[tid] = s;
+    sh.last_all[tid] = cluster.map_shared_rank(&sh.llast[slot][0], r)[i];
+  }
+  __syncthreads();
+  for (int stride = kLanes / 2; stride > 0; stride /= 2) {
+    if (tid < stride) sh.tree[tid] = __fadd_rn(sh.tree[tid], sh.tree[tid + stride]);
+    __syncthreads();
+  }
+  return sh.tree[0];
+}
+
+// The k-th largest bits of the row (kth_largest_bits_radix, the histograms summed over the
+// cluster). e: this CTA's slice of len values.
+template <int kC>
+__device__ uint32_t cluster_kth_largest_bits(const float* e, int len, int k,
+                                             ClusterShared<kC>& sh) {
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  const int tid = threadIdx.x, nt = blockDim.x;
+  uint32_t prefix = 0;
+  int kk = k;
+  int buf = 0;
+  for (int shift = 24; shift >= 0; shift -= 8, buf ^= 1) {
+    __syncthreads();
+    for (int i = tid; i < 256; i += nt) sh.hist[buf][i] = 0;
+    __syncthreads();
+    const uint32_t high_mask = shift == 24 ? 0u : ~((1u << (shift + 8)) - 1u);
+    for (int x0 = 0; x0 < len; x0 += nt) {
+      const int x = x0 + tid;
+      int d = -1;
+      if (x < len) {
+        const uint32_t b = sel_bits(e[x]);
+        if ((b & high_mask) == prefix) d = int((b >> shift) & 255u);
+      }
+      warp_aggregated_increment(sh.hist[buf], d);
+    }
+    // The other buffer was last read before this barrier's previous instance: safe to reuse
+    // next pass.
+    cluster.sync();
+    for (int i = tid; i < 256; i += nt) {
+      int h = 0;
+      for (int r = 0; r < kC; ++r) h += cluster.map_shared_rank(&sh.hist[buf][0], r)[i];
+      sh.hist_all[i] = h;
+    }
+    __syncthreads();
+    if (tid < 32) {
+      int before = 0;
+      const int d = warp_first_from_top<int>(
+          256, [&](int b) { return sh.hist_all[b]; }, kk, &before);
+      if (tid == 0) {
+        sh.sel_digit = d < 0 ? 0 : d;
+        sh.sel_before = before;
+      }
+    }
+    __syncthreads();
+    prefix |= uint32_t(sh.sel_digit) << shift;
+    kk -= sh.sel_before;
+  }
+  return prefix;
+}
+
+// top_p_cut_radix over the cluster: the coarse histogram and the compaction by every CTA, the
+// sort and the walk by rank 0. p: the global probs row (free: only the sort's second buffer).
+template <int kC>
+__device__ float cluster_top_p_cut(const float* e, int len, int rank, float* p, float kcut, int n,
+                                   float limit, float* s, int cap, ClusterShared<kC>& sh,
+                                   SortShared& ss) {
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  const int tid = threadIdx.x, nt = blockDim.x;
+  const uint32_t kbits = __float_as_uint(kcut);
+  // 1. coarse histogram of this CTA's survivors and their largest bits
+  __syncthreads();
+  for (int i = tid; i < kCoarseBins; i += nt) ss.coarse[i] = 0;
+  if (tid == 0) {
+    sh.umax = 0;
+    sh.ccount[0] = sh.ccount[1] = 0;
+    sh.umin[0] = sh.umin[1] = 0xFFFFFFFFu;
+  }
+  __syncthreads();
+  uint32_t mx = 0;
+  for (int x0 = 0; x0 < len; x0 += nt) {
+    const int x = x0 + tid;
+    int bin = -1;
+    if (x < len) {
+      const float v = e[x];
+      if (v >= kcut) {
+        const uint32_t b = __float_as_uint(v);
+        bin = int(min(b >> 19, uint32_t(kCoarseBins - 1)));
+        mx = max(mx, b);
+      }
+    }
+    warp_aggregated_increment(ss.coarse, bin);
+  }
+  mx = __reduce_max_sync(0xffffffffu, mx);
+  if ((tid & 31) == 0) atomicMax(&sh.umax, mx);
+  cluster.sync();  // A: every CTA's histogram and umax are ready; rank 0's counters are zeroed
+  // 2. the candidate threshold, by rank 0 (others' ss.coarse is only read until barrier B)
+  if (rank == 0) {
+    for (int i = tid; i < kCoarseBins; i += nt) {
+      int h = ss.coarse[i];
+      for (int r = 1; r < kC; ++r) h += cluster.map_shared_rank(&ss.coarse[0], r)[i];
+      ss.coarse[i] = h;
+    }
+    if (tid == 0) {
+      unsigned u = 0;
+      for (int r = 0; r < kC; ++r) u = max(u, *cluster.map_shared_rank(&sh.umax, r));
+      sh.top = u;
+    }
+    __syncthreads();
+    if (tid < 32) {
+      const float target = __fmul_rn(limit, 1.02f);
+      float before = 0.0f;
+      const int bin = warp_first_from_top<float>(
+          kCoarseBins,
+          [&](int b) { return float(ss.coarse[b]) * __uint_as_float(uint32_t(b) << 19); }, target,
+          &before);
+      if (tid == 0) {
+        uint32_t t = bin < 0 ? kbits : uint32_t(bin) << 19;
+        if (!(0.0f < limit)) t = sh.top;  // the walk takes only the largest value
+        sh.t = max(t, kbits);
+      }
+    }
+  }
+  cluster.sync();  // B: the threshold is in rank 0
+  uint32_t t = *cluster.map_shared_rank(&sh.t, 0);
+  int* counter = cluster.map_shared_rank(&sh.ccount[0], 0);
+  unsigned* umin = cluster.map_shared_rank(&sh.umin[0], 0);
+  for (int attempt = 0;; ++attempt) {
+    const bool final = t == kbits;
+    // 3. compaction into s (any order: equal values are interchangeable)
+    uint32_t mn = 0xFFFFFFFFu;
+    for (int x0 = 0; x0 < len; x0 += nt) {
+      const int x = x0 + tid;
+      float v = 0.0f;
+      bool keep = false;
+      if (x < len) {
+        v = e[x];
+        keep = v >= kcut && __float_as_uint(v) >= t;
+      }
+      const unsigned ballot = __ballot_sync(0xffffffffu, keep);
+      int at = 0;
+      if ((tid & 31) == 0 && ballot != 0) at = atomicAdd(&counter[attempt], __popc(ballot));
+      at = __shfl_sync(0xffffffffu, at, 0);
+      if (keep) {
+        s[at + __popc(ballot & lanemask_lt())] = v;
+        mn = min(mn, __float_as_uint(v));
+      }
+    }
+    mn = __reduce_min_sync(0xffffffffu, mn);
+    if ((tid & 31) == 0 && mn != 0xFFFFFFFFu) atomicMin(&umin[attempt], mn);
+    cluster.sync();  // C: the candidates are in s (release / acquire at cluster scope)
+    if (rank == 0) {
+      const int c = sh.ccount[attempt];
+      const uint32_t top = sh.top;
+      const uint32_t range = c > 0 ? top - sh.umin[attempt] : 0u;
+      const int passes = (32 - __clz(range) + 7) / 8;
+      float* other = 2 * c > cap ? p : s + c;
+      const float* sorted = c > 0 ? radix_sort_desc(s, other, c, top, passes, ss) : s;
+      if (c > 0) {
+        walk_sorted(sorted, c, limit, final || c == n, ss);
+      } else if (tid == 0) {
+        ss.done = final ? 1 : 0;
+        ss.cut = kcut;
+      }
+      __syncthreads();
+      if (tid == 0) {
+        sh.cut = ss.cut;
+        sh.done = ss.done;
+      }
+    }
+    cluster.sync();  // D: the walk's result is in rank 0
+    const float cut = *cluster.map_shared_rank(&sh.cut, 0);
+    const int done = *cluster.map_shared_rank(&sh.done, 0);
+    if (done || attempt == 1) return cut;
+    t = kbits;  // take every survivor
+  }
+}
+
+// transform_row over the cluster of the calling CTA. e: this CTA's slice in shared memory
+// (kCL * ceil(vocab / 256) floats). bias (may be null): added to the logits, which are written
+// back (the draft slot). Writes p[] for this CTA's slice and leaves the final values in e.
+// Returns the greedy argmax when temperature == 0, else -1.
+template <int kC>
+__device__ int cluster_transform_row(float* l, const float* bias, int vocab, float temperature,
+                                     float top_p, int top_k, float* p, float* s, int cap, float* e,
+                                     ClusterShared<kC>& sh, SortShared& ss, ArgMax* s_warp) {
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  constexpr int kCL = ClusterShared<kC>::kCL;
+  const int tid = threadIdx.x, nt = blockDim.x;
+  const int rank = int(cluster.block_rank());
+  const int chunk = (vocab + kLanes - 1) / kLanes;
+  const int lo = min(vocab, rank * kCL * chunk);
+  const int hi = min(vocab, (rank + 1) * kCL * chunk);
+  const int len = hi - lo;
+
+  for (int i = tid; i < len; i += nt) {
+    float v = l[lo + i];
+    if (bias != nullptr) {
+      v = __fadd_rn(v, bias[lo + i]);
+      l[lo + i] = v;
+    }
+    e[i] = v;
+  }
+  // (block_argmax starts with a __syncthreads: e is complete before it is read below)
+
+  if (temperature == 0.0f) {  // greedy: one-hot on the argmax, lowest index on ties
+    __syncthreads();
+    ArgMax a{-INFINITY, INT_MAX};
+    for (int i = tid; i < len; i += nt) a = better(a, ArgMax{e[i], lo + i});
+    a = block_argmax(a, s_warp);
+    if (tid == 0) sh.am = a;
+    cluster.sync();
+    // One remote load a lane (lane r reads rank r), then the warp's reduction.
+    ArgMax b{-INFINITY, INT_MAX};
+    if ((tid & 31) < kC) b = *cluster.map_shared_rank(&sh.am, tid & 31);
+    for (int o = 16; o > 0; o >>= 1) {
+      const ArgMax y{__shfl_xor_sync(0xffffffffu, b.v, o), __shfl_xor_sync(0xffffffffu, b.i, o)};
+      b = better(b, y);
+    }
+    const int best = b.i == INT_MAX ? 0 : b.i;  // all -inf: the CPU keeps index 0
+    for (int i = tid; i < len; i += nt) {
+      e[i] = lo + i == best ? 1.0f : 0.0f;
+      p[lo + i] = e[i];
+    }
+    return best;
+  }
+
+  __syncthreads();
+  ArgMax mx{-INFINITY, 0};
+  for (int i = tid; i < len; i += nt) mx.v = fmaxf(mx.v, e[i]);
+  mx = block_argmax(mx, s_warp);
+  if (tid == 0) sh.fmax = mx.v;
+  cluster.sync();
+  float m = (tid & 31) < kC ? *cluster.map_shared_rank(&sh.fmax, tid & 31) : -INFINITY;
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  for (int i = tid; i < len; i += nt)
+    e[i] = exp_rounded(__fdiv_rn(__fsub_rn(e[i], m), temperature));
+  __syncthreads();
+
+  const bool use_k = top_k > 0 && top_k < vocab;
+  const bool use_p = top_p < 1.0f;
+  if (use_k || use_p) {
+    float cut = 0.0f;
+    int n = vocab;
+    if (use_k) {
+      cut = __uint_as_float(cluster_kth_largest_bits<kC>(e, len, top_k, sh));
+      if (use_p) {
+        const uint32_t cb = __float_as_uint(cut);
+        int c = 0;
+        for (int i = tid; i < len; i += nt) c += __float_as_uint(e[i]) >= cb ? 1 : 0;
+        c = __reduce_add_sync(0xffffffffu, c);
+        if (tid == 0) sh.count = 0;
+        __syncthreads();
+        if ((tid & 31) == 0) atomicAdd(&sh.count, c);
+        cluster.sync();
+        n = __reduce_add_sync(0xffffffffu,
+                              (tid & 31) < kC ? *cluster.map_shared_rank(&sh.count, tid & 31) : 0);
+      }
+    }
+    if (use_p) {
+      const float kcut = cut;
+      const float zk = cluster_lane_total<kC>([=](int i) { return e[i] >= kcut ? e[i] : 0.0f; },
+                                              vocab, rank, lo, 0, sh);
+      const float limit = __fmul_rn(top_p, zk);
+      cut = cluster_top_p_cut<kC>(e, len, rank, p, kcut, n, limit, s, cap, sh, ss);
+    }
+    for (int i = tid; i < len; i += nt) {
+      if (!(e[i] >= cut)) e[i] = 0.0f;
+    }
+    __syncthreads();
+  }
+  const float z = cluster_lane_total<kC>([=](int i) { return e[i]; }, vocab, rank, lo, 1, sh);
+  for (int i = tid; i < len; i += nt) {
+    const float v = __fdiv_rn(e[i], z);
+    e[i] = v;
+    p[lo + i] = v;
+  }
+  return -1;
+}
+
+template <int kC>
+__global__ void __launch_bounds__(kTransformThreads)
+    cluster_transform_kernel(const float* logits, int vocab, float temperature, float top_p,
+                             int top_k, float* probs, float* sort_scratch, int sort_stride) {
+  __shared__ ClusterShared<kC> sh;
+  __shared__ SortShared ss;
+  __shared__ ArgMax s_warp[32];
+  extern __shared__ float e_slice[];
+  const size_t row = blockIdx.x / kC;
+  cluster_transform_row<kC>(const_cast<float*>(logits) + row * vocab, nullptr, vocab, temperature,
+                            top_p, top_k, probs + row * vocab, sort_scratch + row * sort_stride,
+                            sort_stride, e_slice, sh, ss, s_warp);
+  cooperative_groups::this_cluster().sync();  // no CTA leaves while others read its shared memory
+}
+
+// draft_slot_kernel over a cluster: the pick walks the gathered lane sums in every CTA (same
+// data, same result); the CTA owning the chunk that holds the target walks inside it.
+template <int kC>
+__global__ void __launch_bounds__(kTransformThreads)
+    cluster_draft_slot_kernel(float* logits, const float* bias, int vocab,
+                              const DeviceSamplingParams* params, const float* u, float* probs,
+                              float* sort_scratch, int cap, int32_t* token, int32_t* prev) {
+  namespace cg = cooperative_groups;
+  __shared__ ClusterShared<kC> sh;
+  __shared__ SortShared ss;
+  __shared__ ArgMax s_warp[32];
+  __shared__ int s_pick;
+  extern __shared__ float e_slice[];
+  constexpr int kCL = ClusterShared<kC>::kCL;
+  cg::cluster_group cluster = cg::this_cluster();
+  const int rank = int(cluster.block_rank());
+  const DeviceSamplingParams prm = *params;
+  const int best =
+      cluster_transform_row<kC>(logits, bias, vocab, prm.temperature, prm.top_p, prm.top_k, probs,
+                                sort_scratch, cap, e_slice, sh, ss, s_warp);
+  __syncthreads();
+  const int chunk = (vocab + kLanes - 1) / kLanes;
+  const int lo = min(vocab, rank * kCL * chunk);
+  int writer = 0;  // the rank that writes the token
+  int32_t t = best;
+  if (prm.temperature != 0.0f) {
+    const float total =
+        cluster_lane_total<kC>([=](int i) { return e_slice[i]; }, vocab, rank, lo, 2, sh);
+    if (threadIdx.x == 0) {
+      // row_ops.h's inverse_cdf_pick over the gathered lane sums (block_inverse_cdf_pick's walk)
+      int32_t pick = -1;
+      int in_lane = -1;
+      float running = 0.0f;
+      if (total > 0.0f) {
+        const float target = __fmul_rn(*u, total);
+        int32_t last_positive = -1;
+        for (int lane = 0; lane < kLanes; ++lane) {
+          const float sl = sh.lane_all[lane];
+          if (!(sl > 0.0f)) continue;
+          if (__fadd_rn(running, sl) >= target) {
+            in_lane = lane;
+            break;
+          }
+          running = __fadd_rn(running, sl);
+          last_positive = sh.last_all[lane];
+        }
+        pick = last_positive;
+        if (in_lane >= 0) {
+          writer = in_lane / kCL;
+          if (writer == rank) {
+            const int begin = in_lane * chunk;
+            const int end = begin + chunk < vocab ? begin + chunk : vocab;
+            float r = running;
+            for (int x = begin; x < end; ++x) {
+              const float w = e_slice[x - lo];
+              if (!(w > 0.0f)) continue;
+              r = __fadd_rn(r, w);
+              pick = int32_t(x);
+              if (r >= target) break;
+            }
+          }
+        }
+      }
+      s_pick = pick;
+      sh.sel_digit = writer;
+    }
+    __syncthreads();
+    t = s_pick;
+    writer = sh.sel_digit;
+  }
+  if (threadIdx.x == 0 && rank == writer) {
+    *token = t;
+    *prev = (t >= 0 && t < vocab) ? t : 0;
+  }
+  cluster.sync();  // no CTA leaves while others read its shared memory
+}
+
 // ---- verification ----------------------------------------------------------------------------
 
 // verify.cpp's next_weight: min(1, w * p / q), q = 0 gives 1.
@@ -858,6 +1308,85 @@ __global__ void draft_confidence_kernel(const float* proj, const float* x5, cons
 }
 
 bool g_legacy_top_p = false;  // set_legacy_top_p_for_bench
+bool g_single_cta = false;    // set_single_cta_transform_for_bench
+
+// The cluster kernels keep a row's slice (kLanes / kC lanes of ceil(vocab / 256) values) in
+// dynamic shared memory; beyond this the single-CTA kernels run.
+constexpr int kMaxSliceBytes = 160 * 1024;
+constexpr int kMaxDevices = 64;
+int g_cluster_size[kMaxDevices] = {};  // per device: 16 or 8 once set up, 0 before
+
+size_t slice_bytes(int cluster, int vocab) {
+  return size_t(kLanes / cluster) * size_t((vocab + kLanes - 1) / kLanes) * sizeof(float);
+}
+
+template <int kC>
+void set_cluster_attributes() {
+  for (const void* k : {reinterpret_cast<const void*>(cluster_transform_kernel<kC>),
+                        reinterpret_cast<const void*>(cluster_draft_slot_kernel<kC>)}) {
+    UF_CUDA_CHECK(
+        cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSliceBytes));
+    if (kC > 8)
+      UF_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+  }
+}
+
+// The cluster size of the current device: 16 CTAs when a cluster of 16 such CTAs can be resident
+// (H100 / H200: yes), else the portable 8. Host-side queries only (no stream work), so it may
+// run during a graph capture; VerifyPlan's constructor runs it ahead.
+int cluster_size() {
+  int dev = 0;
+  UF_CUDA_CHECK(cudaGetDevice(&dev));
+  require(dev >= 0 && dev < kMaxDevices, "verify: device %d out of range", dev);
+  if (g_cluster_size[dev] != 0) return g_cluster_size[dev];
+  set_cluster_attributes<8>();
+  set_cluster_attributes<16>();
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute attr[1];
+  cfg.gridDim = dim3(16);
+  cfg.blockDim = dim3(kTransformThreads);
+  cfg.dynamicSmemBytes = kMaxSliceBytes;
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = 16;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  int clusters = 0;
+  const cudaError_t err =
+      cudaOccupancyMaxActiveClusters(&clusters, cluster_transform_kernel<16>, &cfg);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();  // clear it: the portable size is used
+    clusters = 0;
+  }
+  g_cluster_size[dev] = clusters >= 1 ? 16 : 8;
+  return g_cluster_size[dev];
+}
+
+// The cluster size to use for this vocab, or 0 for the single-CTA kernels.
+int transform_cluster(int vocab) {
+  if (g_legacy_top_p || g_single_cta) return 0;
+  const int c = cluster_size();
+  return slice_bytes(c, vocab) <= size_t(kMaxSliceBytes) ? c : 0;
+}
+
+template <typename Kernel, typename... Args>
+void launch_cluster(Kernel kernel, int cluster, int rows, size_t smem, cudaStream_t stream,
+                    Args... args) {
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute attr[1];
+  cfg.gridDim = dim3(unsigned(rows * cluster));
+  cfg.blockDim = dim3(kTransformThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = unsigned(cluster);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  UF_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
+}
 
 int next_pow2(int n) {
   int p = 1;
@@ -872,6 +1401,7 @@ VerifyPlan::VerifyPlan(int max_vocab) : max_vocab_(max_vocab), sort_stride_(next
           max_vocab);
   UF_CUDA_CHECK(cudaMalloc(&probs_, size_t(kMaxRows) * max_vocab_ * sizeof(float)));
   UF_CUDA_CHECK(cudaMalloc(&sort_, size_t(kMaxRows) * sort_stride_ * sizeof(float)));
+  (void)cluster_size();  // the kernels' attributes, ahead of any graph capture
 }
 
 VerifyPlan::~VerifyPlan() {
@@ -886,6 +1416,14 @@ void logits_to_probs_on_device(const VerifyPlan& plan, const float* logits, int 
           "logits_to_probs_on_device: rows = %d must be in 0..%d and vocab = %d in 1..%d", rows,
           kMaxRows, vocab, plan.max_vocab());
   if (rows == 0) return;
+  const int c = transform_cluster(vocab);
+  if (c == 16 || c == 8) {
+    const auto kernel = c == 16 ? cluster_transform_kernel<16> : cluster_transform_kernel<8>;
+    launch_cluster(kernel, c, rows, slice_bytes(c, vocab), stream, logits, vocab,
+                   params.temperature, params.top_p, int(params.top_k), probs, plan.sort_scratch(),
+                   plan.sort_stride());
+    return;
+  }
   transform_kernel<<<rows, kTransformThreads, 0, stream>>>(
       logits, vocab, params.temperature, params.top_p, params.top_k, probs, plan.sort_scratch(),
       plan.sort_stride(), g_legacy_top_p);
@@ -893,6 +1431,8 @@ void logits_to_probs_on_device(const VerifyPlan& plan, const float* logits, int 
 }
 
 void set_legacy_top_p_for_bench(bool legacy) { g_legacy_top_p = legacy; }
+
+void set_single_cta_transform_for_bench(bool single) { g_single_cta = single; }
 
 void exp_of_bits_on_device(uint32_t first_bits, int64_t n, float* out, cudaStream_t stream) {
   require(n >= 0 && uint64_t(first_bits) + uint64_t(n) <= (uint64_t(1) << 32),
@@ -955,6 +1495,13 @@ void sample_slot_on_device(float* logits, const float* bias, int vocab,
   require(vocab >= 1 && logits != nullptr && params != nullptr && u != nullptr &&
               probs != nullptr && sort_scratch != nullptr && token != nullptr && prev != nullptr,
           "sample_slot_on_device: vocab = %d, or a null buffer", vocab);
+  const int c = transform_cluster(vocab);
+  if (c == 16 || c == 8) {
+    const auto kernel = c == 16 ? cluster_draft_slot_kernel<16> : cluster_draft_slot_kernel<8>;
+    launch_cluster(kernel, c, 1, slice_bytes(c, vocab), stream, logits, bias, vocab, params, u,
+                   probs, sort_scratch, next_pow2(vocab), token, prev);
+    return;
+  }
   draft_slot_kernel<<<1, kTransformThreads, 0, stream>>>(logits, bias, vocab, params, u, probs,
                                                          sort_scratch, token, prev, g_legacy_top_p);
   UF_CUDA_CHECK(cudaGetLastError());
