@@ -271,13 +271,14 @@ TEST(CudaOpsAttention, SparseAttnSplitDecodeShapes) {
   sparse_attn_chunk_override(0);
 }
 
-// The output's inverse rope (AttnOutRope): the split path applies it in its merge, the reference
-// path as a separate rope; either way bitwise sparse_attn without it followed by rope(inverse).
-// Shapes: the TP8 rank's (hd 512, rope 64), an odd head_dim whose rotated channels start on a
-// float4 (100 / 36: the merge rotates), one that does not (100 / 30: the reference path), device
+// The attention's rotary embedding (AttnRope): q rotated as it is staged, the output rotated back
+// in the split path's merge (the reference path: q's shared copy, then rope()); either way bitwise
+// rope(q) + sparse_attn without it + rope(out, inverse), and q in memory untouched. Shapes: the
+// TP8 rank's (hd 512, rope 64), an odd head_dim whose rotated channels start on a float4
+// (100 / 36: the merge rotates), one that does not (100 / 30: the reference path), device
 // positions and p0 + t positions.
-void check_out_rope(int T, int H, int hd, int rope_dim, bool split, bool device_pos,
-                    uint32_t seed) {
+void check_attn_rope(int T, int H, int hd, int rope_dim, bool split, bool device_pos,
+                     uint32_t seed) {
   SCOPED_TRACE("T=" + std::to_string(T) + " hd=" + std::to_string(hd) +
                " rope=" + std::to_string(rope_dim) + (split ? " split" : " reference") +
                (device_pos ? " positions" : " p0"));
@@ -308,15 +309,20 @@ void check_out_rope(int T, int H, int hd, int rope_dim, bool split, bool device_
   const float scale = float(std::pow(double(hd), -0.5));
   float* sp = split ? scratch.get() : nullptr;
   const int64_t* positions = device_pos ? dpos.get() : nullptr;
+  DeviceBuffer<float> dq_rot(q);
   fused.poison();
   want.poison();
   sparse_attn(dq.get(), T, H, hd, dwin.get(), W, dtopk.get(), k, dckv.get(), dsink.get(), scale,
-              fused.get(), nullptr, nullptr, sp,
-              AttnOutRope{dfreqs.get(), rope_dim, p0, positions});
-  sparse_attn(dq.get(), T, H, hd, dwin.get(), W, dtopk.get(), k, dckv.get(), dsink.get(), scale,
+              fused.get(), nullptr, nullptr, sp, AttnRope{dfreqs.get(), rope_dim, p0, positions});
+  rope(dfreqs.get(), rope_dim, dq_rot.get(), T, H, hd, p0, 1, /*inverse=*/false, nullptr,
+       positions);
+  sparse_attn(dq_rot.get(), T, H, hd, dwin.get(), W, dtopk.get(), k, dckv.get(), dsink.get(), scale,
               want.get(), nullptr, nullptr, sp);
   rope(dfreqs.get(), rope_dim, want.get(), T, H, hd, p0, 1, /*inverse=*/true, nullptr, positions);
   sync_and_check();
+  const auto q_after = dq.download();
+  for (size_t i = 0; i < q.size(); ++i)
+    ASSERT_TRUE(bits_equal(q_after[i], q[i])) << "q was modified at " << i;
   const auto a = fused.download(), b = want.download();
   size_t diff = 0, nan = 0, first = a.size();
   for (size_t i = 0; i < a.size(); ++i) {
@@ -328,14 +334,14 @@ void check_out_rope(int T, int H, int hd, int rope_dim, bool split, bool device_
                       << b[std::min(first, b.size() - 1)];
 }
 
-TEST(CudaOpsAttention, OutputRopeEqualsSeparateRope) {
+TEST(CudaOpsAttention, RopeEqualsSeparateRopes) {
   UF_REQUIRE_GPU();
   uint32_t seed = 900;
   for (bool split : {true, false})
     for (bool device_pos : {true, false}) {
-      check_out_rope(7, 8, 512, 64, split, device_pos, seed++);
-      check_out_rope(3, 4, 100, 36, split, device_pos, seed++);
-      check_out_rope(3, 4, 100, 30, split, device_pos, seed++);
+      check_attn_rope(7, 8, 512, 64, split, device_pos, seed++);
+      check_attn_rope(3, 4, 100, 36, split, device_pos, seed++);
+      check_attn_rope(3, 4, 100, 30, split, device_pos, seed++);
     }
 }
 

@@ -425,13 +425,14 @@ void CudaModel::project_qkv(int l, const float* x, int T, int64_t p0, float* qr,
   // wq_a and wkv read the same x: one launch, each output bitwise its own apply().
   const LinearCall calls[] = {{&op.wq_a, qr}, {&op.wkv, kv}};
   DeviceLinear::apply_group(calls, x, T, stream_);
-  finish_q(l, qr, T, p0, q, pos);
+  finish_q(l, qr, T, q);
   finish_kv(l, kv, T, p0, pos);
 }
 
-void CudaModel::finish_q(int l, float* qr, int T, int64_t p0, float* q, const int64_t* pos) {
+void CudaModel::finish_q(int l, float* qr, int T, float* q) {
   const auto& op = *layers_[size_t(l)];
-  // rms_norm and rope as PDL launches (row_chains, bitwise the ops).
+  // rms_norm as a PDL launch (row_chains, bitwise the op), then wq_b. q's rope rides on the
+  // attention's q staging (attend).
   RowChain c;
   c.rows = T;
   c.n = cfg_.q_lora_rank;
@@ -443,16 +444,6 @@ void CudaModel::finish_q(int l, float* qr, int T, int64_t p0, float* q, const in
   else
     rms_norm(op.q_norm, c.eps, qr, T, c.n, qr, stream_);
   op.wq_b.apply(qr, T, q, stream_);
-  c = RowChain{};
-  c.rows = T;
-  c.n = H_ * cfg_.head_dim;
-  c.y = q;
-  c.count = H_;
-  c.freqs = op.freqs;
-  c.rope_dim = op.rope_dim;
-  c.p0 = p0;
-  c.positions = pos;
-  row_chains(&c, 1, nullptr, stream_);
 }
 
 void CudaModel::project_kv(int l, const float* x, int T, int64_t p0, float* kv,
@@ -877,8 +868,8 @@ void CudaModel::attend(int l, int T, const float* const* window, int n_window, c
   for (int t0 = 0; t0 < T; t0 += attn_rows_) {
     const int n = std::min(attn_rows_, T - t0);
     const int64_t o = int64_t(t0) * H * hd;
-    // The output's inverse rope rides on the merge (output_proj reads o rotated back).
-    const AttnOutRope rope{op.freqs, op.rope_dim, p0 + t0, pos ? pos + t0 : nullptr};
+    // q's rope rides on its staging, the output's inverse rope on the merge.
+    const AttnRope rope{op.freqs, op.rope_dim, p0 + t0, pos ? pos + t0 : nullptr};
     sparse_attn(q_ + o, n, H, hd, window + int64_t(t0) * n_window, n_window,
                 topk ? topk + int64_t(t0) * k : nullptr, k, ckv, op.sink, scale, o_ + o, stream_,
                 ckv_ref, attn_scratch_, rope);

@@ -296,13 +296,14 @@ class CudaModel {
   void head(const float* X, const float* pre_mix, int row0, int n, float* logits_dev);
   int last_emitter(int64_t p) const;
   // Rows t < T at positions p0 + t, or at pos[t] (device) when pos is given (span programs).
-  // q (through the q latent qr) and the KV row of x: wq_a and wkv in one grouped launch.
+  // q (through the q latent qr; not yet rotated: attend rotates it) and the KV row of x (rotated,
+  // quantised): wq_a and wkv in one grouped launch.
   void project_qkv(int l, const float* x, int T, int64_t p0, float* qr, float* q, float* kv,
                    const int64_t* pos = nullptr);
   void project_kv(int l, const float* x, int T, int64_t p0, float* kv,
                   const int64_t* pos = nullptr);
-  void finish_q(int l, float* qr, int T, int64_t p0, float* q, const int64_t* pos);  // after wq_a
-  void finish_kv(int l, float* kv, int T, int64_t p0, const int64_t* pos);           // after wkv
+  void finish_q(int l, float* qr, int T, float* q);  // after wq_a: norm, wq_b (no rope)
+  void finish_kv(int l, float* kv, int T, int64_t p0, const int64_t* pos);  // after wkv
   // wo_a (per group) + wo_b (+ the TP sum) of the attention output o, whose inverse rope attend
   // applied.
   void output_proj(int l, const float* o, int T, float* out);

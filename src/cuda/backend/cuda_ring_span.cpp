@@ -239,7 +239,7 @@ void CudaModel::attention_program(const SpanBlock& b, int l, const float* x, flo
   const auto& role = cfg_.role(l);
   const auto& op = *layers_[size_t(l)];
   const auto& L = b.layers[size_t(l)];
-  const int T = b.T, H = H_, hd = cfg_.head_dim, W = cfg_.window_size;
+  const int T = b.T, hd = cfg_.head_dim, W = cfg_.window_size;
   const int64_t* pos = b.at<int64_t>(block_dev_, b.pos);
   const int slots = W + opts_.max_rows;  // CudaSession window rings (new_session)
   float* const* ring = b.at<float*>(block_dev_, L.window);
@@ -254,46 +254,34 @@ void CudaModel::attention_program(const SpanBlock& b, int l, const float* x, flo
     kv_program(b, l, x);
     unfork();
   }
-  // project_qkv with finish_q's rope and finish_kv's chain in one launch (bitwise the ops).
   const LinearCall calls[] = {{&op.wq_a, qr_}, {&op.wkv, kv_}};
   DeviceLinear::apply_group(calls, x, T, stream_);
+  // One launch after the projections (bitwise the ops): rms_norm(q_norm) on qr, and on kv
+  // rms_norm(kv_norm) + rope + qdq_fp8 (blocks of 32), for steps with the window ring put and the
+  // slot list. q's rope rides on the attention's q staging (attend).
   RowChain c[2];
-  if (cfg_.q_lora_rank <= kRowChainMaxNorm) {  // rms_norm(q_norm) as a PDL launch
-    c[0].rows = T;
-    c[0].n = cfg_.q_lora_rank;
-    c[0].y = qr_;
-    c[0].norm = op.q_norm;
-    c[0].eps = float(cfg_.norm_eps);
-    row_chains(c, 1, nullptr, stream_);
-    c[0] = RowChain{};
+  int nc = 0;
+  if (cfg_.q_lora_rank <= kRowChainMaxNorm) {
+    RowChain& q = c[nc++];
+    q.rows = T;
+    q.n = cfg_.q_lora_rank;
+    q.y = qr_;
+    q.norm = op.q_norm;
+    q.eps = float(cfg_.norm_eps);
   } else {
     rms_norm(op.q_norm, float(cfg_.norm_eps), qr_, T, cfg_.q_lora_rank, qr_, stream_);
   }
-  if (index_branch) {
-    fork(1);
-    index_queries(l, x, qr_, T, 0, pos);
-    if (kv_branch) join(0);  // this layer's new index keys
-    index_select(l, T, b.at<const float*>(block_dev_, L.keys), b.at<int32_t>(block_dev_, L.vis),
-                 b.at<int32_t>(block_dev_, L.width));
-    unfork();
-  }
-  op.wq_b.apply(qr_, T, q_, stream_);
-  c[0].rows = T;  // rope(q): H vectors of head_dim per row
-  c[0].n = H * hd;
-  c[0].y = q_;
-  c[0].count = H;
-  c[1].rows = T;  // rms_norm(kv_norm) + rope + qdq_fp8 (blocks of 32)
-  c[1].n = hd;
-  c[1].y = kv_;
-  c[1].norm = op.kv_norm;
-  c[1].eps = float(cfg_.norm_eps);
-  c[1].qdq = QdqKind::kFp8;
-  c[1].qdq_block = 32;
-  for (RowChain& e : c) {
-    e.freqs = op.freqs;
-    e.rope_dim = op.rope_dim;
-    e.positions = pos;
-  }
+  RowChain& kvc = c[nc++];
+  kvc.rows = T;
+  kvc.n = hd;
+  kvc.y = kv_;
+  kvc.norm = op.kv_norm;
+  kvc.eps = float(cfg_.norm_eps);
+  kvc.qdq = QdqKind::kFp8;
+  kvc.qdq_block = 32;
+  kvc.freqs = op.freqs;
+  kvc.rope_dim = op.rope_dim;
+  kvc.positions = pos;
   // Steps (T <= max_rows) put the span's KV rows into the window ring and build the slot list in
   // the same launch, BEFORE the attention reads the ring. That cannot overwrite a row the attention
   // reads: row t reads ring rows of positions q in [p0 - W + 1, p0 - 1] only (its positions >= p0
@@ -315,11 +303,20 @@ void CudaModel::attention_program(const SpanBlock& b, int l, const float* x, flo
   ws.hd = hd;
   ws.out = win_ptrs_;
   if (early) {
-    c[1].ring = ring;
-    c[1].ring_pos = pos;
-    c[1].ring_slots = slots;
+    kvc.ring = ring;
+    kvc.ring_pos = pos;
+    kvc.ring_slots = slots;
   }
-  row_chains(c, 2, early ? &ws : nullptr, stream_);
+  row_chains(c, nc, early ? &ws : nullptr, stream_);
+  if (index_branch) {
+    fork(1);
+    index_queries(l, x, qr_, T, 0, pos);
+    if (kv_branch) join(0);  // this layer's new index keys
+    index_select(l, T, b.at<const float*>(block_dev_, L.keys), b.at<int32_t>(block_dev_, L.vis),
+                 b.at<int32_t>(block_dev_, L.width));
+    unfork();
+  }
+  op.wq_b.apply(qr_, T, q_, stream_);
   const int32_t* topk = nullptr;
   int k = 0;
   const float* const* ckv = nullptr;

@@ -158,12 +158,26 @@ __device__ __forceinline__ void stage_rows(float4* kv4, int st4, const float* co
 // lane 4hf + e), each lane summed in increasing element order with __fmul_rn / __fadd_rn; the two
 // halves meet through one shuffle as ((l0+l1)+(l2+l3)) + ((l4+l5)+(l6+l7)). A warp is one head
 // pair: its q loads are 2 addresses (broadcast), its KV loads 8 rows a phase (odd stride).
+// Rotates the rotated channels [hd - rope_dim, hd) of n staged head vectors (stride hd) of row t
+// forward, rope_kernel's operations; threads tid < n * rope_dim / 2 of nthreads.
+__device__ __forceinline__ void rotate_staged(float* v, int n, int hd, const AttnRope& rope, int t,
+                                              int tid, int nthreads) {
+  const int half = rope.rope_dim / 2;
+  const int64_t pos = rope.positions ? rope.positions[t] : rope.p0 + t;
+  for (int k = tid; k < n * half; k += nthreads) {
+    const int h = k / half, i = k % half;
+    float c, s;
+    ew::rope_cos_sin(pos, rope.freqs[i], false, &c, &s);
+    ew::rope_pair(v + int64_t(h) * hd + (hd - rope.rope_dim) + 2 * i, c, s);
+  }
+}
+
 __global__ void __launch_bounds__(kScoreThreads)
     sparse_attn_scores_kernel(const float* __restrict__ q, int T, int H, int hd,
                               const float* const* window, int n_window,
                               const int32_t* __restrict__ topk, int k, const float* ckv,
-                              const float* const* ckv_ref, float scale, float* __restrict__ scores,
-                              float* __restrict__ cmax) {
+                              const float* const* ckv_ref, float scale, AttnRope rope,
+                              float* __restrict__ scores, float* __restrict__ cmax) {
   extern __shared__ __align__(16) float smem[];
   __shared__ const float* slot[kScoreChunk];
   const int c = blockIdx.x, t = blockIdx.y, h0 = blockIdx.z * kHeadGroup, tid = threadIdx.x;
@@ -182,6 +196,10 @@ __global__ void __launch_bounds__(kScoreThreads)
   for (int i = tid; i < kHeadGroup * hd4; i += kScoreThreads)
     q4[i] = i < nh * hd4 ? qg[i] : make_float4(0.f, 0.f, 0.f, 0.f);
   __syncthreads();
+  if (rope.freqs) {  // q's rotary embedding on the staged copy (rope_kernel's operations)
+    rotate_staged(reinterpret_cast<float*>(q4), nh, hd, rope, t, tid, kScoreThreads);
+    __syncthreads();
+  }
   stage_rows(kv4, st4, slot, nb, hd4, tid, kScoreThreads);
   detail::cp_async_wait<0>();
   __syncthreads();
@@ -369,7 +387,7 @@ __device__ __forceinline__ void fma_f4(float4& a, float w, const float4& v) {
 
 __global__ void __launch_bounds__(kMergeWarps * 32)
     sparse_attn_merge_kernel(const float* __restrict__ scratch, int T, int H, int hd, int nc,
-                             const float* __restrict__ sink, AttnOutRope rope,
+                             const float* __restrict__ sink, AttnRope rope,
                              float* __restrict__ out) {
   extern __shared__ float wsh_all[];  // [kMergeWarps][nc] chunk weights, one copy per warp
   __shared__ float4 red[kMergeWarps][32];
@@ -459,7 +477,7 @@ __global__ void __launch_bounds__(kThreads)
     sparse_attn_kernel(const float* __restrict__ q, int H, int hd, const float* const* window,
                        int n_window, const int32_t* __restrict__ topk, int k, const float* ckv,
                        const float* const* ckv_ref, const float* __restrict__ sink, float scale,
-                       float* __restrict__ out) {
+                       AttnRope rope, float* __restrict__ out) {
   if (ckv_ref) ckv = *ckv_ref;
   extern __shared__ float smem[];
   float* qs = smem;        // [hd]
@@ -481,6 +499,10 @@ __global__ void __launch_bounds__(kThreads)
     sum_sh = 0.f;
   }
   __syncthreads();
+  if (rope.freqs) {
+    rotate_staged(qs, 1, hd, rope, t, tid, kThreads);
+    __syncthreads();
+  }
   const int n_slots = n_window + k;
   for (int b0 = 0; b0 < n_slots; b0 += kBlock) {
     const int nb = min(kBlock, n_slots - b0);
@@ -574,7 +596,7 @@ void launch_pv(int T, int H, int hd, const float* const* window, int n_window, c
 void sparse_attn(const float* q, int T, int H, int hd, const float* const* window, int n_window,
                  const int32_t* topk, int k, const float* ckv, const float* sink, float scale,
                  float* out, cudaStream_t stream, const float* const* ckv_ref, float* split_scratch,
-                 const AttnOutRope& out_rope) {
+                 const AttnRope& rope) {
   require(T >= 0 && H > 0 && hd > 0 && hd <= kMaxHeadDim && n_window >= 0 && k >= 0,
           "sparse_attn: unsupported shape T=%d H=%d hd=%d n_window=%d k=%d (hd <= %d)", T, H, hd,
           n_window, k, kMaxHeadDim);
@@ -587,11 +609,11 @@ void sparse_attn(const float* q, int T, int H, int hd, const float* const* windo
   const bool aligned = ((reinterpret_cast<uintptr_t>(q) | reinterpret_cast<uintptr_t>(out) |
                          reinterpret_cast<uintptr_t>(split_scratch)) &
                         15u) == 0;
-  if (out_rope.freqs)
-    require(out_rope.rope_dim > 0 && out_rope.rope_dim % 2 == 0 && out_rope.rope_dim <= hd,
-            "sparse_attn: output rope of %d channels of %d", out_rope.rope_dim, hd);
+  if (rope.freqs)
+    require(rope.rope_dim > 0 && rope.rope_dim % 2 == 0 && rope.rope_dim <= hd,
+            "sparse_attn: rope of %d channels of %d", rope.rope_dim, hd);
   // The merge rotates whole float4s of pairs.
-  const bool merge_rope = !out_rope.freqs || (hd - out_rope.rope_dim) % 4 == 0;
+  const bool merge_rope = !rope.freqs || (hd - rope.rope_dim) % 4 == 0;
   if (split_scratch && hd % 4 == 0 && n_slots > 0 && int64_t(T) * H <= 65535 && aligned &&
       fast_chunks(n_slots) <= 2048 && merge_rope) {
     const int nc = fast_chunks(n_slots);
@@ -606,7 +628,7 @@ void sparse_attn(const float* q, int T, int H, int hd, const float* const* windo
     const dim3 sgrid(unsigned((n_slots + kScoreChunk - 1) / kScoreChunk), unsigned(T),
                      unsigned((H + kHeadGroup - 1) / kHeadGroup));
     detail::launch_pdl(sparse_attn_scores_kernel, sgrid, dim3(kScoreThreads), score_smem_bytes(hd),
-                       stream, q, T, H, hd, window, n_window, topk, k, ckv, ckv_ref, scale,
+                       stream, q, T, H, hd, window, n_window, topk, k, ckv, ckv_ref, scale, rope,
                        split_scratch + scratch_scores(T, H, hd, nc),
                        split_scratch + scratch_cmax(T, H, hd, nc, n_slots));
     if (fast_chunk(n_slots) == 16)
@@ -616,7 +638,7 @@ void sparse_attn(const float* q, int T, int H, int hd, const float* const* windo
     const dim3 grid(unsigned((hd + kMergeCols - 1) / kMergeCols), unsigned(T * H));
     detail::launch_pdl(sparse_attn_merge_kernel, grid, dim3(kMergeWarps * 32),
                        size_t(kMergeWarps) * size_t(nc) * sizeof(float), stream,
-                       static_cast<const float*>(split_scratch), T, H, hd, nc, sink, out_rope, out);
+                       static_cast<const float*>(split_scratch), T, H, hd, nc, sink, rope, out);
     return;
   }
   const int64_t blocks = int64_t(T) * H;
@@ -624,11 +646,11 @@ void sparse_attn(const float* q, int T, int H, int hd, const float* const* windo
           static_cast<long long>(blocks));
   const size_t smem = size_t(2) * size_t(hd) * sizeof(float);
   sparse_attn_kernel<<<unsigned(blocks), kThreads, smem, stream>>>(
-      q, H, hd, window, n_window, topk, k, ckv, ckv_ref, sink, scale, out);
+      q, H, hd, window, n_window, topk, k, ckv, ckv_ref, sink, scale, rope, out);
   UF_CUDA_CHECK(cudaGetLastError());
-  if (out_rope.freqs)
-    rope(out_rope.freqs, out_rope.rope_dim, out, T, H, hd, out_rope.p0, 1, /*inverse=*/true, stream,
-         out_rope.positions);
+  if (rope.freqs)
+    uf::cuda::rope(rope.freqs, rope.rope_dim, out, T, H, hd, rope.p0, 1, /*inverse=*/true, stream,
+                   rope.positions);
 }
 
 size_t sparse_attn_scratch_floats(int T, int H, int hd, int n_slots) {

@@ -31,10 +31,12 @@ namespace uf::cuda {
 // tests/cuda/test_ops_attention.cpp states the bound), not bit for bit; every order depends on
 // the slot count and hd only, never on T. hd % 4 != 0 or unaligned q / out take the reference
 // path.
-// out_rope (optional): the output's inverse rope, rope(freqs, rope_dim, out, T, H, hd, p0, 1,
-// inverse = true, positions) on the result, bitwise that call: the split path applies it in its
-// merge (one launch less on the decode step's chain), the reference path as that call.
-struct AttnOutRope {
+// rope (optional): the attention's rotary embedding, bitwise rope(freqs, rope_dim, q, T, H, hd,
+// p0, 1, false, positions) on q before and rope(..., out, ..., inverse = true, ...) on the result
+// after: q's rotated channels are rotated as q is staged (q in memory stays as given), the
+// output's rotated back in the split path's merge; the reference path rotates q's shared-memory
+// copy and runs the inverse rope() after. (Two launches fewer on the decode step's chain.)
+struct AttnRope {
   const float* freqs = nullptr;  // device [rope_dim / 2]; null: no rope
   int rope_dim = 0;
   int64_t p0 = 0;
@@ -43,7 +45,7 @@ struct AttnOutRope {
 void sparse_attn(const float* q, int T, int H, int hd, const float* const* window, int n_window,
                  const int32_t* topk, int k, const float* ckv, const float* sink, float scale,
                  float* out, cudaStream_t stream, const float* const* ckv_ref = nullptr,
-                 float* split_scratch = nullptr, const AttnOutRope& out_rope = {});
+                 float* split_scratch = nullptr, const AttnRope& rope = {});
 size_t sparse_attn_scratch_floats(int T, int H, int hd, int n_slots);
 // Benchmarks only (not thread-safe): 16 or 32 makes every later chunked call use chunks of that
 // many slots; 0 restores the default (16).
