@@ -39,8 +39,8 @@
 // memory at run time, so the calls are graph-capturable (one graph per (g, mode, params), as those
 // are launch arguments). Top-p speed: a whole-vocab nucleus (flat logits) is a few radix passes
 // plus a sequential walk of ~120k fp32 adds (a few hundred microseconds a row); typical nuclei
-// (1-4k) cost a few passes over the row. bench/bench_cuda_verify.cpp times it against the previous
-// bitonic cut.
+// (1-4k) cost a few passes over the row. bench/bench_cuda_verify.cpp times the cluster kernels
+// against the single-CTA ones.
 
 #include <cuda_runtime.h>
 
@@ -133,15 +133,9 @@ void sample_slot_on_device(float* logits, const float* bias, int vocab,
 void draft_confidence_on_device(const float* proj, const float* x5, const float* emb, int rows,
                                 int dim, int rank, float* conf, cudaStream_t stream);
 
-// Bench/test hook: true makes the transforms launched afterwards (logits_to_probs_on_device,
-// verify_on_device, sample_slot_on_device) use the previous top-p cut (bisection selection and a
-// bitonic sort in global memory, thread 0 walking) instead of the radix one; same results, for
-// timing the two side by side. Process-wide, not thread-safe; default false.
-void set_legacy_top_p_for_bench(bool legacy);
-
 // Bench/test hook: true makes the transforms launched afterwards use the single-CTA kernels (one
 // 1024-thread block a row, radix top-p cut) instead of the cluster ones; same results.
-// Process-wide, not thread-safe; default false. set_legacy_top_p_for_bench(true) implies it.
+// Process-wide, not thread-safe; default false.
 void set_single_cta_transform_for_bench(bool single);
 
 // Test hook: out[i] = the transform's exp of the float with bit pattern first_bits + i (i < n),

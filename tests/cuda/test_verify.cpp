@@ -611,10 +611,10 @@ struct TopPSetup {
   SamplingParams params;
 };
 
-// Runs rows through logits_to_probs_on_device (legacy = the previous cut) and checks them.
-// single: the single-CTA kernels instead of the cluster ones.
+// Runs rows through logits_to_probs_on_device and checks them. single: the single-CTA kernels
+// instead of the cluster ones.
 void check_top_p_rows(int vocab, const SamplingParams& params, const std::vector<RowKind>& kinds,
-                      uint32_t seed, bool legacy, bool single = false) {
+                      uint32_t seed, bool single = false) {
   const int rows = int(kinds.size());
   const size_t V = size_t(vocab);
   std::mt19937 rng(seed);
@@ -628,10 +628,8 @@ void check_top_p_rows(int vocab, const SamplingParams& params, const std::vector
   VerifyPlan plan(vocab);
   DeviceBuffer<float> d_logits(logits), d_probs(logits.size());
   d_probs.poison();
-  set_legacy_top_p_for_bench(legacy);
   set_single_cta_transform_for_bench(single);
   logits_to_probs_on_device(plan, d_logits.get(), rows, vocab, params, d_probs.get(), nullptr);
-  set_legacy_top_p_for_bench(false);
   set_single_cta_transform_for_bench(false);
   sync_and_check();
   const std::vector<float> got = d_probs.download();
@@ -648,7 +646,7 @@ void check_top_p_rows(int vocab, const SamplingParams& params, const std::vector
     }
     const std::string where = "V=" + std::to_string(vocab) + " " + params_name(params) + " row " +
                               std::to_string(r) + " (" + kind_name(kinds[size_t(r)]) + ")" +
-                              (legacy ? " legacy" : "") + (single ? " single-cta" : "");
+                              (single ? " single-cta" : "");
     ASSERT_EQ(d.nan, 0u) << where << ": NaN in the device row";
     EXPECT_EQ(d.bit_diffs, 0u) << where << ": first diff at " << d.first << " (device "
                                << (d.first < V ? g[d.first] : 0.0f) << " cpu "
@@ -671,7 +669,7 @@ TEST(CudaVerify, TopPCutMatchesCpuOnHardRowsRealVocab) {
                                    {1.3f, 0.99f, 70000}, {1.0f, 1.0f, 50}};
   uint32_t seed = 100;
   for (const SamplingParams& p : setups) {
-    check_top_p_rows(kRealVocab, p, kinds, seed++, false);
+    check_top_p_rows(kRealVocab, p, kinds, seed++);
     if (::testing::Test::HasFatalFailure()) return;
   }
 }
@@ -686,14 +684,15 @@ TEST(CudaVerify, TopPCutMatchesCpuOnHardRowsSmallVocabs) {
     for (const SamplingParams& p :
          {SamplingParams{1.0f, 0.95f, 0}, SamplingParams{1.0f, 0.5f, 0},
           SamplingParams{1.0f, 0.9f, 7}, SamplingParams{0.5f, 0.999f, 0}}) {
-      check_top_p_rows(vocab, p, kinds, seed++, false);
+      check_top_p_rows(vocab, p, kinds, seed++);
       if (::testing::Test::HasFatalFailure()) return;
     }
   }
 }
 
-// The previous cut, still selectable for the benchmark, gives the same rows.
-TEST(CudaVerify, LegacyTopPCutStillMatchesCpu) {
+// The single-CTA kernels (the fallback of vocabs too large for a cluster's shared memory) give
+// the same rows at the real vocab.
+TEST(CudaVerify, SingleCtaTopPCutMatchesCpu) {
   UF_REQUIRE_GPU();
   check_top_p_rows(kRealVocab, {1.0f, 0.95f, 0},
                    {RowKind::kFlat, RowKind::kZipf, RowKind::kTies, RowKind::kPeaked}, 900, true);
@@ -761,9 +760,9 @@ TEST(CudaVerify, ClusterTransformMatchesCpuAtSplitEdges) {
   for (int vocab :
        {1, 2, 3, 15, 31, 200, 255, 256, 257, 511, 4095, 4096, 4097, 8200, 129280, 129281}) {
     for (const SamplingParams& p : setups) {
-      check_top_p_rows(vocab, p, kinds, seed, false);
+      check_top_p_rows(vocab, p, kinds, seed);
       if (::testing::Test::HasFatalFailure()) return;
-      check_top_p_rows(vocab, p, kinds, seed++, false, true);
+      check_top_p_rows(vocab, p, kinds, seed++, true);
       if (::testing::Test::HasFatalFailure()) return;
     }
   }
@@ -773,15 +772,15 @@ TEST(CudaVerify, ClusterTransformMatchesCpuAtSplitEdges) {
 // real vocab in one launch (15 clusters).
 TEST(CudaVerify, ClusterTransformFallbackAndManyRows) {
   UF_REQUIRE_GPU();
-  check_top_p_rows(700000, {1.0f, 1.0f, 0}, {RowKind::kPeaked, RowKind::kEqual}, 3000, false);
-  check_top_p_rows(700000, {1.0f, 0.9f, 20}, {RowKind::kZipf}, 3001, false);
+  check_top_p_rows(700000, {1.0f, 1.0f, 0}, {RowKind::kPeaked, RowKind::kEqual}, 3000);
+  check_top_p_rows(700000, {1.0f, 0.9f, 20}, {RowKind::kZipf}, 3001);
   const std::vector<RowKind> fifteen = {
       RowKind::kFlat,  RowKind::kPeaked,    RowKind::kZipf,  RowKind::kTies,      RowKind::kOutlier,
       RowKind::kEqual, RowKind::kOneFinite, RowKind::kFlat,  RowKind::kPeaked,    RowKind::kZipf,
       RowKind::kTies,  RowKind::kOutlier,   RowKind::kEqual, RowKind::kOneFinite, RowKind::kZipf};
   for (const SamplingParams& p : {SamplingParams{1.0f, 1.0f, 0}, SamplingParams{1.0f, 0.95f, 0},
                                   SamplingParams{1.0f, 1.0f, 50}, SamplingParams{0.0f, 1.0f, 0}}) {
-    check_top_p_rows(kRealVocab, p, fifteen, 3100, false);
+    check_top_p_rows(kRealVocab, p, fifteen, 3100);
     if (::testing::Test::HasFatalFailure()) return;
   }
 }

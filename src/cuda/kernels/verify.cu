@@ -9,9 +9,8 @@
 // double rounded to float; top-k: the k-th largest value by radix select over the float bits
 // (counts only, exact); top-p: top_p_cut_radix below (candidates from a coarse histogram,
 // radix-sorted in the plan's scratch, walked by warp 0); then the fixed-order sums of row_ops.h
-// on threads 0..255 (lane = thread) and the normalisation. The previous top-k / top-p code
-// (bisection, bitonic sort in global memory) stays selectable for the benchmark
-// (set_legacy_top_p_for_bench).
+// on threads 0..255 (lane = thread) and the normalisation. (The bisection + bitonic-sort top-p of
+// sessions 3-5 took 32 ms on a flat row; this one 1.8 ms.)
 // verify_kernel: one 256-thread block (lane = thread); every thread follows the same control flow
 // (all values it branches on are identical in every thread), thread 0 does the sequential walks.
 // All float arithmetic that the CPU does in a fixed order uses the explicit _rn intrinsics so that
@@ -167,58 +166,6 @@ __device__ int count_at_least(const float* p, int n, uint32_t t, SharedRow& sh) 
   atomicAdd(&sh.count, c);
   __syncthreads();
   return sh.count;
-}
-
-// The bits of the k-th largest of p[0..n) (1 <= k <= n), with multiplicity: the largest t with
-// count(bits >= t) >= k, by bisection over the 31 value bits.
-__device__ uint32_t kth_largest_bits(const float* p, int n, int k, SharedRow& sh) {
-  uint32_t lo = 0, hi = 0x7F800000u;  // count(>= lo) >= k holds for lo = 0
-  while (lo < hi) {
-    const uint32_t mid = lo + (hi - lo + 1) / 2;
-    if (count_at_least(p, n, mid, sh) >= k) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  return lo;
-}
-
-// s[0..c) = the values of p[0..n) with bits >= t, sorted descending (bitonic, padded to a power
-// of two with -1); returns c. Equal values are interchangeable, so the order of the compaction
-// does not matter. __syncthreads makes the block's global writes visible to the block.
-__device__ int compact_sorted(const float* p, int n, uint32_t t, float* s, SharedRow& sh) {
-  const int tid = threadIdx.x, nt = blockDim.x;
-  __syncthreads();
-  if (tid == 0) sh.count = 0;
-  __syncthreads();
-  for (int x = tid; x < n; x += nt) {
-    const float v = p[x];
-    if (__float_as_uint(v) >= t) s[atomicAdd(&sh.count, 1)] = v;
-  }
-  __syncthreads();
-  const int c = sh.count;
-  int len = 1;
-  while (len < c) len <<= 1;
-  for (int x = c + tid; x < len; x += nt) s[x] = -1.0f;  // pads sort last
-  __syncthreads();
-  for (int k = 2; k <= len; k <<= 1) {
-    for (int j = k >> 1; j > 0; j >>= 1) {
-      for (int i = tid; i < len; i += nt) {
-        const int ixj = i ^ j;
-        if (ixj > i) {
-          const float a = s[i], b = s[ixj];
-          const bool descending = (i & k) == 0;
-          if (descending ? a < b : a > b) {
-            s[i] = b;
-            s[ixj] = a;
-          }
-        }
-      }
-      __syncthreads();
-    }
-  }
-  return c;
 }
 
 // ---- top-p / top-k selection (radix) ------------------------------------------------------------
@@ -607,40 +554,12 @@ __device__ float top_p_cut_radix(float* p, int vocab, float kcut, int n, float l
   }
 }
 
-// The previous top-p cut (kept for the benchmark's comparison): transform.cpp's top_p_cut with
-// the largest `want` values selected by bisection (all ties of the smallest included, so the walk
-// over them is the full walk's prefix), bitonic-sorted in the scratch and walked on thread 0,
-// widening 4x while the walk runs out below the limit.
-__device__ float top_p_cut_legacy(const float* p, int vocab, float kcut, int n, float limit,
-                                  float* s, SharedRow& sh) {
-  const int tid = threadIdx.x;
-  for (int want = 1024;; want *= 4) {
-    const uint32_t t = want >= n ? __float_as_uint(kcut) : kth_largest_bits(p, vocab, want, sh);
-    const int c = compact_sorted(p, vocab, t, s, sh);
-    if (tid == 0) {
-      float larger = 0.0f;
-      float cv = s[0];
-      int i = 0;
-      while (i < c && larger < limit) {
-        const float value = s[i];
-        cv = value;
-        while (i < c && s[i] == value) larger = __fadd_rn(larger, s[i++]);
-      }
-      sh.cut = cv;
-      sh.ival = (larger >= limit || c == n) ? 1 : 0;
-    }
-    __syncthreads();
-    if (sh.ival) break;
-  }
-  return sh.cut;
-}
-
 // transform.cpp's logits_to_probs of one row l into p, by the whole block (any multiple of 32
 // threads >= kLanes). s: the row's sort scratch (next_pow2(vocab) floats). Returns the greedy
 // argmax (lowest index on ties) when temperature == 0, else -1.
 __device__ int transform_row(const float* l, int vocab, float temperature, float top_p, int top_k,
-                             float* p, float* s, int cap, bool legacy, SharedRow& sh,
-                             SortShared& ss, ArgMax* s_warp) {
+                             float* p, float* s, int cap, SharedRow& sh, SortShared& ss,
+                             ArgMax* s_warp) {
   const int tid = threadIdx.x;
   const int nt = blockDim.x;
 
@@ -665,8 +584,7 @@ __device__ int transform_row(const float* l, int vocab, float temperature, float
   if (use_k || use_p) {
     int n = vocab;  // survivors of the top-k filter
     if (use_k) {
-      cut = __uint_as_float(legacy ? kth_largest_bits(p, vocab, top_k, sh)
-                                   : kth_largest_bits_radix(p, vocab, top_k, ss));
+      cut = __uint_as_float(kth_largest_bits_radix(p, vocab, top_k, ss));
       n = count_at_least(p, vocab, __float_as_uint(cut), sh);
     }
     if (use_p) {
@@ -674,16 +592,12 @@ __device__ int transform_row(const float* l, int vocab, float temperature, float
       const float zk = lane_sums([=](int64_t x) { return p[x] >= kcut ? p[x] : 0.0f; }, vocab,
                                  sh.lane, sh.tree, nullptr);
       const float limit = __fmul_rn(top_p, zk);
-      if (legacy) {
-        cut = top_p_cut_legacy(p, vocab, kcut, n, limit, s, sh);
-      } else {
-        bool clobbered = false;
-        cut = top_p_cut_radix(p, vocab, kcut, n, limit, s, cap, ss, &clobbered, [&] {
-          for (int x = tid; x < vocab; x += nt) p[x] = prob(x);
-        });
-        if (clobbered) {  // the sort used the row as its second buffer: recompute it
-          for (int x = tid; x < vocab; x += nt) p[x] = prob(x);
-        }
+      bool clobbered = false;
+      cut = top_p_cut_radix(p, vocab, kcut, n, limit, s, cap, ss, &clobbered, [&] {
+        for (int x = tid; x < vocab; x += nt) p[x] = prob(x);
+      });
+      if (clobbered) {  // the sort used the row as its second buffer: recompute it
+        for (int x = tid; x < vocab; x += nt) p[x] = prob(x);
       }
     }
     for (int x = tid; x < vocab; x += nt) {
@@ -697,13 +611,13 @@ __device__ int transform_row(const float* l, int vocab, float temperature, float
 
 __global__ void __launch_bounds__(kTransformThreads)
     transform_kernel(const float* logits, int vocab, float temperature, float top_p, int top_k,
-                     float* probs, float* sort_scratch, int sort_stride, bool legacy) {
+                     float* probs, float* sort_scratch, int sort_stride) {
   __shared__ SharedRow sh;
   __shared__ SortShared ss;
   __shared__ ArgMax s_warp[32];
   transform_row(logits + size_t(blockIdx.x) * vocab, vocab, temperature, top_p, top_k,
                 probs + size_t(blockIdx.x) * vocab, sort_scratch + size_t(blockIdx.x) * sort_stride,
-                sort_stride, legacy, sh, ss, s_warp);
+                sort_stride, sh, ss, s_warp);
 }
 
 // ---- transform over a thread-block cluster ------------------------------------------------------
@@ -1263,7 +1177,7 @@ __global__ void __launch_bounds__(kLanes)
 __global__ void __launch_bounds__(kTransformThreads)
     draft_slot_kernel(float* logits, const float* bias, int vocab,
                       const DeviceSamplingParams* params, const float* u, float* probs,
-                      float* sort_scratch, int32_t* token, int32_t* prev, bool legacy) {
+                      float* sort_scratch, int32_t* token, int32_t* prev) {
   __shared__ SharedRow sh;
   __shared__ SortShared ss;
   __shared__ ArgMax s_warp[32];
@@ -1275,7 +1189,7 @@ __global__ void __launch_bounds__(kTransformThreads)
   int cap = 1;  // the documented scratch size: next_pow2(vocab)
   while (cap < vocab) cap <<= 1;
   const int best = transform_row(logits, vocab, prm.temperature, prm.top_p, prm.top_k, probs,
-                                 sort_scratch, cap, legacy, sh, ss, s_warp);
+                                 sort_scratch, cap, sh, ss, s_warp);
   __syncthreads();
   int32_t t = best;
   if (prm.temperature != 0.0f) t = block_inverse_cdf_pick(Plain{probs}, vocab, *u, sh);
@@ -1307,8 +1221,7 @@ __global__ void draft_confidence_kernel(const float* proj, const float* x5, cons
   }
 }
 
-bool g_legacy_top_p = false;  // set_legacy_top_p_for_bench
-bool g_single_cta = false;    // set_single_cta_transform_for_bench
+bool g_single_cta = false;  // set_single_cta_transform_for_bench
 
 // The cluster kernels keep a row's slice (kLanes / kC lanes of ceil(vocab / 256) values) in
 // dynamic shared memory; beyond this the single-CTA kernels run.
@@ -1365,7 +1278,7 @@ int cluster_size() {
 
 // The cluster size to use for this vocab, or 0 for the single-CTA kernels.
 int transform_cluster(int vocab) {
-  if (g_legacy_top_p || g_single_cta) return 0;
+  if (g_single_cta) return 0;
   const int c = cluster_size();
   return slice_bytes(c, vocab) <= size_t(kMaxSliceBytes) ? c : 0;
 }
@@ -1424,13 +1337,11 @@ void logits_to_probs_on_device(const VerifyPlan& plan, const float* logits, int 
                    plan.sort_stride());
     return;
   }
-  transform_kernel<<<rows, kTransformThreads, 0, stream>>>(
-      logits, vocab, params.temperature, params.top_p, params.top_k, probs, plan.sort_scratch(),
-      plan.sort_stride(), g_legacy_top_p);
+  transform_kernel<<<rows, kTransformThreads, 0, stream>>>(logits, vocab, params.temperature,
+                                                           params.top_p, params.top_k, probs,
+                                                           plan.sort_scratch(), plan.sort_stride());
   UF_CUDA_CHECK(cudaGetLastError());
 }
-
-void set_legacy_top_p_for_bench(bool legacy) { g_legacy_top_p = legacy; }
 
 void set_single_cta_transform_for_bench(bool single) { g_single_cta = single; }
 
@@ -1503,7 +1414,7 @@ void sample_slot_on_device(float* logits, const float* bias, int vocab,
     return;
   }
   draft_slot_kernel<<<1, kTransformThreads, 0, stream>>>(logits, bias, vocab, params, u, probs,
-                                                         sort_scratch, token, prev, g_legacy_top_p);
+                                                         sort_scratch, token, prev);
   UF_CUDA_CHECK(cudaGetLastError());
 }
 
