@@ -19,8 +19,9 @@
 //      (fp32, from 0).
 //
 // Activations are staged: per split of kStageKb K blocks, the CTA's threads copy the item's
-// columns (FP8 codes with 16-byte loads, and their scales) into shared memory, then the warps
-// read their B fragments there. (They were read from L2 per K block and column group, one
+// columns (FP8 codes in 16-byte pieces, and their scales) into shared memory with cp.async, two
+// stages deep (the next split's land while this one computes), and the warps read their B
+// fragments there. (They were read from L2 per K block and column group, one
 // dependent round trip per mma: the w13 kernel ran at ~14 TFLOP/s on a 512-row chunk.) The
 // weights are loaded kLoadKb K blocks ahead of their use.
 //
@@ -137,9 +138,22 @@ struct PrefillW13Params {
 };
 
 // Stages K blocks [kb0, kb0 + kbn) of the columns c < ncols (column c: activation row act_row(c),
-// -1 = none: zeros) into stage: codes at c * kStageRow, then the scales [kCols][kStageKb] as
-// stored (the caller applies kE2M1ToE4M3Rescale, as the unstaged kernel did). All threads of the
-// CTA; the caller synchronises before and after.
+// -1 = none: zeros) into stage with cp.async (one commit group; the caller waits for it and
+// synchronises): codes at c * kStageRow, then the scales [kCols][kStageKb] as stored (the caller
+// applies kE2M1ToE4M3Rescale, as the unstaged kernel did). A missing column is zero-filled by a
+// cp.async of source size 0. All threads of the CTA.
+__device__ __forceinline__ void cp_async_zfill(void* dst, const void* src, int bytes, bool valid) {
+  const uint32_t d = uint32_t(__cvta_generic_to_shared(dst));
+  if (bytes == 16)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src),
+                 "r"(valid ? 16 : 0)
+                 : "memory");
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(d), "l"(src),
+                 "r"(valid ? 4 : 0)
+                 : "memory");
+}
+
 template <typename RowOf>
 __device__ __forceinline__ void stage_act(uint8_t* stage, int ncols, RowOf act_row,
                                           const uint8_t* act, const float* act_s, int act_k,
@@ -147,16 +161,16 @@ __device__ __forceinline__ void stage_act(uint8_t* stage, int ncols, RowOf act_r
   const int pieces = kbn * 2;  // 16-byte pieces of a column's kbn blocks
   for (int i = threadIdx.x; i < ncols * pieces; i += blockDim.x) {
     const int c = i / pieces, q = i % pieces, row = act_row(c);
-    uint4 v = make_uint4(0u, 0u, 0u, 0u);
-    if (row >= 0)
-      v = __ldg(reinterpret_cast<const uint4*>(act + size_t(row) * act_k + size_t(kb0) * 32) + q);
-    *reinterpret_cast<uint4*>(stage + c * kStageRow + q * 16) = v;
+    const uint8_t* src = act + size_t(row >= 0 ? row : 0) * act_k + size_t(kb0) * 32 + q * 16;
+    cp_async_zfill(stage + c * kStageRow + q * 16, src, 16, row >= 0);
   }
   float* sc = reinterpret_cast<float*>(stage + kCols * kStageRow);
   for (int i = threadIdx.x; i < ncols * kbn; i += blockDim.x) {
     const int c = i / kbn, j = i % kbn, row = act_row(c);
-    sc[c * kStageKb + j] = row >= 0 ? __ldg(act_s + size_t(row) * nkb + kb0 + j) : 0.f;
+    cp_async_zfill(sc + c * kStageKb + j, act_s + size_t(row >= 0 ? row : 0) * nkb + kb0 + j, 4,
+                   row >= 0);
   }
+  cp_async_commit();
 }
 
 // One K block (kl: its index in the stage) of the mma for all column groups: A = this lane's
@@ -221,7 +235,7 @@ __device__ __forceinline__ void weight_steps(const uint8_t* r0, const uint8_t* r
 }
 
 __global__ void __launch_bounds__(kW13Warps * 32) prefill_w13_kernel(const PrefillW13Params p) {
-  extern __shared__ __align__(16) uint8_t stage[];  // kStageBytes; then the epilogue's s_acc
+  extern __shared__ __align__(16) uint8_t stage[];  // 2 x kStageBytes; then the epilogue's s_acc
   __shared__ int s_tok[kCols];
   __shared__ int s_pair[kCols];
   const int item = blockIdx.y;
@@ -247,22 +261,35 @@ __global__ void __launch_bounds__(kW13Warps * 32) prefill_w13_kernel(const Prefi
   const auto tok = [&](int c) { return s_tok[c]; };
   float total[kGroups][4];
   const int splits = (nkb + kKbPerSplitDecode - 1) / kKbPerSplitDecode;
+  // Two stages: split s + 1's activations land while split s computes.
+  auto stage_of = [&](int s) { return stage + (s & 1) * kStageBytes; };
+  auto issue = [&](int s) {
+    const int kb0 = s * kKbPerSplitDecode;
+    stage_act(stage_of(s), ngroups * 8, tok, p.x, p.xs, p.dim, nkb, kb0,
+              min(nkb, kb0 + kKbPerSplitDecode) - kb0);
+  };
+  issue(0);
   for (int s = 0; s < splits; ++s) {
     const int kb0 = s * kKbPerSplitDecode, kb1 = min(nkb, kb0 + kKbPerSplitDecode);
-    if (s > 0) __syncthreads();  // every warp is done with the previous split's stage
-    stage_act(stage, ngroups * 8, tok, p.x, p.xs, p.dim, nkb, kb0, kb1 - kb0);
-    __syncthreads();
+    if (s + 1 < splits) {
+      issue(s + 1);  // its buffer was last read in split s - 1, before the barrier below
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();  // split s's stage is complete for every thread
     float acc[kGroups][4];
 #pragma unroll
     for (int cg = 0; cg < kGroups; ++cg) acc[cg][0] = acc[cg][1] = acc[cg][2] = acc[cg][3] = 0.f;
-    weight_steps(r0, r1, sc0, sc1, kb0, kb1, ngroups, stage, acc);
+    weight_steps(r0, r1, sc0, sc1, kb0, kb1, ngroups, stage_of(s), acc);
     // The decode path's split sum: acc = partial[0]; acc += partial[s] in split order.
 #pragma unroll
     for (int cg = 0; cg < kGroups; ++cg)
 #pragma unroll
       for (int i = 0; i < 4; ++i) total[cg][i] = s == 0 ? acc[cg][i] : total[cg][i] + acc[cg][i];
+    __syncthreads();  // every warp is done with stage_of(s) before split s + 2 refills it
   }
-  __syncthreads();  // the stage becomes s_acc
+  // The stages become s_acc (the loop's last barrier: every warp is done with them).
   auto s_acc = reinterpret_cast<float(*)[kGroups][128]>(stage);
 #pragma unroll
   for (int cg = 0; cg < kGroups; ++cg)
@@ -307,7 +334,7 @@ struct PrefillW2Params {
 };
 
 __global__ void __launch_bounds__(kW2Warps * 32) prefill_w2_kernel(const PrefillW2Params p) {
-  extern __shared__ __align__(16) uint8_t stage[];  // kStageBytes
+  extern __shared__ __align__(16) uint8_t stage[];  // 2 x kStageBytes
   __shared__ int s_pair[kCols];
   const int item = blockIdx.y;
   if (item >= *p.n_items) return;
@@ -332,13 +359,26 @@ __global__ void __launch_bounds__(kW2Warps * 32) prefill_w2_kernel(const Prefill
   float acc[kGroups][4];
 #pragma unroll
   for (int cg = 0; cg < kGroups; ++cg) acc[cg][0] = acc[cg][1] = acc[cg][2] = acc[cg][3] = 0.f;
-  // w2 sums all of inter from 0 (no splits); staged kStageKb K blocks at a time.
-  for (int kb0 = 0; kb0 < nkb; kb0 += kStageKb) {
-    const int kb1 = min(nkb, kb0 + kStageKb);
-    if (kb0 > 0) __syncthreads();
-    stage_act(stage, ngroups * 8, hrow, p.h_codes, p.h_scales, p.inter, nkb, kb0, kb1 - kb0);
+  // w2 sums all of inter from 0 (no splits); staged kStageKb K blocks at a time, two stages.
+  const int nst = (nkb + kStageKb - 1) / kStageKb;
+  auto stage_of = [&](int s) { return stage + (s & 1) * kStageBytes; };
+  auto issue = [&](int s) {
+    const int kb0 = s * kStageKb;
+    stage_act(stage_of(s), ngroups * 8, hrow, p.h_codes, p.h_scales, p.inter, nkb, kb0,
+              min(nkb, kb0 + kStageKb) - kb0);
+  };
+  issue(0);
+  for (int s = 0; s < nst; ++s) {
+    const int kb0 = s * kStageKb, kb1 = min(nkb, kb0 + kStageKb);
+    if (s + 1 < nst) {
+      issue(s + 1);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
     __syncthreads();
-    if (live) weight_steps(r0, r1, sc0, sc1, kb0, kb1, ngroups, stage, acc);
+    if (live) weight_steps(r0, r1, sc0, sc1, kb0, kb1, ngroups, stage_of(s), acc);
+    __syncthreads();
   }
   if (!live) return;
   const int rbase = tile * 16;
@@ -382,6 +422,11 @@ MoeFp4Prefill::MoeFp4Prefill(int dim, int inter, int topk, int num_experts, int 
   if (plan_smem_ > 48 * 1024)
     UF_CUDA_CHECK(cudaFuncSetAttribute(prefill_plan_kernel,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, plan_smem_));
+  // Two activation stages a CTA (74 KB) exceed the 48 KB default.
+  UF_CUDA_CHECK(cudaFuncSetAttribute(prefill_w13_kernel,
+                                     cudaFuncAttributeMaxDynamicSharedMemorySize, 2 * kStageBytes));
+  UF_CUDA_CHECK(cudaFuncSetAttribute(prefill_w2_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     2 * kStageBytes));
   UF_CUDA_CHECK(cudaMalloc(&sorted_, sizeof(int) * P));
   UF_CUDA_CHECK(cudaMalloc(&items_, sizeof(int) * 3 * size_t(max_items_)));
   UF_CUDA_CHECK(cudaMalloc(&n_items_, sizeof(int)));
@@ -420,13 +465,13 @@ void MoeFp4Prefill::experts_impl(const Fp4ExpertsView& w, const QuantActView& x,
   const PrefillW13Params a{w.w1,     w.w1_scale,   w.w3,     w.w3_scale, dim_,    inter_,
                            topk_,    x.codes,      x.scales, topk_w,     sorted_, items_,
                            n_items_, swiglu_limit, h_codes_, h_scales_};
-  prefill_w13_kernel<<<dim3(inter_ / 32, items), kW13Warps * 32, kStageBytes, stream>>>(a);
+  prefill_w13_kernel<<<dim3(inter_ / 32, items), kW13Warps * 32, 2 * kStageBytes, stream>>>(a);
   UF_CUDA_CHECK(cudaGetLastError());
   const PrefillW2Params b{w.w2,     w.w2_scale, dim_,      inter_, topk_,        sorted_, items_,
                           n_items_, h_codes_,   h_scales_, y,      y_row_stride, round_w2};
   const int tiles = dim_ / 16;
-  prefill_w2_kernel<<<dim3((tiles + kW2Warps - 1) / kW2Warps, items), kW2Warps * 32, kStageBytes,
-                      stream>>>(b);
+  prefill_w2_kernel<<<dim3((tiles + kW2Warps - 1) / kW2Warps, items), kW2Warps * 32,
+                      2 * kStageBytes, stream>>>(b);
   UF_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -1276,11 +1276,21 @@ int cluster_size() {
   return g_cluster_size[dev];
 }
 
-// The cluster size to use for this vocab, or 0 for the single-CTA kernels.
-int transform_cluster(int vocab) {
+// The cluster size to use for `rows` rows of this vocab, or 0 for the single-CTA kernels. A top-p
+// cut sorts and walks on one CTA of each cluster while the others wait, so when the clusters
+// take more than one wave of SMs the single-CTA kernels win (H200, bench_cuda_verify, 15 rows of
+// 129280 at top-p 0.95: 4.6 ms in clusters of 16, 1.8 ms single); without a cut, or within a
+// wave, the clusters win (1 row, top-p 0.95: 1.56 against 1.80 ms; 15 rows, no cut: 48 against
+// 111 us).
+int transform_cluster(int vocab, int rows, bool top_p_cut) {
   if (g_single_cta) return 0;
   const int c = cluster_size();
-  return slice_bytes(c, vocab) <= size_t(kMaxSliceBytes) ? c : 0;
+  if (slice_bytes(c, vocab) > size_t(kMaxSliceBytes)) return 0;
+  int dev = 0, sms = 0;
+  UF_CUDA_CHECK(cudaGetDevice(&dev));
+  UF_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  if (top_p_cut && rows * c > sms) return 0;
+  return c;
 }
 
 template <typename Kernel, typename... Args>
@@ -1329,7 +1339,7 @@ void logits_to_probs_on_device(const VerifyPlan& plan, const float* logits, int 
           "logits_to_probs_on_device: rows = %d must be in 0..%d and vocab = %d in 1..%d", rows,
           kMaxRows, vocab, plan.max_vocab());
   if (rows == 0) return;
-  const int c = transform_cluster(vocab);
+  const int c = transform_cluster(vocab, rows, params.top_p < 1.0f);
   if (c == 16 || c == 8) {
     const auto kernel = c == 16 ? cluster_transform_kernel<16> : cluster_transform_kernel<8>;
     launch_cluster(kernel, c, rows, slice_bytes(c, vocab), stream, logits, vocab,
@@ -1406,7 +1416,7 @@ void sample_slot_on_device(float* logits, const float* bias, int vocab,
   require(vocab >= 1 && logits != nullptr && params != nullptr && u != nullptr &&
               probs != nullptr && sort_scratch != nullptr && token != nullptr && prev != nullptr,
           "sample_slot_on_device: vocab = %d, or a null buffer", vocab);
-  const int c = transform_cluster(vocab);
+  const int c = transform_cluster(vocab, 1, false);  // one row: always within a wave
   if (c == 16 || c == 8) {
     const auto kernel = c == 16 ? cluster_draft_slot_kernel<16> : cluster_draft_slot_kernel<8>;
     launch_cluster(kernel, c, 1, slice_bytes(c, vocab), stream, logits, bias, vocab, params, u,
