@@ -58,6 +58,7 @@ struct HostArgs {
   double target_us = 20;
   std::string json_file;
   uint64_t seed = 1;
+  bool no_branches = false;
   int device = 0;
 };
 
@@ -120,6 +121,7 @@ int run_host(const HostArgs& a) {
   const auto ck = uf::model::synthetic_checkpoint(cfg, a.seed);
   uf::cuda::CudaModelOptions o;
   o.device = a.device;
+  o.graph_branches = !a.no_branches;
   auto m =
       std::make_unique<uf::cuda::CudaModel>(cfg, ck, uf::model::synthetic_engram_token_map(cfg), o);
   auto s = m->new_session(a.context + 64);
@@ -206,6 +208,8 @@ void setup_bench_host(CLI::App& app, int& exit_code) {
   cmd->add_option("--target-us", a->target_us, "Target host time per step");
   cmd->add_option("--json", a->json_file, "Write every figure to this JSON file");
   cmd->add_option("--seed", a->seed, "Seed of the synthetic weights and tokens");
+  cmd->add_flag("--no-branches", a->no_branches,
+                "One stream: no side streams for the compressor, indexer and shared expert");
   cmd->add_option("--device", a->device, "CUDA device ordinal");
   cmd->callback([a, &exit_code] { exit_code = run_host(*a); });
 }

@@ -16,6 +16,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <functional>
 
 #include "cuda/gemv.h"
 
@@ -73,11 +74,14 @@ class MoeFp4 {
   // run / run_partial with an epilogue folded into the combine: out[t] = r(routed[t] + add[t])
   // where routed[t] is run()'s (partial = false) or run_partial()'s (partial = true) fp32 sum and
   // r = bf16 rounding when round_out (DeviceMoe's shared-expert add, one launch less; bitwise
-  // combine_kernel's __fadd_rn then round). add [m, dim] fp32. When join is not null, the stream
-  // waits on it right before the combine (the shared expert's forked stream).
+  // combine_kernel's __fadd_rn then round). add [m, dim] fp32. before_combine (may be empty) is
+  // called once the expert kernels are enqueued, right before the combine: the caller makes
+  // `add` ready there on `stream` (enqueues its producer, or waits on its event). DeviceMoe
+  // enqueues the shared expert there, so its weights stream in behind the routed experts' (PDL).
   void run_add(const Fp4ExpertsView& w, const QuantActView& x, const int* topk_idx,
                const float* topk_w, float swiglu_limit, bool partial, const float* add,
-               bool round_out, cudaEvent_t join, float* out, cudaStream_t stream) const;
+               bool round_out, const std::function<void()>& before_combine, float* out,
+               cudaStream_t stream) const;
 
   // K splits of the w13 products (ceil(dim / 32 / 16)): a function of dim only.
   int w13_splits() const { return splits_; }
@@ -94,7 +98,7 @@ class MoeFp4 {
                         const float* topk_w, float swiglu_limit, bool round_w2, float* y,
                         int64_t y_row_stride, cudaStream_t stream) const;
   void combine(const float* y, const int* topk_idx, int m, int num_experts, const float* add,
-               bool round_out, cudaEvent_t join, float* out, cudaStream_t stream) const;
+               bool round_out, float* out, cudaStream_t stream) const;
   int dim_, inter_, topk_, splits_, kb_per_split_;
   int sm_count_ = 0;
   bool w2_streamed_ = true;     // moe_w2_kernel fits; false: the per-tile w2 kernel (large inter)

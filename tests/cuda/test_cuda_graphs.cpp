@@ -5,7 +5,9 @@
 //  (b) chunked prefill (chunks after the first run the ring layout through the program, eagerly
 //      since they exceed max_rows) against the CPU backend's chunked prefill, within the
 //      fixture's end-to-end bounds (chunks of 5 rows replay graphs, chunks of 16 run eagerly);
-//  (c) at TP = 2 (two GPUs), graph replay with the captured NCCL collectives == eager, bitwise.
+//  (c) at TP = 2 (two GPUs), graph replay with the captured NCCL collectives == eager, bitwise;
+//  (d) graph branches (CudaModelOptions::graph_branches: the compressor, the indexer and the
+//      shared expert on side streams) == one stream, bitwise, replayed and at TP = 2.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -37,10 +39,11 @@ class CudaGraphTest : public ::testing::Test {
     const auto d = tiny_a_golden_i64("decode_ids");
     next_.assign(d.begin(), d.end());
   }
-  std::unique_ptr<CudaBackend> backend(bool graphs, int tp = 1) {
+  std::unique_ptr<CudaBackend> backend(bool graphs, int tp = 1, bool branches = false) {
     CudaModelOptions o;
     o.cuda_graphs = graphs;
     o.tp = tp;
+    o.graph_branches = branches;
     return std::make_unique<CudaBackend>(tiny_a_dir(), map_, o);
   }
   // Prefill of `prompt` (chunk tokens per chunk; 0 = one chunk), then, per step, a verify of k
@@ -84,6 +87,21 @@ TEST_F(CudaGraphTest, GraphReplayEqualsEagerBitwise) {
     ASSERT_EQ(a.size(), b.size());
     const Cmp c = compare(b.data(), a.data(), a.size());
     EXPECT_EQ(c.first_diff, -1) << "prompt of " << p.size() << ": " << c.str();
+    EXPECT_EQ(c.nan, 0u);
+  }
+}
+
+TEST_F(CudaGraphTest, GraphBranchesEqualOneStreamBitwise) {
+  int gpus = 0;
+  UF_CUDA_CHECK(cudaGetDeviceCount(&gpus));
+  for (int tp : {1, 2}) {
+    if (tp > gpus) continue;
+    const int steps = 2 * engine::kMaxVerifyRows;
+    const auto a = run(*backend(true, tp, false), prompt_, 0, steps, engine::kMaxVerifyRows);
+    const auto b = run(*backend(true, tp, true), prompt_, 0, steps, engine::kMaxVerifyRows);
+    ASSERT_EQ(a.size(), b.size());
+    const Cmp c = compare(b.data(), a.data(), a.size());
+    EXPECT_EQ(c.first_diff, -1) << "tp " << tp << ": " << c.str();
     EXPECT_EQ(c.nan, 0u);
   }
 }

@@ -273,45 +273,60 @@ TEST(OpsMoeGraph, CaptureReplayEqualsEager) {
   cudaStream_t s;
   UF_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   const int64_t sf = moe.slot_floats_per_row();
+  // The shared expert in line (the default) and on the object's forked stream: the forked run's
+  // results must be bitwise the in-line run's, eager and replayed.
+  std::vector<float> inline_out[2][3];
   for (int T : {1, 8}) {
     const std::vector<float> x = random_acts(T, c.dim, rng);
-    DeviceBuffer<float> dx(x);
-    DeviceBuffer<int32_t> di(size_t(T) * c.K);
-    DeviceBuffer<float> dw(size_t(T) * c.K);
-    for (int mode = 0; mode < 3; ++mode) {
-      const size_t n = mode == 2 ? size_t(T) * sf : size_t(T) * c.dim;
-      DeviceBuffer<float> eager(n), graph(n);
-      eager.poison();
-      graph.poison();
-      auto call = [&](float* y) {
-        if (mode == 0) moe.apply(dx.get(), T, y, di.get(), dw.get(), s);
-        if (mode == 1) moe.apply_partial(dx.get(), T, y, di.get(), dw.get(), s);
-        if (mode == 2) moe.apply_partial_experts(dx.get(), T, y, di.get(), dw.get(), s);
-      };
-      call(eager.get());
-      UF_CUDA_CHECK(cudaStreamSynchronize(s));
-      cudaGraph_t g;
-      UF_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-      call(graph.get());
-      UF_CUDA_CHECK(cudaStreamEndCapture(s, &g));
-      cudaGraphExec_t exec;
-      UF_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
-      for (int r = 0; r < 3; ++r) UF_CUDA_CHECK(cudaGraphLaunch(exec, s));
-      UF_CUDA_CHECK(cudaStreamSynchronize(s));
-      UF_CUDA_CHECK(cudaGraphExecDestroy(exec));
-      UF_CUDA_CHECK(cudaGraphDestroy(g));
-      sync_and_check();
-      const std::vector<float> a = eager.download(), b = graph.download();
-      size_t diff = 0, nan = 0, first = a.size();
-      for (size_t i = 0; i < a.size(); ++i) {
-        nan += std::isnan(a[i]) || std::isnan(b[i]);
-        if (!bits_equal(a[i], b[i])) first = std::min(first, i), ++diff;
+    for (bool fork : {false, true}) {
+      moe.set_fork_shared(fork);
+      DeviceBuffer<float> dx(x);
+      DeviceBuffer<int32_t> di(size_t(T) * c.K);
+      DeviceBuffer<float> dw(size_t(T) * c.K);
+      for (int mode = 0; mode < 3; ++mode) {
+        const size_t n = mode == 2 ? size_t(T) * sf : size_t(T) * c.dim;
+        DeviceBuffer<float> eager(n), graph(n);
+        eager.poison();
+        graph.poison();
+        auto call = [&](float* y) {
+          if (mode == 0) moe.apply(dx.get(), T, y, di.get(), dw.get(), s);
+          if (mode == 1) moe.apply_partial(dx.get(), T, y, di.get(), dw.get(), s);
+          if (mode == 2) moe.apply_partial_experts(dx.get(), T, y, di.get(), dw.get(), s);
+        };
+        call(eager.get());
+        UF_CUDA_CHECK(cudaStreamSynchronize(s));
+        cudaGraph_t g;
+        UF_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+        call(graph.get());
+        UF_CUDA_CHECK(cudaStreamEndCapture(s, &g));
+        cudaGraphExec_t exec;
+        UF_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
+        for (int r = 0; r < 3; ++r) UF_CUDA_CHECK(cudaGraphLaunch(exec, s));
+        UF_CUDA_CHECK(cudaStreamSynchronize(s));
+        UF_CUDA_CHECK(cudaGraphExecDestroy(exec));
+        UF_CUDA_CHECK(cudaGraphDestroy(g));
+        sync_and_check();
+        const std::vector<float> a = eager.download(), b = graph.download();
+        size_t diff = 0, nan = 0, first = a.size();
+        for (size_t i = 0; i < a.size(); ++i) {
+          nan += std::isnan(a[i]) || std::isnan(b[i]);
+          if (!bits_equal(a[i], b[i])) first = std::min(first, i), ++diff;
+        }
+        EXPECT_TRUE(diff == 0 && nan == 0) << "T=" << T << " mode " << mode << " fork " << fork
+                                           << ": graph replay vs eager: " << diff << " differ ("
+                                           << nan << " NaN), first at " << first;
+        std::vector<float>& ref = inline_out[T == 8][mode];
+        if (!fork) {
+          ref = a;
+        } else {
+          size_t fd = 0;
+          for (size_t i = 0; i < a.size(); ++i) fd += !bits_equal(a[i], ref[i]);
+          EXPECT_EQ(fd, 0u) << "T=" << T << " mode " << mode << ": forked vs in-line shared expert";
+        }
       }
-      EXPECT_TRUE(diff == 0 && nan == 0)
-          << "T=" << T << " mode " << mode << ": graph replay vs eager: " << diff << " differ ("
-          << nan << " NaN), first at " << first;
     }
   }
+  moe.set_fork_shared(false);
   UF_CUDA_CHECK(cudaStreamDestroy(s));
 }
 

@@ -166,6 +166,7 @@ CudaModel::CudaModel(model::ModelConfig cfg, const model::Checkpoint& ckpt,
     ms.route_scale = float(cfg_.route_scale);
     ms.swiglu_limit = float(cfg_.swiglu_limit);
     op->moe = std::make_unique<DeviceMoe>(L.moe, ms, arena_);
+    op->moe->set_fork_shared(opts_.graph_branches);
     max_topk = std::max(max_topk, ms.top_k);
     if (r.engram) {
       EngramShape es;
@@ -322,6 +323,10 @@ CudaModel::~CudaModel() {
 void CudaModel::fork(int side) {
   UF_CHECK(open_side_ < 0 && side >= 0 && side < kSideStreams,
            "fork({}): side {} is open (branches start from the main stream)", side, open_side_);
+  if (!opts_.graph_branches) {  // the branch runs in place, on the main stream
+    open_side_ = side;
+    return;
+  }
   UF_CUDA_CHECK(cudaEventRecord(fork_ev_[side], main_stream_));
   UF_CUDA_CHECK(cudaStreamWaitEvent(side_[side], fork_ev_[side], 0));
   stream_ = side_[side];
@@ -330,12 +335,19 @@ void CudaModel::fork(int side) {
 
 void CudaModel::unfork() {
   UF_CHECK(open_side_ >= 0, "unfork: no branch is open");
+  if (!opts_.graph_branches) {
+    open_side_ = -1;
+    return;
+  }
   UF_CUDA_CHECK(cudaEventRecord(side_done_[open_side_], stream_));
   stream_ = main_stream_;
   open_side_ = -1;
 }
 
-void CudaModel::join(int side) { UF_CUDA_CHECK(cudaStreamWaitEvent(stream_, side_done_[side], 0)); }
+void CudaModel::join(int side) {
+  if (!opts_.graph_branches) return;
+  UF_CUDA_CHECK(cudaStreamWaitEvent(stream_, side_done_[side], 0));
+}
 
 int64_t CudaModel::compressed_id(int32_t token) const {
   UF_CHECK(token >= 0 && token < cfg_.vocab_size, "token id {} is outside the vocab of {}", token,

@@ -111,6 +111,13 @@ struct CudaModelOptions {
   // the q rows stay on the device for verification. Needs device_verify (under TP: rank 0 runs
   // it); off, or without device_verify: the host loop of draft() with the engine's sampler.
   bool device_draft = true;
+  // Independent chains on side streams (graph branches): the compressor and the indexer beside
+  // the q / kv projections, the shared expert beside the routed experts. Off: one stream, the
+  // same launches in order (bitwise the same results). Measured on the H200 (`bench --synthetic
+  // tp8-rank`, 8k; `--no-branches` turns them off): 1 row 5887 against 6076 us, 7 rows 9413
+  // against 9432 us. A kernel that waits on another stream's event cannot start early under PDL,
+  // which takes back most of what the overlap gives.
+  bool graph_branches = true;
 };
 
 class CudaModel {
@@ -351,9 +358,10 @@ class CudaModel {
   // branch is open (fork .. unfork), so the ops themselves never name a stream.
   cudaStream_t stream_ = nullptr;
   cudaStream_t main_stream_ = nullptr;
-  // Graph branches: work of a layer that does not depend on the main chain (the compressor, the
-  // indexer) runs on a side stream; CUDA graph capture records the event edges as dependencies
-  // and an eager run keeps them. Forks start from the main stream only.
+  // Graph branches (opts_.graph_branches): work of a layer that does not depend on the main chain
+  // (the compressor, the indexer) runs on a side stream; CUDA graph capture records the event
+  // edges as dependencies and an eager run keeps them. Forks start from the main stream only.
+  // Off, fork / unfork / join keep everything on the main stream.
   static constexpr int kSideStreams = 2;
   cudaStream_t side_[kSideStreams] = {};
   cudaEvent_t fork_ev_[kSideStreams] = {};

@@ -243,8 +243,9 @@ void CudaModel::attention_program(const SpanBlock& b, int l, const float* x, flo
   const int64_t* pos = b.at<int64_t>(block_dev_, b.pos);
   const int slots = W + opts_.max_rows;  // CudaSession window rings (new_session)
   float* const* ring = b.at<float*>(block_dev_, L.window);
-  // Graph branches: the compressor (it reads only x) and the indexer (x and the normed qr) run on
-  // side streams beside the q / kv projections; the attention joins them. Their buffers (the
+  // Graph branches (CudaModelOptions::graph_branches): the compressor (it reads only x) and the
+  // indexer (x and the normed qr) on side streams beside the q / kv projections; the attention
+  // joins them. Off, fork / join run them in place. Their buffers (the
   // compressor's rows and entries, the index queries, scores and selections) are theirs alone,
   // and a layer that is both keeps its keys' order: the index scores wait for the compressor.
   const bool kv_branch = role.compress_ratio > 0 && role.kv_source;

@@ -1040,16 +1040,17 @@ void MoeFp4::run(const Fp4ExpertsView& w, const QuantActView& x, const int* topk
 
 void MoeFp4::run_add(const Fp4ExpertsView& w, const QuantActView& x, const int* topk_idx,
                      const float* topk_w, float swiglu_limit, bool partial, const float* add,
-                     bool round_out, cudaEvent_t join, float* out, cudaStream_t stream) const {
+                     bool round_out, const std::function<void()>& before_combine, float* out,
+                     cudaStream_t stream) const {
   require(add != nullptr, "MoeFp4::run_add: no addend");
   run_experts_impl(w, x, topk_idx, topk_w, swiglu_limit, /*round_w2=*/!partial, y_,
                    int64_t(topk_) * dim_, stream);
-  combine(y_, topk_idx, x.m, w.num_experts, add, round_out, join, out, stream);
+  if (before_combine) before_combine();
+  combine(y_, topk_idx, x.m, w.num_experts, add, round_out, out, stream);
 }
 
 void MoeFp4::combine(const float* y, const int* topk_idx, int m, int num_experts, const float* add,
-                     bool round_out, cudaEvent_t join, float* out, cudaStream_t stream) const {
-  if (join) UF_CUDA_CHECK(cudaStreamWaitEvent(stream, join, 0));
+                     bool round_out, float* out, cudaStream_t stream) const {
   launch_pdl(moe_combine_kernel, dim3((dim_ + 255) / 256, m), dim3(256), 0, stream, y, topk_idx,
              topk_, num_experts, dim_, add, round_out, out);
 }

@@ -99,11 +99,14 @@ class DeviceMoe {
   bool prefill_enabled() const;
   // true: the earlier path (gate GEMV + route_quant_kernel, MoeFp4's persistent kernels, the
   // shared expert on the caller's stream after the routed experts, a separate combine launch).
-  // Default false: one router launch (gate + routing + act quant), MoeFp4's unit kernels, the
-  // shared expert on a forked stream (own stream + 2 events, created at construction), its add
-  // folded into MoeFp4's combine. Bitwise the same outputs. For tests and benchmarks.
+  // Default false: one router launch (gate + routing + act quant), MoeFp4's unit kernels (up to 4
+  // rows), the shared expert's add folded into MoeFp4's combine (and, with set_fork_shared, the
+  // shared expert on the object's own stream). Bitwise the same outputs. For tests and benchmarks.
   void set_legacy(bool on);
   bool legacy() const;
+  // The shared expert on the object's side stream, joined before the combine, or in line on the
+  // caller's stream (the default; CudaModelOptions::graph_branches). The same bits either way.
+  void set_fork_shared(bool on);
 
  private:
   struct Impl;

@@ -588,6 +588,7 @@ struct DeviceMoe::Impl {
   // The shared expert runs on its own stream (forked from the caller's stream by fork, joined
   // back by join before the combine; capture-safe: CUDA graphs record the fork and the join).
   bool legacy = false;
+  bool fork_shared = false;
   int* router_counter = nullptr;  // moe_router_kernel's finishing counter (zero between calls)
   cudaStream_t side = nullptr;
   cudaEvent_t fork = nullptr, join = nullptr;
@@ -721,6 +722,8 @@ void DeviceMoe::set_legacy(bool on) {
 
 bool DeviceMoe::legacy() const { return impl_->legacy; }
 
+void DeviceMoe::set_fork_shared(bool on) { impl_->fork_shared = on; }
+
 bool DeviceMoe::prefill_enabled() const { return impl_->pf_on; }
 
 int64_t DeviceMoe::slot_floats_per_row() const {
@@ -763,7 +766,7 @@ void DeviceMoe::run_chunk(const float* x, int t0, int rows, Out mode, float* out
   // The shared expert (independent of the routing), on the forked stream and launched first
   // unless legacy: w1 and w3 read the same rows (one launch, each output as its own apply()),
   // SwiGLU, w2.
-  const bool fork = !m.legacy;
+  const bool fork = !m.legacy && m.fork_shared;
   cudaStream_t ss = fork ? m.side : stream;
   if (fork) {
     UF_CUDA_CHECK(cudaEventRecord(m.fork, stream));
@@ -787,7 +790,10 @@ void DeviceMoe::run_chunk(const float* x, int t0, int rows, Out mode, float* out
                                       size_t(rows), cudaMemcpyDeviceToDevice, ss));
     if (fork) UF_CUDA_CHECK(cudaEventRecord(m.join, ss));
   };
-  // Legacy: after the routed experts, on the caller's stream (the earlier launch order).
+  // Forked: launched first on the side stream, joined before the combine. In line: after the
+  // routed experts, right before the combine (MoeFp4::run_add's hook, or join() below), so that
+  // its weights stream in behind theirs under PDL.
+  const bool combine_adds = !pf && !m.legacy && mode != Out::kPartialSlots;
   auto join = [&] {
     if (fork)
       UF_CUDA_CHECK(cudaStreamWaitEvent(stream, m.join, 0));
@@ -834,9 +840,9 @@ void DeviceMoe::run_chunk(const float* x, int t0, int rows, Out mode, float* out
     join();
     return;
   }
-  if (!pf && !m.legacy) {  // the combine adds the shared expert (combine_kernel's operations)
+  if (combine_adds) {  // the combine adds the shared expert (combine_kernel's operations)
     m.moe->run_add(experts, act, gi, gw, m.s.swiglu_limit, mode == Out::kPartialSum, shared,
-                   mode == Out::kRounded, fork ? m.join : nullptr, out + int64_t(t0) * D, stream);
+                   mode == Out::kRounded, join, out + int64_t(t0) * D, stream);
     return;
   }
   if (pf) {
