@@ -181,4 +181,20 @@ struct Compare {
   }
 };
 
+// Engram outputs against cpu::engram_forward, per copy of dim values: wkv runs on Fp8Gemv (the
+// fp32 order of a block's products differs, so a bf16 rounding of a key or value may flip,
+// rarely); the gate's fp32 arithmetic is the CPU's, expf up to an ulp apart. A flipped key moves
+// its copy's gate slightly (a few of that copy's outputs flip by an ulp). So every output within
+// 2 bf16 ulps + 2^-7 of its copy's largest output.
+inline Compare compare_engram(const std::vector<float>& got, const std::vector<float>& want,
+                              int dim) {
+  std::vector<float> copy_max(want.size() / size_t(dim), 0.f);
+  for (size_t i = 0; i < want.size(); ++i)
+    copy_max[i / dim] = std::max(copy_max[i / dim], std::fabs(want[i]));
+  return Compare(got, want, [&](size_t i) {
+    const float u = bf16_ulp(std::max(std::fabs(got[i]), std::fabs(want[i])));
+    return std::fabs(got[i] - want[i]) <= 2 * u + 0x1p-7f * copy_max[i / dim];
+  });
+}
+
 }  // namespace uf::cuda::test

@@ -41,18 +41,10 @@ TEST(OpsEngram, PrefillChunksEqualOneRowCalls) {
   sync_and_check();
   const std::vector<float> got = dout.download();
 
-  // Against the CPU: the bound of OpsEngram.MatchesCpuAliasingAndSpecEqualsPlain (a key or value
-  // may flip a bf16 rounding, which moves its copy's gate: 2 bf16 ulps + 2^-7 of the copy's
-  // largest output).
+  // Against the CPU, within compare_engram's bound.
   std::vector<float> want(X.size());
   cpu::engram_forward(w, p, ids.data(), X.data(), T, want.data());
-  std::vector<float> row_max(size_t(T) * hc, 0.f);
-  for (size_t i = 0; i < want.size(); ++i)
-    row_max[i / D] = std::max(row_max[i / D], std::fabs(want[i]));
-  const Compare cmp(got, want, [&](size_t i) {
-    const float u = bf16_ulp(std::max(std::fabs(got[i]), std::fabs(want[i])));
-    return std::fabs(got[i] - want[i]) <= 2 * u + 0x1p-7f * row_max[i / D];
-  });
+  const Compare cmp = compare_engram(got, want, D);
   EXPECT_EQ(cmp.nan, 0u) << cmp.report(got, want);
   EXPECT_EQ(cmp.bad, 0u) << cmp.report(got, want);
   EXPECT_GE(double(cmp.exact), 0.97 * double(cmp.n)) << cmp.report(got, want);

@@ -355,18 +355,9 @@ TEST(OpsEngram, MatchesCpuAliasingAndSpecEqualsPlain) {
     eng.apply(dids.get(), dX.get(), T, dout.get(), nullptr);
     sync_and_check();
     const std::vector<float> got = dout.download();
-    // wkv runs on Fp8Gemv (fp32 order of a block's products differs, a bf16 rounding of a key or
-    // value may flip, rarely); the gate's fp32 arithmetic is the CPU's, expf up to an ulp apart.
-    // A flipped key moves its copy's gate slightly (a few of that copy's outputs flip by an ulp).
-    // So all within 2 bf16 ulps + 2^-7 of the copy's largest output, and >= 97% bitwise over all
-    // the test's outputs (expected ~0.5% flipped).
-    std::vector<float> row_max(size_t(T) * hc, 0.f);
-    for (size_t i = 0; i < want.size(); ++i)
-      row_max[i / D] = std::max(row_max[i / D], std::fabs(want[i]));
-    const Compare cmp(got, want, [&](size_t i) {
-      const float u = bf16_ulp(std::max(std::fabs(got[i]), std::fabs(want[i])));
-      return std::fabs(got[i] - want[i]) <= 2 * u + 0x1p-7f * row_max[i / D];
-    });
+    // compare_engram's bound, and >= 97% bitwise over all the test's outputs (~0.5% expected to
+    // flip).
+    const Compare cmp = compare_engram(got, want, D);
     EXPECT_EQ(cmp.nan, 0u) << "T=" << T << " " << cmp.report(got, want);
     EXPECT_EQ(cmp.bad, 0u) << "T=" << T << " " << cmp.report(got, want);
     total_exact += cmp.exact;
