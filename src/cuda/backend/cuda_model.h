@@ -136,6 +136,10 @@ class CudaModel {
   const model::ModelConfig& config() const { return cfg_; }
   const CudaModelOptions& options() const { return opts_; }
   cudaStream_t stream() const { return stream_; }
+  // Host time of the last ring-layout span (a decode or verify step) from entering the forward to
+  // its launch returning: the plan, the block upload and the graph launch, i.e. what the host adds
+  // between two steps when the previous step's results are in hand (bench-host).
+  double last_launch_host_us() const { return last_launch_host_us_; }
   int max_span_rows() const { return tmax_; }
   int n_taps() const { return int(cfg_.dspark_target_layer_ids.size()); }
   int64_t compressed_id(int32_t token) const;
@@ -367,6 +371,7 @@ class CudaModel {
   cudaEvent_t fork_ev_[kSideStreams] = {};
   cudaEvent_t side_done_[kSideStreams] = {};
   int open_side_ = -1;
+  double last_launch_host_us_ = 0;
   void fork(int side);  // side waits for the main stream's work so far; stream_ = side
   void unfork();        // stream_ = the main stream (the branch keeps running)
   void join(int side);  // stream_ (main or another side) waits for side's work so far

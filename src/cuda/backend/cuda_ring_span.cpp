@@ -438,6 +438,7 @@ void CudaModel::kv_program(const SpanBlock& b, int l, const float* x) {
 
 void CudaModel::forward_ring(CudaSession& s, std::span<const int32_t> tokens, bool all_logits,
                              float* logits, float* main_hidden, int* publisher, bool keep_logits) {
+  const auto entered = std::chrono::steady_clock::now();
   const int T = int(tokens.size());
   Span sp;
   init_span(sp, s, tokens, /*prefill_layout=*/false, /*upload_hash=*/false);
@@ -452,6 +453,8 @@ void CudaModel::forward_ring(CudaSession& s, std::span<const int32_t> tokens, bo
     launch_program(T * 4 + (all_logits ? 2 : 0) + (head_rows ? 1 : 0), program);
   else
     program();  // long prefill chunks: one graph per chunk length would not be reused
+  last_launch_host_us_ =
+      std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - entered).count();
   const size_t MH = size_t(n_taps()) * size_t(cfg_.dim);
   if (main_hidden && MH > 0 && main_hidden != mh_)
     UF_CUDA_CHECK(cudaMemcpyAsync(main_hidden, mh_, size_t(T) * MH * sizeof(float),
