@@ -23,14 +23,14 @@ namespace uf::cuda {
 // ckv_ref (optional, device): where to read the ckv base pointer when the kernel runs, for CUDA
 // graphs replayed against different sessions (ckv is then ignored).
 // split_scratch (optional, device, sparse_attn_scratch_floats(T, H, hd, n) floats for any
-// n >= n_window + k, 16-byte aligned; no initial contents needed): the fast chunked path for
-// decode shapes (ops/attention.cu): a scores kernel (the CPU's s_j bits), a P.V kernel per
-// (chunk of 16 slots, row, 8 heads) that rounds p to bf16 relative to the CPU's running max of
+// n >= n_window + k, 16-byte aligned; no initial contents needed): the fast chunked path (every
+// span of CudaModel::attend; ops/attention.cu): a scores kernel (the CPU's s_j bits), a P.V kernel
+// per (chunk of 16 slots, row, 8 heads) that rounds p to bf16 relative to the CPU's running max of
 // the chunk's 64-slot block (the CPU's bf16(p) exactly), and a merge in chunk order; all launched
 // with PDL. Its result is the CPU's up to fp32 re-association of the sums (a rare bf16 ulp,
 // tests/cuda/test_ops_attention.cpp states the bound), not bit for bit; every order depends on
-// the slot count and hd only, never on T. hd % 4 != 0 or unaligned q / out take the reference
-// path.
+// the slot count and hd only, never on T. hd % 4 != 0, unaligned q / out, or a rope whose rotated
+// channels do not start on a float4 take the reference path.
 // rope (optional): the attention's rotary embedding, bitwise rope(freqs, rope_dim, q, T, H, hd,
 // p0, 1, false, positions) on q before and rope(..., out, ..., inverse = true, ...) on the result
 // after: q's rotated channels are rotated as q is staged (q in memory stays as given), the
