@@ -17,7 +17,8 @@
 // the copy are skipped) against the floor without the head. The session comes from
 // CudaModel::fast_forward (ring tags and entry counts of a real prefill, device state random).
 // --no-graphs sets CudaModelOptions::cuda_graphs = false (the verify spans then launch eagerly);
-// --no-branches clears CudaModelOptions::graph_branches (one stream, the launches in order).
+// --no-branches clears CudaModelOptions::graph_branches (one stream, the launches in order);
+// --host-launch clears device_graph_launch, --no-candidate-lists clears candidate_lists.
 //
 // --floor-only prints the floors (bytes per component) without a GPU.
 #include <fmt/format.h>
@@ -65,6 +66,8 @@ struct BenchArgs {
   int64_t engram_rows = int64_t(1) << 22;
   bool no_graphs = false;
   bool no_branches = false;
+  bool host_launch = false;
+  bool no_candidate_lists = false;
   bool floor_only = false;
   // Vocab slices of the head: 8 = rank 0's eighth (TP8 splits the head by vocab rows; the
   // logits' all-gather is bench-tp's), 1 = the whole head on the rank.
@@ -273,6 +276,8 @@ int run_cuda(const BenchArgs& a, const ModelConfig& cfg, const std::vector<int>&
   opts.device = a.device;
   opts.cuda_graphs = !a.no_graphs;
   opts.graph_branches = !a.no_branches;
+  opts.device_graph_launch = !a.host_launch;
+  opts.candidate_lists = !a.no_candidate_lists;
   opts.head_slice_of = a.head_slices;
   out["cuda_graphs"] = opts.cuda_graphs;
   out["head_slices"] = a.head_slices;
@@ -513,6 +518,10 @@ void setup_bench(CLI::App& app, int& exit_code) {
                   "Rows per Engram table (released: ~384M, 98 GB each; a step gathers 24 rows per "
                   "token, so the time hardly depends on it)");
   cmd->add_flag("--no-graphs", a->no_graphs, "Run the decode path without CUDA graphs");
+  cmd->add_flag("--host-launch", a->host_launch,
+                "Launch the step graphs from the host (no device-side graph launch)");
+  cmd->add_flag("--no-candidate-lists", a->no_candidate_lists,
+                "Reindex layers score every visible entry and mask (not the pool's list)");
   cmd->add_flag("--no-branches", a->no_branches,
                 "One stream: no side streams for the compressor, indexer and shared expert");
   cmd->add_flag("--floor-only", a->floor_only, "Print the floors (bytes per component); no GPU");

@@ -10,7 +10,9 @@
 
 namespace uf::cuda::test {
 
-enum class RowKind { kNormal, kFewValues, kAllEqual, kAllNegInf, kSignedZeros };
+// kNormalF32: full fp32 values (the other kinds are bf16 values, as the model's scores; the
+// selection rounds take a shorter radix path for those).
+enum class RowKind { kNormal, kFewValues, kAllEqual, kAllNegInf, kSignedZeros, kNormalF32 };
 
 // One row of `width` scores; entries at i >= vis and (except kAllEqual) one in ten at random
 // are -inf.
@@ -23,6 +25,9 @@ inline std::vector<float> make_score_row(RowKind kind, int width, int vis, std::
     switch (kind) {
       case RowKind::kNormal:
         v = core::round_bf16(nd(rng));
+        break;
+      case RowKind::kNormalF32:
+        v = nd(rng);
         break;
       case RowKind::kFewValues:
         v = 0.5f * float(few(rng));  // six levels: ties everywhere, also at the threshold

@@ -7,7 +7,10 @@
 //      fixture's end-to-end bounds (chunks of 5 rows replay graphs, chunks of 16 run eagerly);
 //  (c) at TP = 2 (two GPUs), graph replay with the captured NCCL collectives == eager, bitwise;
 //  (d) graph branches (CudaModelOptions::graph_branches: the compressor, the indexer and the
-//      shared expert on side streams) == one stream, bitwise, replayed and at TP = 2.
+//      shared expert on side streams) == one stream, bitwise, replayed and at TP = 2;
+//  (e) the Reindex layers on the candidate pool's lists (CudaModelOptions::candidate_lists) ==
+//      every visible entry scored and masked, bitwise, at TP 1 and 2;
+//  (f) step graphs launched from the device == launched from the host, bitwise, at TP 1 and 2.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -17,6 +20,7 @@
 #include "backend_test_util.h"
 #include "cpu/cpu_backend.h"
 #include "cuda/backend/cuda_backend.h"
+#include "cuda/devlaunch/graph_launch.h"
 #include "cuda_test_util.h"
 #include "model/golden.h"
 
@@ -39,11 +43,14 @@ class CudaGraphTest : public ::testing::Test {
     const auto d = tiny_a_golden_i64("decode_ids");
     next_.assign(d.begin(), d.end());
   }
-  std::unique_ptr<CudaBackend> backend(bool graphs, int tp = 1, bool branches = false) {
+  std::unique_ptr<CudaBackend> backend(bool graphs, int tp = 1, bool branches = false,
+                                       bool lists = true, bool device_launch = true) {
     CudaModelOptions o;
     o.cuda_graphs = graphs;
     o.tp = tp;
     o.graph_branches = branches;
+    o.candidate_lists = lists;
+    o.device_graph_launch = device_launch;
     return std::make_unique<CudaBackend>(tiny_a_dir(), map_, o);
   }
   // Prefill of `prompt` (chunk tokens per chunk; 0 = one chunk), then, per step, a verify of k
@@ -103,6 +110,52 @@ TEST_F(CudaGraphTest, GraphBranchesEqualOneStreamBitwise) {
     const Cmp c = compare(b.data(), a.data(), a.size());
     EXPECT_EQ(c.first_diff, -1) << "tp " << tp << ": " << c.str();
     EXPECT_EQ(c.nan, 0u);
+  }
+}
+
+// The Reindex layers scored on the candidate pool's lists against every visible entry + the mask
+// (CudaModelOptions::candidate_lists): the same logits bit for bit, prefill and verify steps, at
+// TP 1 and 2 (tiny-a: a pool of 3 blocks of 4 entries, top-8, so the pool restricts the choice).
+TEST_F(CudaGraphTest, CandidateListsEqualMaskBitwise) {
+  int gpus = 0;
+  UF_CUDA_CHECK(cudaGetDeviceCount(&gpus));
+  for (int tp : {1, 2}) {
+    if (tp > gpus) continue;
+    const int steps = 2 * engine::kMaxVerifyRows;
+    const auto a = run(*backend(true, tp, true, false), prompt_, 0, steps, engine::kMaxVerifyRows);
+    const auto b = run(*backend(true, tp, true, true), prompt_, 0, steps, engine::kMaxVerifyRows);
+    ASSERT_EQ(a.size(), b.size());
+    const Cmp c = compare(b.data(), a.data(), a.size());
+    EXPECT_EQ(c.first_diff, -1) << "tp " << tp << ": " << c.str();
+    EXPECT_EQ(c.nan, 0u);
+  }
+}
+
+// Step graphs launched from the device (a one-node launcher graph tail-launches them) against
+// the host launch: the same logits bit for bit, every graph device-launched (no fallback), and no
+// device-side launch error; at TP 1 and 2.
+TEST_F(CudaGraphTest, DeviceGraphLaunchEqualsHostLaunchBitwise) {
+  int gpus = 0;
+  UF_CUDA_CHECK(cudaGetDeviceCount(&gpus));
+  for (int tp : {1, 2}) {
+    if (tp > gpus) continue;
+    const int steps = 2 * engine::kMaxVerifyRows;
+    auto host = backend(true, tp, true, true, false);
+    auto dev = backend(true, tp, true, true, true);
+    const auto a = run(*host, prompt_, 0, steps, engine::kMaxVerifyRows);
+    const auto b = run(*dev, prompt_, 0, steps, engine::kMaxVerifyRows);
+    ASSERT_EQ(a.size(), b.size());
+    const Cmp c = compare(b.data(), a.data(), a.size());
+    EXPECT_EQ(c.first_diff, -1) << "tp " << tp << ": " << c.str();
+    EXPECT_EQ(c.nan, 0u);
+    for (int r = 0; r < tp; ++r) {
+      const CudaModel& m = dev->model(r);
+      EXPECT_GT(m.graphs_captured(), 0);
+      EXPECT_EQ(m.graphs_device_launched(), m.graphs_captured()) << "tp " << tp << " rank " << r;
+      EXPECT_EQ(host->model(r).graphs_device_launched(), 0);
+      UF_CUDA_CHECK(cudaSetDevice(r));
+      EXPECT_EQ(take_device_launch_error(), cudaSuccess) << "tp " << tp << " rank " << r;
+    }
   }
 }
 

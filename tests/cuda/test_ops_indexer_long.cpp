@@ -294,6 +294,11 @@ TEST(CudaIndexerLong, TopkSelect1M) {
   check_topk(verify_rows(262144, 1), 512, 702, "1M x 1");
   check_topk(verify_rows(262144, 7), 512, 704, "1M x 7, aligned rows", 0);
   check_topk({{262144, 200003, RowKind::kFewValues}}, 512, 703, "1M x 1, vis < width, ties");
+  // Scores that are not bf16 values: all four radix passes.
+  check_topk({{262144, 262144, RowKind::kNormalF32},
+              {262144, 200003, RowKind::kNormalF32},
+              {262144, 262144, RowKind::kNormal}},
+             512, 705, "1M x 3, fp32 and bf16 rows");
 }
 
 TEST(CudaIndexerLong, TopkSelect64k) {
@@ -441,6 +446,148 @@ TEST(CudaIndexerLong, CandidateMaskMixedAndRounds) {
   // Block size 1 (every position a block): three rounds at 100000 blocks with 4096 kept.
   check_mask({{100000, 100000, RowKind::kFewValues}, {100000, 77777, RowKind::kNormal}}, 4096, 1,
              823, "3 rounds");
+}
+
+// Candidate-restricted layers on the pool's list (EntryList): candidate_mask's list output, then
+// index_scores_list + topk_select through the list, against the full path (every visible entry
+// scored, mask_scores, topk_select): the same top-k slots bit for bit, and the list holds exactly
+// the kept visible entries, ascending. Scores come from index_scores on bf16 keys (finite for
+// visible entries, as in the model); `distinct` > 0 draws the key rows from that many distinct
+// rows, so scores and block maxima tie heavily (the lower-index rule decides).
+struct ListCase {
+  const char* name;
+  std::vector<int> vis, width;
+  int topk_blocks, block_size, k, distinct;
+};
+
+void check_candidate_list(const ListCase& c, uint32_t seed) {
+  SCOPED_TRACE(c.name);
+  constexpr int hd = 128, Hi = 4;
+  std::mt19937 rng(seed);
+  const int T = int(c.vis.size());
+  const int max_width = std::max(1, *std::max_element(c.width.begin(), c.width.end()));
+  const int max_vis = std::max(1, *std::max_element(c.vis.begin(), c.vis.end()));
+  const auto q1 = normal_bf16(size_t(T) * Hi * hd, rng, 1.f), q2 = normal_bf16(q1.size(), rng, 1.f);
+  const auto w1 = normal_bf16(size_t(T) * Hi, rng, 0.1f), w2 = normal_bf16(w1.size(), rng, 0.1f);
+  std::vector<float> bank = normal_bf16(size_t(max_vis) * hd, rng, 1.f);
+  if (c.distinct > 0) {
+    std::uniform_int_distribution<int> pick(0, c.distinct - 1);
+    for (int i = c.distinct; i < max_vis; ++i)
+      std::copy_n(bank.begin() + int64_t(pick(rng)) * hd, hd, bank.begin() + int64_t(i) * hd);
+  }
+  DeviceBuffer<float> dq1(q1), dq2(q2), dw1(w1), dw2(w2), dbank(bank);
+  DeviceBuffer<const float*> dkeys(std::vector<const float*>(size_t(T), dbank.get()));
+  DeviceBuffer<int32_t> dvis(std::vector<int32_t>(c.vis.begin(), c.vis.end()));
+  DeviceBuffer<int32_t> dwidth(std::vector<int32_t>(c.width.begin(), c.width.end()));
+  const int64_t cap = int64_t(c.topk_blocks) * c.block_size;
+  const int cols = int(std::max<int64_t>(max_width, cap));
+  DeviceBuffer<float> dscore(size_t(T) * cols);
+  DeviceBuffer<uint8_t> dkeep(size_t(T) * max_width);
+  DeviceBuffer<int32_t> dlist(size_t(T) * cap), dn(static_cast<size_t>(T));
+  DeviceBuffer<int32_t> dfull(size_t(T) * c.k), dlisted(size_t(T) * c.k);
+  const size_t ws_bytes =
+      std::max(topk_select_workspace_bytes(T, cols, c.k),
+               candidate_mask_workspace_bytes(T, max_width, c.topk_blocks, c.block_size));
+  DeviceBuffer<uint8_t> ws(std::max<size_t>(ws_bytes, 1));
+  for (auto* b : {&dlist, &dn, &dfull, &dlisted}) b->poison();
+  dkeep.poison();
+  ws.poison();
+
+  // The candidate source: its scores, the pool as a mask and as lists.
+  index_scores(dq1.get(), dw1.get(), T, Hi, hd, dkeys.get(), dvis.get(), dwidth.get(), max_width,
+               dscore.get(), nullptr);
+  const EntryListOut out{dlist.get(), dn.get(), cap};
+  ASSERT_TRUE(candidate_mask(dscore.get(), T, max_width, dwidth.get(), dvis.get(), c.topk_blocks,
+                             c.block_size, dkeep.get(), nullptr, ws.get(), &out))
+      << "candidate_mask did not write the lists";
+  // The restricted layer, full path.
+  index_scores(dq2.get(), dw2.get(), T, Hi, hd, dkeys.get(), dvis.get(), dwidth.get(), max_width,
+               dscore.get(), nullptr);
+  mask_scores(dscore.get(), dkeep.get(), T, max_width, dwidth.get(), nullptr);
+  topk_select(dscore.get(), T, max_width, dwidth.get(), c.k, dvis.get(), dfull.get(), nullptr,
+              ws.get());
+  sync_and_check();
+  const auto full_scores = dscore.download();
+  // The restricted layer on the lists.
+  dscore.poison();
+  const EntryList list{dlist.get(), dn.get(), cap};
+  index_scores_list(dq2.get(), dw2.get(), T, Hi, hd, dkeys.get(), list, dscore.get(), nullptr);
+  topk_select(dscore.get(), T, int(cap), dn.get(), c.k, dn.get(), dlisted.get(), nullptr, ws.get(),
+              dlist.get(), cap);
+  sync_and_check();
+  const auto keep = dkeep.download();
+  const auto lists = dlist.download(), ns = dn.download();
+  const auto list_scores = dscore.download();
+  const auto full = dfull.download(), listed = dlisted.download();
+
+  int n_bad = 0;
+  int64_t n_listed = 0;
+  for (int t = 0; t < T; ++t) {
+    const int wd = c.width[size_t(t)], cl = std::min(c.vis[size_t(t)], wd);
+    std::vector<int32_t> want;  // the kept visible entries, ascending
+    for (int i = 0; i < cl; ++i)
+      if (keep[size_t(t) * max_width + size_t(i)] == 1) want.push_back(i);
+    n_listed += int64_t(want.size());
+    const int n = ns[size_t(t)];
+    bool ok = n == int(want.size());
+    for (int j = 0; ok && j < n; ++j) ok = lists[size_t(t) * cap + size_t(j)] == want[size_t(j)];
+    for (int j = 0; ok && j < n; ++j)  // each listed score is bitwise the full row's
+      ok = f32_bits(list_scores[size_t(t) * cap + size_t(j)]) ==
+           f32_bits(full_scores[size_t(t) * max_width + size_t(want[size_t(j)])]);
+    if (!ok && n_bad++ < 3)
+      ADD_FAILURE() << "row " << t << " (width " << wd << ", vis " << c.vis[size_t(t)]
+                    << "): list of " << n << " entries, " << want.size()
+                    << " kept visible entries in the mask (or their scores differ)";
+    const bool same =
+        std::equal(full.begin() + int64_t(t) * c.k, full.begin() + int64_t(t + 1) * c.k,
+                   listed.begin() + int64_t(t) * c.k);
+    if (!same && n_bad++ < 3) {
+      int j = 0;
+      while (full[size_t(t) * c.k + size_t(j)] == listed[size_t(t) * c.k + size_t(j)]) ++j;
+      ADD_FAILURE() << "row " << t << ": top-k on the list differs from the masked full scores at "
+                    << "slot " << j << ": list " << listed[size_t(t) * c.k + size_t(j)] << ", full "
+                    << full[size_t(t) * c.k + size_t(j)];
+    }
+  }
+  std::printf("[candidate lists %s] %d rows, %lld listed entries, %d bad rows\n", c.name, T,
+              (long long)n_listed, n_bad);
+  EXPECT_EQ(n_bad, 0);
+
+  // The tensor-parallel partial (no final rounding) on the lists: bitwise the full partial's.
+  DeviceBuffer<float> dpart(size_t(T) * cols);
+  index_scores(dq2.get(), dw2.get(), T, Hi, hd, dkeys.get(), dvis.get(), dwidth.get(), max_width,
+               dpart.get(), nullptr, /*round_sum=*/false);
+  dscore.poison();
+  index_scores_list(dq2.get(), dw2.get(), T, Hi, hd, dkeys.get(), list, dscore.get(), nullptr,
+                    /*round_sum=*/false);
+  sync_and_check();
+  const auto part = dpart.download(), lpart = dscore.download();
+  int part_bad = 0;
+  for (int t = 0; t < T; ++t)
+    for (int j = 0; j < ns[size_t(t)]; ++j)
+      part_bad +=
+          f32_bits(lpart[size_t(t) * cap + size_t(j)]) !=
+          f32_bits(part[size_t(t) * max_width + size_t(lists[size_t(t) * cap + size_t(j)])]);
+  EXPECT_EQ(part_bad, 0) << "partial scores on the lists differ from the full partial";
+}
+
+TEST(CudaIndexerLong, CandidateListsEqualMaskedScores) {
+  UF_REQUIRE_GPU();
+  // 1M tokens at ratio 1 would be 1M entries; 262144 keeps the test short and still needs
+  // several mask rounds (32768 blocks of 8, 2048 kept).
+  std::vector<int> vis7, wid7;
+  for (int t = 0; t < 7; ++t) {
+    wid7.push_back(262144);
+    vis7.push_back(262144 - 1001 * t - (t % 2));  // partial pinned blocks on odd rows
+  }
+  check_candidate_list({"262144 x 7, 2048 x 8", vis7, wid7, 2048, 8, 512, 0}, 1101);
+  check_candidate_list({"262144 x 7, ties", vis7, wid7, 2048, 8, 512, 37}, 1102);
+  check_candidate_list({"65536 x 1", {65531}, {65536}, 2048, 8, 512, 0}, 1103);
+  // Pools larger than the visible entries (every visible block kept), empty rows, tiny-a's shape.
+  check_candidate_list(
+      {"mixed", {0, 13, 550, 16384, 16389}, {0, 30, 600, 16384, 20000}, 2048, 8, 512, 5}, 1104);
+  check_candidate_list(
+      {"tiny-a 3 x 4", {1, 5, 12, 13, 41, 40, 39}, {1, 5, 12, 13, 41, 41, 41}, 3, 4, 8, 3}, 1105);
 }
 
 // The index_select sequence (scores, candidate pool, mask, top-k) captured in a CUDA graph and

@@ -310,6 +310,8 @@ CudaModel::~CudaModel() {
   if (score_) cudaFree(score_);
   if (keep_) cudaFree(keep_);
   if (index_ws_) cudaFree(index_ws_);
+  if (cand_list_) cudaFree(cand_list_);
+  if (cand_n_) cudaFree(cand_n_);
   for (int i = 0; i < kSideStreams; ++i) {
     if (side_done_[i]) cudaEventDestroy(side_done_[i]);
     if (fork_ev_[i]) cudaEventDestroy(fork_ev_[i]);
@@ -364,18 +366,30 @@ void CudaModel::sync() {
 void CudaModel::ensure_index_width(int64_t width) {
   if (width <= index_width_) return;
   drop_graphs();  // they hold the score buffers and their row stride
-  if (score_) UF_CUDA_CHECK(cudaFree(score_));
-  if (keep_) UF_CUDA_CHECK(cudaFree(keep_));
-  if (index_ws_) UF_CUDA_CHECK(cudaFree(index_ws_));
+  for (void* p : {static_cast<void*>(score_), static_cast<void*>(keep_), index_ws_,
+                  static_cast<void*>(cand_list_), static_cast<void*>(cand_n_)})
+    if (p) UF_CUDA_CHECK(cudaFree(p));
   score_ = nullptr;
   keep_ = nullptr;
   index_ws_ = nullptr;
-  const size_t n = size_t(tmax_) * size_t(width);
+  cand_list_ = nullptr;
+  cand_n_ = nullptr;
+  // The candidate lists hold the pool's blocks (topk_blocks * block_size entries a row); their
+  // scores share score_, so its rows are as wide as the wider of the two.
+  cand_cap_ = opts_.candidate_lists && cfg_.candidate_source_layer >= 0
+                  ? int64_t(cfg_.candidate_topk_blocks) * cfg_.candidate_block_size
+                  : 0;
+  const int64_t cols = std::max(width, cand_cap_);
+  const size_t n = size_t(tmax_) * size_t(cols);
   UF_CUDA_CHECK(cudaMalloc(&score_, n * sizeof(float)));
-  UF_CUDA_CHECK(cudaMalloc(&keep_, n));
-  UF_CUDA_CHECK(cudaMemset(keep_, 0, n));
+  UF_CUDA_CHECK(cudaMalloc(&keep_, size_t(tmax_) * size_t(width)));
+  UF_CUDA_CHECK(cudaMemset(keep_, 0, size_t(tmax_) * size_t(width)));
+  if (cand_cap_ > 0) {
+    UF_CUDA_CHECK(cudaMalloc(&cand_list_, size_t(tmax_) * size_t(cand_cap_) * sizeof(int32_t)));
+    UF_CUDA_CHECK(cudaMalloc(&cand_n_, size_t(tmax_) * sizeof(int32_t)));
+  }
   const size_t ws =
-      std::max(topk_select_workspace_bytes(tmax_, int(width), cfg_.index_topk),
+      std::max(topk_select_workspace_bytes(tmax_, int(cols), cfg_.index_topk),
                candidate_mask_workspace_bytes(tmax_, int(width), cfg_.candidate_topk_blocks,
                                               cfg_.candidate_block_size));
   if (ws > 0) UF_CUDA_CHECK(cudaMalloc(&index_ws_, ws));
@@ -816,6 +830,21 @@ void CudaModel::index_select(int l, int T, const float* const* keys, const int32
                              const int32_t* width) {
   const auto& role = cfg_.role(l);
   const int Hi = Hi_, ihd = cfg_.index_head_dim, stride = int(index_width_);
+  if (role.candidate_restricted && cfg_.candidate_source_layer >= 0 && cand_listed_) {
+    // The pool's entries only (EntryList): the same scores and selection as scoring every
+    // visible entry and masking the rest, at the pool's size instead of the context's.
+    const int cap = int(cand_cap_);
+    const EntryList list{cand_list_, cand_n_, cand_cap_};
+    if (tp_ > 1) {
+      index_scores_list(iq_, iw_, T, Hi, ihd, keys, list, score_, stream_, /*round_sum=*/false);
+      all_reduce_round(score_, size_t(T) * size_t(cap));
+    } else {
+      index_scores_list(iq_, iw_, T, Hi, ihd, keys, list, score_, stream_);
+    }
+    topk_select(score_, T, cap, cand_n_, cfg_.index_topk, cand_n_, topk_[size_t(l)], stream_,
+                index_ws_, cand_list_, cand_cap_);
+    return;
+  }
   if (tp_ > 1) {
     // The rank's heads give an fp32 partial of the head sum; bf16 once after the sum, then every
     // rank selects from the same scores.
@@ -825,8 +854,10 @@ void CudaModel::index_select(int l, int T, const float* const* keys, const int32
     index_scores(iq_, iw_, T, Hi, ihd, keys, vis, width, stride, score_, stream_);
   }
   if (role.candidate_source) {
-    candidate_mask(score_, T, stride, width, vis, cfg_.candidate_topk_blocks,
-                   cfg_.candidate_block_size, keep_, stream_, index_ws_);
+    const EntryListOut out{cand_list_, cand_n_, cand_cap_};
+    cand_listed_ = candidate_mask(score_, T, stride, width, vis, cfg_.candidate_topk_blocks,
+                                  cfg_.candidate_block_size, keep_, stream_, index_ws_,
+                                  cand_list_ ? &out : nullptr);
   } else if (role.candidate_restricted && cfg_.candidate_source_layer >= 0) {
     mask_scores(score_, keep_, T, stride, width, stream_);
   }

@@ -118,6 +118,16 @@ struct CudaModelOptions {
   // against 9432 us. A kernel that waits on another stream's event cannot start early under PDL,
   // which takes back most of what the overlap gives.
   bool graph_branches = true;
+  // Candidate-restricted (Reindex) layers score only the candidate source's pool (16,384 entries
+  // a row for the released model: its kept blocks, as a list written by candidate_mask) instead
+  // of every visible entry followed by a mask: at 1M tokens a Reindex layer reads 16k index keys
+  // a row, not 1M. The same scores and selections bit for bit (ops/attention.h EntryList); off:
+  // the full scores and mask_scores (tests compare the two).
+  bool candidate_lists = true;
+  // Step graphs launched from the device (devlaunch/graph_launch.h): the host launches a one-node
+  // graph instead of the step's ~1,000 nodes. Falls back to the host launch (one log line) where a
+  // graph cannot be instantiated for device launch.
+  bool device_graph_launch = false;
 };
 
 class CudaModel {
@@ -140,6 +150,9 @@ class CudaModel {
   // its launch returning: the plan, the block upload and the graph launch, i.e. what the host adds
   // between two steps when the previous step's results are in hand (bench-host).
   double last_launch_host_us() const { return last_launch_host_us_; }
+  // The part of it before the launch: the span plan and the block's upload (the rest is
+  // cudaGraphLaunch).
+  double last_plan_host_us() const { return last_plan_host_us_; }
   int max_span_rows() const { return tmax_; }
   int n_taps() const { return int(cfg_.dspark_target_layer_ids.size()); }
   int64_t compressed_id(int32_t token) const;
@@ -215,6 +228,12 @@ class CudaModel {
   void fast_forward(CudaSession& s, int64_t len, uint64_t seed);
   // CUDA graphs captured so far (one per (rows, all_logits, head) used, and the draft's).
   int graphs_captured() const { return int(graphs_.size()); }
+  // Captured graphs that launch from the device (CudaModelOptions::device_graph_launch).
+  int graphs_device_launched() const {
+    int n = 0;
+    for (const auto& [key, g] : graphs_) n += g.launcher != nullptr;
+    return n;
+  }
   // Captures the decode loop's graphs (verify of 1..max_rows rows with all logits, the draft) on a
   // scratch session, before serving: a capture on stream_ while another thread used the legacy
   // default stream would fail, so none should happen once requests run. No-op without graphs.
@@ -372,6 +391,7 @@ class CudaModel {
   cudaEvent_t side_done_[kSideStreams] = {};
   int open_side_ = -1;
   double last_launch_host_us_ = 0;
+  double last_plan_host_us_ = 0;
   void fork(int side);  // side waits for the main stream's work so far; stream_ = side
   void unfork();        // stream_ = the main stream (the branch keeps running)
   void join(int side);  // stream_ (main or another side) waits for side's work so far
@@ -415,6 +435,13 @@ class CudaModel {
   float* score_ = nullptr;
   uint8_t* keep_ = nullptr;
   void* index_ws_ = nullptr;  // candidate_mask / topk_select workspace (sized with score_)
+  // The candidate pool as lists (opts_.candidate_lists): [tmax, cand_cap_] entries and [tmax]
+  // counts, written by the candidate source's candidate_mask; cand_listed_: it wrote them in this
+  // forward (host state at launch / capture time: layers run in order, the source first).
+  int32_t* cand_list_ = nullptr;
+  int32_t* cand_n_ = nullptr;
+  int64_t cand_cap_ = 0;
+  bool cand_listed_ = false;
 
   // Span programs: the inputs block (pinned host + device, sized for tmax rows), the emitted
   // compressed entries before they are copied into the session ([tmax, head_dim] and
@@ -429,7 +456,14 @@ class CudaModel {
   float* commit_mh_ = nullptr;
   cudaEvent_t commit_done_ = nullptr;
   float *emit_ = nullptr, *emit_keys_ = nullptr;
-  std::map<int, cudaGraphExec_t> graphs_;
+  // A step graph and, where it could be instantiated for device launch, its one-node launcher
+  // (devlaunch/graph_launch.h): the host launches the launcher, which tail-launches the step.
+  struct StepGraph {
+    cudaGraphExec_t exec = nullptr;
+    cudaGraphExec_t launcher = nullptr;
+  };
+  std::map<int, StepGraph> graphs_;
+  bool device_launch_failed_ = false;  // logged once; later graphs keep the host launch
   // Device verification: its plan (transformed rows, sort scratch) and inputs / result.
   std::unique_ptr<VerifyPlan> verify_plan_;
   float* verify_q_ = nullptr;                  // [kMaxDraft, vocab]

@@ -446,6 +446,8 @@ void CudaModel::forward_ring(CudaSession& s, std::span<const int32_t> tokens, bo
   UF_CHECK(b.bytes <= block_bytes_, "span program: a block of {} bytes exceeds {}", b.bytes,
            block_bytes_);
   plan_ring_span(sp, b, tokens);
+  last_plan_host_us_ =
+      std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - entered).count();
   // A split head is a collective: every rank runs it.
   const bool head_rows = logits || split_head_ || keep_logits;
   auto program = [&] { ring_program(b, all_logits, head_rows); };
@@ -543,7 +545,10 @@ void CudaModel::capture_step_graphs() {
 }
 
 void CudaModel::drop_graphs() {
-  for (auto& [key, exec] : graphs_) cudaGraphExecDestroy(exec);
+  for (auto& [key, g] : graphs_) {
+    if (g.launcher) cudaGraphExecDestroy(g.launcher);
+    cudaGraphExecDestroy(g.exec);
+  }
   graphs_.clear();
 }
 

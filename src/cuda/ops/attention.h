@@ -62,6 +62,22 @@ void index_scores(const float* q, const float* w, int T, int n_heads, int head_d
                   const float* const* keys, const int32_t* vis, const int32_t* width, int max_width,
                   float* score, cudaStream_t stream, bool round_sum = true);
 
+// Candidate-restricted layers, scored on the candidate pool only (not on every visible entry and
+// then masked): entry j of row t is entries[t * cap + j], j < n[t], ascending, the kept visible
+// entries of the candidate source's pool (candidate_mask's list output). An entry of -1 (a gap:
+// never written by the model, whose visible scores are finite) scores -inf.
+struct EntryList {
+  const int32_t* entries = nullptr;  // device [T, cap]
+  const int32_t* n = nullptr;        // device [T]
+  int64_t cap = 0;
+};
+// index_scores on a list: score[t, j] = index_scores' score of entry entries[t, j] (bitwise: the
+// same per-entry arithmetic) for j < n[t]; the rest of the row [n[t], cap) is left untouched.
+// score: [T, list.cap]. head_dim 128 only (the model's index head dim).
+void index_scores_list(const float* q, const float* w, int T, int n_heads, int head_dim,
+                       const float* const* keys, const EntryList& list, float* score,
+                       cudaStream_t stream, bool round_sum = true);
+
 // cpu::candidate_mask per row (row t: score[t, 0..width[t]), compress_len = vis[t]) into
 // keep[t, 0..width[t]). Rows with width 0 are skipped. Exact (ties: lower block).
 // workspace: device scratch of candidate_mask_workspace_bytes(T, max_width, topk_blocks,
@@ -69,9 +85,19 @@ void index_scores(const float* q, const float* w, int T, int n_heads, int head_d
 // CTAs (selection rounds, ops/indexer.cu); without it where one is needed: one CTA per row.
 // No allocation, no host sync: graph-capturable.
 size_t candidate_mask_workspace_bytes(int T, int max_width, int topk_blocks, int block_size);
-void candidate_mask(const float* score, int T, int max_width, const int32_t* width,
+// list (optional): also the row's kept visible entries, ascending, into list->entries [T,
+// list->cap] and their count into list->n (cap >= topk_blocks * block_size, or >= max_width).
+// Returns whether the list was written: only the selection rounds write it (a workspace where one
+// is needed, topk_blocks <= 4096); the one-CTA-per-row fallback returns false (keep alone).
+struct EntryListOut {
+  int32_t* entries = nullptr;  // device [T, cap]
+  int32_t* n = nullptr;        // device [T]
+  int64_t cap = 0;
+};
+bool candidate_mask(const float* score, int T, int max_width, const int32_t* width,
                     const int32_t* vis, int topk_blocks, int block_size, uint8_t* keep,
-                    cudaStream_t stream, void* workspace = nullptr);
+                    cudaStream_t stream, void* workspace = nullptr,
+                    const EntryListOut* list = nullptr);
 
 // Candidate-restricted layers: score[t, i] = -inf where keep[t, i] == 0, i < width[t].
 // T <= 65535.
@@ -87,7 +113,11 @@ void mask_scores(float* score, const uint8_t* keep, int T, int max_width, const 
 // long context). No allocation, no host sync: graph-capturable. The same workspace may serve
 // candidate_mask and topk_select on one stream (size it for the larger).
 size_t topk_select_workspace_bytes(int T, int max_width, int k);
+// index_map (optional, device [T, map_cap]): the selected position p of row t is written as
+// index_map[t * map_cap + p] (a list's entries: topk over index_scores_list's scores, with width =
+// vis = the list's n). Needs the selection rounds (max_width <= 16384, or a workspace).
 void topk_select(const float* score, int T, int max_width, const int32_t* width, int k,
-                 const int32_t* vis, int32_t* out, cudaStream_t stream, void* workspace = nullptr);
+                 const int32_t* vis, int32_t* out, cudaStream_t stream, void* workspace = nullptr,
+                 const int32_t* index_map = nullptr, int64_t map_cap = 0);
 
 }  // namespace uf::cuda

@@ -66,12 +66,16 @@ constexpr int kBlockMaxThreads = 256;
 // ---- index_scores ----
 
 // One CTA: kFastEnt entries [blockIdx.y * kFastEnt, ...) for the rows [blockIdx.x * rows, ...).
-template <bool kRound>
+// kList: position i of row t scores entry list[t * max_width + i] (i < list_n[t]; -1: -inf), one
+// row per CTA (rows == 1: rows' lists differ, so a key load serves one row); the per-entry
+// arithmetic is the same, so a listed entry's score is bitwise its score in the full row.
+template <bool kRound, bool kList = false>
 __global__ void __launch_bounds__(kFastThreads, 2)
     index_scores_hd128_kernel(const float* __restrict__ q, const float* __restrict__ w, int T,
                               int n_heads, int rows, const float* const* keys,
                               const int32_t* __restrict__ vis, const int32_t* __restrict__ width,
-                              int max_width, float* __restrict__ score) {
+                              int max_width, float* __restrict__ score,
+                              const int32_t* __restrict__ list = nullptr) {
   detail::pdl_wait();  // PDL: every input comes from an earlier kernel
   detail::pdl_trigger();
   constexpr int kU = kFastHd / 8;  // float4 per thread half
@@ -95,17 +99,18 @@ __global__ void __launch_bounds__(kFastThreads, 2)
   for (int r = 0; r < nr; ++r) {
     const int t = t0 + r;
     const int wd = width[t];
-    if (e0 >= wd) continue;  // uniform over the CTA
-    const int nv = min(vis[t], wd);
+    if (e0 >= wd) continue;                       // uniform over the CTA
+    const int nv = kList ? wd : min(vis[t], wd);  // kList: width = vis = the list's length
     float* out = score + int64_t(t) * max_width;
     if (e0 >= nv) {  // nothing visible in the chunk (uniform)
       if (j == 0 && i < wd) out[i] = -INFINITY;
       continue;
     }
-    const bool act = i < nv;
+    const int ent = !kList ? i : i < nv ? __ldg(list + int64_t(t) * max_width + i) : -1;
+    const bool act = i < nv && ent >= 0;
     const float* kp = keys[t];
-    if (act && kp != loaded) {
-      const float* kr = kp + int64_t(i) * kFastHd + 4 * j;
+    if (act && (kList || kp != loaded)) {
+      const float* kr = kp + int64_t(ent) * kFastHd + 4 * j;
       if ((reinterpret_cast<uintptr_t>(kr) & 15u) == 0) {
 #pragma unroll
         for (int u = 0; u < kU; ++u) kv[u] = __ldg(reinterpret_cast<const float4*>(kr + 8 * u));
@@ -220,6 +225,11 @@ __device__ __forceinline__ uint32_t order_key_bits(uint32_t u) {
 }
 __device__ __forceinline__ uint32_t order_key(float f) {
   return order_key_bits(__float_as_uint(f));
+}
+// The low 16 bits of the order key of a bf16 value, given its high bits (order_key_bits: a
+// positive float's bits with the sign set, a negative float's complemented).
+__device__ __forceinline__ uint32_t bf16_low_bits(uint32_t key) {
+  return (key & 0x80000000u) ? 0u : 0xffffu;
 }
 constexpr uint32_t kNegInfKey = ~0xff800000u;  // order_key(-inf)
 constexpr uint32_t kPosInfKey = 0xff800000u;   // order_key(+inf)
@@ -343,7 +353,8 @@ struct ScoreKey {
 __global__ void __launch_bounds__(kSelThreads)
     topk_select_row_kernel(const float* __restrict__ score, int max_width,
                            const int32_t* __restrict__ width, int k,
-                           const int32_t* __restrict__ vis, int32_t* __restrict__ out) {
+                           const int32_t* __restrict__ vis, int32_t* __restrict__ out,
+                           const int32_t* __restrict__ map, int64_t map_cap) {
   detail::pdl_wait();  // PDL: every input comes from an earlier kernel
   detail::pdl_trigger();
   __shared__ SelShared sh;
@@ -357,7 +368,8 @@ __global__ void __launch_bounds__(kSelThreads)
     radix_select(key, wd, kk, sh, &kth, &need);
     ordered_compact(key, wd, kk, kth, need, true, sh,
                     [&](int i, bool sel, uint32_t slot, uint32_t) {
-                      if (sel) o[slot] = i < cl ? i : -1;
+                      if (sel)
+                        o[slot] = i >= cl ? -1 : map ? __ldg(map + int64_t(t) * map_cap + i) : i;
                     });
   }
   for (int j = max(kk, 0) + threadIdx.x; j < k; j += kSelThreads) o[j] = -1;
@@ -428,6 +440,17 @@ struct RoundArgs {
   int block_size;  // mask
   int32_t* out;    // topk: [T, k]
   uint8_t* keep;   // mask: [T, max_width]
+  // topk (optional): the final slots hold map[t * map_cap + position] instead of the position.
+  const int32_t* map;
+  int64_t map_cap;
+  // mask (optional): the kept visible entries, ascending, into list [T, list_cap], their count
+  // into list_n. Selected block number `slot` (in block order) fills list positions
+  // [slot * block_size, ...): every selected block before the pinned one (the newest visible
+  // entry's) is fully visible, so the kept entries are contiguous; a selected block without a
+  // finite score (none in the model) leaves -1 there (index_scores_list scores it -inf).
+  int32_t* list;
+  int32_t* list_n;
+  int64_t list_cap;
   // Round input: nullptr in round 1 of topk (the scores) and of a one-round mask (block maxima
   // computed here); in_idx nullptr: the index is the list position.
   const uint32_t* in_keys;
@@ -477,6 +500,8 @@ __global__ void __launch_bounds__(kSelThreads, 1) select_round_kernel(RoundArgs 
   if (wd <= 0) {
     if (kMode == SelMode::kTopk && a.round == 1 && c == 0)
       for (int s = tid; s < a.k; s += kSelThreads) a.out[int64_t(t) * a.k + s] = -1;
+    if (kMode == SelMode::kMask && a.list != nullptr && a.round == 1 && c == 0 && tid == 0)
+      a.list_n[t] = 0;
     return;
   }
   const int bs = a.block_size;
@@ -494,6 +519,8 @@ __global__ void __launch_bounds__(kSelThreads, 1) select_round_kernel(RoundArgs 
   const int kk = last ? int(m) : int(min(m, int64_t(n)));
   const int cl = a.vis[t];
   const int p0 = tid * KPT;  // chunk position of key[0]
+  // The list's count: 0 unless the pinned block's writer (after the barriers below) sets it.
+  if (kMode == SelMode::kMask && last && a.list != nullptr && tid == 0) a.list_n[t] = 0;
 
   uint32_t key[KPT];
   if (a.in_keys != nullptr) {
@@ -531,8 +558,17 @@ __global__ void __launch_bounds__(kSelThreads, 1) select_round_kernel(RoundArgs 
   const bool all = kk >= n;
   if (!all) {
     const int lane = tid & 31;
+    // bf16 scores (the model's: index scores, their TP sums and block maxima are all rounded to
+    // bf16) have order keys whose low 16 bits follow from the sign bit (0x0000 for a positive
+    // float, 0xffff for a negative one): two radix passes then determine the key. Checked over
+    // the chunk (any other float runs all four passes); the selection is the same either way.
+    bool bf16 = true;
+#pragma unroll
+    for (int j = 0; j < KPT; ++j)
+      bf16 &= !((valid >> j) & 1u) || (key[j] & 0xffffu) == bf16_low_bits(key[j]);
+    const int last_shift = __syncthreads_and(bf16) ? 16 : 0;
     uint32_t prefix = 0, mask = 0, rem = uint32_t(kk);
-    for (int shift = 24; shift >= 0; shift -= 8) {
+    for (int shift = 24; shift >= last_shift; shift -= 8) {
       if (tid < 256) sh.hist[tid] = 0;
       __syncthreads();
 #pragma unroll
@@ -562,7 +598,7 @@ __global__ void __launch_bounds__(kSelThreads, 1) select_round_kernel(RoundArgs 
       mask |= 255u << shift;
       // hist and bcast are rewritten only after the next pass's first barriers.
     }
-    kth = prefix;
+    kth = last_shift == 16 ? prefix | bf16_low_bits(prefix) : prefix;
     need = rem;
   }
 
@@ -599,10 +635,18 @@ __global__ void __launch_bounds__(kSelThreads, 1) select_round_kernel(RoundArgs 
       a.out_keys[o2] = key[j];
       a.out_idx[o2] = idx;
     } else if (kMode == SelMode::kTopk) {
-      o[slot] = idx < cl ? idx : -1;
-    } else if (key[j] > kNegInfKey) {  // kept only with a finite block score
+      o[slot] =
+          idx < cl ? (a.map != nullptr ? __ldg(a.map + int64_t(t) * a.map_cap + idx) : idx) : -1;
+    } else {
       const int i0 = idx * bs, i1 = min(wd, i0 + bs);
-      for (int i = i0; i < i1; ++i) kp[i] = 1;
+      const bool kept = key[j] > kNegInfKey;  // kept only with a finite block score
+      if (kept)
+        for (int i = i0; i < i1; ++i) kp[i] = 1;
+      if (a.list != nullptr) {
+        int32_t* lo_out = a.list + int64_t(t) * a.list_cap + int64_t(slot) * bs;
+        for (int i = i0; i < i0 + bs; ++i) lo_out[i - i0] = kept && i < min(i1, cl) ? i : -1;
+        if (kept && i0 <= cl - 1 && cl - 1 < i0 + bs) a.list_n[t] = int(slot) * bs + (cl - i0);
+      }
     }
     ++slot;
   }
@@ -779,10 +823,12 @@ void index_scores(const float* q, const float* w, int T, int n_heads, int head_d
     const size_t smem = size_t(rows) * row_smem;
     if (round_sum)
       detail::launch_pdl(index_scores_hd128_kernel<true>, grid, dim3(kFastThreads), smem, stream, q,
-                         w, T, n_heads, rows, keys, vis, width, max_width, score);
+                         w, T, n_heads, rows, keys, vis, width, max_width, score,
+                         static_cast<const int32_t*>(nullptr));
     else
       detail::launch_pdl(index_scores_hd128_kernel<false>, grid, dim3(kFastThreads), smem, stream,
-                         q, w, T, n_heads, rows, keys, vis, width, max_width, score);
+                         q, w, T, n_heads, rows, keys, vis, width, max_width, score,
+                         static_cast<const int32_t*>(nullptr));
   } else {
     const dim3 grid(unsigned((max_width + kEnt - 1) / kEnt), unsigned(T));
     const size_t smem = size_t(kEnt) * size_t(head_dim + 1) * sizeof(float);
@@ -796,6 +842,29 @@ void index_scores(const float* q, const float* w, int T, int n_heads, int head_d
   UF_CUDA_CHECK(cudaGetLastError());
 }
 
+void index_scores_list(const float* q, const float* w, int T, int n_heads, int head_dim,
+                       const float* const* keys, const EntryList& list, float* score,
+                       cudaStream_t stream, bool round_sum) {
+  const size_t row_smem = size_t(n_heads) * (kFastHd + 1) * sizeof(float);
+  const int64_t chunks = (list.cap + kFastEnt - 1) / kFastEnt;
+  require(T >= 0 && T <= 65535 && head_dim == kFastHd && row_smem <= kFastSmem && list.cap >= 0 &&
+              list.cap <= INT32_MAX && chunks <= 65535,
+          "index_scores_list: unsupported shape T=%d n_heads=%d head_dim=%d cap=%lld (T <= "
+          "65535, head_dim %d)",
+          T, n_heads, head_dim, (long long)list.cap, kFastHd);
+  if (T == 0 || list.cap == 0) return;
+  // One row per CTA; the list's length is the row's width and its visible count.
+  const dim3 grid(static_cast<unsigned>(T), static_cast<unsigned>(chunks));
+  const int cap = int(list.cap);
+  if (round_sum)
+    detail::launch_pdl(index_scores_hd128_kernel<true, true>, grid, dim3(kFastThreads), row_smem,
+                       stream, q, w, T, n_heads, 1, keys, list.n, list.n, cap, score, list.entries);
+  else
+    detail::launch_pdl(index_scores_hd128_kernel<false, true>, grid, dim3(kFastThreads), row_smem,
+                       stream, q, w, T, n_heads, 1, keys, list.n, list.n, cap, score, list.entries);
+  UF_CUDA_CHECK(cudaGetLastError());
+}
+
 size_t candidate_mask_workspace_bytes(int T, int max_width, int topk_blocks, int block_size) {
   if (T <= 0 || max_width <= 0 || block_size <= 0 || topk_blocks <= 0) return 0;
   const int64_t nb = (int64_t(max_width) + block_size - 1) / block_size;
@@ -804,12 +873,12 @@ size_t candidate_mask_workspace_bytes(int T, int max_width, int topk_blocks, int
   return ws_layout(T, nb, m, true).total;
 }
 
-void candidate_mask(const float* score, int T, int max_width, const int32_t* width,
+bool candidate_mask(const float* score, int T, int max_width, const int32_t* width,
                     const int32_t* vis, int topk_blocks, int block_size, uint8_t* keep,
-                    cudaStream_t stream, void* workspace) {
+                    cudaStream_t stream, void* workspace, const EntryListOut* list) {
   require(T >= 0 && max_width >= 0 && block_size > 0,
           "candidate_mask: unsupported T=%d max_width=%d block_size=%d", T, max_width, block_size);
-  if (T == 0 || max_width == 0) return;
+  if (T == 0 || max_width == 0) return false;
   const int64_t nb = (int64_t(max_width) + block_size - 1) / block_size;
   const int64_t m = std::min<int64_t>(topk_blocks, nb);
   const WsLayout w = m >= 1 && m <= kMaxFastK ? ws_layout(T, nb, m, true) : WsLayout{};
@@ -817,8 +886,12 @@ void candidate_mask(const float* score, int T, int max_width, const int32_t* wid
     candidate_mask_row_kernel<<<unsigned(T), kSelThreads, 0, stream>>>(
         score, max_width, width, vis, topk_blocks, block_size, keep);
     UF_CUDA_CHECK(cudaGetLastError());
-    return;
+    return false;
   }
+  if (list != nullptr)
+    require(list->entries != nullptr && list->n != nullptr && list->cap >= m * block_size,
+            "candidate_mask: a list of %lld entries a row cannot take %lld blocks of %d",
+            (long long)list->cap, (long long)m, block_size);
   if (w.plan.rounds > 1) {
     const dim3 grid(unsigned((nb + kBlockMaxThreads - 1) / kBlockMaxThreads), unsigned(T));
     detail::launch_pdl(block_max_kernel, grid, dim3(kBlockMaxThreads), 0, stream, score, max_width,
@@ -835,7 +908,13 @@ void candidate_mask(const float* score, int T, int max_width, const int32_t* wid
   a.k = topk_blocks;
   a.block_size = block_size;
   a.keep = keep;
+  if (list != nullptr) {
+    a.list = list->entries;
+    a.list_n = list->n;
+    a.list_cap = list->cap;
+  }
   run_rounds<SelMode::kMask>(a, T, w, nb, workspace, stream);
+  return list != nullptr;
 }
 
 void mask_scores(float* score, const uint8_t* keep, int T, int max_width, const int32_t* width,
@@ -857,7 +936,8 @@ size_t topk_select_workspace_bytes(int T, int max_width, int k) {
 }
 
 void topk_select(const float* score, int T, int max_width, const int32_t* width, int k,
-                 const int32_t* vis, int32_t* out, cudaStream_t stream, void* workspace) {
+                 const int32_t* vis, int32_t* out, cudaStream_t stream, void* workspace,
+                 const int32_t* index_map, int64_t map_cap) {
   require(T >= 0 && max_width >= 0 && k >= 0, "topk_select: unsupported T=%d max_width=%d k=%d", T,
           max_width, k);
   if (T == 0 || k == 0) return;
@@ -865,7 +945,7 @@ void topk_select(const float* score, int T, int max_width, const int32_t* width,
   const WsLayout w = m >= 1 && m <= kMaxFastK ? ws_layout(T, max_width, m, false) : WsLayout{};
   if (m < 1 || !fast_select(T, m, w, workspace)) {
     topk_select_row_kernel<<<unsigned(T), kSelThreads, 0, stream>>>(score, max_width, width, k, vis,
-                                                                    out);
+                                                                    out, index_map, map_cap);
     UF_CUDA_CHECK(cudaGetLastError());
     return;
   }
@@ -876,6 +956,8 @@ void topk_select(const float* score, int T, int max_width, const int32_t* width,
   a.vis = vis;
   a.k = k;
   a.out = out;
+  a.map = index_map;
+  a.map_cap = map_cap;
   run_rounds<SelMode::kTopk>(a, T, w, max_width, workspace, stream);
 }
 
