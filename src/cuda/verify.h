@@ -5,7 +5,9 @@
 // rows on the device it computes what the CPU path of src/engine/generation_loop.cpp computes:
 //   p_i = logits_to_probs(target_logits_i), q_i = logits_to_probs(draft_logits_i),
 //   r = sampling::verify(mode, {g, V, p, q, tokens}, make_verify_draws(seed, step)).
-// Kernel: src/cuda/kernels/verify.cu. Tests: tests/cuda/test_verify.cpp.
+// Kernels: src/cuda/kernels/verify.cu (verification, entry points), verify_cluster.cu (the cluster
+// transform), verify_transform.cu (the single-CTA transform), verify_select.cuh (their radix
+// top-k / top-p steps), verify_common.cuh. Tests: tests/cuda/test_verify.cpp.
 //
 // Exactness. Everything after exp() follows the CPU's operation order bit for bit:
 //   - sums use the fixed order of sampling/row_ops.h (256 lanes of contiguous chunks, each lane

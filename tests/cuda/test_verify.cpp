@@ -538,8 +538,8 @@ TEST(CudaVerify, GraphReplayFollowsSeedStep) {
 
 // ---- the top-p cut on hard rows
 // ------------------------------------------------------------------ The radix top-p cut
-// (cuda/kernels/verify.cu) against transform.cpp, bitwise, on the rows that stress it: flat logits
-// (a nucleus of ~95% of the vocab, several radix passes, the probs row as the sort's second
+// (cuda/kernels/verify_select.cuh) against transform.cpp, bitwise, on the rows that stress it: flat
+// logits (a nucleus of ~95% of the vocab, several radix passes, the probs row as the sort's second
 // buffer), peaked and Zipf-like rows (typical nuclei), quantised rows (long runs of equal values:
 // the walk adds them one by one, as the CPU), a flat cluster under one dominant token (the key
 // range spans many binades: four radix passes) and an all-equal row (no pass). Exact-exp logits
@@ -741,14 +741,14 @@ TEST(CudaVerify, DraftSlotTopPMatchesCpuOnFlatRows) {
 }
 
 // ------------------------------------------------------------------ The cluster transform
-// (a row over the CTAs of a thread-block cluster, cuda/kernels/verify.cu) where the split changes
-// the control flow: vocabularies below 256 (empty lanes and empty CTAs), not divisible by 256 or
-// by the cluster size (a short last lane / CTA), exactly 256 and powers of two, the real vocab and
-// one past it, and a vocab too large for the shared-memory slice (the single-CTA fallback); rows
-// that are all equal (every lane sum equal, no radix pass), -inf but one token (a one-hot row,
-// zero lane sums), flat / peaked / tied rows; greedy, no cut, top-k (k = 1 and ties), top-p, both.
-// Every row bitwise against transform.cpp (exact-exp logits: no tolerance), outputs NaN-poisoned
-// first; the single-CTA kernels on the same rows too.
+// (a row over the CTAs of a thread-block cluster, cuda/kernels/verify_cluster.cu) where the split
+// changes the control flow: vocabularies below 256 (empty lanes and empty CTAs), not divisible by
+// 256 or by the cluster size (a short last lane / CTA), exactly 256 and powers of two, the real
+// vocab and one past it, and a vocab too large for the shared-memory slice (the single-CTA
+// fallback); rows that are all equal (every lane sum equal, no radix pass), -inf but one token (a
+// one-hot row, zero lane sums), flat / peaked / tied rows; greedy, no cut, top-k (k = 1 and ties),
+// top-p, both. Every row bitwise against transform.cpp (exact-exp logits: no tolerance), outputs
+// NaN-poisoned first; the single-CTA kernels on the same rows too.
 TEST(CudaVerify, ClusterTransformMatchesCpuAtSplitEdges) {
   UF_REQUIRE_GPU();
   const std::vector<RowKind> kinds = {RowKind::kFlat,      RowKind::kPeaked, RowKind::kEqual,
