@@ -10,8 +10,10 @@
 //     combine, unit kernels vs persistent ones) with random routing, and route + act_quant + MoE
 //     on the routing it produced, each beside its floor.
 // Each timing is the median CUDA-graph replay over several layers' weights, divided by the layer
-// count. Then prefill: T = 64, 512 rows by chunks of 8 through MoeFp4 against MoeFp4Prefill
-// (tests/cuda/test_moe_prefill.cpp), us, GB/s, bitwise check.
+// count (replay_us_per_copy, the bench's one timing loop). Both kernel sets changed in session 7
+// (fewer instructions per weight byte): the whole-layer table prints the new path's session-6
+// times for the before / after. Then prefill: T = 64, 512 rows by chunks of 8 through MoeFp4
+// against MoeFp4Prefill (tests/cuda/test_moe_prefill.cpp), us, GB/s, bitwise check.
 //
 //   bench_cuda_moe [--reps N] [--copies N] [--layers N]
 
@@ -154,6 +156,20 @@ struct HostLayer {
   }
 };
 
+// The one timing loop of this bench: one(c) enqueues copy c (a layer / an expert stack) of the
+// timed work. Copy 0 runs once eagerly (launch errors surface here, outside a capture), then the
+// median CUDA-graph replay of all copies in order, in us per copy. Every copy's outputs are
+// written when it returns.
+template <typename F>
+float replay_us_per_copy(cudaStream_t s, int reps, int copies, F&& one) {
+  one(0);
+  UF_CUDA_CHECK(cudaStreamSynchronize(s));
+  const float us = uf::bench::time_graph_us(s, reps, [&] {
+    for (int c = 0; c < copies; ++c) one(c);
+  });
+  return us / copies;
+}
+
 // Part 1: the whole MoE layer through DeviceMoe, new vs legacy path.
 void bench_layer(int layers, int reps, cudaStream_t s) {
   std::printf(
@@ -190,6 +206,11 @@ void bench_layer(int layers, int reps, cudaStream_t s) {
   const double shared_bytes =
       3.0 * kInter * kDim + 3.0 * ((kInter + 31) / 32) * (kDim / 32);  // FP8 + scales
   const double gate_bytes = double(kExperts) * kDim * 2;
+  // Both kernel sets lost instructions in session 7 (moe_fp4.cu), so legacy vs new no longer
+  // shows that change: the new path's session-6 figures are printed beside it.
+  std::printf(
+      "(before session 7's kernel changes, H200: new path 41.4 / 72.9 / 115.3 us at T = 1 / 4 / "
+      "7)\n");
   std::printf("%3s %8s %10s %10s %8s %10s %8s %s\n", "T", "experts", "legacy us", "new us",
               "speedup", "floor us", "new GB/s", "new == legacy");
   for (int T : {1, 2, 4, 7, 8}) {
@@ -199,14 +220,10 @@ void bench_layer(int layers, int reps, cudaStream_t s) {
       float* y = legacy ? y_old : y_new;
       for (auto& m : moes) m->set_legacy(legacy);
       UF_CUDA_CHECK(cudaMemsetAsync(y, 0xFF, size_t(layers) * 8 * kDim * 4, s));
-      auto body = [&] {
-        for (int l = 0; l < layers; ++l)
-          moes[size_t(l)]->apply(x + size_t(l) * 8 * kDim, T, y + size_t(l) * 8 * kDim,
-                                 gi + size_t(l) * 8 * kTopk, gw + size_t(l) * 8 * kTopk, s);
-      };
-      body();
-      UF_CUDA_CHECK(cudaStreamSynchronize(s));
-      us[k] = uf::bench::time_graph_us(s, reps, body) / layers;
+      us[k] = replay_us_per_copy(s, reps, layers, [&](int l) {
+        moes[size_t(l)]->apply(x + size_t(l) * 8 * kDim, T, y + size_t(l) * 8 * kDim,
+                               gi + size_t(l) * 8 * kTopk, gw + size_t(l) * 8 * kTopk, s);
+      });
     }
     // Bytes a perfect kernel reads per layer: the distinct experts of that layer's rows.
     std::vector<int32_t> hi(size_t(layers) * 8 * kTopk);
@@ -326,14 +343,7 @@ int main(int argc, char** argv) {
     const double bytes = double(uniq.size() * expert_bytes());
     const QuantActView act{codes, scales, m, kDim};
     auto timed = [&](auto&& body) {
-      body(ex[0]);
-      UF_CUDA_CHECK(cudaStreamSynchronize(s));
-      cudaGraphExec_t exec = uf::bench::capture_graph(s, [&] {
-        for (auto& e : ex) body(e);
-      });
-      const float us = uf::bench::median_replay_us(exec, s, reps) / copies;
-      UF_CUDA_CHECK(cudaGraphExecDestroy(exec));
-      return us;
+      return replay_us_per_copy(s, reps, copies, [&](int c) { body(ex[size_t(c)]); });
     };
     UF_CUDA_CHECK(cudaMemsetAsync(out_new, 0xFF, size_t(8) * kDim * 4, s));
     const float route_us =
@@ -419,13 +429,8 @@ int main(int argc, char** argv) {
                   pidx + t0 * kTopk, pwts + t0 * kTopk, kSwigluLimit, out + size_t(t0) * kDim, s);
       };
       UF_CUDA_CHECK(cudaMemsetAsync(out, 0xFF, size_t(kMaxT) * kDim * 4, s));
-      body(ex[0]);
-      UF_CUDA_CHECK(cudaStreamSynchronize(s));
-      cudaGraphExec_t exec = uf::bench::capture_graph(s, [&] {
-        for (auto& e : ex) body(e);
-      });
-      us[k] = uf::bench::median_replay_us(exec, s, std::max(3, std::min(20, reps / 3))) / copies;
-      UF_CUDA_CHECK(cudaGraphExecDestroy(exec));
+      us[k] = replay_us_per_copy(s, std::max(3, std::min(20, reps / 3)), copies,
+                                 [&](int c) { body(ex[size_t(c)]); });
     }
     std::vector<float> a(size_t(T) * kDim), c(size_t(T) * kDim);
     UF_CUDA_CHECK(cudaMemcpy(a.data(), pout_old, a.size() * 4, cudaMemcpyDeviceToHost));

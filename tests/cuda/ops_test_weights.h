@@ -68,14 +68,18 @@ inline std::unique_ptr<HostWeight> make_weight(model::WFormat f, int64_t rows, i
 
 // A MoE layer in checkpoint formats (the MoE tests): BF16 router + F32 bias, E routed experts in
 // MXFP4 (w1 / w3 scales in routed_scale_lo..hi), a shared expert in FP8.
-struct HostMoe {
+// A model weight set (model::MoeWeights, model::EngramWeights) whose host weights stay alive
+// with it: add() keeps a HostWeight and returns its view.
+template <class Weights>
+struct HostWeightSet {
   std::vector<std::unique_ptr<HostWeight>> keep;
-  model::MoeWeights w;
+  Weights w;
   model::Weight add(std::unique_ptr<HostWeight> h) {
     keep.push_back(std::move(h));
     return keep.back()->w;
   }
 };
+using HostMoe = HostWeightSet<model::MoeWeights>;
 
 inline std::unique_ptr<HostMoe> make_host_moe(int E, int dim, int inter, int routed_scale_lo,
                                               int routed_scale_hi, std::mt19937& rng) {
@@ -100,14 +104,7 @@ inline std::unique_ptr<HostMoe> make_host_moe(int E, int dim, int inter, int rou
 
 // An Engram layer in checkpoint formats (the Engram tests): an FP8 table of `rows` rows with
 // per-row E8M0 scales, an FP8 wkv [(hc + 1) * dim, n_cols * head_dim], BF16 q / k weights.
-struct HostEngram {
-  std::vector<std::unique_ptr<HostWeight>> keep;
-  model::EngramWeights w;
-  model::Weight add(std::unique_ptr<HostWeight> h) {
-    keep.push_back(std::move(h));
-    return keep.back()->w;
-  }
-};
+using HostEngram = HostWeightSet<model::EngramWeights>;
 
 inline std::unique_ptr<HostEngram> make_host_engram(int hc, int dim, int n_cols, int head_dim,
                                                     int64_t rows, std::mt19937& rng) {

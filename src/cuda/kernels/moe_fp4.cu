@@ -54,6 +54,16 @@
 // Kernel 3, combine: out[t] = sum over t's experts in ascending expert id of y (fp32, from 0);
 //   run_experts skips it.
 //
+// Instructions per weight byte (session 7; the e4m3 mma.sync is emulated on sm_90a: 12
+// conversions + 2 HMMA + 4 FADD each, so the decode is not the main cost): the weight scales are
+// converted to fp32 once per warp into shared memory (scales_to_f32) instead of in each of the 4
+// lanes of a row per block; absent mma columns (g or 2t, 2t+1 >= count) are clamped onto a
+// present one instead of predicating every block (a column's result depends on its own B
+// column only, and absent columns are never stored); the activation scales are multiplied by
+// 2^6 once where they are staged; unit positions are counted, not divided, in the persistent
+// loops; the w13 chunks are fully unrolled (4 or 8 K blocks). The products and their order are
+// unchanged (tests/cuda/test_moe_decode_vs_prefill.cpp, test_moe_fp4_halfchunk.cpp: bitwise
+// MoeFp4Prefill's outputs).
 // Reduction order (unchanged from the earlier per-tile kernels, and MoeFp4Prefill's): per output,
 // acc = 0; for kb in K order acc = fmaf(partial * (sa * 2^6), sw, acc) (per-row weight scale);
 // w13 splits of 16 K blocks summed in split order; w2 over all of I; experts summed by expert id.
@@ -173,13 +183,56 @@ __device__ __forceinline__ void fp4_mma_step(const uint8_t* w, int rs, float sw0
   acc[3] = fmaf(d[3] * sa1, sw1, acc[3]);
 }
 
+// fp4_mma_step with the B fragment read from shared memory: act = column g's FP8 codes at this K
+// block with the lane's t * 8 included (elements [0,2,4,6] -> b0, [1,3,5,7] -> b1). Callers
+// clamp absent columns (g >= count) onto a present one instead of predicating every block: an mma
+// column depends on its own B column only, and absent columns' results are never stored.
+__device__ __forceinline__ void fp4_mma_block(const uint8_t* w, int rs, float sw0, float sw1,
+                                              const uint8_t* act, float sa0, float sa1,
+                                              float (&acc)[4]) {
+  const uint2 v = *reinterpret_cast<const uint2*>(act);
+  fp4_mma_step(w, rs, sw0, sw1, __byte_perm(v.x, v.y, 0x6420), __byte_perm(v.x, v.y, 0x7531), sa0,
+               sa1, acc);
+}
+
+// A warp's 16 rows x n UE8M0 weight scales (row r at src + r * src_stride) to fp32 (e8m0_to_f32)
+// at dst + r * dst_stride, lane = row (lane & 15) and every other block: the inner K loops then
+// read ready floats instead of converting each byte in each of the 4 lanes of a row. The caller
+// synchronises the warp before and after.
+__device__ __forceinline__ void scales_to_f32(const uint8_t* src, int src_stride, int n, float* dst,
+                                              int dst_stride) {
+  const int lane = threadIdx.x & 31, r = lane & 15;
+  for (int k = lane >> 4; k < n; k += 2)
+    dst[r * dst_stride + k] = e8m0_to_f32(src[r * src_stride + k]);
+}
+
+// The w2 K loop of one 16-row tile over all of I from acc (the persistent and unit w2 kernels):
+// w = the tile's row 0 in shared memory (row stride rs) with the lane's t * 4 included, swf =
+// its weight scales as fp32 [16][sws], act = column g's FP8 codes with t * 8 included, sa0 / sa1
+// = columns 2t / 2t + 1's scales times 2^6, all in K block order.
+__device__ __forceinline__ void w2_tile_k_loop(const uint8_t* w, int rs, const float* swf, int sws,
+                                               const uint8_t* act, const float* sa0,
+                                               const float* sa1, int nkb, float (&acc)[4]) {
+  const int g = (threadIdx.x & 31) >> 2;
+  const float* sw0 = swf + g * sws;
+  const float* sw1 = sw0 + 8 * sws;
+#pragma unroll 3
+  for (int k = 0; k < nkb; ++k)
+    fp4_mma_block(w + k * 16, rs, sw0[k], sw1[k], act + k * 32, sa0[k], sa1[k], acc);
+}
+
 // ---- Kernel 1: w13 ----
 constexpr int kW13Warps = 16;
 constexpr int kW13Stages = 3;
 constexpr int kW13RowStride = 144;  // 128 B of a row + 16: conflict-free 4-byte fragment reads
 constexpr int kW13ScaleOff = 16 * kW13RowStride;
 constexpr int kW13StageBytes = kW13ScaleOff + 16 * 8;
-constexpr int kW13Smem = kPlanBytes + kW13Warps * kW13Stages * kW13StageBytes;
+// A chunk's weight scales as fp32 [16 rows][8] per warp (LDS.128 reads: a quarter warp = rows g,
+// g + 1, distinct banks).
+constexpr int kW13SwStride = 8;
+constexpr int kW13SwBytes = 16 * kW13SwStride * 4;
+constexpr int kW13SwOff = kPlanBytes + kW13Warps * kW13Stages * kW13StageBytes;
+constexpr int kW13Smem = kW13SwOff + kW13Warps * kW13SwBytes;
 constexpr int kEpiBatch = 10;  // splits loaded per round trip in the group reduction
 
 struct W13Params {
@@ -251,6 +304,34 @@ __device__ __forceinline__ void w13_group_epilogue(const W13Params& p, const Slo
   }
 }
 
+// A w13 unit's place in the flat list: n = ((u * groups + grp) * 4 + tau) * S + s. The kernel
+// decomposes its first unit once and then counts (no integer division in the loops).
+struct W13Cursor {
+  int s, tau, grp, u;
+};
+__device__ __forceinline__ W13Cursor w13_cursor(int n, int S, int groups) {
+  W13Cursor c;
+  c.s = n % S;
+  const int q = n / S;
+  c.tau = q & 3;
+  const int gq = q >> 2;
+  c.u = gq / groups;
+  c.grp = gq - c.u * groups;
+  return c;
+}
+__device__ __forceinline__ void w13_advance(W13Cursor& c, int S, int groups) {
+  if (++c.s == S) {
+    c.s = 0;
+    if (++c.tau == 4) {
+      c.tau = 0;
+      if (++c.grp == groups) {
+        c.grp = 0;
+        ++c.u;
+      }
+    }
+  }
+}
+
 // 96 registers: one 16-warp CTA per SM leaves 16K registers for a w2 CTA (64), which can then
 // start early and prefetch its weights during this kernel's tail.
 __global__ void __maxnreg__(96) moe_w13_kernel(const W13Params p) {
@@ -266,35 +347,46 @@ __global__ void __maxnreg__(96) moe_w13_kernel(const W13Params p) {
   const int W = gridDim.x * kW13Warps, gw = blockIdx.x * kW13Warps + warp;
   const int lo = int(int64_t(gw) * n_units / W), hi = int(int64_t(gw + 1) * n_units / W);
   uint8_t* wsm = smem + kPlanBytes + warp * (kW13Stages * kW13StageBytes);
+  float* swf = reinterpret_cast<float*>(smem + kW13SwOff + warp * kW13SwBytes);
   const size_t row_bytes = size_t(p.dim / 2);
 
-  // Producer cursor: unit pn, chunk pc (8 K blocks) within it.
+  // Producer cursor: unit pn (at pcur), chunk pc (8 K blocks) within it. The lane's source
+  // pointers for the unit's first chunk are set when the producer enters a unit.
   int pn = lo, pc = 0, issued = 0;
+  W13Cursor pcur = w13_cursor(lo, S, groups);
+  const uint8_t* psrc = nullptr;   // weight piece (row lane / 8, column lane % 8) of chunk 0
+  const uint8_t* pssrc = nullptr;  // scale piece (row lane / 2, 4 bytes lane % 2) of chunk 0
+  int pnkb = 0;                    // the unit's K blocks
+  auto enter = [&]() {
+    if (pn >= hi) return;
+    const int kb0 = pcur.s * kbps;
+    pnkb = min(nkb, kb0 + kbps) - kb0;
+    const size_t row0 =
+        size_t(plan.slot[pcur.u].expert) * p.inter + pcur.grp * 32 + (pcur.tau & 1) * 16;
+    psrc = (pcur.tau >= 2 ? p.w3 : p.w1) + (row0 + (lane >> 3)) * row_bytes +
+           size_t(kb0 + (lane & 7)) * 16;
+    pssrc = (pcur.tau >= 2 ? p.w3s : p.w1s) + (row0 + (lane >> 1)) * nkb + kb0 + (lane & 1) * 4;
+  };
+  enter();
   auto issue = [&]() {
     if (pn < hi) {
-      const int s = pn % S, q = pn / S, tau = q & 3, gq = q >> 2;
-      const int u = gq / groups, grp = gq - u * groups;
-      const int kbe = min(nkb, (s + 1) * kbps);
-      const int kb = s * kbps + pc * 8, nk = min(8, kbe - kb);
-      const size_t row0 = size_t(plan.slot[u].expert) * p.inter + grp * 32 + (tau & 1) * 16;
-      const uint8_t* wm = tau >= 2 ? p.w3 : p.w1;
-      const uint8_t* sm = tau >= 2 ? p.w3s : p.w1s;
+      const int nk = min(8, pnkb - pc * 8);  // 4 or 8 (K % 128 == 0)
       uint8_t* dst = wsm + (issued % kW13Stages) * kW13StageBytes;
+      if ((lane & 7) < nk) {  // 16 rows x nk 16-byte pieces; a warp op = 4 rows x 128 B
+        uint8_t* d = dst + (lane >> 3) * kW13RowStride + (lane & 7) * 16;
+        const uint8_t* src = psrc + pc * 128;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {  // 16 rows x nk 16-byte pieces; a warp op = 4 rows x 128 B
-        const int qq = lane + 32 * i, rr = qq >> 3, cc = qq & 7;
-        if (cc < nk)
-          moe_cp16(dst + rr * kW13RowStride + cc * 16,
-                   wm + (row0 + rr) * row_bytes + size_t(kb + cc) * 16);
+        for (int i = 0; i < 4; ++i)
+          moe_cp16(d + i * 4 * kW13RowStride, src + size_t(i) * 4 * row_bytes);
       }
-      {  // 16 rows x nk scale bytes as 4-byte pieces (nk % 4 == 0)
-        const int rr = lane >> 1, hh = lane & 1;
-        if (hh * 4 < nk)
-          moe_cp4(dst + kW13ScaleOff + rr * 8 + hh * 4, sm + (row0 + rr) * nkb + kb + hh * 4);
-      }
-      if (kb + 8 >= kbe) {
+      // 16 rows x nk scale bytes as 4-byte pieces (nk % 4 == 0)
+      if ((lane & 1) * 4 < nk)
+        moe_cp4(dst + kW13ScaleOff + (lane >> 1) * 8 + (lane & 1) * 4, pssrc + pc * 8);
+      if ((pc + 1) * 8 >= pnkb) {
         pc = 0;
         ++pn;
+        w13_advance(pcur, S, groups);
+        enter();
       } else {
         ++pc;
       }
@@ -306,19 +398,22 @@ __global__ void __maxnreg__(96) moe_w13_kernel(const W13Params p) {
   for (int c = 0; c < kW13Stages - 1; ++c) issue();
 
   int consumed = 0, pending = 0;
+  W13Cursor cur = w13_cursor(lo, S, groups);
   for (int n = lo; n < hi; ++n) {
-    const int s = n % S, q = n / S, tau = q & 3, gq = q >> 2;
-    const int u = gq / groups, grp = gq - u * groups;
-    const SlotPlan& r = plan.slot[u];
+    const int s = cur.s, tau = cur.tau, grp = cur.grp, gq = cur.u * groups + cur.grp;
+    const SlotPlan& r = plan.slot[cur.u];
     const int count = r.count;
-    const uint8_t* act_g = g < count ? p.x + size_t(r.tok[g]) * p.dim : nullptr;
-    const float* as0 = 2 * t < count ? p.xs + size_t(r.tok[2 * t]) * nkb : nullptr;
-    const float* as1 = 2 * t + 1 < count ? p.xs + size_t(r.tok[2 * t + 1]) * nkb : nullptr;
+    // Absent columns read a present one (fp4_mma_block); only valid columns are stored.
+    const uint8_t* act_g = p.x + size_t(r.tok[min(g, count - 1)]) * p.dim + t * 8;
+    const float* as0 = p.xs + size_t(r.tok[min(2 * t, count - 1)]) * nkb;
+    const float* as1 = p.xs + size_t(r.tok[min(2 * t + 1, count - 1)]) * nkb;
     const int kbe = min(nkb, (s + 1) * kbps);
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
     for (int kb = s * kbps; kb < kbe; kb += 8) {
       issue();
-      const int nk = min(8, kbe - kb);
+      // A chunk is 8 K blocks or, at the end of K, 4 (K % 128 == 0): two halves of 4, the second
+      // skipped as a whole (a warp-uniform branch, not one per block).
+      const bool full = kbe - kb >= 8;
       // This chunk's activations, loaded before waiting on its weights.
       uint2 av[8];
       float sa0[8], sa1[8];
@@ -326,25 +421,31 @@ __global__ void __maxnreg__(96) moe_w13_kernel(const W13Params p) {
       for (int uu = 0; uu < 8; ++uu) {
         av[uu] = make_uint2(0u, 0u);
         sa0[uu] = sa1[uu] = 0.f;
-        if (uu < nk) {
-          if (act_g) av[uu] = __ldg(reinterpret_cast<const uint2*>(act_g + (kb + uu) * 32 + t * 8));
-          if (as0) sa0[uu] = __ldg(as0 + kb + uu) * kE2M1ToE4M3Rescale;
-          if (as1) sa1[uu] = __ldg(as1 + kb + uu) * kE2M1ToE4M3Rescale;
+        if (uu < 4 || full) {
+          av[uu] = __ldg(reinterpret_cast<const uint2*>(act_g + (kb + uu) * 32));
+          sa0[uu] = __ldg(as0 + kb + uu) * kE2M1ToE4M3Rescale;
+          sa1[uu] = __ldg(as1 + kb + uu) * kE2M1ToE4M3Rescale;
         }
       }
       cp_async_wait<kW13Stages - 1>();
       __syncwarp();
       const uint8_t* st = wsm + (consumed % kW13Stages) * kW13StageBytes;
       ++consumed;
+      scales_to_f32(st + kW13ScaleOff, 8, 8, swf, kW13SwStride);  // a half chunk's: unused
+      __syncwarp();
 #pragma unroll
-      for (int uu = 0; uu < 8; ++uu) {
-        if (uu < nk) {
-          const float sw0 = e8m0_to_f32(st[kW13ScaleOff + g * 8 + uu]);
-          const float sw1 = e8m0_to_f32(st[kW13ScaleOff + (g + 8) * 8 + uu]);
+      for (int h = 0; h < 2; ++h) {
+        if (h == 1 && !full) break;
+        const float4 x0 = *reinterpret_cast<const float4*>(swf + g * kW13SwStride + h * 4);
+        const float4 x1 = *reinterpret_cast<const float4*>(swf + (g + 8) * kW13SwStride + h * 4);
+        const float sw0[4] = {x0.x, x0.y, x0.z, x0.w}, sw1[4] = {x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int uu = h * 4 + j;
           const uint32_t b0 = __byte_perm(av[uu].x, av[uu].y, 0x6420);  // elements [0,2,4,6]
           const uint32_t b1 = __byte_perm(av[uu].x, av[uu].y, 0x7531);  // elements [1,3,5,7]
-          fp4_mma_step(st + uu * 16 + t * 4, kW13RowStride, sw0, sw1, b0, b1, sa0[uu], sa1[uu],
-                       acc);
+          fp4_mma_step(st + uu * 16 + t * 4, kW13RowStride, sw0[j], sw1[j], b0, b1, sa0[uu],
+                       sa1[uu], acc);
         }
       }
       __syncwarp();
@@ -361,7 +462,8 @@ __global__ void __maxnreg__(96) moe_w13_kernel(const W13Params p) {
       }
     }
     ++pending;
-    if (n + 1 == hi || (n + 1) / upg != gq) {  // leaving group gq: publish this warp's units
+    // Leaving group gq (the next unit starts a group: s and tau wrap): publish this warp's units.
+    if (n + 1 == hi || (s == S - 1 && tau == 3)) {
       __threadfence();
       __syncwarp();
       int old = 0;
@@ -374,6 +476,7 @@ __global__ void __maxnreg__(96) moe_w13_kernel(const W13Params p) {
       }
       pending = 0;
     }
+    w13_advance(cur, S, groups);
   }
   cp_async_wait<0>();
 }
@@ -384,7 +487,7 @@ constexpr int kW2Stages = 3;
 constexpr int kW2CtasPerSm = 2;
 
 struct W2Layout {
-  int rs, stage_sc, stage_bytes, h_off, hs_off, stage_off, total;
+  int rs, stage_sc, stage_bytes, h_off, hs_off, stage_off, sws, sw_off, total;
 };
 __host__ __device__ __forceinline__ W2Layout w2_layout(int inter, int pairs) {
   W2Layout l;
@@ -396,8 +499,34 @@ __host__ __device__ __forceinline__ W2Layout w2_layout(int inter, int pairs) {
   l.h_off = kPlanBytes;
   l.hs_off = l.h_off + (pairs * inter + 15) / 16 * 16;
   l.stage_off = l.hs_off + (pairs * nkb * 4 + 15) / 16 * 16;
-  l.total = l.stage_off + kW2Warps * kW2Stages * l.stage_bytes;
+  l.sws = nkb | 1;  // odd: the 8 rows g of a scale read hit distinct banks
+  l.sw_off = l.stage_off + kW2Warps * kW2Stages * l.stage_bytes;
+  l.total = l.sw_off + kW2Warps * 16 * l.sws * 4;  // + per warp: the unit's fp32 weight scales
   return l;
+}
+
+// Copies 16 rows x `pieces` 16-byte pieces, contiguous at src, to rows of stride rs at dst
+// (cp.async, piece i by lane i % 32): the lane's row / column are counted from its first piece
+// (rr0, cc0) by steps of 32 pieces (dr rows + dc columns), so no division per piece.
+struct PieceWalk {
+  int rr0, cc0, dr, dc, pieces;
+};
+__device__ __forceinline__ PieceWalk piece_walk(int pieces) {
+  const int lane = threadIdx.x & 31;
+  return {lane / pieces, lane % pieces, 32 / pieces, 32 % pieces, pieces};
+}
+__device__ __forceinline__ void copy_rows16(uint8_t* dst, int rs, const uint8_t* src,
+                                            const PieceWalk& w) {
+  int rr = w.rr0, cc = w.cc0;
+  for (int i = threadIdx.x & 31; i < 16 * w.pieces; i += 32) {
+    moe_cp16(dst + rr * rs + cc * 16, src + size_t(i) * 16);
+    rr += w.dr;
+    cc += w.dc;
+    if (cc >= w.pieces) {
+      cc -= w.pieces;
+      ++rr;
+    }
+  }
 }
 
 struct W2Params {
@@ -427,22 +556,23 @@ __global__ void __maxnreg__(64) moe_w2_kernel(const W2Params p) {
   const int n_units = plan.n_unique * tiles;
   const int W = gridDim.x * kW2Warps, gw = blockIdx.x * kW2Warps + warp;
   const int lo = int(int64_t(gw) * n_units / W), hi = int(int64_t(gw + 1) * n_units / W);
-  const int pieces = nkb;  // 16-byte pieces per row (I / 2 / 16)
   uint8_t* wsm = smem + L.stage_off + warp * (kW2Stages * L.stage_bytes);
   int pn = lo, issued = 0;
+  int pu = lo / tiles, ptile = lo - pu * tiles;  // unit pn, counted
   auto issue = [&]() {
     if (pn < hi) {
-      const int u = pn / tiles, tile = pn - u * tiles;
-      const size_t row0 = size_t(plan.slot[u].expert) * p.dim + size_t(tile) * 16;
-      const uint8_t* src = p.w2 + row0 * (p.inter / 2);  // 16 rows x I/2 bytes, contiguous
+      const size_t row0 = size_t(plan.slot[pu].expert) * p.dim + size_t(ptile) * 16;
       uint8_t* dst = wsm + (issued % kW2Stages) * L.stage_bytes;
-      for (int i = lane; i < 16 * pieces; i += 32) {
-        const int rr = i / pieces, cc = i - rr * pieces;
-        moe_cp16(dst + rr * L.rs + cc * 16, src + size_t(i) * 16);
-      }
+      // 16 rows x I/2 bytes (I/32 pieces a row), contiguous; the walk is recomputed per unit
+      // (two divisions) rather than kept in registers (64 at most here).
+      copy_rows16(dst, L.rs, p.w2 + row0 * (p.inter / 2), piece_walk(nkb));
       const uint8_t* ssrc = p.w2s + row0 * nkb;  // 16 * nkb bytes, contiguous
       for (int i = lane; i < nkb; i += 32) moe_cp16(dst + L.stage_sc + i * 16, ssrc + i * 16);
       ++pn;
+      if (++ptile == tiles) {
+        ptile = 0;
+        ++pu;
+      }
     }
     ++issued;
     cp_async_commit();
@@ -457,48 +587,39 @@ __global__ void __maxnreg__(64) moe_w2_kernel(const W2Params p) {
     for (int i = tid; i < n16; i += blockDim.x)
       reinterpret_cast<uint4*>(smem + L.h_off)[i] =
           __ldcg(reinterpret_cast<const uint4*>(p.h_codes) + i);
+    // Scales times 2^6 (fp4_mma_step's sa): only ever used so.
     for (int i = tid; i < p.pairs * nkb; i += blockDim.x)
-      reinterpret_cast<float*>(smem + L.hs_off)[i] = __ldcg(p.h_scales + i);
+      reinterpret_cast<float*>(smem + L.hs_off)[i] = __ldcg(p.h_scales + i) * kE2M1ToE4M3Rescale;
   }
   __syncthreads();
 
   const float* hs = reinterpret_cast<const float*>(smem + L.hs_off);
-  int consumed = 0, cur_u = -1;
-  const uint8_t* act_g = nullptr;
-  const float *as0 = nullptr, *as1 = nullptr;
-  int pair0 = -1, pair1 = -1;
+  float* swf = reinterpret_cast<float*>(smem + L.sw_off) + warp * 16 * L.sws;
+  int consumed = 0;
+  int u = lo / tiles, tile = lo - u * tiles;  // counted below: no division per unit
   for (int n = lo; n < hi; ++n) {
-    const int u = n / tiles, tile = n - u * tiles;
-    if (u != cur_u) {
-      cur_u = u;
-      const SlotPlan& r = plan.slot[u];
-      act_g = g < r.count ? smem + L.h_off + r.pair[g] * p.inter : nullptr;
-      as0 = 2 * t < r.count ? hs + r.pair[2 * t] * nkb : nullptr;
-      as1 = 2 * t + 1 < r.count ? hs + r.pair[2 * t + 1] * nkb : nullptr;
-      pair0 = 2 * t < r.count ? r.pair[2 * t] : -1;
-      pair1 = 2 * t + 1 < r.count ? r.pair[2 * t + 1] : -1;
-    }
+    const SlotPlan& r = plan.slot[u];
+    // Absent columns read a present one (fp4_mma_block); only valid pairs are stored.
+    const uint8_t* act_g = smem + L.h_off + r.pair[min(g, r.count - 1)] * p.inter + t * 8;
+    const float* as0 = hs + r.pair[min(2 * t, r.count - 1)] * nkb;
+    const float* as1 = hs + r.pair[min(2 * t + 1, r.count - 1)] * nkb;
+    const int pair0 = 2 * t < r.count ? r.pair[2 * t] : -1;
+    const int pair1 = 2 * t + 1 < r.count ? r.pair[2 * t + 1] : -1;
     issue();
     cp_async_wait<kW2Stages - 1>();
     __syncwarp();
     const uint8_t* st = wsm + (consumed % kW2Stages) * L.stage_bytes;
     ++consumed;
+    scales_to_f32(st + L.stage_sc, nkb, nkb, swf, L.sws);
+    __syncwarp();
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int k = 0; k < nkb; ++k) {
-      const float sw0 = e8m0_to_f32(st[L.stage_sc + g * nkb + k]);
-      const float sw1 = e8m0_to_f32(st[L.stage_sc + (g + 8) * nkb + k]);
-      uint32_t b0 = 0, b1 = 0;
-      if (act_g) {
-        const uint2 v = *reinterpret_cast<const uint2*>(act_g + k * 32 + t * 8);
-        b0 = __byte_perm(v.x, v.y, 0x6420);  // elements [0,2,4,6]
-        b1 = __byte_perm(v.x, v.y, 0x7531);  // elements [1,3,5,7]
-      }
-      const float sa0 = as0 ? as0[k] * kE2M1ToE4M3Rescale : 0.f;
-      const float sa1 = as1 ? as1[k] * kE2M1ToE4M3Rescale : 0.f;
-      fp4_mma_step(st + k * 16 + t * 4, L.rs, sw0, sw1, b0, b1, sa0, sa1, acc);
-    }
+    w2_tile_k_loop(st + t * 4, L.rs, swf, L.sws, act_g, as0, as1, nkb, acc);
     __syncwarp();
     const int row0 = tile * 16;
+    if (++tile == tiles) {
+      tile = 0;
+      ++u;
+    }
     auto out = [&](int pair) {
       return p.y + (pair / p.topk) * p.y_row_stride + size_t(pair % p.topk) * p.dim + row0;
     };
@@ -611,8 +732,8 @@ __global__ void __launch_bounds__(kW2Warps * 32) moe_w2_tile_kernel(const W2Para
 //   sums the splits in split order (split 0's value, then += 1..S-1), rounds g / u to bf16,
 //   clamps, h = bf16(w * silu(g) * u): the persistent kernel's group epilogue exactly, minus the
 //   FP8 quantisation (a block of 32 features spans 4 CTAs), which moe_w2_unit_kernel does.
-//   Shared memory: plan + m columns x (K + 32) activation bytes + m x K/32 scales + S x 4.5 KB
-//   (K = 5120: 53 KB at m = 1, 102 KB at m = 8). Bytes per CTA: 16 x (K/2 + K/32) = 43.5 KB at
+//   Shared memory: plan + m columns x (K + 32) activation bytes + m x K/32 scales + S x 5.5 KB
+//   (K = 5120: 67 KB at m = 1, 107 KB at m = 8). Bytes per CTA: 16 x (K/2 + K/32) = 43.5 KB at
 //   K = 5120: 216 CTAs at 1 row (6 experts, one wave), ~1450 at 7 rows (~40 experts; 2-3 CTAs
 //   resident per SM, so 87-130 KB in flight per SM, the next CTAs' loads start as CTAs retire).
 // moe_w2_unit_kernel: grid P * (K / 128), CTA = (slot u, 128 output rows), 8 warps x one 16-row
@@ -624,7 +745,9 @@ __global__ void __launch_bounds__(kW2Warps * 32) moe_w2_tile_kernel(const W2Para
 constexpr int kUnitMaxWarps = 16;
 constexpr int kUnitRowStride = 272;  // 16 K blocks x 16 B + 16: conflict-free fragment reads
 constexpr int kUnitScaleOff = 16 * kUnitRowStride;
-constexpr int kUnitSplitBytes = kUnitScaleOff + 16 * 16;  // + 16 rows x 16 scale bytes
+constexpr int kUnitSwOff = kUnitScaleOff + 16 * 16;  // + 16 rows x 16 scale bytes
+constexpr int kUnitSwStride = 16;  // fp32 scales [16 rows][16]: LDS.128, conflict-free per phase
+constexpr int kUnitSplitBytes = kUnitSwOff + 16 * kUnitSwStride * 4;
 
 __host__ __device__ __forceinline__ int round16(int n) { return (n + 15) / 16 * 16; }
 
@@ -692,23 +815,37 @@ __global__ void __launch_bounds__(kUnitMaxWarps * 32, 2)
   cp_async_commit();
   cp_async_wait<0>();
   __syncwarp();
+  // Absent columns read a present one (fp4_mma_block); only valid columns are stored.
+  const int cg = min(g, count - 1), c0 = min(2 * t, count - 1), c1 = min(2 * t + 1, count - 1);
   for (int s = warp; s < S; s += NW) {
     uint8_t* st = smem + L.split_off + s * kUnitSplitBytes;
+    float* swf = reinterpret_cast<float*>(st + kUnitSwOff);
     const int kb0 = s * kbps, nk = min(kbps, nkb - kb0);
+    // The split's weight scales to fp32 and its activation scales times 2^6 (fp4_mma_step's sa),
+    // in place: this warp copied them and only this warp reads them.
+    scales_to_f32(st + kUnitScaleOff, 16, nk, swf, kUnitSwStride);
+    for (int i = lane; i < count * 16; i += 32) {
+      const int c = i >> 4, q = i & 15;
+      if (q < nk) xsc[c * nkb + kb0 + q] *= kE2M1ToE4M3Rescale;
+    }
+    __syncwarp();
+    const uint8_t* act = xsm + cg * L.xs_stride + kb0 * 32 + t * 8;
+    const float* sa0 = xsc + c0 * nkb + kb0;  // nkb, kb0 % 4 == 0: 16-byte aligned
+    const float* sa1 = xsc + c1 * nkb + kb0;
+    const float* sw0 = swf + g * kUnitSwStride;
+    const float* sw1 = swf + (g + 8) * kUnitSwStride;
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int kk = 0; kk < nk; ++kk) {
-      const int kb = kb0 + kk;
-      const float sw0 = e8m0_to_f32(st[kUnitScaleOff + g * 16 + kk]);
-      const float sw1 = e8m0_to_f32(st[kUnitScaleOff + (g + 8) * 16 + kk]);
-      uint32_t b0 = 0, b1 = 0;
-      if (g < count) {
-        const uint2 v = *reinterpret_cast<const uint2*>(xsm + g * L.xs_stride + kb * 32 + t * 8);
-        b0 = __byte_perm(v.x, v.y, 0x6420);  // elements [0,2,4,6]
-        b1 = __byte_perm(v.x, v.y, 0x7531);  // elements [1,3,5,7]
-      }
-      const float sa0 = 2 * t < count ? xsc[(2 * t) * nkb + kb] * kE2M1ToE4M3Rescale : 0.f;
-      const float sa1 = 2 * t + 1 < count ? xsc[(2 * t + 1) * nkb + kb] * kE2M1ToE4M3Rescale : 0.f;
-      fp4_mma_step(st + kk * 16 + t * 4, kUnitRowStride, sw0, sw1, b0, b1, sa0, sa1, acc);
+    for (int kk = 0; kk < nk; kk += 4) {  // nk % 4 == 0 (K % 128 == 0)
+      const float4 w0 = *reinterpret_cast<const float4*>(sw0 + kk);
+      const float4 w1 = *reinterpret_cast<const float4*>(sw1 + kk);
+      const float4 a0 = *reinterpret_cast<const float4*>(sa0 + kk);
+      const float4 a1 = *reinterpret_cast<const float4*>(sa1 + kk);
+      const uint8_t* w = st + kk * 16 + t * 4;
+      const uint8_t* x = act + kk * 32;
+      fp4_mma_block(w, kUnitRowStride, w0.x, w1.x, x, a0.x, a1.x, acc);
+      fp4_mma_block(w + 16, kUnitRowStride, w0.y, w1.y, x + 32, a0.y, a1.y, acc);
+      fp4_mma_block(w + 32, kUnitRowStride, w0.z, w1.z, x + 64, a0.z, a1.z, acc);
+      fp4_mma_block(w + 48, kUnitRowStride, w0.w, w1.w, x + 96, a0.w, a1.w, acc);
     }
     __syncwarp();                                // every lane is done with the split's weights
     float* part = reinterpret_cast<float*>(st);  // [16 rows][8 columns]
@@ -749,7 +886,7 @@ constexpr int kW2UnitWarps = 8;
 constexpr int kW2UnitRows = kW2UnitWarps * 16;
 
 struct W2UnitLayout {
-  int rs, sc_off, warp_bytes, hcs, h_off, hs_off, w_off, total;
+  int rs, sc_off, sws, sw_off, warp_bytes, hcs, h_off, hs_off, w_off, total;
 };
 __host__ __device__ __forceinline__ W2UnitLayout w2_unit_layout(int inter, int cols) {
   W2UnitLayout l;
@@ -757,7 +894,9 @@ __host__ __device__ __forceinline__ W2UnitLayout w2_unit_layout(int inter, int c
   // Row stride = 16 mod 32 bytes: the 8 rows g of a 4-byte fragment read hit distinct banks.
   l.rs = inter / 2 + ((inter / 2) % 32 == 0 ? 16 : 0);
   l.sc_off = 16 * l.rs;
-  l.warp_bytes = round16(l.sc_off + 16 * nkb);
+  l.sws = nkb | 1;  // fp32 scales [16 rows][sws], odd: the 8 rows g of a read hit distinct banks
+  l.sw_off = round16(l.sc_off + 16 * nkb);
+  l.warp_bytes = l.sw_off + round16(16 * l.sws * 4);
   l.hcs = (inter - 32 + 127) / 128 * 128 + 32;  // >= inter, = 32 mod 128: conflict-free B reads
   l.h_off = kPlanBytes;
   l.hs_off = l.h_off + round16(cols * l.hcs);
@@ -784,11 +923,8 @@ __global__ void __launch_bounds__(kW2UnitWarps * 32, 4)
   const size_t row0 = size_t(r.expert) * p.dim + row_out;
   uint8_t* wsm = smem + L.w_off + warp * L.warp_bytes;
   {
-    const uint8_t* src = p.w2 + row0 * (p.inter / 2);  // 16 rows x I/2 bytes, contiguous
-    for (int i = lane; i < 16 * nkb; i += 32) {
-      const int rr = i / nkb, cc = i - rr * nkb;
-      moe_cp16(wsm + rr * L.rs + cc * 16, src + size_t(i) * 16);
-    }
+    // 16 rows x I/2 bytes, contiguous
+    copy_rows16(wsm, L.rs, p.w2 + row0 * (p.inter / 2), piece_walk(nkb));
     const uint8_t* ssrc = p.w2s + row0 * nkb;  // 16 * nkb bytes, contiguous
     for (int i = lane; i < nkb; i += 32) moe_cp16(wsm + L.sc_off + i * 16, ssrc + i * 16);
     cp_async_commit();
@@ -803,27 +939,19 @@ __global__ void __launch_bounds__(kW2UnitWarps * 32, 4)
     float sc;
     const uint8_t code = warp_quant_fp8_block(h, &sc);
     hq[c * L.hcs + kb * 32 + lane] = code;
-    if (lane == 0) hs[c * nkb + kb] = sc;
+    if (lane == 0) hs[c * nkb + kb] = sc * kE2M1ToE4M3Rescale;  // only used as fp4_mma_step's sa
   }
   cp_async_wait<0>();
   __syncthreads();
-  const uint8_t* act_g = g < count ? hq + g * L.hcs : nullptr;
-  const float* as0 = 2 * t < count ? hs + (2 * t) * nkb : nullptr;
-  const float* as1 = 2 * t + 1 < count ? hs + (2 * t + 1) * nkb : nullptr;
+  float* swf = reinterpret_cast<float*>(wsm + L.sw_off);
+  scales_to_f32(wsm + L.sc_off, nkb, nkb, swf, L.sws);
+  __syncwarp();
+  // Absent columns read a present one (fp4_mma_block); only valid columns are stored.
+  const uint8_t* act_g = hq + min(g, count - 1) * L.hcs + t * 8;
+  const float* as0 = hs + min(2 * t, count - 1) * nkb;
+  const float* as1 = hs + min(2 * t + 1, count - 1) * nkb;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  for (int k = 0; k < nkb; ++k) {
-    const float sw0 = e8m0_to_f32(wsm[L.sc_off + g * nkb + k]);
-    const float sw1 = e8m0_to_f32(wsm[L.sc_off + (g + 8) * nkb + k]);
-    uint32_t b0 = 0, b1 = 0;
-    if (act_g) {
-      const uint2 v = *reinterpret_cast<const uint2*>(act_g + k * 32 + t * 8);
-      b0 = __byte_perm(v.x, v.y, 0x6420);  // elements [0,2,4,6]
-      b1 = __byte_perm(v.x, v.y, 0x7531);  // elements [1,3,5,7]
-    }
-    const float sa0 = as0 ? as0[k] * kE2M1ToE4M3Rescale : 0.f;
-    const float sa1 = as1 ? as1[k] * kE2M1ToE4M3Rescale : 0.f;
-    fp4_mma_step(wsm + k * 16 + t * 4, L.rs, sw0, sw1, b0, b1, sa0, sa1, acc);
-  }
+  w2_tile_k_loop(wsm + t * 4, L.rs, swf, L.sws, act_g, as0, as1, nkb, acc);
   auto out = [&](int pair) {
     return p.y + (pair / p.topk) * p.y_row_stride + size_t(pair % p.topk) * p.dim + row_out;
   };
@@ -913,7 +1041,10 @@ void raise_smem(Kernel kernel, int bytes) {
 
 }  // namespace
 
-constexpr int kUnitMaxRowsFaster = 4;
+// The unit kernels up to this many rows, the persistent ones above (bitwise the same). Session 7's
+// bench_cuda_moe on the H200 (routed experts, us, persistent / unit): 1 row 21.4 / 22.0, 2 rows
+// 31.6 / 29.1, 4 rows 46.8 / 53.5 (session 6, before both sets lost instructions: 4).
+constexpr int kUnitMaxRowsFaster = 2;
 
 MoeFp4::MoeFp4(int dim, int inter, int topk, int sm_count)
     : dim_(dim), inter_(inter), topk_(topk), sm_count_(sm_count) {

@@ -169,12 +169,27 @@ __device__ __forceinline__ uint64_t route_key(float v, int e) {
   return (uint64_t(b) << 32) | uint64_t(0xFFFFFFFFu - uint32_t(e));
 }
 
+// The elementwise part of a score function (sigmoid, sqrt-softplus; softmax: the division by the
+// temperature only): route_kernel's / route_row's operations, one definition for both places
+// route_row's input can come from.
+__device__ __forceinline__ float score_elementwise(float s, int func, float gate_temp) {
+  float v = __fdiv_rn(s, gate_temp);
+  if (func == kSigmoid)
+    v = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-v)));
+  else if (func == kSqrtSoftplus)
+    v = __fsqrt_rn(v > 20.f ? v : log1pf(expf(v)));
+  return v;
+}
+
 // Row blockIdx.x, run by one warp (lane = threadIdx.x & 31); smem [E] for the softmax only.
 // Row t (default blockIdx.x). Scores are read through L2 (__ldcg): moe_router_kernel's finishing
-// CTA reads the other CTAs' scores.
+// CTA reads the other CTAs' scores. pre (not for softmax): `scores` already holds
+// score_elementwise of the gate outputs (moe_router_kernel computes it where the scores are
+// made, off its serial tail).
 __device__ __forceinline__ void route_row(const float* scores, const float* bias, int E, int K,
                                           int func, float gate_temp, float route_scale,
-                                          int32_t* gate_i, float* gate_w, float* smem, int t = -1) {
+                                          int32_t* gate_i, float* gate_w, float* smem, int t = -1,
+                                          bool pre = false) {
   detail::pdl_trigger();
   if (t < 0) t = blockIdx.x;
   const int lane = threadIdx.x & 31;
@@ -190,13 +205,7 @@ __device__ __forceinline__ void route_row(const float* scores, const float* bias
   for (int i = 0; i < kRoutePerLane; ++i) {
     const int e = lane + 32 * i;
     float v = 0.f;
-    if (e < E) {
-      v = __fdiv_rn(__ldcg(row + e), gate_temp);
-      if (func == kSigmoid)
-        v = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-v)));
-      else if (func == kSqrtSoftplus)
-        v = __fsqrt_rn(v > 20.f ? v : log1pf(expf(v)));
-    }
+    if (e < E) v = pre ? __ldcg(row + e) : score_elementwise(__ldcg(row + e), func, gate_temp);
     sc[i] = v;
   }
   if (func == kSoftmax) {  // sequential, in the CPU's order
@@ -323,7 +332,9 @@ __global__ void __launch_bounds__(256)
 //     warp 0), so the scores are bitwise DeviceLinear kF32's (tests compare with the legacy
 //     path); written to `scores` [m, E].
 //  4. The last CTA to finish (global counter, reset by it for the next call / graph replay)
-//     routes the m rows, one warp each (route_row: route_quant_kernel's routing).
+//     routes the m rows, one warp each (route_row: route_quant_kernel's routing). For the
+//     elementwise score functions each CTA also writes score_elementwise of its own scores to
+//     `probs` [m, E] before counting, so the serial tail only selects and normalises.
 // One launch less and the gate's weight latency hidden behind the previous kernel; the finishing
 // CTA's extra L2 round trip (~1 us) is what it costs.
 constexpr int kRouterWarps = 8;     // = kDenseWarps of dense_rows_kernel (its fp32 order)
@@ -332,9 +343,9 @@ constexpr int kRouterGateRows = 2;  // gate rows per CTA
 
 __global__ void __launch_bounds__(kRouterWarps * 32)
     moe_router_kernel(const uint8_t* gate, int E, int D, const float* x, int m, float* scores,
-                      int* counter, const float* bias, int K, int func, float gate_temp,
-                      float route_scale, int32_t* gate_i, float* gate_w, uint8_t* codes,
-                      float* xscales) {
+                      float* probs, int* counter, const float* bias, int K, int func,
+                      float gate_temp, float route_scale, int32_t* gate_i, float* gate_w,
+                      uint8_t* codes, float* xscales) {
   extern __shared__ __align__(16) float router_smem[];  // [2][D] bf16 gate rows, softmax [m][E]
   uint8_t* smem = reinterpret_cast<uint8_t*>(router_smem);
   __shared__ float red[kRouterWarps][kRouterGateRows][kMaxDecodeRows];
@@ -401,6 +412,7 @@ __global__ void __launch_bounds__(kRouterWarps * 32)
     float v = red[0][r][t];
     for (int q = 1; q < kRouterWarps; ++q) v = __fadd_rn(v, red[q][r][t]);
     scores[size_t(t) * E + e0 + r] = v;
+    if (func != kSoftmax) probs[size_t(t) * E + e0 + r] = score_elementwise(v, func, gate_temp);
   }
   __threadfence();
   __syncthreads();
@@ -410,7 +422,9 @@ __global__ void __launch_bounds__(kRouterWarps * 32)
   __threadfence();
   if (warp < m) {
     float* soft = reinterpret_cast<float*>(smem + size_t(kRouterGateRows) * D * 2) + warp * E;
-    route_row(scores, bias, E, K, func, gate_temp, route_scale, gate_i, gate_w, soft, warp);
+    const bool pre = func != kSoftmax;
+    route_row(pre ? probs : scores, bias, E, K, func, gate_temp, route_scale, gate_i, gate_w, soft,
+              warp, pre);
   }
   if (threadIdx.x == 0) *counter = 0;  // every CTA has counted: safe to reset
 }
@@ -574,6 +588,7 @@ struct DeviceMoe::Impl {
   DeviceLinear sw1, sw3, sw2;
   // Workspace for one chunk of kMaxDecodeRows rows.
   float* scores = nullptr;    // [8, E]
+  float* probs = nullptr;     // [8, E] moe_router_kernel: the scores after the score function
   int32_t* gi = nullptr;      // [8, K] (when the caller passes no gate_i / gate_w)
   float* gw = nullptr;        // [8, K]
   uint8_t* xcodes = nullptr;  // [8, dim]
@@ -641,6 +656,7 @@ DeviceMoe::DeviceMoe(const model::MoeWeights& w, const MoeShape& shape, DeviceAr
           "DeviceMoe: shared expert shapes do not match dim %d / inter %d", D, I);
   const size_t R = kMaxDecodeRows;
   m.scores = arena.alloc<float>(R * E);
+  m.probs = arena.alloc<float>(R * E);
   m.gi = arena.alloc<int32_t>(R * K);
   m.gw = arena.alloc<float>(R * K);
   m.xcodes = arena.alloc<uint8_t>(R * D);
@@ -813,7 +829,7 @@ void DeviceMoe::run_chunk(const float* x, int t0, int rows, Out mode, float* out
     const size_t smem = router_smem;
     detail::launch_pdl(moe_router_kernel, dim3((E + kRouterGateRows - 1) / kRouterGateRows),
                        dim3(kRouterWarps * 32), smem, stream, gw8.data, E, D, xc, rows, scores,
-                       m.router_counter, static_cast<const float*>(m.bias), K, m.func,
+                       m.probs, m.router_counter, static_cast<const float*>(m.bias), K, m.func,
                        m.s.gate_temp, m.s.route_scale, gi, gw, xcodes, xscales);
   } else if (!pf && E <= 32 * kRoutePerLane && D % 32 == 0) {
     m.gate.apply(xc, rows, scores, stream);
