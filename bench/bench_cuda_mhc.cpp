@@ -5,13 +5,16 @@
 //   the pair as layer() calls them,
 //   hc_mixes_finish and hc_pre_norm (hc_mix_pre_norm's halves alone: a step may fork the finish).
 // Each figure is the median over --reps replays of a CUDA graph of --copies calls, each call with
-// its own fn (copies x 2 MB > L2, so fn comes from HBM as in a real step; the streams and
-// partials were written by the previous call, so they are L2-warm as in the step), divided by
+// its own fn (300 copies x 2 MB = 600 MB >> L2, so fn comes from HBM as in a real step; the streams
+// and partials were written by the previous call, so they are L2-warm as in the step), divided by
 // --copies. Every call reads X and writes R (no chain through the stream: values stay finite
 // whatever the random post / comb), the pair's collapse reads R. Bytes: everything the call reads
-// and writes once; floor = bytes / 4.1 TB/s.
+// and writes once; floor = bytes / 4.1 TB/s. Every figure is measured three times: with the
+// session-6 kernels (set_mhc_legacy_kernels(true): "old"), the current ones ("new") and the current
+// ones with 2 row groups in hc_post_mixes ("g2", set_mhc_post_groups(2)), printed side by side (the
+// outputs are bitwise the same: tests/cuda/test_ops_mhc_fused.cpp).
 //
-//   bench_cuda_mhc [--reps N] [--copies N]
+//   bench_cuda_mhc [--reps N] [--copies N] [--rows 1,2,4,7,8]
 
 #include <algorithm>
 #include <cstdio>
@@ -64,19 +67,34 @@ DeviceWeight f32_weight(float* p, int64_t rows, int64_t cols) {
   return w;
 }
 
-void line(const char* what, int T, float us, double bytes) {
+// old: the session-6 kernels; new: the current ones (hc_post_mixes with 4 row groups a block, the
+// default); g2: the current ones with 2 row groups (set_mhc_post_groups(2)).
+void line(const char* what, int T, float old_us, float new_us, float g2_us, double bytes) {
   const double floor_us = bytes / kHbm * 1e6;
-  std::printf("%-16s T=%d  %7.2f us/call  %8.1f KB  %7.1f GB/s  floor %5.2f us  (%4.1fx)\n", what,
-              T, us, bytes / 1024.0, bytes / (us * 1e-6) / 1e9, floor_us, us / floor_us);
+  std::printf(
+      "%-16s T=%d  old %7.2f  new %7.2f (%5.2fx)  g2 %7.2f (%5.2fx) us/call  %8.1f KB  new %7.1f "
+      "GB/s  floor %5.2f us (new %4.1fx)\n",
+      what, T, old_us, new_us, old_us / new_us, g2_us, old_us / g2_us, bytes / 1024.0,
+      bytes / (new_us * 1e-6) / 1e9, floor_us, new_us / floor_us);
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  int reps = 200, copies = 32;
+  int reps = 200, copies = 300;
+  std::vector<int> rows = {1, 2, 4, 7, 8};
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) reps = std::atoi(argv[++i]);
     if (!std::strcmp(argv[i], "--copies") && i + 1 < argc) copies = std::atoi(argv[++i]);
+    if (!std::strcmp(argv[i], "--rows") && i + 1 < argc) {
+      rows.clear();
+      for (const char* q = argv[++i]; *q;) {
+        const int r = std::atoi(q);
+        if (r >= 1 && r <= kTmax) rows.push_back(r);
+        while (*q && *q != ',') ++q;
+        if (*q == ',') ++q;
+      }
+    }
   }
   reps = std::max(reps, 1);
   copies = std::max(copies, 1);
@@ -126,46 +144,58 @@ int main(int argc, char** argv) {
 
   const size_t S = hc_mixes_scratch_floats(p, 1) / size_t(kMix + 1);
   std::printf("splits %zu, partials %zu floats per row\n", S, S * (kMix + 1));
-  for (int T : {1, 2, 4, 7, 8}) {
+  for (int T : rows) {
     const double part_bytes = double(T) * double(S) * (kMix + 1) * 4;
     // fn once; R read, out written, x read; partials written.
     const double pm_bytes = double(fn_n) * 4 + double(T) * (2.0 * n + kDim) * 4 + part_bytes;
     // partials read; X read, y written, norm weight; pre / post / comb written.
     const double mp_bytes =
         part_bytes + double(T) * (double(n) + 2.0 * kDim + (2 * kHc + kHc * kHc)) * 4 + kDim * 4.0;
-    const float t_pm = uf::bench::time_graph_us(s, reps, [&] {
-      for (int c = 0; c < copies; ++c)
-        hc_post_mixes(p, y, X, post, comb, T, R, fn[size_t(c)], partial, s);
-    });
-    const float t_mp = uf::bench::time_graph_us(s, reps, [&] {
-      for (int c = 0; c < copies; ++c)
-        hc_mix_pre_norm(p, scale[size_t(c)], base[size_t(c)], partial, R, c % 2 ? pre_b : pre_a,
-                        norm[size_t(c)], 1e-6f, T, x, c % 2 ? pre_a : pre_b, post, comb, s);
-    });
-    const float t_pair = uf::bench::time_graph_us(s, reps, [&] {
-      for (int c = 0; c < copies; ++c) {
-        hc_post_mixes(p, y, X, post, comb, T, R, fn[size_t(c)], partial, s);
-        hc_mix_pre_norm(p, scale[size_t(c)], base[size_t(c)], partial, R, c % 2 ? pre_b : pre_a,
-                        norm[size_t(c)], 1e-6f, T, x, c % 2 ? pre_a : pre_b, post, comb, s);
-      }
-    });
-    // The two halves of hc_mix_pre_norm as separate kernels (a step may fork the finish).
-    const float t_fin = uf::bench::time_graph_us(s, reps, [&] {
-      for (int c = 0; c < copies; ++c)
-        hc_mixes_finish(p, scale[size_t(c)], base[size_t(c)], partial, T, c % 2 ? pre_a : pre_b,
-                        post, comb, s);
-    });
-    const float t_pn = uf::bench::time_graph_us(s, reps, [&] {
-      for (int c = 0; c < copies; ++c)
-        hc_pre_norm(p, R, c % 2 ? pre_b : pre_a, norm[size_t(c)], 1e-6f, T, x, s);
-    });
+    struct Times {
+      float pm, mp, pair, fin, pn;
+    };
+    auto measure = [&](bool legacy, int groups) {
+      set_mhc_legacy_kernels(legacy);
+      set_mhc_post_groups(groups);
+      const float t_pm = uf::bench::time_graph_us(s, reps, [&] {
+        for (int c = 0; c < copies; ++c)
+          hc_post_mixes(p, y, X, post, comb, T, R, fn[size_t(c)], partial, s);
+      });
+      const float t_mp = uf::bench::time_graph_us(s, reps, [&] {
+        for (int c = 0; c < copies; ++c)
+          hc_mix_pre_norm(p, scale[size_t(c)], base[size_t(c)], partial, R, c % 2 ? pre_b : pre_a,
+                          norm[size_t(c)], 1e-6f, T, x, c % 2 ? pre_a : pre_b, post, comb, s);
+      });
+      const float t_pair = uf::bench::time_graph_us(s, reps, [&] {
+        for (int c = 0; c < copies; ++c) {
+          hc_post_mixes(p, y, X, post, comb, T, R, fn[size_t(c)], partial, s);
+          hc_mix_pre_norm(p, scale[size_t(c)], base[size_t(c)], partial, R, c % 2 ? pre_b : pre_a,
+                          norm[size_t(c)], 1e-6f, T, x, c % 2 ? pre_a : pre_b, post, comb, s);
+        }
+      });
+      // The two halves of hc_mix_pre_norm as separate kernels (a step may fork the finish).
+      const float t_fin = uf::bench::time_graph_us(s, reps, [&] {
+        for (int c = 0; c < copies; ++c)
+          hc_mixes_finish(p, scale[size_t(c)], base[size_t(c)], partial, T, c % 2 ? pre_a : pre_b,
+                          post, comb, s);
+      });
+      const float t_pn = uf::bench::time_graph_us(s, reps, [&] {
+        for (int c = 0; c < copies; ++c)
+          hc_pre_norm(p, R, c % 2 ? pre_b : pre_a, norm[size_t(c)], 1e-6f, T, x, s);
+      });
+      set_mhc_legacy_kernels(false);
+      set_mhc_post_groups(2);  // the default
+      const float c = float(copies);
+      return Times{t_pm / c, t_mp / c, t_pair / c, t_fin / c, t_pn / c};
+    };
+    const Times o = measure(true, 4), w = measure(false, 4), w2 = measure(false, 2);
     const double fin_bytes = part_bytes + double(T) * (2 * kHc + kHc * kHc) * 4;
     const double pn_bytes = double(T) * (double(n) + 2.0 * kDim) * 4 + kDim * 4.0;
-    line("hc_post_mixes", T, t_pm / float(copies), pm_bytes);
-    line("hc_mix_pre_norm", T, t_mp / float(copies), mp_bytes);
-    line("pair", T, t_pair / float(copies), pm_bytes + mp_bytes);
-    line("hc_mixes_finish", T, t_fin / float(copies), fin_bytes);
-    line("hc_pre_norm", T, t_pn / float(copies), pn_bytes);
+    line("hc_post_mixes", T, o.pm, w.pm, w2.pm, pm_bytes);
+    line("hc_mix_pre_norm", T, o.mp, w.mp, w2.mp, mp_bytes);
+    line("pair", T, o.pair, w.pair, w2.pair, pm_bytes + mp_bytes);
+    line("hc_mixes_finish", T, o.fin, w.fin, w2.fin, fin_bytes);
+    line("hc_pre_norm", T, o.pn, w.pn, w2.pn, pn_bytes);
   }
   UF_CUDA_CHECK(cudaStreamDestroy(s));
   return 0;

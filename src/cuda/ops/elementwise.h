@@ -91,6 +91,13 @@ void hc_mix_pre_norm(const HcShape& p, const DeviceWeight& scale, const DeviceWe
 // hc_pre + rms_norm in one kernel (the head).
 void hc_pre_norm(const HcShape& p, const float* X, const float* pre_in, const DeviceWeight& norm,
                  float eps, int T, float* y, cudaStream_t stream);
+// Bench / test switch (host-side, read when a call launches or is captured): true launches the
+// session-6 kernels of hc_post_mixes / hc_mixes_partial / hc_mixes / hc_mix_pre_norm (every
+// output bitwise the same as the current kernels'), false (the default) the current ones.
+void set_mhc_legacy_kernels(bool on);
+// hc_post_mixes / hc_mixes_partial (hc <= 4): the warp groups a block spreads its 8 rows over, 4
+// (512 threads at hc 4) or 2 (256, the default: faster on the H200); the same outputs either way.
+void set_mhc_post_groups(int groups);
 
 // CpuModel::embed: X[t, c, :] = embed row of ids[t] (dequantised, any weight format) for every
 // copy c < hc; pre_mix[t, c] = (c == 0). ids: device [T], already range-checked by the caller.

@@ -21,12 +21,17 @@
 //
 // Fused (the decode step's mHC glue in 2 kernels per sublayer instead of 5 nodes):
 //  - hc_post_mixes: hc_post of a sublayer + the split-K partials of the next sublayer's mixes over
-//    the values it writes (hc_post_mixes_kernel); hc_mixes_partial: the same kernel reading X
-//    instead of computing hc_post (the first sublayer, after an Engram layer). hc_mixes (unfused)
-//    is that kernel + hc_mixes_finish_kernel, so its scratch is bitwise the fused partials.
+//    the values it writes; hc_mixes_partial: the same kernel reading X instead of computing
+//    hc_post (the first sublayer, after an Engram layer). hc_mixes (unfused) is that kernel +
+//    hc_mixes_finish_kernel, so its scratch is bitwise the fused partials. hc <= 4 (the model's
+//    4): hc_post_mixes_rows_kernel, the rows of a block spread over 4 warp groups and fn staged in
+//    shared memory by cp.async before the PDL wait; hc > 4 (tests) or set_mhc_legacy_kernels:
+//    hc_post_mixes_kernel (session 6: 1 warp group, the rows one after the other). The two
+//    compute every value with the same operations in the same order (bitwise the same outputs).
 //  - hc_mix_pre_norm: grid (T, 2): block (t, 1) the mixes' finish of row t (mixes_finish, bitwise
 //    hc_mixes'), block (t, 0) hc_pre of row t with the previous pre and rms_norm on it, in
-//    rms_norm's partition (bitwise hc_pre + rms_norm).
+//    rms_norm's partition (bitwise hc_pre + rms_norm). The weights (scale, base, the norm weight)
+//    are loaded before the PDL wait (legacy: after it; the same values).
 //
 // hc_pre, hc_post: one thread per (row, channel), the CPU's sums in the CPU's order with no
 // contraction: bitwise equal to the CPU. hc_post's thread loads R[t, j, d] for every j into
@@ -34,6 +39,7 @@
 // so out may alias R.
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <type_traits>
 
@@ -51,6 +57,10 @@ constexpr int kMaxHc = 8;
 // rows per block (fn is read once for them).
 constexpr int kPostD = 32;
 constexpr int kPostRows = 8;
+// hc_post_mixes_rows_kernel: warp groups of HC warps per block (4 or 2), each owning kPostRows /
+// groups of the block's rows (set_mhc_post_groups). 2 by default: bench_cuda_mhc on the H200
+// (session 7), hc_post_mixes at 7 / 8 rows: 3.70 / 3.96 us with 4 groups, 3.30 / 3.51 with 2.
+constexpr int kPostGroupsDefault = 2;
 // The mixes' finish: the split partials are summed by 8 warps (mix m on warp m % 8), then warp 0
 // runs the Sinkhorn.
 constexpr int kFinishWarps = 8;
@@ -218,6 +228,182 @@ __global__ void __launch_bounds__(HC * 32)
   }
 }
 
+// The fn element fn[m, col] as load_fn_segment reads it on its scalar paths (the same value its
+// vector paths give).
+__device__ __forceinline__ float fn_elem(const DeviceWeight& fn, int m, int64_t col) {
+  const int64_t i = int64_t(m) * fn.cols + col;
+  if (fn.format == model::WFormat::kF32) return __ldg(reinterpret_cast<const float*>(fn.data) + i);
+  if (fn.format == model::WFormat::kBF16)
+    return ew::bf16_to_f32(__ldg(reinterpret_cast<const uint16_t*>(fn.data) + i));
+  return ew::weight_at(fn, m, col);
+}
+
+// hc_post_mixes_kernel's work (the same values, the same operations in the same order) with the
+// rows spread over G warp groups of HC warps instead of serialised in one: the old kernel's 4
+// warps ran up to 8 rows' expand and 8 x 100 32-term dot chains one row after the other (the
+// 7-row call cost ~2.3x the 1-row one); here group g owns rows g, g + G, .. of the block's
+// kPostRows, so a thread runs at most kPostRows / G rows (interleaved: independent chains). G = 4:
+// 512 threads at hc 4, 2 rows a thread; G = 2: 256 threads (a smaller footprint beside the
+// neighbouring kernels under PDL), 4 rows a thread.
+// fn's slice (HC * kMix segments of 32 values, 12 KB at hc 4) is copied once into shared memory
+// with 16-byte cp.async before the PDL wait (it is a weight), and each task's thread takes its
+// segment from there into registers: one read of fn per block, as before.
+// Block (s, y): channels d0 = s * kPostD .. d0 + 31 of rows y * kPostRows ..:
+//  1. fs[task] = fn[m, kk * D + d0 ..] (zeros past dim), task = m * HC + kk, m < kMix;
+//  2. thread (g, k, lane) loads R[t, k, d0 + lane] (and x) for its rows, one thread per comb /
+//     post value of the block's rows; v = hc_post (hc_post_kernel's arithmetic), written to out;
+//  3. thread (g, task) (task < M1 * HC) computes for each of its rows the serial sum over the 32
+//     channels in order of fn[m, k D + d] * v[t, k, d] (m = kMix: v * v);
+//  4. partial (t, m, s) = the tasks' sums added in stream order (one thread per (t, m)).
+// Requires M1 * HC <= HC * 32 (hc <= 4) and kPostRows * (HC * HC + HC) <= the block.
+template <int HC, bool kPost, int G>
+__global__ void __launch_bounds__(HC * 32 * G, 8 / G)
+    hc_post_mixes_rows_kernel(HcShape p, const float* x, const float* R, const float* post,
+                              const float* comb, int T, float* out, DeviceWeight fn,
+                              float* partial) {
+  constexpr int kMix = (2 + HC) * HC, M1 = kMix + 1, HH = HC * HC, CP = HH + HC;
+  constexpr int NTG = HC * 32, NTH = NTG * G, RPG = kPostRows / G;
+  constexpr int kTasks = M1 * HC, kFnTasks = kMix * HC, kSeg4 = kPostD / 4;
+  static_assert(kTasks <= NTG && kPostRows % G == 0, "hc_post_mixes_rows: shape");
+  static_assert(kPostRows * CP <= NTH && kPostRows * M1 <= NTH, "hc_post_mixes_rows: shape");
+  // fn segments (rows padded by 4 floats: a quarter-warp's 16-byte reads of 8 consecutive
+  // segments hit different banks); comb then post; R; the values v; the tasks' sums.
+  __shared__ __align__(16) float fs[kFnTasks][kPostD + 4];
+  __shared__ float cs[kPostRows][CP];
+  __shared__ float rs[kPostRows][HC][kPostD];
+  __shared__ __align__(16) float vs[kPostRows][HC][kPostD + 4];
+  __shared__ float red[kPostRows][M1][HC];
+  const int D = p.dim, s = blockIdx.x, S = gridDim.x, tid = threadIdx.x;
+  const int64_t n = int64_t(HC) * D;
+  const int t0 = blockIdx.y * kPostRows, nt = min(kPostRows, T - t0);
+  const int g = tid / NTG, gt = tid % NTG, k = gt >> 5, lane = tid & 31;
+  const int d0 = s * kPostD, nvalid = min(kPostD, D - d0);
+  const bool valid = lane < nvalid;
+  const int64_t c = int64_t(k) * D + d0 + (valid ? lane : nvalid - 1);  // in bounds
+  if (partial) {
+    // 16-byte pieces of the segments: cp.async where fn is F32 with every piece aligned and the
+    // piece whole, else the scalar reads of load_fn_segment (zeros past dim).
+    const bool vec = fn.format == model::WFormat::kF32 &&
+                     reinterpret_cast<uintptr_t>(fn.data) % 16 == 0 && D % 4 == 0;
+    for (int i = tid; i < kFnTasks * kSeg4; i += NTH) {
+      const int task = i / kSeg4, j = i % kSeg4, m = task / HC, kk = task % HC;
+      const int64_t col = int64_t(kk) * D + d0 + 4 * j;
+      float* dst = &fs[task][4 * j];
+      if (vec && 4 * j + 4 <= nvalid) {
+        const float* src = reinterpret_cast<const float*>(fn.data) + int64_t(m) * fn.cols + col;
+        const uint32_t d = uint32_t(__cvta_generic_to_shared(dst));
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+      } else {
+        float4 v;
+        v.x = 4 * j < nvalid ? fn_elem(fn, m, col) : 0.f;
+        v.y = 4 * j + 1 < nvalid ? fn_elem(fn, m, col + 1) : 0.f;
+        v.z = 4 * j + 2 < nvalid ? fn_elem(fn, m, col + 2) : 0.f;
+        v.w = 4 * j + 3 < nvalid ? fn_elem(fn, m, col + 3) : 0.f;
+        *reinterpret_cast<float4*>(dst) = v;
+      }
+    }
+    detail::cp_async_commit();
+  }
+  // PDL: fn is a weight; everything below reads what earlier kernels wrote.
+  detail::pdl_wait();
+  detail::pdl_trigger();
+  // The group's rows (slots past nt repeat the last row: loaded, never stored) and one comb /
+  // post value per thread: every load of the block in flight together.
+  float vals[RPG], xv[RPG];
+#pragma unroll
+  for (int r = 0; r < RPG; ++r) {
+    const int64_t t = t0 + min(g + G * r, nt - 1);
+    vals[r] = R[t * n + c];
+    if constexpr (kPost) xv[r] = x[t * D + (c - int64_t(k) * D)];
+  }
+  if constexpr (kPost) {
+    if (tid < nt * CP) {
+      const int tt = tid / CP, j = tid % CP;
+      cs[tt][j] = j < HH ? comb[int64_t(t0 + tt) * HH + j] : post[int64_t(t0 + tt) * HC + j - HH];
+    }
+#pragma unroll
+    for (int r = 0; r < RPG; ++r) rs[g + G * r][k][lane] = vals[r];
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < RPG; ++r) {
+      const int tt = g + G * r;
+      if (tt < nt) {
+        const float* cb = cs[tt];
+        float sum = ew::fmul(cb[k], rs[tt][0][lane]);
+#pragma unroll
+        for (int j = 1; j < HC; ++j) sum = ew::fadd(sum, ew::fmul(cb[j * HC + k], rs[tt][j][lane]));
+        vals[r] = ew::round_bf16(ew::fadd(ew::fmul(cb[HH + k], xv[r]), sum));
+        if (valid) out[(t0 + tt) * n + c] = vals[r];
+      }
+    }
+  }
+  if (!partial) return;
+#pragma unroll
+  for (int r = 0; r < RPG; ++r) vs[g + G * r][k][lane] = valid ? vals[r] : 0.f;
+  detail::cp_async_wait<0>();
+  __syncthreads();
+  if (gt < kTasks) {
+    const int m = gt / HC, kk = gt % HC;
+    float w[kPostD];
+    if (m < kMix) {
+      const float4* f4 = reinterpret_cast<const float4*>(fs[gt]);
+#pragma unroll
+      for (int i = 0; i < kSeg4; ++i) {
+        const float4 f = f4[i];
+        w[4 * i] = f.x;
+        w[4 * i + 1] = f.y;
+        w[4 * i + 2] = f.z;
+        w[4 * i + 3] = f.w;
+      }
+    }
+    // kNr of the group's rows at once (independent chains); kSq: the |v|^2 task (m = kMix), a
+    // branch of its own so that the chains carry no per-element select.
+    auto chains = [&](auto NR, auto SQ) {
+      constexpr int kNr = decltype(NR)::value;
+      constexpr bool kSq = decltype(SQ)::value;
+      float a[kNr];
+#pragma unroll
+      for (int i = 0; i < kSeg4; ++i) {
+#pragma unroll
+        for (int r = 0; r < kNr; ++r) {
+          const float4 v = reinterpret_cast<const float4*>(vs[g + G * r][kk])[i];
+          const float e[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const float prod = kSq ? ew::fmul(e[j], e[j]) : ew::fmul(w[4 * i + j], e[j]);
+            a[r] = i + j == 0 ? prod : ew::fadd(a[r], prod);
+          }
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < kNr; ++r) red[g + G * r][m][kk] = a[r];
+    };
+    // The group's live rows (warp-uniform: g is the warp's); the task kind differs only within
+    // one warp.
+    const int live = g < nt ? min(RPG, (nt - g + G - 1) / G) : 0;
+    auto rows = [&](auto SQ) {
+      if (live == 1) chains(std::integral_constant<int, 1>{}, SQ);
+      if (live == 2) chains(std::integral_constant<int, 2>{}, SQ);
+      if constexpr (RPG >= 3)
+        if (live == 3) chains(std::integral_constant<int, 3>{}, SQ);
+      if constexpr (RPG >= 4)
+        if (live == 4) chains(std::integral_constant<int, 4>{}, SQ);
+    };
+    if (m < kMix)
+      rows(std::false_type{});
+    else
+      rows(std::true_type{});
+  }
+  __syncthreads();
+  if (tid < nt * M1) {
+    const int tt = tid / M1, m = tid % M1;
+    float v = red[tt][m][0];
+#pragma unroll
+    for (int j = 1; j < HC; ++j) v = ew::fadd(v, red[tt][m][j]);
+    partial[((t0 + tt) * int64_t(M1) + m) * S + s] = v;
+  }
+}
+
 // Element idx of a matrix spread over the warp as v[e] on lane l = element l + 32 e (every lane
 // must call it with its own idx).
 template <int E>
@@ -241,29 +427,44 @@ __device__ __forceinline__ float warp_get(const float (&v)[E], int idx) {
 //     CPU's arithmetic except the mixes' summation order and CUDA's expf. (The CPU's sums start
 //     with 0 + c[0]; c is never -0 here (exp >= +0 over a positive sum, + eps, then divided by
 //     positive sums), so starting at c[0] gives the same bits.)
-// sm: >= kMaxMix1 floats of shared memory.
+// sm: >= kMaxMix1 floats of shared memory. fw: load_finish_weights' (every thread calls both).
 template <int HC>
-__device__ void mixes_finish(const HcShape& p, const DeviceWeight& scale, const DeviceWeight& base,
-                             int S, const float* partial, int64_t t, float* sm, float* pre,
-                             float* post, float* comb) {
+struct FinishWeights {
+  static constexpr int E = (HC * HC + 31) / 32;
+  float sc[3] = {0.f, 0.f, 0.f}, bpre = 0.f, bpost = 0.f, bc[E] = {};
+};
+// Warp 0's Sinkhorn inputs from the weights (the other warps: zeros, unused). Weights: a PDL
+// kernel loads them before its wait.
+template <int HC>
+__device__ __forceinline__ FinishWeights<HC> load_finish_weights(const DeviceWeight& scale,
+                                                                 const DeviceWeight& base) {
+  constexpr int HH = HC * HC, E = FinishWeights<HC>::E;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  FinishWeights<HC> fw;
+  if (warp == 0) {
+#pragma unroll
+    for (int i = 0; i < 3; ++i) fw.sc[i] = ew::weight_flat(scale, i);
+    if (lane < HC) {
+      fw.bpre = ew::weight_flat(base, lane);
+      fw.bpost = ew::weight_flat(base, HC + lane);
+    }
+#pragma unroll
+    for (int e = 0; e < E; ++e)
+      fw.bc[e] = ew::weight_flat(base, 2 * HC + min(lane + 32 * e, HH - 1));
+  }
+  return fw;
+}
+template <int HC>
+__device__ void mixes_finish(const HcShape& p, const FinishWeights<HC>& fw, int S,
+                             const float* partial, int64_t t, float* sm, float* pre, float* post,
+                             float* comb) {
   constexpr int kMix = (2 + HC) * HC, M1 = kMix + 1, HH = HC * HC, E = (HH + 31) / 32;
   constexpr int QM = (M1 + kFinishWarps - 1) / kFinishWarps;  // mixes per warp
   constexpr int kJ = QM <= 4 ? 8 : 2;                         // partials per lane per batch
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  // Warp 0's Sinkhorn inputs from the weights first: their loads overlap the partials'.
-  float sc[3] = {0.f, 0.f, 0.f}, bpre = 0.f, bpost = 0.f, bc[E];
-#pragma unroll
-  for (int e = 0; e < E; ++e) bc[e] = 0.f;
-  if (warp == 0) {
-#pragma unroll
-    for (int i = 0; i < 3; ++i) sc[i] = ew::weight_flat(scale, i);
-    if (lane < HC) {
-      bpre = ew::weight_flat(base, lane);
-      bpost = ew::weight_flat(base, HC + lane);
-    }
-#pragma unroll
-    for (int e = 0; e < E; ++e) bc[e] = ew::weight_flat(base, 2 * HC + min(lane + 32 * e, HH - 1));
-  }
+  const float(&sc)[3] = fw.sc;
+  const float bpre = fw.bpre, bpost = fw.bpost;
+  const float(&bc)[E] = fw.bc;
   if (warp < kFinishWarps) {
     const float* pt = partial + t * M1 * S;
     float acc[QM];
@@ -363,15 +564,18 @@ __global__ void __launch_bounds__(kFinishThreads)
     hc_mixes_finish_kernel(HcShape p, DeviceWeight scale, DeviceWeight base, int S,
                            const float* partial, float* pre, float* post, float* comb) {
   __shared__ float sm[kMaxMix1];
-  mixes_finish<HC>(p, scale, base, S, partial, blockIdx.x, sm, pre, post, comb);
+  const FinishWeights<HC> fw = load_finish_weights<HC>(scale, base);
+  mixes_finish<HC>(p, fw, S, partial, blockIdx.x, sm, pre, post, comb);
 }
 
 // Block (t, 0): hc_pre of row t with pre_in, then rms_norm with nw on the collapsed row in
 // registers, in rms_norm_kernel's partition (the first NT = norm_threads(dim) threads, the same
 // elements per thread, the same reduction): bitwise hc_pre + rms_norm. Block (t, 1) (with
 // partials): the mixes' finish of row t. The two are independent (the collapse uses the previous
-// sublayer's pre), so they run side by side.
-template <int HC, int kMode>
+// sublayer's pre), so they run side by side. kEarly: the weights (scale, base; the norm weight)
+// are loaded before the PDL wait, so their DRAM latency overlaps the previous kernel (the same
+// values: only the load order differs); !kEarly: the session-6 kernel (all after the wait).
+template <int HC, int kMode, bool kEarly>
 __global__ void __launch_bounds__(kMixPreNormMaxThreads, 1)
     hc_mix_pre_norm_kernel(HcShape p, DeviceWeight scale, DeviceWeight base, int S,
                            const float* partial, const float* X, const float* pre_in,
@@ -379,20 +583,30 @@ __global__ void __launch_bounds__(kMixPreNormMaxThreads, 1)
                            float* comb, int NT) {
   __shared__ float sm[kMaxMix1 > 32 ? kMaxMix1 : 32];
   const int64_t t = blockIdx.x;
-  detail::pdl_wait();  // PDL: the partials, X and pre_in come from earlier kernels
-  detail::pdl_trigger();
   if (blockIdx.y == 1) {
-    mixes_finish<HC>(p, scale, base, S, partial, t, sm, pre, post, comb);
+    FinishWeights<HC> fw;
+    if constexpr (kEarly) fw = load_finish_weights<HC>(scale, base);
+    detail::pdl_wait();  // PDL: the partials come from the previous kernel
+    detail::pdl_trigger();
+    if constexpr (!kEarly) fw = load_finish_weights<HC>(scale, base);
+    mixes_finish<HC>(p, fw, S, partial, t, sm, pre, post, comb);
     return;
   }
   const int D = p.dim, nv = (D + 3) / 4, i = threadIdx.x;
   const float* xt = X + t * HC * D;
-  float pw[HC];
-#pragma unroll
-  for (int c = 0; c < HC; ++c) pw[c] = pre_in[t * HC + c];
   // Clamped vector indices: every load is unconditional (all in flight together); `on` says
   // which vectors the thread owns (threads past NT, when the block is wider for the finish, none).
   float4 v[ew::kNormVec], wv[ew::kNormVec];
+  if constexpr (kEarly) {
+#pragma unroll
+    for (int j = 0; j < ew::kNormVec; ++j)
+      wv[j] = ew::load_weight4<kMode>(nw, 4 * min(i + j * NT, nv - 1), D);
+  }
+  detail::pdl_wait();  // PDL: X and pre_in come from earlier kernels
+  detail::pdl_trigger();
+  float pw[HC];
+#pragma unroll
+  for (int c = 0; c < HC; ++c) pw[c] = pre_in[t * HC + c];
   bool on[ew::kNormVec];
 #pragma unroll
   for (int j = 0; j < ew::kNormVec; ++j) {
@@ -402,7 +616,7 @@ __global__ void __launch_bounds__(kMixPreNormMaxThreads, 1)
     float4 xs[HC];
 #pragma unroll
     for (int c = 0; c < HC; ++c) xs[c] = ew::load_row4<kMode>(xt + int64_t(c) * D, 4 * qe, D);
-    wv[j] = ew::load_weight4<kMode>(nw, 4 * qe, D);
+    if constexpr (!kEarly) wv[j] = ew::load_weight4<kMode>(nw, 4 * qe, D);
     float4 sum = make_float4(ew::fmul(pw[0], xs[0].x), ew::fmul(pw[0], xs[0].y),
                              ew::fmul(pw[0], xs[0].z), ew::fmul(pw[0], xs[0].w));
 #pragma unroll
@@ -511,21 +725,62 @@ void check_mix_weights(const char* name, const HcShape& p, const DeviceWeight& s
           (long long)(scale.rows * scale.cols), (long long)(base.rows * base.cols), mix);
 }
 
-// The split-K partials of fn . X (hc_post_mixes_kernel without the expand).
+// set_mhc_legacy_kernels: the session-6 kernels instead of the new ones (bench and tests);
+// set_mhc_post_groups: the row groups of hc_post_mixes_rows_kernel.
+std::atomic<bool> g_legacy{false};
+std::atomic<int> g_post_groups{kPostGroupsDefault};
+
+template <int HC, bool kPost, int G>
+void launch_rows_kernel(dim3 grid, const HcShape& p, const float* x, const float* R,
+                        const float* post, const float* comb, int T, float* out,
+                        const DeviceWeight& fn, float* partial, cudaStream_t stream) {
+  const auto kernel = hc_post_mixes_rows_kernel<HC, kPost, G>;
+  static const bool configured = [&] {
+    detail::prefer_shared_carveout(kernel);
+    return true;
+  }();
+  (void)configured;
+  detail::launch_pdl(kernel, grid, dim3(HC * 32 * G), 0, stream, p, x, R, post, comb, T, out, fn,
+                     partial);
+}
+
+// hc_post_mixes_kernel (legacy, or hc > 4) or hc_post_mixes_rows_kernel: the same outputs.
+template <int HC, bool kPost>
+void launch_post_mixes(const HcShape& p, const float* x, const float* R, const float* post,
+                       const float* comb, int T, float* out, const DeviceWeight& fn, float* partial,
+                       cudaStream_t stream) {
+  const dim3 grid(mix_splits(p), (T + kPostRows - 1) / kPostRows);
+  if constexpr (HC <= 4) {
+    if (!g_legacy.load(std::memory_order_relaxed)) {
+      if (g_post_groups.load(std::memory_order_relaxed) == 2)
+        launch_rows_kernel<HC, kPost, 2>(grid, p, x, R, post, comb, T, out, fn, partial, stream);
+      else
+        launch_rows_kernel<HC, kPost, 4>(grid, p, x, R, post, comb, T, out, fn, partial, stream);
+      return;
+    }
+  }
+  detail::launch_pdl(hc_post_mixes_kernel<HC, kPost>, grid, dim3(HC * 32), 0, stream, p, x, R, post,
+                     comb, T, out, fn, partial);
+}
+
+// The split-K partials of fn . X (the post-mixes kernels without the expand).
 void launch_partials(const HcShape& p, const DeviceWeight& fn, const float* X, int T,
                      float* partial, cudaStream_t stream) {
-  const dim3 grid(mix_splits(p), (T + kPostRows - 1) / kPostRows);
   dispatch_hc(p.hc, [&](auto H) {
-    constexpr int HC = decltype(H)::value;
-    detail::launch_pdl(hc_post_mixes_kernel<HC, false>, grid, dim3(HC * 32), 0, stream, p,
-                       static_cast<const float*>(nullptr), X, static_cast<const float*>(nullptr),
-                       static_cast<const float*>(nullptr), T, static_cast<float*>(nullptr), fn,
-                       partial);
+    launch_post_mixes<decltype(H)::value, false>(p, nullptr, X, nullptr, nullptr, T, nullptr, fn,
+                                                 partial, stream);
   });
   UF_CUDA_CHECK(cudaGetLastError());
 }
 
 }  // namespace
+
+void set_mhc_legacy_kernels(bool on) { g_legacy.store(on, std::memory_order_relaxed); }
+
+void set_mhc_post_groups(int groups) {
+  require(groups == 2 || groups == 4, "set_mhc_post_groups: %d groups (2 or 4)", groups);
+  g_post_groups.store(groups, std::memory_order_relaxed);
+}
 
 size_t hc_mixes_scratch_floats(const HcShape& p, int T) {
   return size_t(std::max(T, 0)) * size_t(mix_splits(p)) * size_t((2 + p.hc) * p.hc + 1);
@@ -598,12 +853,9 @@ void hc_post_mixes(const HcShape& p, const float* x, const float* R, const float
     check_fn("hc_post_mixes", p, fn);
     require(partial, "hc_post_mixes: no partials buffer (hc_mixes_scratch_floats)");
   }
-  const dim3 grid(mix_splits(p), (T + kPostRows - 1) / kPostRows);
   float* part = fn.empty() ? nullptr : partial;
   dispatch_hc(p.hc, [&](auto H) {
-    constexpr int HC = decltype(H)::value;
-    detail::launch_pdl(hc_post_mixes_kernel<HC, true>, grid, dim3(HC * 32), 0, stream, p, x, R,
-                       post, comb, T, out, fn, part);
+    launch_post_mixes<decltype(H)::value, true>(p, x, R, post, comb, T, out, fn, part, stream);
   });
   UF_CUDA_CHECK(cudaGetLastError());
 }
@@ -633,18 +885,26 @@ void hc_mix_pre_norm(const HcShape& p, const DeviceWeight& scale, const DeviceWe
   const dim3 grid(T, partial ? 2 : 1);
   const int S = mix_splits(p);
   const int mode = ew::row_mode(p.dim, X, y, norm);
+  const bool legacy = g_legacy.load(std::memory_order_relaxed);
   dispatch_hc(p.hc, [&](auto H) {
     constexpr int HC = decltype(H)::value;
     auto launch = [&](auto kernel) {
       detail::launch_pdl(kernel, grid, dim3(B), 0, stream, p, scale, base, S, partial, X, pre_in,
                          norm, eps, y, pre, post, comb, NT);
     };
-    if (mode == ew::kRowVecF32)
-      launch(hc_mix_pre_norm_kernel<HC, ew::kRowVecF32>);
-    else if (mode == ew::kRowVecBF16)
-      launch(hc_mix_pre_norm_kernel<HC, ew::kRowVecBF16>);
+    auto launch_mode = [&](auto E) {
+      constexpr bool kEarly = decltype(E)::value;
+      if (mode == ew::kRowVecF32)
+        launch(hc_mix_pre_norm_kernel<HC, ew::kRowVecF32, kEarly>);
+      else if (mode == ew::kRowVecBF16)
+        launch(hc_mix_pre_norm_kernel<HC, ew::kRowVecBF16, kEarly>);
+      else
+        launch(hc_mix_pre_norm_kernel<HC, ew::kRowScalar, kEarly>);
+    };
+    if (legacy)
+      launch_mode(std::false_type{});
     else
-      launch(hc_mix_pre_norm_kernel<HC, ew::kRowScalar>);
+      launch_mode(std::true_type{});
   });
   UF_CUDA_CHECK(cudaGetLastError());
 }
