@@ -1,17 +1,21 @@
-// bench_cuda_dense: the dense GEMVs of a decode step that used dense_rows (ops/linear.cu, fp32
-// FMAs) against DenseMma (kernels/dense_mma.h, tensor cores), at T = 1, 2, 4, 5, 7, 8 rows:
+// bench_cuda_dense: the dense GEMVs of a decode step: DenseMma (kernels/dense_mma.h, tensor
+// cores) with its automatic plan ("new": the resident cluster kernel where it fits, session 7)
+// against its legacy kernels ("old": DenseMmaPath::kLegacy, session 6) and against dense_rows
+// (ops/linear.cu, fp32 FMAs), at T = 1, 2, 4, 5, 7, 8 rows:
 //   head     bf16 [129280, 5120]  (LinearKind::kF32, one call a step)
 //   head/8   bf16 [16160, 5120]   (a TP8 rank's split head)
 //   router   bf16 [384, 5120]     (ffn.gate, BF16 on disk: spec/model-arch.md)
 //   wo_a     fp8  [1024, 4096]    (32x32 E8M0 block scales; one group of a TP8 rank, bf16 out)
 //   markov   bf16 [129280, 256]   (DSpark Markov head)
-// Each timing is the median CUDA-graph replay of `copies` calls on distinct weight copies (so L2
-// holds none of a small weight), divided by the copy count; 200 replays by default. GB/s = bytes
-// of the weight (+ scales, x, y) / time; floor = those bytes at 4.1 TB/s. The last column checks
-// that both paths agree within 2^-12 of max |y| (a sanity line; the real tests are
-// tests/cuda/test_dense_mma.cpp).
+// Each timing is the median CUDA-graph replay of `copies` calls on distinct weight copies (>= 600
+// MB in all, so L2 holds none of a small weight), divided by the copy count; 200 replays by
+// default. GB/s = bytes of the weight (+ scales, x, y) / time; floor = those bytes at 4.1 TB/s.
+// C = the automatic plan's resident cluster size (0: the legacy kernel serves the call); c2 / c4
+// / c8 = the resident kernel forced to that cluster size ("-": it cannot serve the shape).
+// "bits": new and every forced cluster size bitwise equal to old (the tests assert it;
+// tests/cuda/test_dense_mma.cpp); "agree": old within 2^-12 of max |y| of dense_rows.
 //
-//   bench_cuda_dense [--reps N]
+//   bench_cuda_dense [--reps N] [--only NAME]
 
 #include <algorithm>
 #include <cmath>
@@ -50,15 +54,17 @@ struct Shape {
   WFormat f;
   int64_t rows, cols;
   bool round;
-  int copies;
 };
 
 }  // namespace
 
 int main(int argc, char** argv) {
   int reps = 200;
-  for (int i = 1; i < argc; ++i)
+  const char* only = nullptr;
+  for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) reps = std::atoi(argv[++i]);
+    if (!std::strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
+  }
   cudaDeviceProp prop{};
   UF_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   const int sms = prop.multiProcessorCount;
@@ -67,35 +73,40 @@ int main(int argc, char** argv) {
   cudaStream_t s;
   UF_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
 
-  const Shape shapes[] = {{"head", WFormat::kBF16, 129280, 5120, false, 1},
-                          {"head/8", WFormat::kBF16, 16160, 5120, false, 1},
-                          {"router", WFormat::kBF16, 384, 5120, false, 16},
-                          {"wo_a", WFormat::kFP8, 1024, 4096, true, 16},
-                          {"markov", WFormat::kBF16, 129280, 256, false, 2}};
+  const Shape shapes[] = {{"head", WFormat::kBF16, 129280, 5120, false},
+                          {"head/8", WFormat::kBF16, 16160, 5120, false},
+                          {"router", WFormat::kBF16, 384, 5120, false},
+                          {"wo_a", WFormat::kFP8, 1024, 4096, true},
+                          {"markov", WFormat::kBF16, 129280, 256, false}};
   constexpr int kTmax = 8;
+  constexpr double kMinTotalBytes = 600e6;
   // x: bf16 values (DenseMma's contract), the largest K.
   const int64_t kx = 5120;
   std::vector<float> hx(size_t(kTmax) * kx);
   std::mt19937 rng(11);
   std::normal_distribution<float> nd(0.f, 1.f);
   for (float& v : hx) v = uf::core::round_bf16(nd(rng));
-  float *x = nullptr, *y0 = nullptr, *y1 = nullptr;
+  float* x = nullptr;
   UF_CUDA_CHECK(cudaMalloc(&x, hx.size() * sizeof(float)));
   UF_CUDA_CHECK(cudaMemcpy(x, hx.data(), hx.size() * sizeof(float), cudaMemcpyHostToDevice));
   const size_t ymax = size_t(kTmax) * 129280;
-  UF_CUDA_CHECK(cudaMalloc(&y0, ymax * sizeof(float)));
-  UF_CUDA_CHECK(cudaMalloc(&y1, ymax * sizeof(float)));
+  float* ybuf[4] = {};  // new, old, dense_rows, forced cluster
+  for (float*& y : ybuf) UF_CUDA_CHECK(cudaMalloc(&y, ymax * sizeof(float)));
 
-  std::printf("\n%-7s %2s %3s %10s %9s %8s %9s %8s %9s %8s %s\n", "shape", "T", "S", "MB",
-              "floor us", "mma us", "GB/s", "rows us", "GB/s", "speedup", "agree");
+  std::printf("\n%-7s %2s %3s %2s %7s %6s %4s %8s %6s %8s %6s %6s %8s %6s %6s %6s %4s %s\n",
+              "shape", "T", "S", "C", "MB", "copies", "", "floor us", "new us", "GB/s", "old us",
+              "GB/s", "old/new", "rows us", "c2 us", "c4 us", "c8 us", "bits agree");
   uint64_t seed = 1;
   for (const Shape& sh : shapes) {
+    if (only && std::strcmp(only, sh.name) != 0) continue;
     const bool fp8 = sh.f == WFormat::kFP8;
     const size_t data_bytes = size_t(sh.rows) * size_t(sh.cols) * (fp8 ? 1 : 2);
     const size_t scale_bytes = fp8 ? size_t((sh.rows + 31) / 32) * size_t(sh.cols / 32) : 0;
+    const int copies =
+        std::max(1, int(std::ceil(kMinTotalBytes / double(data_bytes + scale_bytes))));
     std::vector<DeviceWeight> ws;
     std::vector<void*> allocs;
-    for (int c = 0; c < sh.copies; ++c) {
+    for (int c = 0; c < copies; ++c) {
       DeviceWeight w;
       w.format = sh.f;
       w.rows = sh.rows;
@@ -117,46 +128,71 @@ int main(int argc, char** argv) {
       ws.push_back(w);
     }
     UF_CUDA_CHECK(cudaStreamSynchronize(s));
-    const DenseMma mma(ws[0], sms);
+    const DenseMma mma_new(ws[0], sms);
+    const DenseMma mma_old(ws[0], sms, DenseMmaPath::kLegacy);
     const int64_t N = sh.rows, K = sh.cols;
     for (int T : {1, 2, 4, 5, 7, 8}) {
       const double bytes = double(data_bytes + scale_bytes) + double(T) * double(K + N) * 4.0;
-      const float us_mma =
-          uf::bench::time_graph_us(s, reps,
-                                   [&] {
-                                     for (const DeviceWeight& w : ws)
-                                       mma.run(w, 0, N, x, K, T, y0, N, sh.round, s);
-                                   }) /
-          float(sh.copies);
+      auto time_plan = [&](const DenseMma& plan, float* y) {
+        return uf::bench::time_graph_us(s, reps,
+                                        [&] {
+                                          for (const DeviceWeight& w : ws)
+                                            plan.run(w, 0, N, x, K, T, y, N, sh.round, s);
+                                        }) /
+               float(copies);
+      };
+      auto download = [&](const float* y) {
+        std::vector<float> v(size_t(T) * size_t(N));
+        UF_CUDA_CHECK(cudaMemcpy(v.data(), y, v.size() * 4, cudaMemcpyDeviceToHost));
+        return v;
+      };
+      auto bitwise = [](const std::vector<float>& a, const std::vector<float>& b) {
+        return std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+      };
+      const float us_new = time_plan(mma_new, ybuf[0]);
+      const float us_old = time_plan(mma_old, ybuf[1]);
       const float us_rows =
           uf::bench::time_graph_us(s, reps,
                                    [&] {
                                      for (const DeviceWeight& w : ws)
-                                       ops_detail::dense_rows(w, 0, N, x, K, T, y1, N, sh.round, s);
+                                       ops_detail::dense_rows(w, 0, N, x, K, T, ybuf[2], N,
+                                                              sh.round, s);
                                    }) /
-          float(sh.copies);
-      // Both graphs ended on the last copy: compare.
-      std::vector<float> a(size_t(T) * size_t(N)), b(a.size());
-      UF_CUDA_CHECK(cudaMemcpy(a.data(), y0, a.size() * 4, cudaMemcpyDeviceToHost));
-      UF_CUDA_CHECK(cudaMemcpy(b.data(), y1, b.size() * 4, cudaMemcpyDeviceToHost));
+          float(copies);
+      // Every graph ended on the last copy: compare.
+      const std::vector<float> a = download(ybuf[0]), b = download(ybuf[1]), r = download(ybuf[2]);
+      bool bits = bitwise(a, b);
+      char forced[3][16];
+      const int cls[3] = {2, 4, 8};
+      for (int i = 0; i < 3; ++i) {
+        const DenseMma plan(ws[0], sms, DenseMmaPath::kAuto, cls[i]);
+        if (plan.resident_cluster(N) == 0) {
+          std::snprintf(forced[i], sizeof(forced[i]), "-");
+          continue;
+        }
+        std::snprintf(forced[i], sizeof(forced[i]), "%.2f", double(time_plan(plan, ybuf[3])));
+        bits = bits && bitwise(download(ybuf[3]), b);
+      }
       float ymax_abs = 0, dmax = 0;
       bool finite = true;
-      for (size_t i = 0; i < a.size(); ++i) {
-        finite = finite && std::isfinite(a[i]) && std::isfinite(b[i]);
-        ymax_abs = std::max(ymax_abs, std::fabs(b[i]));
-        dmax = std::max(dmax, std::fabs(a[i] - b[i]));
+      for (size_t i = 0; i < b.size(); ++i) {
+        finite = finite && std::isfinite(b[i]) && std::isfinite(r[i]);
+        ymax_abs = std::max(ymax_abs, std::fabs(r[i]));
+        dmax = std::max(dmax, std::fabs(b[i] - r[i]));
       }
       const bool agree = finite && dmax <= 0x1p-12f * ymax_abs;
-      std::printf("%-7s %2d %3d %10.1f %9.2f %8.2f %9.0f %8.2f %9.0f %7.2fx %s\n", sh.name, T,
-                  mma.splits(N), bytes * 1e-6, bytes / kFloorBytesPerSec * 1e6, us_mma,
-                  bytes / (double(us_mma) * 1e-6) * 1e-9, us_rows,
-                  bytes / (double(us_rows) * 1e-6) * 1e-9, us_rows / us_mma, agree ? "yes" : "NO");
+      std::printf(
+          "%-7s %2d %3d %2d %7.1f %6d %4s %8.2f %6.2f %8.0f %6.2f %6.0f %7.2fx %6.2f %6s %6s %6s "
+          "%4s %s\n",
+          sh.name, T, mma_new.splits(N), mma_new.resident_cluster(N), bytes * 1e-6, copies, "",
+          bytes / kFloorBytesPerSec * 1e6, us_new, bytes / (double(us_new) * 1e-6) * 1e-9, us_old,
+          bytes / (double(us_old) * 1e-6) * 1e-9, us_old / us_new, us_rows, forced[0], forced[1],
+          forced[2], bits ? "yes" : "NO", agree ? "yes" : "NO");
     }
     for (void* p : allocs) UF_CUDA_CHECK(cudaFree(p));
   }
   UF_CUDA_CHECK(cudaFree(x));
-  UF_CUDA_CHECK(cudaFree(y0));
-  UF_CUDA_CHECK(cudaFree(y1));
+  for (float* y : ybuf) UF_CUDA_CHECK(cudaFree(y));
   UF_CUDA_CHECK(cudaStreamDestroy(s));
   return 0;
 }

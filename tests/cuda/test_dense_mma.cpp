@@ -4,6 +4,9 @@
 // down in rows where the real ones would cost CPU time, keeping the configuration: S = 1 for the
 // many-row weights, split K for the router / wo_a ones), odd row counts and offsets, strided x / y.
 // Every output poisoned with NaN first; rows bitwise equal across T = 1..8 and 13 (spec == plain).
+// Both decode paths (DenseMmaPath::kAuto: the resident cluster kernel where it fits, at every
+// cluster size it can take; kLegacy: the session-6 kernels) run on the same inputs and must agree
+// bitwise (they implement the same sum order, dense_mma.h).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -43,6 +46,7 @@ struct MmaCase {
   int x_pad, y_pad;
   bool round;  // bf16 outputs (linear_bf16_out_rows), else fp32 (linear_f32)
   bool row_scale;
+  bool resident = false;  // the automatic plan must take the resident kernel (>= 100 SMs)
 };
 
 // The CPU's y[T, n] (row stride n) for rows [r0, r0 + n) of w on x [T, xs].
@@ -168,6 +172,48 @@ TEST_P(DenseMmaShapes, MatchesCpuAndRowsIndependentOfT) {
     const std::vector<float> y = run(dx.get() + int64_t(t) * xs, 1);
     expect_rows_equal(c.name, y, 0, y13.data() + size_t(t) * ys, t, n, "alone vs 13-row");
   }
+
+  // The legacy kernels and the resident kernel at each cluster size it can take: bitwise the same
+  // outputs (every written element, and the poison left in the columns >= n).
+  const int sms = device_sm_count();
+  const int auto_cluster = mma.resident_cluster(n);
+  std::printf("[dense_mma] %s: resident cluster %d (0 = legacy kernel) on %d SMs\n", c.name,
+              auto_cluster, sms);
+  if (c.resident && sms >= 100) {
+    EXPECT_GT(auto_cluster, 0) << c.name << ": the automatic plan should take the resident kernel";
+  }
+  const DenseMma legacy(dw, sms, DenseMmaPath::kLegacy);
+  EXPECT_EQ(legacy.resident_cluster(n), 0) << c.name;
+  auto run_plan = [&](const DenseMma& plan, int T) {
+    DeviceBuffer<float> dy(size_t(T) * size_t(ys));
+    dy.poison();
+    plan.run(dw, c.r0, n, dx.get(), xs, T, dy.get(), ys, c.round, nullptr);
+    sync_and_check();
+    return dy.download();
+  };
+  std::vector<std::vector<float>> legacy_out(kMaxDecodeRows + 1);
+  for (int T = 1; T <= kMaxDecodeRows; ++T) legacy_out[size_t(T)] = run_plan(legacy, T);
+  for (int cl : {0, 1, 2, 4, 8}) {
+    const DenseMma plan(dw, sms, DenseMmaPath::kAuto, cl);
+    const int used = plan.resident_cluster(n);
+    if (cl != 0 && used == 0) continue;  // this cluster size cannot serve the shape
+    for (int T = 1; T <= kMaxDecodeRows; ++T) {
+      const std::vector<float>& want = legacy_out[size_t(T)];
+      const std::vector<float> got = run_plan(plan, T);
+      size_t diff = 0, first = got.size();
+      for (size_t i = 0; i < got.size(); ++i)
+        if (!bits_equal(got[i], want[i])) {
+          ++diff;
+          first = std::min(first, i);
+        }
+      EXPECT_EQ(diff, 0u) << c.name << " cluster " << used << " (asked " << cl << ") T=" << T
+                          << ": " << diff << " elements differ from the legacy kernel, first "
+                          << first << " (row " << (first < got.size() ? first / size_t(ys) : 0)
+                          << ", col " << (first < got.size() ? first % size_t(ys) : 0)
+                          << "): " << (first < got.size() ? got[first] : 0.f) << " vs "
+                          << (first < got.size() ? want[first] : 0.f);
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -179,11 +225,13 @@ INSTANTIATE_TEST_SUITE_P(
         // The TP8 rank's eighth of the head has 16160 rows (S = 1 or 2 by SM count): 1010 tiles.
         MmaCase{"head8_like", WFormat::kBF16, 1010 * 16, 1024, 0, 0, 0, 0, false, false},
         // Router gate [384, 5120] BF16, fp32 scores: split K (S = 16 on 132 SMs).
-        MmaCase{"router", WFormat::kBF16, 384, 5120, 0, 0, 0, 0, false, false},
+        MmaCase{"router", WFormat::kBF16, 384, 5120, 0, 0, 0, 0, false, false, true},
         // wo_a of a TP8 rank: FP8 [1024, 4096] with 32x32 block scales, bf16 out, split K.
-        MmaCase{"wo_a_rank", WFormat::kFP8, 1024, 4096, 0, 0, 0, 0, true, false},
+        MmaCase{"wo_a_rank", WFormat::kFP8, 1024, 4096, 0, 0, 0, 0, true, false, true},
         // wo_a group 1 of 2 on one GPU: rows [1024, 2048), x and y strided as output_proj's.
-        MmaCase{"wo_a_group", WFormat::kFP8, 2048, 4096, 1024, 1024, 4096, 1024, true, false},
+        // 63 tiles (the last one half full): the resident plan's last cluster has an idle warp.
+        MmaCase{"wo_a_ragged", WFormat::kFP8, 1000, 4096, 0, 0, 0, 0, true, false, true},
+        MmaCase{"wo_a_group", WFormat::kFP8, 2048, 4096, 1024, 1024, 4096, 1024, true, false, true},
         // Markov head [129280, 256]: K = 256 (4 chunks a tile), S = 1.
         MmaCase{"markov_like", WFormat::kBF16, 8200, 256, 0, 0, 0, 0, false, false},
         // Odd shapes: rows not a multiple of 16, K = 320 (5 chunks: S = 1), x stride % 4 != 0
@@ -207,34 +255,36 @@ TEST(DenseMma, NonBf16InputPoisonsItsRow) {
     auto hw = make_weight(f, rows, K, rng);
     DeviceArena arena;
     const DeviceWeight dw = upload_weight(hw->w, arena);
-    const DenseMma mma(dw, device_sm_count());
-    for (int T : {5, 13}) {
-      std::vector<float> x = random_acts(T, K, rng);
-      auto run = [&](const std::vector<float>& xv) {
-        const DeviceBuffer<float> dx(xv);
-        DeviceBuffer<float> dy(size_t(T) * size_t(rows));
-        dy.poison();
-        mma.run(dw, 0, rows, dx.get(), K, T, dy.get(), rows, false, nullptr);
-        sync_and_check();
-        return dy.download();
-      };
-      const std::vector<float> clean = run(x);
-      std::vector<float> bad = x;
-      bad[size_t(2 * K + 700)] = 1.0f + 0x1p-12f;  // needs 13 significand bits
-      bad[size_t(4 * K + 3)] = NAN;
-      const std::vector<float> y = run(bad);
-      for (int t = 0; t < T; ++t)
-        for (int64_t j = 0; j < rows; ++j) {
-          const float v = y[size_t(t * rows + j)], w = clean[size_t(t * rows + j)];
-          if (t == 2 || t == 4)
-            ASSERT_TRUE(std::isnan(v)) << "rows " << rows << " T=" << T << " t=" << t << " j=" << j
-                                       << ": " << v << " from a non-bf16 / NaN input";
-          else
-            ASSERT_TRUE(bits_equal(v, w) && std::isfinite(v))
-                << "rows " << rows << " T=" << T << " t=" << t << " j=" << j << ": " << v << " vs "
-                << w;
-        }
-    }
+    for (const DenseMmaPath path : {DenseMmaPath::kAuto, DenseMmaPath::kLegacy})
+      for (int T : {5, 13}) {
+        const DenseMma mma(dw, device_sm_count(), path);
+        std::vector<float> x = random_acts(T, K, rng);
+        auto run = [&](const std::vector<float>& xv) {
+          const DeviceBuffer<float> dx(xv);
+          DeviceBuffer<float> dy(size_t(T) * size_t(rows));
+          dy.poison();
+          mma.run(dw, 0, rows, dx.get(), K, T, dy.get(), rows, false, nullptr);
+          sync_and_check();
+          return dy.download();
+        };
+        const std::vector<float> clean = run(x);
+        std::vector<float> bad = x;
+        bad[size_t(2 * K + 700)] = 1.0f + 0x1p-12f;  // needs 13 significand bits
+        bad[size_t(4 * K + 3)] = NAN;
+        const std::vector<float> y = run(bad);
+        for (int t = 0; t < T; ++t)
+          for (int64_t j = 0; j < rows; ++j) {
+            const float v = y[size_t(t * rows + j)], w = clean[size_t(t * rows + j)];
+            if (t == 2 || t == 4)
+              ASSERT_TRUE(std::isnan(v))
+                  << "rows " << rows << " path " << int(path) << " T=" << T << " t=" << t
+                  << " j=" << j << ": " << v << " from a non-bf16 / NaN input";
+            else
+              ASSERT_TRUE(bits_equal(v, w) && std::isfinite(v))
+                  << "rows " << rows << " path " << int(path) << " T=" << T << " t=" << t
+                  << " j=" << j << ": " << v << " vs " << w;
+          }
+      }
   }
 }
 

@@ -31,6 +31,27 @@
 //     < 3 x SMs (so the router [384, 5120] and wo_a [1024, 4096] fill every SM), keeping >= 2
 //     chunks a part.
 //
+// Resident kernel (dense_mma_resident_kernel; m <= 8 rows, DenseMmaPath::kAuto, where its plan
+// fits; the same S, parts, fragments and part-order sum as above, so bitwise the legacy results):
+//   Latency first. A warp owns one (tile, part): 16 rows x kp weights. A CTA holds TG tiles x PC
+//   consecutive parts (TG x PC <= 8 warps); a thread-block cluster of C = S / PC CTAs holds all S
+//   parts of its TG tiles. Each warp copies its whole weight slice into shared memory with
+//   cp.async (16-byte pieces, kResGroups commit groups = chunk ranges in K order) and its FP8
+//   scales (16 rows x kp / 32 bytes) before griddepcontrol.wait (weights never depend on the
+//   previous kernel: under PDL the copies overlap its tail); launch_dependents follows. After the
+//   wait the CTA stages x of its PC parts (stage_x: the legacy layout and bf16-exactness check),
+//   then each warp runs its part's chunks as their groups land (mma_chunk: the legacy fragments),
+//   acc from 0, and stashes its 16 x 8 partial in shared memory. Cluster barrier; the cluster's
+//   threads then finish one output each: parts 0..S-1 read through distributed shared memory
+//   (part s: rank s / PC, warp (s % PC) x TG + tile) and added in part order, bf16 rounding,
+//   store; cluster barrier. No global workspace, no counters, no second wave.
+//   Plan (res_plan, from tiles, K, S, SM count): C = the first of 8, 4, 2, 1 dividing S with
+//   PC = S / C <= 8, TG = the fewest tiles a CTA that keep the grid within one CTA an SM, shared
+//   memory <= 100 KB (weights rows padded to 64 mod 128 bytes: conflict-free 16-byte fragment
+//   reads; x PC x kp x 16 bytes; stash 512 bytes a warp) so the next kernel's CTAs co-reside.
+//   TP8 rank on 132 SMs: wo_a [1024, 4096] FP8, S = 8: C = 8, PC = 1, TG = 4, 128 CTAs of 4 warps,
+//   47 KB each (37 KB weights); router [384, 5120] BF16, S = 16: C = 8, PC = 2, TG = 2, 96 CTAs.
+//
 // Why: dense_rows (ops/linear.cu) spends 8 fp32 FMAs per weight element at 8 rows (the head
 // [129280, 5120] bf16 ran at ~1.2 TB/s); here one mma covers 16 x 8 x 16 products and the
 // issue slots go to the loads.
@@ -125,6 +146,83 @@ __device__ __forceinline__ uint32_t pack_exact_bf16x2(float a, float b) {
 __device__ __forceinline__ float fp8_scale(const Args& p, int row, int k) {
   const int64_t sr = p.row_scale ? p.r0 + row : (p.r0 + row) / 32;
   return e8m0_to_f32(__ldg(p.scale + sr * p.scale_cols + k / 32));
+}
+
+// Stages x[token r < m, K [kbeg, kbeg + 8 nq)] (rows >= m: zeros) as bf16 in shared memory, in
+// the fragment layout [chunk][half][token][tg][8 values] (512 contiguous bytes a warp read). Item
+// (token r, 8-group q); kStageBatch items a thread per round, all loads first (several L2 round
+// trips in flight). A value that is not bf16-exact becomes NaN (pack_exact_bf16x2).
+template <bool kFp8>
+__device__ __forceinline__ void stage_x(uint8_t* xs, const float* x, int64_t x_stride, int m,
+                                        int x_vec, int kbeg, int nq) {
+  constexpr int kStageBatch = 4;
+  const int items = kRows * nq, nt = int(blockDim.x);
+  for (int i0 = int(threadIdx.x); i0 < items; i0 += kStageBatch * nt) {
+    float f[kStageBatch][8];
+#pragma unroll
+    for (int b = 0; b < kStageBatch; ++b) {
+      const int i = i0 + b * nt, r = i / nq, q = i - r * nq;
+      if (i < items && r < m) {
+        const float* src = x + int64_t(r) * x_stride + kbeg + q * 8;
+        if (x_vec) {
+          const float4 a = __ldg(reinterpret_cast<const float4*>(src));
+          const float4 c = __ldg(reinterpret_cast<const float4*>(src) + 1);
+          f[b][0] = a.x, f[b][1] = a.y, f[b][2] = a.z, f[b][3] = a.w;
+          f[b][4] = c.x, f[b][5] = c.y, f[b][6] = c.z, f[b][7] = c.w;
+        } else {
+#pragma unroll
+          for (int e = 0; e < 8; ++e) f[b][e] = __ldg(src + e);
+        }
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < kStageBatch; ++b) {
+      const int i = i0 + b * nt, r = i / nq, q = i - r * nq;
+      if (i < items) {
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        if (r < m)
+          v = make_uint4(pack_exact_bf16x2(f[b][0], f[b][1]), pack_exact_bf16x2(f[b][2], f[b][3]),
+                         pack_exact_bf16x2(f[b][4], f[b][5]), pack_exact_bf16x2(f[b][6], f[b][7]));
+        // 8-group q of chunk c = q / 8 is (tg, half) = FP8: (q / 2 % 4, q % 2), elements
+        // 16 tg + 8 h; BF16: (q % 4, q / 4 % 2), elements 8 tg + 32 h (the weight loads').
+        const int c = q >> 3;
+        const int tq = kFp8 ? (q >> 1) & 3 : q & 3, h = kFp8 ? q & 1 : (q >> 2) & 1;
+        *reinterpret_cast<uint4*>(xs + ((((c * 2 + h) * kRows + r) * 4 + tq) * 16)) = v;
+      }
+    }
+  }
+}
+
+// One 64-wide K chunk of a tile into acc: 4 mma in the fixed fragment order (the sum order of
+// the header). buf: the thread's weight pieces of the chunk (FP8: row g, row g + 8, 16 codes
+// each, scales sa / sb; BF16: row g at 8 tg and 32 + 8 tg, then row g + 8 the same); xs: the
+// staged x, cc: the chunk's index in it.
+template <bool kFp8>
+__device__ __forceinline__ void mma_chunk(float (&acc)[4], const uint4 (&buf)[kFp8 ? 2 : 4],
+                                          float sa, float sb, const uint8_t* xs, int cc, int g,
+                                          int tg) {
+  uint32_t wa[8], wb[8];
+  if constexpr (kFp8) {
+    const uint32_t ca[4] = {buf[0].x, buf[0].y, buf[0].z, buf[0].w};
+    const uint32_t cb[4] = {buf[1].x, buf[1].y, buf[1].z, buf[1].w};
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      wa[e] = e4m3x2_to_bf16x2(ca[e >> 1] >> (16 * (e & 1)), sa);
+      wb[e] = e4m3x2_to_bf16x2(cb[e >> 1] >> (16 * (e & 1)), sb);
+    }
+  } else {
+    wa[0] = buf[0].x, wa[1] = buf[0].y, wa[2] = buf[0].z, wa[3] = buf[0].w;
+    wa[4] = buf[1].x, wa[5] = buf[1].y, wa[6] = buf[1].z, wa[7] = buf[1].w;
+    wb[0] = buf[2].x, wb[1] = buf[2].y, wb[2] = buf[2].z, wb[3] = buf[2].w;
+    wb[4] = buf[3].x, wb[5] = buf[3].y, wb[6] = buf[3].z, wb[7] = buf[3].w;
+  }
+  const uint8_t* xp = xs + ((cc * 2 * kRows + g) * 4 + tg) * 16;
+  const uint4 x0 = *reinterpret_cast<const uint4*>(xp);
+  const uint4 x1 = *reinterpret_cast<const uint4*>(xp + kRows * 64);
+  const uint32_t xw[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+    mma_bf16(acc, wa[2 * j], wb[2 * j], wa[2 * j + 1], wb[2 * j + 1], xw[2 * j], xw[2 * j + 1]);
 }
 
 template <bool kFp8>
@@ -356,6 +454,254 @@ __global__ void __launch_bounds__(kFullWarps * 32, 2) dense_mma_kernel(const Arg
   if (done_tile >= 0) finish_split(done_tile, done);
 }
 
+// ---- Resident kernel (m <= 8 rows; kernel comment at the top of the file) ----
+
+constexpr int kResMaxWarps = 8;
+constexpr int kResMaxCluster = 8;              // portable cluster size
+constexpr size_t kResSmemBudget = 100 * 1024;  // 2 CTAs an SM: the next kernel's CTAs co-reside
+constexpr int kResGroups = 4;                  // cp.async groups a warp (chunk ranges, in order)
+constexpr int kResBatch = 8;                   // distributed-shared loads in flight in the sum
+
+struct ResArgs {
+  const uint8_t* w;      // weight row r0 (row 0 of the call)
+  const uint8_t* scale;  // FP8: the weight's scale array (absolute rows), else null
+  int64_t r0;
+  int n, K, scale_cols, row_scale;
+  const float* x;
+  int64_t x_stride;
+  int m;
+  float* y;
+  int64_t y_stride;
+  int round;
+  int tiles, kp, splits, x_vec;
+  int cluster, tg, pc;  // C CTAs a cluster, TG tiles and PC parts a CTA (warps = TG x PC)
+  int row_bytes;        // a warp's shared row (kp weights, padded to 64 mod 128 bytes)
+  int warp_bytes;       // 16 rows + FP8 scale bytes [16][kp / 32]
+  int x_bytes;          // staged x of the CTA's PC parts: PC x kp x 8 tokens x 2 bytes
+};
+
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
+}
+// fp32 at shared address `addr` (this CTA's window) of cluster rank `cta`.
+__device__ __forceinline__ float ld_dsmem_f32(uint32_t addr, uint32_t cta) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(cta));
+  float v;
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+  return v;
+}
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  const uint32_t d = uint32_t(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+}
+// Waits for cp.async group j of kResGroups (issued in order): at most kResGroups - 1 - j pending.
+__device__ __forceinline__ void wait_group_in_order(int j) {
+  static_assert(kResGroups == 4, "the switch below lists the pending counts");
+  switch (j) {
+    case 0:
+      cp_async_wait<3>();
+      break;
+    case 1:
+      cp_async_wait<2>();
+      break;
+    case 2:
+      cp_async_wait<1>();
+      break;
+    default:
+      cp_async_wait<0>();
+      break;
+  }
+}
+
+template <bool kFp8>
+__global__ void __launch_bounds__(kResMaxWarps * 32, 2) dense_mma_resident_kernel(const ResArgs p) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  constexpr int kEb = kFp8 ? 1 : 2;  // bytes a weight
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+  const int g = lane >> 2, tg = lane & 3;
+  const int rank = int(cluster_rank());
+  const int group = int(blockIdx.x) / p.cluster;
+  const int tl = warp % p.tg, pl = warp / p.tg;  // the warp's tile and part within the CTA
+  const int tile = group * p.tg + tl, part = rank * p.pc + pl;
+  const bool active = tile < p.tiles;  // warp-uniform
+  const int row0 = tile * 16;
+  const int kw = part * p.kp;  // the warp's first K
+  const int nckp = p.kp / kChunkK, nkbp = p.kp / 32;
+  const int R = p.row_bytes;
+  uint8_t* wreg = smem + warp * p.warp_bytes;
+  uint8_t* sreg = wreg + 16 * R;  // FP8: scale byte of (tile row, K block of the part)
+  uint8_t* xs = smem + nw * p.warp_bytes;
+  float* stash = reinterpret_cast<float*>(xs + p.x_bytes);  // [warp][lane][4] partials
+
+  // The warp's 16 rows x kp weights, in kResGroups chunk ranges (one commit group each), and the
+  // FP8 scales: none depend on the previous kernel, so all are issued before the PDL wait.
+  if (active) {
+    const uint8_t* src0 = p.w + (int64_t(row0) * p.K + kw) * kEb;
+    for (int j = 0; j < kResGroups; ++j) {
+      const int c0 = j * nckp / kResGroups, c1 = (j + 1) * nckp / kResGroups;
+      const int q0 = c0 * kChunkK * kEb / 16, per = (c1 - c0) * kChunkK * kEb / 16;
+      for (int q = lane; q < 16 * per; q += 32) {
+        const int row = q / per, col = q0 + q - row * per;
+        if (row0 + row < p.n)
+          cp_async16(wreg + row * R + col * 16, src0 + int64_t(row) * p.K * kEb + col * 16);
+      }
+      cp_async_commit();
+    }
+  }
+  pdl_trigger();  // before the scale loads: their stores wait for the loads
+  if (active) {
+    if constexpr (kFp8) {
+      const int items = 16 * nkbp;
+      for (int q0 = lane; q0 < items; q0 += 32 * kResBatch) {
+        uint32_t v[kResBatch];
+#pragma unroll
+        for (int b = 0; b < kResBatch; ++b) {
+          const int q = q0 + 32 * b, row = q / nkbp, kb = q - row * nkbp;
+          const int64_t ar = p.r0 + row0 + row;  // absolute weight row
+          v[b] = 127u;                           // 1.0 for rows >= n (their weights read as zeros)
+          if (q < items && row0 + row < p.n)
+            v[b] = __ldg(p.scale + (p.row_scale ? ar : ar / 32) * p.scale_cols + kw / 32 + kb);
+        }
+#pragma unroll
+        for (int b = 0; b < kResBatch; ++b)
+          if (q0 + 32 * b < items) sreg[q0 + 32 * b] = uint8_t(v[b]);
+      }
+    }
+  }
+  pdl_wait();
+
+  stage_x<kFp8>(xs, p.x, p.x_stride, p.m, p.x_vec, rank * p.pc * p.kp, p.pc * p.kp / 8);
+  __syncthreads();
+
+  // The warp's part: acc from 0, chunks in K order (each group's as it lands), one mma a 16-wide
+  // slice: exactly the legacy kernels' part sum.
+  if (active) {
+    const bool va = row0 + g < p.n, vb = row0 + g + 8 < p.n;
+    const uint4 z = make_uint4(0u, 0u, 0u, 0u);
+    const uint8_t* ra = wreg + g * R;
+    const uint8_t* rb = ra + 8 * R;
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int j = 0; j < kResGroups; ++j) {
+      wait_group_in_order(j);
+      __syncwarp();  // every lane's pieces (and, the first time, the scale bytes)
+      const int c1 = (j + 1) * nckp / kResGroups;
+      for (int c = j * nckp / kResGroups; c < c1; ++c) {
+        if constexpr (kFp8) {
+          const int o = c * kChunkK + tg * 16;
+          const uint4 buf[2] = {va ? *reinterpret_cast<const uint4*>(ra + o) : z,
+                                vb ? *reinterpret_cast<const uint4*>(rb + o) : z};
+          const int kb = 2 * c + (tg >> 1);
+          const float sa = va ? e8m0_to_f32(sreg[g * nkbp + kb]) : 1.f;
+          const float sb = vb ? e8m0_to_f32(sreg[(g + 8) * nkbp + kb]) : 1.f;
+          mma_chunk<true>(acc, buf, sa, sb, xs, pl * nckp + c, g, tg);
+        } else {
+          const int o = c * kChunkK * 2 + tg * 16;
+          const uint4 buf[4] = {va ? *reinterpret_cast<const uint4*>(ra + o) : z,
+                                va ? *reinterpret_cast<const uint4*>(ra + o + 64) : z,
+                                vb ? *reinterpret_cast<const uint4*>(rb + o) : z,
+                                vb ? *reinterpret_cast<const uint4*>(rb + o + 64) : z};
+          mma_chunk<false>(acc, buf, 1.f, 1.f, xs, pl * nckp + c, g, tg);
+        }
+      }
+    }
+    if (2 * tg < p.m)  // this lane holds tokens 2 tg, 2 tg + 1
+      reinterpret_cast<float4*>(stash)[warp * 32 + lane] =
+          make_float4(acc[0], acc[1], acc[2], acc[3]);
+  }
+  cluster_sync();  // every part of the cluster's tiles is in its CTA's stash
+
+  // Finish: output (tile tl2, fragment slot) of the cluster: the S parts (part s: rank s / PC,
+  // warp (s % PC) x TG + tl2) added in part order P0 + P1 + ..., then rounded and stored.
+  const uint32_t stash_addr = uint32_t(__cvta_generic_to_shared(stash));
+  const int items = p.tg * 128, step = p.cluster * int(blockDim.x);
+  for (int f = rank * int(blockDim.x) + int(threadIdx.x); f < items; f += step) {
+    const int tl2 = f >> 7, slot = f & 127, ln = slot >> 2, e = slot & 3;
+    const int tok = 2 * (ln & 3) + (e & 1);
+    const int row = (group * p.tg + tl2) * 16 + (ln >> 2) + ((e & 2) ? 8 : 0);
+    if (tok < p.m && row < p.n) {
+      float total = 0.f;
+      for (int s0 = 0; s0 < p.splits; s0 += kResBatch) {
+        float v[kResBatch];
+#pragma unroll
+        for (int i = 0; i < kResBatch; ++i) {
+          const int s = s0 + i;
+          v[i] = s < p.splits
+                     ? ld_dsmem_f32(
+                           stash_addr + uint32_t((((s % p.pc) * p.tg + tl2) * 128 + slot) * 4),
+                           uint32_t(s / p.pc))
+                     : 0.f;
+        }
+#pragma unroll
+        for (int i = 0; i < kResBatch; ++i)
+          if (s0 + i < p.splits) total = s0 + i == 0 ? v[i] : __fadd_rn(total, v[i]);
+      }
+      p.y[int64_t(tok) * p.y_stride + row] = p.round ? round_bf16(total) : total;
+    }
+  }
+  cluster_sync();  // no CTA leaves while the cluster reads its stash
+}
+
+// The resident configuration of an n-row call: the first cluster size C (cluster_pref, else 8, 4,
+// 2, 1) dividing S with PC = S / C <= 8 parts a CTA, and the fewest tiles TG a CTA (TG x PC <= 8
+// warps) that fit the grid in one CTA an SM within the shared-memory budget. C = 0: none fits.
+// Numerics: none (every configuration computes the same parts and adds them in part order).
+struct ResPlan {
+  int cluster = 0, tg = 0, pc = 0, row_bytes = 0, warp_bytes = 0, x_bytes = 0;
+  size_t smem = 0;
+  int64_t ctas = 0;
+};
+ResPlan res_plan(int64_t tiles, int64_t cols, int S, int sms, bool fp8, int cluster_pref) {
+  ResPlan r;
+  const int kp = int(cols / S), eb = fp8 ? 1 : 2;
+  // 16-byte fragment reads of rows g, g + 1 (one 8-lane phase) in distinct bank halves.
+  const int row_bytes = kp * eb % 128 == 0 ? kp * eb + 64 : kp * eb;
+  const int warp_bytes = (16 * row_bytes + (fp8 ? 16 * (kp / 32) : 0) + 15) / 16 * 16;
+  for (int C : {cluster_pref, 8, 4, 2, 1}) {
+    if (C <= 0 || C > kResMaxCluster || S % C != 0 || S / C > kResMaxWarps) continue;
+    if (cluster_pref > 0 && C != cluster_pref) continue;
+    const int pc = S / C;
+    for (int tg = 1; tg * pc <= kResMaxWarps; ++tg) {
+      const int warps = tg * pc;
+      const size_t smem =
+          size_t(warps) * size_t(warp_bytes) + size_t(pc) * size_t(kp) * 16 + size_t(warps) * 512;
+      if (smem > kResSmemBudget) break;
+      const int64_t ctas = (tiles + tg - 1) / tg * C;
+      if (ctas > sms) continue;
+      r.cluster = C, r.tg = tg, r.pc = pc, r.row_bytes = row_bytes, r.warp_bytes = warp_bytes;
+      r.x_bytes = pc * kp * 16;
+      r.smem = smem;
+      r.ctas = ctas;
+      return r;
+    }
+  }
+  return r;
+}
+
+template <bool kFp8>
+void launch_resident(const ResArgs& a, const ResPlan& r, cudaStream_t stream) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(unsigned(r.ctas));
+  cfg.blockDim = dim3(unsigned(r.tg * r.pc * 32));
+  cfg.dynamicSmemBytes = r.smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[2];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  attr[1].id = cudaLaunchAttributeClusterDimension;
+  attr[1].val.clusterDim.x = unsigned(r.cluster);
+  attr[1].val.clusterDim.y = 1;
+  attr[1].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 2;
+  UF_CUDA_CHECK(cudaLaunchKernelEx(&cfg, dense_mma_resident_kernel<kFp8>, a));
+}
+
 // S: doubles while the grid has fewer than 3 warps' tiles per SM, with whole chunks per part and
 // at least 2 chunks a part. Depends on (tiles, K, SM count) only.
 int split_count(int64_t tiles, int64_t cols, int sms) {
@@ -370,6 +716,10 @@ void setup_kernel() {
   UF_CUDA_CHECK(cudaFuncSetAttribute(dense_mma_kernel<kFp8>,
                                      cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem));
   prefer_shared_carveout(dense_mma_kernel<kFp8>);
+  UF_CUDA_CHECK(cudaFuncSetAttribute(dense_mma_resident_kernel<kFp8>,
+                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     int(kResSmemBudget)));
+  prefer_shared_carveout(dense_mma_resident_kernel<kFp8>);
 }
 
 }  // namespace
@@ -381,8 +731,17 @@ bool DenseMma::supports(const DeviceWeight& w) {
          (w.format != WFormat::kFP8 || w.scale != nullptr);
 }
 
-DenseMma::DenseMma(const DeviceWeight& w, int sm_count)
-    : rows_(w.rows), cols_(w.cols), sms_(std::max(1, sm_count)), fp8_(w.format == WFormat::kFP8) {
+DenseMma::DenseMma(const DeviceWeight& w, int sm_count, DenseMmaPath path, int resident_cluster)
+    : rows_(w.rows),
+      cols_(w.cols),
+      sms_(std::max(1, sm_count)),
+      fp8_(w.format == WFormat::kFP8),
+      resident_(path == DenseMmaPath::kAuto),
+      cluster_pref_(resident_cluster) {
+  require(resident_cluster == 0 || resident_cluster == 1 || resident_cluster == 2 ||
+              resident_cluster == 4 || resident_cluster == 8,
+          "DenseMma: resident cluster size %d must be 0 (automatic), 1, 2, 4 or 8",
+          resident_cluster);
   require(supports(w),
           "DenseMma: weight [%lld, %lld] (format %d) is not a BF16/FP8 weight with cols %% 64 == 0 "
           "and cols <= %lld",
@@ -421,6 +780,12 @@ DenseMma::~DenseMma() {
 
 int DenseMma::splits(int64_t n) const { return split_count((n + 15) / 16, cols_, sms_); }
 
+int DenseMma::resident_cluster(int64_t n) const {
+  if (!resident_ || n <= 0) return 0;
+  const int64_t tiles = (n + 15) / 16;
+  return res_plan(tiles, cols_, split_count(tiles, cols_, sms_), sms_, fp8_, cluster_pref_).cluster;
+}
+
 void DenseMma::run(const DeviceWeight& w, int64_t r0, int64_t n, const float* x, int64_t x_stride,
                    int m, float* y, int64_t y_stride, bool round_bf16, cudaStream_t stream) const {
   if (n <= 0 || m <= 0) return;
@@ -454,6 +819,40 @@ void DenseMma::run(const DeviceWeight& w, int64_t r0, int64_t n, const float* x,
   a.x_vec = reinterpret_cast<uintptr_t>(x) % 16 == 0 && x_stride % 4 == 0 ? 1 : 0;
   a.partials = partials_;
   a.counters = counters_;
+  if (chunks == 1 && resident_) {  // decode rows: the resident kernel where the plan fits
+    const ResPlan r = res_plan(tiles, cols_, S, sms_, fp8_, cluster_pref_);
+    if (r.cluster > 0) {
+      ResArgs b{};
+      b.w = a.w;
+      b.scale = a.scale;
+      b.r0 = a.r0;
+      b.n = a.n;
+      b.K = a.K;
+      b.scale_cols = a.scale_cols;
+      b.row_scale = a.row_scale;
+      b.x = x;
+      b.x_stride = x_stride;
+      b.m = m;
+      b.y = y;
+      b.y_stride = y_stride;
+      b.round = a.round;
+      b.tiles = a.tiles;
+      b.kp = a.kp;
+      b.splits = S;
+      b.x_vec = a.x_vec;
+      b.cluster = r.cluster;
+      b.tg = r.tg;
+      b.pc = r.pc;
+      b.row_bytes = r.row_bytes;
+      b.warp_bytes = r.warp_bytes;
+      b.x_bytes = r.x_bytes;
+      if (fp8_)
+        launch_resident<true>(b, r, stream);
+      else
+        launch_resident<false>(b, r, stream);
+      return;
+    }
+  }
   dim3 grid, block;
   size_t smem;
   if (S > 1 && chunks == 1) {  // split K: one part per CTA

@@ -14,6 +14,12 @@
 // one mma each (the tensor core adds the slice's 16 exact products to acc); the parts are then
 // added in part order, total = ((P0 + P1) + P2) + ... in fp32. S > 1 only where the weight has few
 // rows (split-K for parallelism); the head-sized weights use S = 1.
+//
+// Kernels (the order above in all of them; they differ in where the parts are computed and added):
+// calls of m <= 8 rows take the resident kernel where its plan fits (DenseMmaPath::kAuto: one
+// wave of CTAs holding all their weight bytes in shared memory, the S parts of a tile spread over
+// the warps of a thread-block cluster and added through distributed shared memory); other calls
+// (m > 8, or weights too large, or DenseMmaPath::kLegacy) the legacy full-K / split-K kernel.
 
 #include <cuda_runtime.h>
 
@@ -22,6 +28,10 @@
 #include "cuda/device_weights.h"
 
 namespace uf::cuda {
+
+// kAuto: the resident kernel for m <= 8 where it fits; kLegacy: never (the session-6 kernels,
+// kept for benchmarks and for the tests' bitwise comparison).
+enum class DenseMmaPath { kAuto, kLegacy };
 
 class DenseMma {
  public:
@@ -32,7 +42,10 @@ class DenseMma {
 
   // The plan of weight w (rows(), cols()): kernel attributes on the current device, and the
   // split-K workspace (partials + self-resetting counters, cudaMalloc'd here) for any row range.
-  DenseMma(const DeviceWeight& w, int sm_count);
+  // resident_cluster: 0 = the plan's choice, else force the resident kernel's cluster size (1, 2,
+  // 4 or 8; calls it cannot serve take the legacy kernel): benchmarks only, no effect on the bits.
+  DenseMma(const DeviceWeight& w, int sm_count, DenseMmaPath path = DenseMmaPath::kAuto,
+           int resident_cluster = 0);
   ~DenseMma();
   DenseMma(const DenseMma&) = delete;
   DenseMma& operator=(const DenseMma&) = delete;
@@ -46,12 +59,16 @@ class DenseMma {
 
   // The K split count S of an n-row call (the sum order above).
   int splits(int64_t n) const;
+  // The resident kernel's cluster size for an n-row call of m <= 8 rows; 0: the legacy kernel.
+  int resident_cluster(int64_t n) const;
 
  private:
   int64_t rows_ = 0, cols_ = 0;
   int sms_ = 1;
   int ctas_per_sm_ = 1;  // residency of the full-K (S = 1) configuration
   bool fp8_ = false;
+  bool resident_ = true;  // DenseMmaPath::kAuto
+  int cluster_pref_ = 0;
   float* partials_ = nullptr;  // [S][tiles][128] of the largest split call
   int* counters_ = nullptr;    // [tiles], zero between launches
   size_t partial_floats_ = 0;
