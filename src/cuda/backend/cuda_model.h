@@ -126,7 +126,9 @@ struct CudaModelOptions {
   bool candidate_lists = true;
   // Step graphs launched from the device (devlaunch/graph_launch.h): the host launches a one-node
   // graph instead of the step's ~1,000 nodes. Falls back to the host launch (one log line) where a
-  // graph cannot be instantiated for device launch.
+  // graph cannot be instantiated for device launch. Off: on the H200 (session 7) it cut the launch
+  // call from 32 to 18 us (1 row; bench-host) but the step itself ran 40-120 us longer on the
+  // device (bench, 1 / 7 rows: 5033 / 7569 against 4990 / 7448 us), a net loss. Tested bitwise.
   bool device_graph_launch = false;
 };
 

@@ -3,7 +3,9 @@
 // the step graph's ~1,000 kernel nodes and their branches.
 //
 // Why: `cudaGraphLaunch` of a decode step's graph cost the host 39-57 us on the H200 (bench-host,
-// session 6), over the 20 us budget between two steps; a one-node graph costs a few.
+// session 6), over the 20 us budget between two steps. Measured (session 7, H200): the launch call
+// fell from 32 to 18 us, but the device ran the step 40-120 us longer, so it is off by default
+// (CudaModelOptions::device_graph_launch).
 // The step graph must be instantiated with cudaGraphInstantiateFlagDeviceLaunch and uploaded
 // (cudaGraphUpload) before its first device launch; graphs that cannot (node kinds a device graph
 // does not allow) keep the host launch (CudaModel::launch_program falls back).

@@ -141,6 +141,18 @@ struct GemvParams {
   int m, k;
 };
 
+// The job of this block in a grouped launch (jobs sorted by block_begin, jobs[0] at 0): constant
+// indices only (a dynamically indexed kernel parameter may be copied to local memory), selects in
+// registers, once per block.
+template <class Job>
+__device__ __forceinline__ Job block_job(const Job (&jobs)[kMaxGemvGroup], int njobs) {
+  Job job = jobs[0];
+#pragma unroll
+  for (int i = 1; i < kMaxGemvGroup; ++i)
+    if (i < njobs && int(blockIdx.x) >= jobs[i].block_begin) job = jobs[i];
+  return job;
+}
+
 __device__ __forceinline__ void store_outputs(const GemvJob& j, int m, int row0, int g, int t,
                                               const float (&v)[4]) {
   const int r0 = row0 + g, r1 = row0 + g + 8;
@@ -209,12 +221,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, kStages == 1 ? (kFused ? 
   using Stream = StreamT<kStages>;
   extern __shared__ __align__(16) uint8_t smem[];
   pdl_trigger();
-  // The job of this block: constant indices only (a dynamically indexed kernel parameter may be
-  // copied to local memory), selects in registers, once per block.
-  GemvJob job = p.jobs[0];
-#pragma unroll
-  for (int i = 1; i < kMaxGemvGroup; ++i)
-    if (i < p.njobs && int(blockIdx.x) >= p.jobs[i].block_begin) job = p.jobs[i];
+  const GemvJob job = block_job(p.jobs, p.njobs);
   const int local = int(blockIdx.x) - job.block_begin;
   const int bx = local % job.n_blocks, by = local / job.n_blocks;
 
@@ -430,11 +437,7 @@ __device__ __forceinline__ float ld_cluster_f32(uint32_t addr, uint32_t cta) {
 template <bool kFused>
 __global__ void __launch_bounds__(kResWarps * 32, 2) fp8_gemv_resident_kernel(const ResParams p) {
   extern __shared__ __align__(16) uint8_t smem[];
-  // The job of this block: constant indices only, as fp8_gemv_kernel.
-  ResJob job = p.jobs[0];
-#pragma unroll
-  for (int i = 1; i < kMaxGemvGroup; ++i)
-    if (i < p.njobs && int(blockIdx.x) >= p.jobs[i].block_begin) job = p.jobs[i];
+  const ResJob job = block_job(p.jobs, p.njobs);
   const int C = p.cluster;
   const int rank = int(cluster_ctarank());
   const int tile0 = ((int(blockIdx.x) - job.block_begin) / C) * p.tiles_per_cta;

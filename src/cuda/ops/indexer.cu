@@ -5,7 +5,12 @@
 // L = i mod 8 partial sums in increasing i, combined ((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7)); then
 // bf16, relu, * w_h, bf16, summed over heads in order, then bf16 (round_sum; the TP partial skips
 // that last rounding). Everything uses __fmul_rn / __fadd_rn (no FMA contraction, as uf_cpu's
-// -ffp-contract=off), so scores are bitwise equal to the CPU's.
+// -ffp-contract=off), so scores are bitwise equal to the CPU's, except the head_dim-128 kernel's
+// q.k products: fmaf(q, k, p), half the instructions, and the same bits whenever q * k is exact
+// in fp32, which it is for the indexer's operands (FP4 QDQ values: 2 significant bits times a
+// power of two; also any bf16 x bf16 product, 16 bits) unless it underflows below 2^-126
+// (scales near the e8m0 floor on both sides; the model's amax clamp keeps them >= 2^-126).
+// The 7-row step at 1M tokens is bound by these instructions (L20: 1M entries x 7 rows x 4 heads).
 //  - head_dim 128 (the model's): two threads per key entry, 128 entries per CTA. Thread half j
 //    holds dot8 lanes 4j..4j+3, i.e. the floats 8u + 4j .. 8u + 4j + 3 of the key row: 16 float4
 //    loaded straight from global memory into registers (64 KB per CTA in flight) and reused for
@@ -54,6 +59,7 @@ constexpr int kFastEnt = kFastThreads / 2;
 constexpr int kFastMaxRows = 8;
 constexpr size_t kFastSmem = 40 * 1024;
 constexpr int kSelThreads = 512;
+constexpr int kSelWarps = kSelThreads / 32;
 constexpr int kKpt = 32;                    // keys per thread in a selection round
 constexpr int kChunk = kSelThreads * kKpt;  // keys per CTA in a selection round
 constexpr int kMaxFastK = kChunk / 4;       // a round shrinks the list at least ~4x
@@ -133,10 +139,12 @@ __global__ void __launch_bounds__(kFastThreads, 2)
 #pragma unroll
       for (int u = 0; u < kU; ++u) {
         const float4 qv = qh[2 * u];
-        p0 = __fadd_rn(p0, __fmul_rn(qv.x, kv[u].x));
-        p1 = __fadd_rn(p1, __fmul_rn(qv.y, kv[u].y));
-        p2 = __fadd_rn(p2, __fmul_rn(qv.z, kv[u].z));
-        p3 = __fadd_rn(p3, __fmul_rn(qv.w, kv[u].w));
+        // fmaf == __fadd_rn(__fmul_rn(q, k), p) here: every product is exact in fp32 (see the
+        // file's head), so the fused add rounds the same sum once.
+        p0 = fmaf(qv.x, kv[u].x, p0);
+        p1 = fmaf(qv.y, kv[u].y, p1);
+        p2 = fmaf(qv.z, kv[u].z, p2);
+        p3 = fmaf(qv.w, kv[u].w, p3);
       }
       const float half = __fadd_rn(__fadd_rn(p0, p1), __fadd_rn(p2, p3));
       const float other = __shfl_xor_sync(0xffffffffu, half, 1);
@@ -557,7 +565,7 @@ __global__ void __launch_bounds__(kSelThreads, 1) select_round_kernel(RoundArgs 
   uint32_t kth = 0, need = 0;
   const bool all = kk >= n;
   if (!all) {
-    const int lane = tid & 31;
+    __shared__ uint32_t wh[kSelWarps * 256];
     // bf16 scores (the model's: index scores, their TP sums and block maxima are all rounded to
     // bf16) have order keys whose low 16 bits follow from the sign bit (0x0000 for a positive
     // float, 0xffff for a negative one): two radix passes then determine the key. Checked over
@@ -569,23 +577,24 @@ __global__ void __launch_bounds__(kSelThreads, 1) select_round_kernel(RoundArgs 
     const int last_shift = __syncthreads_and(bf16) ? 16 : 0;
     uint32_t prefix = 0, mask = 0, rem = uint32_t(kk);
     for (int shift = 24; shift >= last_shift; shift -= 8) {
-      if (tid < 256) sh.hist[tid] = 0;
+      // Per-warp digit counts (shared-memory atomics; lanes of one warp that hit one bin are
+      // serialised by the hardware, cheaper than aggregating them with __match_any_sync first),
+      // summed over the warps below: the same counts.
+      for (int i = tid; i < kSelWarps * 256; i += kSelThreads) wh[i] = 0;
       __syncthreads();
+      uint32_t* my = wh + (tid >> 5) * 256;
 #pragma unroll
       for (int j = 0; j < KPT; ++j) {
         const bool ok = ((valid >> j) & 1u) && (key[j] & mask) == prefix;
-        const uint32_t act = __ballot_sync(0xffffffffu, ok);
-        if (act == 0) continue;  // warp-uniform
-        if (ok) {
-          // Aggregate equal digits within the warp: ties make many keys share one bin.
-          const uint32_t bin = (key[j] >> shift) & 255u;
-          const uint32_t same = __match_any_sync(act, bin);
-          if (lane == __ffs(same) - 1) atomicAdd(&sh.hist[bin], uint32_t(__popc(same)));
-        }
+        if (__ballot_sync(0xffffffffu, ok) == 0) continue;  // warp-uniform
+        if (ok) atomicAdd(my + ((key[j] >> shift) & 255u), 1u);
       }
       __syncthreads();
       // Thread d' holds digit 255 - d': the exclusive scan is the count of larger digits.
-      const uint32_t cnt = tid < 256 ? sh.hist[255 - tid] : 0u;
+      uint32_t cnt = 0;
+      if (tid < 256)
+#pragma unroll
+        for (int w = 0; w < kSelWarps; ++w) cnt += wh[w * 256 + 255 - tid];
       uint32_t total = 0;
       const uint32_t before = block_exclusive_scan(cnt, sh, &total);
       if (cnt > 0 && before < rem && before + cnt >= rem) {
