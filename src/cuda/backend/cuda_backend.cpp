@@ -227,7 +227,7 @@ void restore_rank(CudaModel& m, CudaSession& sess, std::span<const uint8_t> byte
       UF_CHECK(pos.size() == size_t(slots), "restore: layer {} ring has {} tags for {} slots", l,
                pos.size(), slots);
       m.upload_ring(*ring, buf);
-      ring->pos = pos;
+      ring->set_tags(pos);
     }
     r.get_vec(buf, "compressed KV");
     UF_CHECK(buf.size() % size_t(hd) == 0 && int64_t(buf.size() / size_t(hd)) <= L.ckv_cap,

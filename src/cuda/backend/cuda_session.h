@@ -6,6 +6,7 @@
 // fixed at creation: every buffer comes from the session's own DeviceArena.
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "cuda/device_memory.h"
@@ -18,18 +19,36 @@ struct DeviceRing {
   int slots = 0;
   int width = 0;
   float* data = nullptr;     // device [slots, width]
-  std::vector<int64_t> pos;  // host [slots], -1 = empty
+  std::vector<int64_t> pos;  // host [slots], -1 = empty (write through put / set_tags)
+  // The newest run of consecutive positions known to be tagged, (run_end - run_len, run_end]: a
+  // shortcut for first_missing (every step checks a whole window per layer). put() keeps it true
+  // (it only grows by the next position; anything else restarts it at the put position, which
+  // may forget tagged positions but never claims an untagged one); set_tags() clears it.
+  int64_t run_end = -1;
+  int run_len = 0;
 
   void init(int n_slots, int w, DeviceArena& arena) {
     slots = n_slots;
     width = w;
     data = arena.alloc<float>(size_t(n_slots) * size_t(w));
-    pos.assign(size_t(n_slots), -1);
+    set_tags(std::vector<int64_t>(size_t(n_slots), -1));
+  }
+  void set_tags(std::vector<int64_t> tags) {
+    pos = std::move(tags);
+    run_end = -1;
+    run_len = 0;
   }
   // The slot of position p, tagged with p (the caller writes the row).
   float* put(int64_t p) {
     const size_t s = size_t(p % slots);
     pos[s] = p;
+    if (run_len > 0 && p == run_end + 1) {
+      run_end = p;  // the slot held run_end + 1 - slots: the run's oldest only when it is full
+      run_len = run_len < slots ? run_len + 1 : slots;
+    } else if (!(run_len > 0 && p <= run_end && p > run_end - run_len)) {
+      run_end = p;  // a gap or an older position (its slot may have held a run position)
+      run_len = 1;
+    }  // else: a run position tagged again, nothing changes
     return data + s * size_t(width);
   }
   // nullptr if the slot holds another position.
@@ -44,6 +63,7 @@ struct DeviceRing {
   int64_t first_missing(int64_t begin, int64_t end) const {
     if (begin >= end) return -1;
     if (slots == 0) return begin;
+    if (run_len > 0 && begin > run_end - run_len && end - 1 <= run_end) return -1;
     size_t s = size_t(begin % slots);
     for (int64_t q = begin; q < end; ++q) {
       if (pos[s] != q) return q;
