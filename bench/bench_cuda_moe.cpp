@@ -1,19 +1,20 @@
 // bench_cuda_moe: the MoE of one decode layer of a TP8 rank (dim 5120, expert intermediate
 // slice 288, 384 MXFP4 experts, top-6, FP8 shared expert) for T = 1, 2, 4, 7, 8 rows.
 //  1. The whole layer through DeviceMoe::apply (router gate GEMV + route/quant + routed experts +
-//     shared expert + combine), new path vs the legacy one (DeviceMoe::set_legacy: persistent
-//     MoeFp4 kernels, shared expert serialised after the routed experts, separate combine), over
-//     `layers` DeviceMoe copies each fed its own input (different experts, so L2 holds none of
-//     the weights), bitwise check of new vs legacy, floor = (distinct experts x one expert's
-//     bytes + gate + shared expert bytes) / 4.1 TB/s.
+//     shared expert + combine), MoeFp4's e4m3 mma path vs its f16 HMMA path (MoeFp4::set_f16,
+//     through set_default_f16: two sets of DeviceMoe copies), over `layers` DeviceMoe copies each
+//     fed its own input (different experts, so L2 holds none of the weights), bitwise check of
+//     f16 vs e4m3, floor = (distinct experts x one expert's bytes + gate + shared expert bytes) /
+//     4.1 TB/s.
 //  2. The routing kernel (moe_route) and the routed experts alone (MoeFp4::run: w13 + w2 +
-//     combine, unit kernels vs persistent ones) with random routing, and route + act_quant + MoE
-//     on the routing it produced, each beside its floor.
+//     combine, default kernel choice, e4m3 vs f16) with random routing, and route + act_quant +
+//     MoE on the routing it produced, each beside its floor; then each kernel set (unit kernels
+//     forced at every M, persistent) with each mma path, bitwise checked against the first.
 // Each timing is the median CUDA-graph replay over several layers' weights, divided by the layer
-// count (replay_us_per_copy, the bench's one timing loop). Both kernel sets changed in session 7
-// (fewer instructions per weight byte): the whole-layer table prints the new path's session-6
-// times for the before / after. Then prefill: T = 64, 512 rows by chunks of 8 through MoeFp4
-// against MoeFp4Prefill (tests/cuda/test_moe_prefill.cpp), us, GB/s, bitwise check.
+// count (replay_us_per_copy, the bench's one timing loop). For reference, the whole layer before
+// session 7's kernel changes (H200): 41.4 / 72.9 / 115.3 us at T = 1 / 4 / 7. Then prefill:
+// T = 64, 512 rows by chunks of 8 through MoeFp4 against MoeFp4Prefill
+// (tests/cuda/test_moe_prefill.cpp), us, GB/s, bitwise check.
 //
 //   bench_cuda_moe [--reps N] [--copies N] [--layers N]
 
@@ -170,7 +171,7 @@ float replay_us_per_copy(cudaStream_t s, int reps, int copies, F&& one) {
   return us / copies;
 }
 
-// Part 1: the whole MoE layer through DeviceMoe, new vs legacy path.
+// Part 1: the whole MoE layer through DeviceMoe, MoeFp4's e4m3 vs f16 mma path.
 void bench_layer(int layers, int reps, cudaStream_t s) {
   std::printf(
       "\nwhole MoE layer (DeviceMoe::apply: gate + route + experts + shared + combine), "
@@ -187,9 +188,14 @@ void bench_layer(int layers, int reps, cudaStream_t s) {
   shape.swiglu_limit = kSwigluLimit;
   shape.max_prefill_rows = 0;
   DeviceArena arena;
-  std::vector<std::unique_ptr<DeviceMoe> > moes;
-  for (int l = 0; l < layers; ++l)
-    moes.push_back(std::make_unique<DeviceMoe>(host.w, shape, arena));
+  // [0]: e4m3 mma path, [1]: f16 HMMA path (MoeFp4 reads the default at construction).
+  std::vector<std::unique_ptr<DeviceMoe> > moes[2];
+  for (int k = 0; k < 2; ++k) {
+    MoeFp4::set_default_f16(k == 1);
+    for (int l = 0; l < layers; ++l)
+      moes[k].push_back(std::make_unique<DeviceMoe>(host.w, shape, arena));
+  }
+  MoeFp4::set_default_f16(true);
   // Inputs: bf16-valued fp32 [8, dim] per layer (its own routing); outputs and routing per layer.
   float* x = arena.alloc<float>(size_t(layers) * 8 * kDim);
   float* y_new = arena.alloc<float>(size_t(layers) * 8 * kDim);
@@ -206,23 +212,16 @@ void bench_layer(int layers, int reps, cudaStream_t s) {
   const double shared_bytes =
       3.0 * kInter * kDim + 3.0 * ((kInter + 31) / 32) * (kDim / 32);  // FP8 + scales
   const double gate_bytes = double(kExperts) * kDim * 2;
-  // Both kernel sets lost instructions in session 7 (moe_fp4.cu), so legacy vs new no longer
-  // shows that change: the new path's session-6 figures are printed beside it.
-  std::printf(
-      "(before session 7's kernel changes, H200: new path 41.4 / 72.9 / 115.3 us at T = 1 / 4 / "
-      "7)\n");
-  std::printf("%3s %8s %10s %10s %8s %10s %8s %s\n", "T", "experts", "legacy us", "new us",
-              "speedup", "floor us", "new GB/s", "new == legacy");
+  std::printf("%3s %8s %10s %10s %8s %10s %8s %s\n", "T", "experts", "e4m3 us", "f16 us", "speedup",
+              "floor us", "f16 GB/s", "f16 == e4m3");
   for (int T : {1, 2, 4, 7, 8}) {
     float us[2];
     for (int k = 0; k < 2; ++k) {
-      const bool legacy = k == 0;
-      float* y = legacy ? y_old : y_new;
-      for (auto& m : moes) m->set_legacy(legacy);
+      float* y = k == 0 ? y_old : y_new;
       UF_CUDA_CHECK(cudaMemsetAsync(y, 0xFF, size_t(layers) * 8 * kDim * 4, s));
       us[k] = replay_us_per_copy(s, reps, layers, [&](int l) {
-        moes[size_t(l)]->apply(x + size_t(l) * 8 * kDim, T, y + size_t(l) * 8 * kDim,
-                               gi + size_t(l) * 8 * kTopk, gw + size_t(l) * 8 * kTopk, s);
+        moes[k][size_t(l)]->apply(x + size_t(l) * 8 * kDim, T, y + size_t(l) * 8 * kDim,
+                                  gi + size_t(l) * 8 * kTopk, gw + size_t(l) * 8 * kTopk, s);
       });
     }
     // Bytes a perfect kernel reads per layer: the distinct experts of that layer's rows.
@@ -252,7 +251,6 @@ void bench_layer(int layers, int reps, cudaStream_t s) {
                 diff == 0 && nan == 0 ? "bitwise" : "DIFFERENT / NaN!");
     if (diff || nan) std::printf("    %zu outputs differ, %zu NaN\n", diff, nan);
   }
-  for (auto& m : moes) m->set_legacy(false);
 }
 
 }  // namespace
@@ -333,8 +331,10 @@ int main(int argc, char** argv) {
   //   route: moe_route alone; moe: MoeFp4::run (w13 + w2 + combine) on fixed random routing;
   //   layer: route + act_quant + MoeFp4::run on the routing it produced.
   // floor = distinct experts x one expert's bytes / 4.1 TB/s (the bytes a perfect kernel reads).
-  std::printf("\nrouted experts (MoeFp4, unit kernels; old = persistent kernels)\n");
-  std::printf("%3s %7s %9s %9s %9s %8s %9s %9s %8s %9s\n", "M", "experts", "route us", "old moe",
+  std::printf(
+      "\nrouted experts (MoeFp4, default kernel choice; e4m3 = the e4m3 mma path, moe = the f16 "
+      "HMMA path)\n");
+  std::printf("%3s %7s %9s %9s %9s %8s %9s %9s %8s %9s\n", "M", "experts", "route us", "e4m3 moe",
               "moe us", "moe GB/s", "floor us", "layer us", "experts", "floor us");
   for (int m : {1, 2, 4, 7, 8}) {
     std::vector<int> uniq(hidx.begin(), hidx.begin() + m * kTopk);
@@ -348,10 +348,10 @@ int main(int argc, char** argv) {
     UF_CUDA_CHECK(cudaMemsetAsync(out_new, 0xFF, size_t(8) * kDim * 4, s));
     const float route_us =
         timed([&](const Fp4ExpertsView&) { moe_route(shape, rscores, rbias, m, ridx, rwts, s); });
-    moe.set_legacy(true);
+    moe.set_f16(false);
     const float old_us = timed(
         [&](const Fp4ExpertsView& e) { moe.run(e, act, idx, wts, kSwigluLimit, out_old, s); });
-    moe.set_legacy(false);
+    moe.set_f16(true);
     const float moe_us = timed(
         [&](const Fp4ExpertsView& e) { moe.run(e, act, idx, wts, kSwigluLimit, out_new, s); });
     std::vector<float> o_old(size_t(m) * kDim);
@@ -374,8 +374,39 @@ int main(int argc, char** argv) {
     std::printf("%3d %7zu %9.2f %9.2f %9.2f %8.0f %9.2f %9.2f %8zu %9.2f%s%s\n", m, uniq.size(),
                 route_us, old_us, moe_us, bytes / (moe_us * 1e-6) / 1e9, bytes / 4.1e12 * 1e6,
                 layer_us, gi.size(), lbytes / 4.1e12 * 1e6, nan ? "  NaN in the output!" : "",
-                same ? "" : "  new != old!");
+                same ? "" : "  f16 != e4m3!");
   }
+  // Each kernel set with each mma path (the unit kernels forced at every M), checked bitwise
+  // against the first.
+  std::printf(
+      "\nrouted experts by kernel set and mma path, us (unit kernels forced at every M)\n%3s %10s "
+      "%10s %10s %10s %s\n",
+      "M", "unit e4m3", "unit f16", "pers e4m3", "pers f16", "bitwise");
+  for (int m : {1, 2, 4, 7, 8}) {
+    const QuantActView act{codes, scales, m, kDim};
+    float us[4];
+    std::vector<float> ref(size_t(m) * kDim), o(ref.size());
+    bool same = true;
+    size_t nan = 0;
+    for (int v = 0; v < 4; ++v) {
+      moe.set_legacy(v >= 2);
+      moe.set_unit_max_rows(8);
+      moe.set_f16(v % 2 == 1);
+      UF_CUDA_CHECK(cudaMemsetAsync(out_new, 0xFF, size_t(8) * kDim * 4, s));
+      us[v] = replay_us_per_copy(s, reps, copies, [&](int c) {
+        moe.run(ex[size_t(c)], act, idx, wts, kSwigluLimit, out_new, s);
+      });
+      UF_CUDA_CHECK(
+          cudaMemcpy((v ? o : ref).data(), out_new, o.size() * 4, cudaMemcpyDeviceToHost));
+      for (float x : (v ? o : ref)) nan += std::isnan(x) ? 1 : 0;
+      if (v) same = same && std::memcmp(o.data(), ref.data(), o.size() * 4) == 0;
+    }
+    std::printf("%3d %10.2f %10.2f %10.2f %10.2f %s%s\n", m, us[0], us[1], us[2], us[3],
+                same ? "yes" : "NO!", nan ? "  NaN in the output!" : "");
+  }
+  moe.set_legacy(false);
+  moe.set_unit_max_rows(2);
+  moe.set_f16(true);
   // Restore the quantised bf16 input for the prefill comparison below.
   act_quant_fp8_bf16(xb, 8, kDim, codes, scales, s);
 

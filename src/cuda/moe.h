@@ -90,6 +90,19 @@ class MoeFp4 {
   // the same outputs. For benchmarks and tests.
   void set_legacy(bool on) { legacy_ = on || !unit_ok_; }
   bool legacy() const { return legacy_; }
+  // The mma of both kernel sets: true (default) = the e4m3 m16n8k32 mma written as the two f16
+  // HMMAs that ptxas emulates it with on sm_90a (moe_fp4.cu: the same F2FP conversions, operand
+  // positions and chain, without its "+ 0" adds; the unit w2 kernel converts h to f16 once per
+  // CTA instead of once per warp), false = the e4m3 mma.sync. Bitwise the same outputs
+  // (tests/cuda/test_moe_fp4_halfchunk.cpp). For benchmarks and tests.
+  void set_f16(bool on) { f16_ = on; }
+  bool f16() const { return f16_; }
+  // set_f16's value for MoeFp4 objects constructed from now on (process-wide; default true): for
+  // benchmarks of objects built inside other classes (DeviceMoe). Not thread-safe.
+  static void set_default_f16(bool on);
+  // The unit kernels run for calls of up to this many rows (default 2, where they are faster),
+  // the persistent ones above; bitwise the same outputs. Tests set 8 to cover both at every M.
+  void set_unit_max_rows(int rows) { unit_max_rows_ = rows; }
 
  private:
   // w13 + w2 (kernels 1, 2): w2 outputs of pair (t, k) to y[t * y_row_stride + k * dim],
@@ -97,6 +110,10 @@ class MoeFp4 {
   void run_experts_impl(const Fp4ExpertsView& w, const QuantActView& x, const int* topk_idx,
                         const float* topk_w, float swiglu_limit, bool round_w2, float* y,
                         int64_t y_row_stride, cudaStream_t stream) const;
+  template <bool kF16>
+  void launch_experts(const Fp4ExpertsView& w, const QuantActView& x, const int* topk_idx,
+                      const float* topk_w, float swiglu_limit, bool round_w2, float* y,
+                      int64_t y_row_stride, cudaStream_t stream) const;
   void combine(const float* y, const int* topk_idx, int m, int num_experts, const float* add,
                bool round_out, float* out, cudaStream_t stream) const;
   int dim_, inter_, topk_, splits_, kb_per_split_;
@@ -104,6 +121,9 @@ class MoeFp4 {
   bool w2_streamed_ = true;     // moe_w2_kernel fits; false: the per-tile w2 kernel (large inter)
   bool unit_ok_ = false;        // the unit kernels' shared memory fits (and splits <= 16)
   bool legacy_ = true;          // run the earlier persistent kernels
+  bool f16_ = true;             // f16 HMMAs instead of the (emulated) e4m3 mma.sync
+  int unit_max_rows_ = 2;       // the unit kernels up to this many rows
+  int pre_b_max_ = 0;           // f16 persistent w2 with h pre-converted: dynamic smem limit
   float* h_vals_ = nullptr;     // [8 * topk pairs][inter] bf16 values of h (unit kernels)
   uint8_t* h_codes_ = nullptr;  // [8 * topk pairs][inter]
   float* h_scales_ = nullptr;   // [pairs][inter / 32]

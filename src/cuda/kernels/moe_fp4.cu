@@ -64,6 +64,19 @@
 // loops; the w13 chunks are fully unrolled (4 or 8 K blocks). The products and their order are
 // unchanged (tests/cuda/test_moe_decode_vs_prefill.cpp, test_moe_fp4_halfchunk.cpp: bitwise
 // MoeFp4Prefill's outputs).
+// The mma (MoeFp4::set_f16; every kernel is instantiated for both): kF16 = true (default) issues
+// the emulation's own f16 instructions (mma_e4m3_f16 below: the same F2FP conversions, HMMA
+// operand positions and chain as ptxas's expansion of the e4m3 mma.sync, so the same bits) minus
+// its 4 "+ 0" FADDs per mma, and the w2 kernels convert h to the f16 B operands once per CTA
+// (in their prologue, into shared memory) instead of once per warp and K block (the persistent
+// one only where its larger plan still fits on an SM beside a w13 CTA: up to 7 rows at dim 5120 /
+// inter 288). SASS per K block of the inner loops (e4m3 -> f16): unit w13 49.3 -> 45.3, unit w2
+// 52 -> 42, persistent w13 82 -> 78, persistent w2 55.3 -> 46 (51.3 without the pre-conversion).
+// E2M1 is still placed into e4m3 bytes and converted by F2FP (2 values an instruction): a direct
+// E2M1 -> f16 bit placement costs ~4 integer ops per f16x2 (the sign and magnitude need different
+// shifts) and would change the HMMA inputs by 2^-8 (subnormal f16 for 0.5), so bitwise equality
+// would rest on the HMMA's scale invariance.
+//
 // Reduction order (unchanged from the earlier per-tile kernels, and MoeFp4Prefill's): per output,
 // acc = 0; for kb in K order acc = fmaf(partial * (sa * 2^6), sw, acc) (per-row weight scale);
 // w13 splits of 16 K blocks summed in split order; w2 over all of I; experts summed by expert id.
@@ -161,13 +174,70 @@ __device__ __forceinline__ void build_plan(const int* topk_idx, const float* top
   __syncthreads();
 }
 
+// ---- The m16n8k32 e4m3 mma on f16 HMMA, as ptxas emulates it on sm_90a ----
+// sm_90a has no FP8 mma.sync: ptxas turns mma_e4m3_16x8x32 into 12 F2FP (e4m3x2 -> f16x2, exact)
+// + 2 HMMA.16816.F32 + 4 FADD. Read from the SASS of a probe (session 7, register dataflow):
+//   t = HMMA(A = {lo(a0), lo(a1), lo(a2), lo(a3)}, B = {lo(b0), lo(b1)}, C = RZ)
+//   t = HMMA(A = {hi(a0), hi(a1), hi(a2), hi(a3)}, B = {hi(b0), hi(b1)}, C = t)
+//   d = C + t                                  (here C = 0: the FADDs only add +0)
+// lo / hi = the f16x2 of the register's low / high two e4m3 bytes (F2FP .H0 / .H1): the first
+// HMMA gets the fragment's K indices = 0, 1 mod 4, the second 2, 3 mod 4, each at the f16
+// fragment positions shown. mma_e4m3_f16 issues exactly these instructions (the same F2FP, the
+// same operand positions, the same chain; checked in the SASS: identical instruction sequence),
+// minus the "+ 0" FADDs. d differs from the emulation's only where t = -0 (0 + -0 = +0); the
+// callers multiply d into acc = fmaf(d * sa, sw, acc) from acc = +0, which then agrees unless acc
+// itself is -0, i.e. an earlier term underflowed to -0 (|partial * sa * sw| < 2^-150).
+__device__ __forceinline__ uint32_t e4m3x2_lo_to_f16x2(uint32_t x) {
+  uint32_t r;
+  asm("{.reg .b16 l, h;\n\tmov.b32 {l, h}, %1;\n\tcvt.rn.f16x2.e4m3x2 %0, l;}" : "=r"(r) : "r"(x));
+  return r;
+}
+__device__ __forceinline__ uint32_t e4m3x2_hi_to_f16x2(uint32_t x) {
+  uint32_t r;
+  asm("{.reg .b16 l, h;\n\tmov.b32 {l, h}, %1;\n\tcvt.rn.f16x2.e4m3x2 %0, h;}" : "=r"(r) : "r"(x));
+  return r;
+}
+__device__ __forceinline__ void mma_f16_16x8x16(float (&d)[4], uint32_t a0, uint32_t a1,
+                                                uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1,
+                                                const float (&c)[4]) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%10,%11,%12,%13};"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(c[2]),
+        "f"(c[3]));
+}
+// The B fragment (b0, b1: e4m3 x 4 each) as the two HMMAs' f16 operands:
+// {lo(b0), lo(b1)} for the first, {hi(b0), hi(b1)} for the second.
+__device__ __forceinline__ uint4 b_e4m3_to_f16(uint32_t b0, uint32_t b1) {
+  return make_uint4(e4m3x2_lo_to_f16x2(b0), e4m3x2_lo_to_f16x2(b1), e4m3x2_hi_to_f16x2(b0),
+                    e4m3x2_hi_to_f16x2(b1));
+}
+// D = A * B (C = 0): a = 4 regs of e4m3 (as mma_e4m3_16x8x32), bh = b_e4m3_to_f16's operands.
+__device__ __forceinline__ void mma_e4m3_f16(float (&d)[4], const uint32_t (&a)[4],
+                                             const uint4& bh) {
+  const float zero[4] = {0.f, 0.f, 0.f, 0.f};
+  float t[4];
+  mma_f16_16x8x16(t, e4m3x2_lo_to_f16x2(a[0]), e4m3x2_lo_to_f16x2(a[1]), e4m3x2_lo_to_f16x2(a[2]),
+                  e4m3x2_lo_to_f16x2(a[3]), bh.x, bh.y, zero);
+  mma_f16_16x8x16(d, e4m3x2_hi_to_f16x2(a[0]), e4m3x2_hi_to_f16x2(a[1]), e4m3x2_hi_to_f16x2(a[2]),
+                  e4m3x2_hi_to_f16x2(a[3]), bh.z, bh.w, t);
+}
+// An activation element's slot in a lane's 8 f16 values of one K block laid out as bh (the B
+// operand pre-converted, moe_w2_unit_kernel<true>): element j of the lane's 8 (byte j of its 8
+// FP8 codes; b0 = elements [0,2,4,6], b1 = [1,3,5,7]) -> bh halves {0,2 | 1,3 | 4,6 | 5,7}.
+__device__ __forceinline__ int f16_b_slot(int j) {
+  return (j & 4) | ((j & 1) << 1) | ((j >> 1) & 1);
+}
+
 // One K block of a 16 x 8 tile from shared memory: w = row 0 of the stage at this block's 16
 // bytes with the lane's t * 4 included, rs = row stride; sw0 / sw1 = the weight scales of rows g
-// and g + 8; b0 / b1 = the B fragment (column g); sa0 / sa1 = activation scales of columns 2t,
-// 2t + 1, times 2^6 (0 for absent columns).
-__device__ __forceinline__ void fp4_mma_step(const uint8_t* w, int rs, float sw0, float sw1,
-                                             uint32_t b0, uint32_t b1, float sa0, float sa1,
-                                             float (&acc)[4]) {
+// and g + 8; b = the B fragment (column g): e4m3 b0 / b1 (kF16: converted here) or, with
+// kPreB, the f16 operands bh; sa0 / sa1 = activation scales of columns 2t, 2t + 1, times 2^6 (0
+// for absent columns). kF16: the f16 HMMAs of mma_e4m3_f16 instead of the emulated e4m3 mma.
+template <bool kF16>
+__device__ __forceinline__ void fp4_mma_core(const uint8_t* w, int rs, float sw0, float sw1,
+                                             uint32_t b0, uint32_t b1, const uint4* bh, float sa0,
+                                             float sa1, float (&acc)[4]) {
   const int lane = threadIdx.x & 31, g = lane >> 2;
   const uint32_t q0 = *reinterpret_cast<const uint32_t*>(w + g * rs);
   const uint32_t q1 = *reinterpret_cast<const uint32_t*>(w + (g + 8) * rs);
@@ -175,24 +245,34 @@ __device__ __forceinline__ void fp4_mma_step(const uint8_t* w, int rs, float sw0
   e2m1x8_to_e4m3_scaled(q0, a[0], a[2]);
   e2m1x8_to_e4m3_scaled(q1, a[1], a[3]);
   float d[4];
-  mma_e4m3_16x8x32(d, a, b0, b1);
+  if constexpr (kF16)
+    mma_e4m3_f16(d, a, bh ? *bh : b_e4m3_to_f16(b0, b1));
+  else
+    mma_e4m3_16x8x32(d, a, b0, b1);
   // d holds the partial * 2^-6; (d * (sa * 2^6)) * sw is bitwise (partial * sa) * sw.
   acc[0] = fmaf(d[0] * sa0, sw0, acc[0]);
   acc[1] = fmaf(d[1] * sa1, sw0, acc[1]);
   acc[2] = fmaf(d[2] * sa0, sw1, acc[2]);
   acc[3] = fmaf(d[3] * sa1, sw1, acc[3]);
 }
+template <bool kF16>
+__device__ __forceinline__ void fp4_mma_step(const uint8_t* w, int rs, float sw0, float sw1,
+                                             uint32_t b0, uint32_t b1, float sa0, float sa1,
+                                             float (&acc)[4]) {
+  fp4_mma_core<kF16>(w, rs, sw0, sw1, b0, b1, nullptr, sa0, sa1, acc);
+}
 
 // fp4_mma_step with the B fragment read from shared memory: act = column g's FP8 codes at this K
 // block with the lane's t * 8 included (elements [0,2,4,6] -> b0, [1,3,5,7] -> b1). Callers
 // clamp absent columns (g >= count) onto a present one instead of predicating every block: an mma
 // column depends on its own B column only, and absent columns' results are never stored.
+template <bool kF16>
 __device__ __forceinline__ void fp4_mma_block(const uint8_t* w, int rs, float sw0, float sw1,
                                               const uint8_t* act, float sa0, float sa1,
                                               float (&acc)[4]) {
   const uint2 v = *reinterpret_cast<const uint2*>(act);
-  fp4_mma_step(w, rs, sw0, sw1, __byte_perm(v.x, v.y, 0x6420), __byte_perm(v.x, v.y, 0x7531), sa0,
-               sa1, acc);
+  fp4_mma_step<kF16>(w, rs, sw0, sw1, __byte_perm(v.x, v.y, 0x6420), __byte_perm(v.x, v.y, 0x7531),
+                     sa0, sa1, acc);
 }
 
 // A warp's 16 rows x n UE8M0 weight scales (row r at src + r * src_stride) to fp32 (e8m0_to_f32)
@@ -208,8 +288,10 @@ __device__ __forceinline__ void scales_to_f32(const uint8_t* src, int src_stride
 
 // The w2 K loop of one 16-row tile over all of I from acc (the persistent and unit w2 kernels):
 // w = the tile's row 0 in shared memory (row stride rs) with the lane's t * 4 included, swf =
-// its weight scales as fp32 [16][sws], act = column g's FP8 codes with t * 8 included, sa0 / sa1
-// = columns 2t / 2t + 1's scales times 2^6, all in K block order.
+// its weight scales as fp32 [16][sws], act = column g's FP8 codes with t * 8 included (kPreB:
+// column g's f16 operands, 64 bytes a K block, with t * 16 included), sa0 / sa1 = columns 2t /
+// 2t + 1's scales times 2^6, all in K block order.
+template <bool kF16, bool kPreB = false>
 __device__ __forceinline__ void w2_tile_k_loop(const uint8_t* w, int rs, const float* swf, int sws,
                                                const uint8_t* act, const float* sa0,
                                                const float* sa1, int nkb, float (&acc)[4]) {
@@ -217,8 +299,14 @@ __device__ __forceinline__ void w2_tile_k_loop(const uint8_t* w, int rs, const f
   const float* sw0 = swf + g * sws;
   const float* sw1 = sw0 + 8 * sws;
 #pragma unroll 3
-  for (int k = 0; k < nkb; ++k)
-    fp4_mma_block(w + k * 16, rs, sw0[k], sw1[k], act + k * 32, sa0[k], sa1[k], acc);
+  for (int k = 0; k < nkb; ++k) {
+    if constexpr (kPreB) {
+      const uint4 bh = *reinterpret_cast<const uint4*>(act + k * 64);
+      fp4_mma_core<true>(w + k * 16, rs, sw0[k], sw1[k], 0u, 0u, &bh, sa0[k], sa1[k], acc);
+    } else {
+      fp4_mma_block<kF16>(w + k * 16, rs, sw0[k], sw1[k], act + k * 32, sa0[k], sa1[k], acc);
+    }
+  }
 }
 
 // ---- Kernel 1: w13 ----
@@ -334,6 +422,7 @@ __device__ __forceinline__ void w13_advance(W13Cursor& c, int S, int groups) {
 
 // 96 registers: one 16-warp CTA per SM leaves 16K registers for a w2 CTA (64), which can then
 // start early and prefetch its weights during this kernel's tail.
+template <bool kF16>
 __global__ void __maxnreg__(96) moe_w13_kernel(const W13Params p) {
   extern __shared__ __align__(128) uint8_t smem[];
   MoePlan& plan = *reinterpret_cast<MoePlan*>(smem);
@@ -444,8 +533,8 @@ __global__ void __maxnreg__(96) moe_w13_kernel(const W13Params p) {
           const int uu = h * 4 + j;
           const uint32_t b0 = __byte_perm(av[uu].x, av[uu].y, 0x6420);  // elements [0,2,4,6]
           const uint32_t b1 = __byte_perm(av[uu].x, av[uu].y, 0x7531);  // elements [1,3,5,7]
-          fp4_mma_step(st + uu * 16 + t * 4, kW13RowStride, sw0[j], sw1[j], b0, b1, sa0[uu],
-                       sa1[uu], acc);
+          fp4_mma_step<kF16>(st + uu * 16 + t * 4, kW13RowStride, sw0[j], sw1[j], b0, b1, sa0[uu],
+                             sa1[uu], acc);
         }
       }
       __syncwarp();
@@ -489,7 +578,8 @@ constexpr int kW2CtasPerSm = 2;
 struct W2Layout {
   int rs, stage_sc, stage_bytes, h_off, hs_off, stage_off, sws, sw_off, total;
 };
-__host__ __device__ __forceinline__ W2Layout w2_layout(int inter, int pairs) {
+// f16 (moe_w2_kernel<true, true>): h is held as the mma's f16 B operands (2 bytes an element).
+__host__ __device__ __forceinline__ W2Layout w2_layout(int inter, int pairs, bool f16) {
   W2Layout l;
   const int nkb = inter / 32;
   // Row stride = 16 mod 32 bytes: the 8 rows g of a 4-byte fragment read hit distinct banks.
@@ -497,7 +587,7 @@ __host__ __device__ __forceinline__ W2Layout w2_layout(int inter, int pairs) {
   l.stage_sc = 16 * l.rs;
   l.stage_bytes = (l.stage_sc + 16 * nkb + 15) / 16 * 16;
   l.h_off = kPlanBytes;
-  l.hs_off = l.h_off + (pairs * inter + 15) / 16 * 16;
+  l.hs_off = l.h_off + (pairs * inter * (f16 ? 2 : 1) + 15) / 16 * 16;
   l.stage_off = l.hs_off + (pairs * nkb * 4 + 15) / 16 * 16;
   l.sws = nkb | 1;  // odd: the 8 rows g of a scale read hit distinct banks
   l.sw_off = l.stage_off + kW2Warps * kW2Stages * l.stage_bytes;
@@ -544,12 +634,15 @@ struct W2Params {
   const float* h_vals;  // unit kernel: h as moe_w13_unit_kernel wrote it
 };
 
+// kPreB (with kF16; where shared memory allows, MoeFp4::launch_experts): h held as the f16 B
+// operands, converted once per CTA in the prologue.
+template <bool kF16, bool kPreB>
 __global__ void __maxnreg__(64) moe_w2_kernel(const W2Params p) {
   extern __shared__ __align__(128) uint8_t smem[];
   MoePlan& plan = *reinterpret_cast<MoePlan*>(smem);
   // Before the wait: the plan (topk_idx is complete, see the header) and the first weights.
   build_plan(p.topk_idx, p.topk_w, p.pairs, p.topk, p.E, plan);
-  const W2Layout L = w2_layout(p.inter, p.pairs);
+  const W2Layout L = w2_layout(p.inter, p.pairs, kPreB);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int nkb = p.inter / 32;
   const int tiles = p.dim / 16;
@@ -583,10 +676,21 @@ __global__ void __maxnreg__(64) moe_w2_kernel(const W2Params p) {
   pdl_wait();  // h from kernel 1
   pdl_trigger();
   {  // h codes [pairs][inter] and scales [pairs][nkb] into shared memory (L2 reads)
-    const int n16 = p.pairs * p.inter / 16;
-    for (int i = tid; i < n16; i += blockDim.x)
-      reinterpret_cast<uint4*>(smem + L.h_off)[i] =
-          __ldcg(reinterpret_cast<const uint4*>(p.h_codes) + i);
+    if constexpr (kPreB) {
+      // As the f16 B operands, converted once per CTA instead of per warp: a group of 8 codes
+      // (a lane's share of a K block) -> 16 bytes, b_e4m3_to_f16 of its fragment registers.
+      const int n8 = p.pairs * p.inter / 8;
+      for (int i = tid; i < n8; i += blockDim.x) {
+        const uint2 v = __ldcg(reinterpret_cast<const uint2*>(p.h_codes) + i);
+        reinterpret_cast<uint4*>(smem + L.h_off)[i] =
+            b_e4m3_to_f16(__byte_perm(v.x, v.y, 0x6420), __byte_perm(v.x, v.y, 0x7531));
+      }
+    } else {
+      const int n16 = p.pairs * p.inter / 16;
+      for (int i = tid; i < n16; i += blockDim.x)
+        reinterpret_cast<uint4*>(smem + L.h_off)[i] =
+            __ldcg(reinterpret_cast<const uint4*>(p.h_codes) + i);
+    }
     // Scales times 2^6 (fp4_mma_step's sa): only ever used so.
     for (int i = tid; i < p.pairs * nkb; i += blockDim.x)
       reinterpret_cast<float*>(smem + L.hs_off)[i] = __ldcg(p.h_scales + i) * kE2M1ToE4M3Rescale;
@@ -600,7 +704,9 @@ __global__ void __maxnreg__(64) moe_w2_kernel(const W2Params p) {
   for (int n = lo; n < hi; ++n) {
     const SlotPlan& r = plan.slot[u];
     // Absent columns read a present one (fp4_mma_block); only valid pairs are stored.
-    const uint8_t* act_g = smem + L.h_off + r.pair[min(g, r.count - 1)] * p.inter + t * 8;
+    const uint8_t* act_g = smem + L.h_off +
+                           r.pair[min(g, r.count - 1)] * p.inter * (kPreB ? 2 : 1) +
+                           t * (kPreB ? 16 : 8);
     const float* as0 = hs + r.pair[min(2 * t, r.count - 1)] * nkb;
     const float* as1 = hs + r.pair[min(2 * t + 1, r.count - 1)] * nkb;
     const int pair0 = 2 * t < r.count ? r.pair[2 * t] : -1;
@@ -613,7 +719,7 @@ __global__ void __maxnreg__(64) moe_w2_kernel(const W2Params p) {
     scales_to_f32(st + L.stage_sc, nkb, nkb, swf, L.sws);
     __syncwarp();
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    w2_tile_k_loop(st + t * 4, L.rs, swf, L.sws, act_g, as0, as1, nkb, acc);
+    w2_tile_k_loop<kF16, kPreB>(st + t * 4, L.rs, swf, L.sws, act_g, as0, as1, nkb, acc);
     __syncwarp();
     const int row0 = tile * 16;
     if (++tile == tiles) {
@@ -645,8 +751,9 @@ __global__ void __maxnreg__(64) moe_w2_kernel(const W2Params p) {
 using Fp4Stream = TileStream<16, 4>;  // FP4: 128 B of each row per stage, 4 stages
 constexpr int kW2TileSmem = kW2Warps * Fp4Stream::kWarpBytes;
 
+template <bool kF16>
 __global__ void __launch_bounds__(kW2Warps * 32) moe_w2_tile_kernel(const W2Params p) {
-  extern __shared__ __align__(16) uint8_t smem[];
+  extern __shared__ __align__(128) uint8_t smem[];
   __shared__ MoePlan plan;
   pdl_wait();
   pdl_trigger();
@@ -695,8 +802,8 @@ __global__ void __launch_bounds__(kW2Warps * 32) moe_w2_tile_kernel(const W2Para
         }
         const float sa0 = as0 ? __ldg(as0 + k) * kE2M1ToE4M3Rescale : 0.f;
         const float sa1 = as1 ? __ldg(as1 + k) * kE2M1ToE4M3Rescale : 0.f;
-        fp4_mma_step(st + u * 16, Fp4Stream::kRowStride, e8m0_to_f32(__ldg(sc0 + k)),
-                     e8m0_to_f32(__ldg(sc1 + k)), b0, b1, sa0, sa1, acc);
+        fp4_mma_step<kF16>(st + u * 16, Fp4Stream::kRowStride, e8m0_to_f32(__ldg(sc0 + k)),
+                           e8m0_to_f32(__ldg(sc1 + k)), b0, b1, sa0, sa1, acc);
       }
     }
     __syncwarp();
@@ -767,6 +874,7 @@ __host__ __device__ __forceinline__ int w13_unit_warps(int splits) {
   return splits < 2 ? 2 : (splits > kUnitMaxWarps ? kUnitMaxWarps : splits);
 }
 
+template <bool kF16>
 __global__ void __launch_bounds__(kUnitMaxWarps * 32, 2)
     moe_w13_unit_kernel(const W13Params p, int cols_cap) {
   extern __shared__ __align__(128) uint8_t smem[];
@@ -842,10 +950,10 @@ __global__ void __launch_bounds__(kUnitMaxWarps * 32, 2)
       const float4 a1 = *reinterpret_cast<const float4*>(sa1 + kk);
       const uint8_t* w = st + kk * 16 + t * 4;
       const uint8_t* x = act + kk * 32;
-      fp4_mma_block(w, kUnitRowStride, w0.x, w1.x, x, a0.x, a1.x, acc);
-      fp4_mma_block(w + 16, kUnitRowStride, w0.y, w1.y, x + 32, a0.y, a1.y, acc);
-      fp4_mma_block(w + 32, kUnitRowStride, w0.z, w1.z, x + 64, a0.z, a1.z, acc);
-      fp4_mma_block(w + 48, kUnitRowStride, w0.w, w1.w, x + 96, a0.w, a1.w, acc);
+      fp4_mma_block<kF16>(w, kUnitRowStride, w0.x, w1.x, x, a0.x, a1.x, acc);
+      fp4_mma_block<kF16>(w + 16, kUnitRowStride, w0.y, w1.y, x + 32, a0.y, a1.y, acc);
+      fp4_mma_block<kF16>(w + 32, kUnitRowStride, w0.z, w1.z, x + 64, a0.z, a1.z, acc);
+      fp4_mma_block<kF16>(w + 48, kUnitRowStride, w0.w, w1.w, x + 96, a0.w, a1.w, acc);
     }
     __syncwarp();                                // every lane is done with the split's weights
     float* part = reinterpret_cast<float*>(st);  // [16 rows][8 columns]
@@ -888,7 +996,8 @@ constexpr int kW2UnitRows = kW2UnitWarps * 16;
 struct W2UnitLayout {
   int rs, sc_off, sws, sw_off, warp_bytes, hcs, h_off, hs_off, w_off, total;
 };
-__host__ __device__ __forceinline__ W2UnitLayout w2_unit_layout(int inter, int cols) {
+// f16 (moe_w2_unit_kernel<true>): h is held as the mma's f16 B operands (2 bytes an element).
+__host__ __device__ __forceinline__ W2UnitLayout w2_unit_layout(int inter, int cols, bool f16) {
   W2UnitLayout l;
   const int nkb = inter / 32;
   // Row stride = 16 mod 32 bytes: the 8 rows g of a 4-byte fragment read hit distinct banks.
@@ -897,7 +1006,9 @@ __host__ __device__ __forceinline__ W2UnitLayout w2_unit_layout(int inter, int c
   l.sws = nkb | 1;  // fp32 scales [16 rows][sws], odd: the 8 rows g of a read hit distinct banks
   l.sw_off = round16(l.sc_off + 16 * nkb);
   l.warp_bytes = l.sw_off + round16(16 * l.sws * 4);
-  l.hcs = (inter - 32 + 127) / 128 * 128 + 32;  // >= inter, = 32 mod 128: conflict-free B reads
+  // Column stride >= the column's bytes, = 32 mod 128 (8-byte B reads) or, f16, 64 mod 128
+  // (16-byte reads, a quarter warp = columns g, g + 1): conflict-free B reads.
+  l.hcs = f16 ? (2 * inter - 64 + 127) / 128 * 128 + 64 : (inter - 32 + 127) / 128 * 128 + 32;
   l.h_off = kPlanBytes;
   l.hs_off = l.h_off + round16(cols * l.hcs);
   l.w_off = l.hs_off + round16(cols * nkb * 4);
@@ -905,6 +1016,7 @@ __host__ __device__ __forceinline__ W2UnitLayout w2_unit_layout(int inter, int c
   return l;
 }
 
+template <bool kF16>
 __global__ void __launch_bounds__(kW2UnitWarps * 32, 4)
     moe_w2_unit_kernel(const W2Params p, int cols_cap) {
   extern __shared__ __align__(128) uint8_t smem[];
@@ -916,7 +1028,7 @@ __global__ void __launch_bounds__(kW2UnitWarps * 32, 4)
   if (u >= plan.n_unique) return;  // uniform over the block
   const SlotPlan& r = plan.slot[u];
   const int count = min(r.count, cols_cap);
-  const W2UnitLayout L = w2_unit_layout(p.inter, cols_cap);
+  const W2UnitLayout L = w2_unit_layout(p.inter, cols_cap, kF16);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int nkb = p.inter / 32;
   const int row_out = rb * kW2UnitRows + warp * 16;
@@ -938,7 +1050,12 @@ __global__ void __launch_bounds__(kW2UnitWarps * 32, 4)
     const float h = __ldcg(p.h_vals + size_t(r.pair[c]) * p.inter + kb * 32 + lane);
     float sc;
     const uint8_t code = warp_quant_fp8_block(h, &sc);
-    hq[c * L.hcs + kb * 32 + lane] = code;
+    if constexpr (kF16) {  // as the f16 B operands (f16_b_slot): converted once, not per warp
+      uint8_t* blk = hq + c * L.hcs + kb * 64 + (lane >> 3) * 16;
+      reinterpret_cast<uint16_t*>(blk)[f16_b_slot(lane & 7)] = uint16_t(e4m3x2_lo_to_f16x2(code));
+    } else {
+      hq[c * L.hcs + kb * 32 + lane] = code;
+    }
     if (lane == 0) hs[c * nkb + kb] = sc * kE2M1ToE4M3Rescale;  // only used as fp4_mma_step's sa
   }
   cp_async_wait<0>();
@@ -947,11 +1064,11 @@ __global__ void __launch_bounds__(kW2UnitWarps * 32, 4)
   scales_to_f32(wsm + L.sc_off, nkb, nkb, swf, L.sws);
   __syncwarp();
   // Absent columns read a present one (fp4_mma_block); only valid columns are stored.
-  const uint8_t* act_g = hq + min(g, count - 1) * L.hcs + t * 8;
+  const uint8_t* act_g = hq + min(g, count - 1) * L.hcs + t * (kF16 ? 16 : 8);
   const float* as0 = hs + min(2 * t, count - 1) * nkb;
   const float* as1 = hs + min(2 * t + 1, count - 1) * nkb;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  w2_tile_k_loop(wsm + t * 4, L.rs, swf, L.sws, act_g, as0, as1, nkb, acc);
+  w2_tile_k_loop<kF16, kF16>(wsm + t * 4, L.rs, swf, L.sws, act_g, as0, as1, nkb, acc);
   auto out = [&](int pair) {
     return p.y + (pair / p.topk) * p.y_row_stride + size_t(pair % p.topk) * p.dim + row_out;
   };
@@ -1039,6 +1156,13 @@ void raise_smem(Kernel kernel, int bytes) {
     UF_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
 }
 
+// fn(std::false_type{}) and fn(std::true_type{}): the e4m3-mma and f16-HMMA kernel instances.
+template <typename Fn>
+void for_both_paths(Fn&& fn) {
+  fn(std::false_type{});
+  fn(std::true_type{});
+}
+
 }  // namespace
 
 // The unit kernels up to this many rows, the persistent ones above (bitwise the same). Session 7's
@@ -1046,8 +1170,15 @@ void raise_smem(Kernel kernel, int bytes) {
 // 31.6 / 29.1, 4 rows 46.8 / 53.5 (session 6, before both sets lost instructions: 4).
 constexpr int kUnitMaxRowsFaster = 2;
 
+namespace {
+bool g_default_f16 = true;  // MoeFp4::set_default_f16
+}  // namespace
+void MoeFp4::set_default_f16(bool on) { g_default_f16 = on; }
+
 MoeFp4::MoeFp4(int dim, int inter, int topk, int sm_count)
     : dim_(dim), inter_(inter), topk_(topk), sm_count_(sm_count) {
+  unit_max_rows_ = kUnitMaxRowsFaster;
+  f16_ = g_default_f16;
   require(dim > 0 && inter > 0 && dim % 128 == 0 && inter % 32 == 0 && topk >= 1 &&
               kMaxDecodeRows * topk <= kMaxPairs,
           "MoeFp4: dim %d must be a multiple of 128, inter %d of 32, 8 * topk (%d) <= 64", dim,
@@ -1061,27 +1192,53 @@ MoeFp4::MoeFp4(int dim, int inter, int topk, int sm_count)
   if (sm_count_ <= 0)
     UF_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device));
   const int slots = kMaxDecodeRows * topk;
-  const int w2_max = w2_layout(inter, slots).total;
+  const int w2_max = w2_layout(inter, slots, false).total;
   require(kW13Smem <= optin && kW2TileSmem <= optin,
           "MoeFp4: shared memory plan (w13 %d B) exceeds the device's %d B", kW13Smem, optin);
   w2_streamed_ = w2_max <= optin;  // else the per-tile w2 kernel (large inter)
   const int w13_unit_max = w13_unit_layout(dim, kMaxDecodeRows, splits_).total;
-  const int w2_unit_max = w2_unit_layout(inter, kMaxDecodeRows).total;
+  const int w2_unit_max = std::max(w2_unit_layout(inter, kMaxDecodeRows, false).total,
+                                   w2_unit_layout(inter, kMaxDecodeRows, true).total);
   unit_ok_ = splits_ <= 4 * kUnitMaxWarps && w13_unit_max <= optin && w2_unit_max <= optin &&
              dim % kW2UnitRows == 0;
   legacy_ = !unit_ok_;
   if (unit_ok_) {
-    raise_smem(moe_w13_unit_kernel, w13_unit_max);
-    raise_smem(moe_w2_unit_kernel, w2_unit_max);
-    prefer_shared_carveout(moe_w13_unit_kernel);
-    prefer_shared_carveout(moe_w2_unit_kernel);
+    for_both_paths([&](auto f16) {
+      raise_smem(moe_w13_unit_kernel<f16>, w13_unit_max);
+      raise_smem(moe_w2_unit_kernel<f16>, w2_unit_layout(inter, kMaxDecodeRows, f16).total);
+      prefer_shared_carveout(moe_w13_unit_kernel<f16>);
+      prefer_shared_carveout(moe_w2_unit_kernel<f16>);
+    });
   }
-  raise_smem(moe_w13_kernel, kW13Smem);
-  if (w2_streamed_) raise_smem(moe_w2_kernel, w2_max);
-  raise_smem(moe_w2_tile_kernel, kW2TileSmem);
-  prefer_shared_carveout(moe_w13_kernel);
-  prefer_shared_carveout(moe_w2_kernel);
-  prefer_shared_carveout(moe_w2_tile_kernel);
+  // The f16 w2 kernel with h pre-converted (kPreB): only where its plan and a w13 CTA fit on one
+  // SM together (launch_experts), so a w2 CTA can still start during the w13 kernel's tail.
+  {
+    int sm_smem = 0, reserved = 0;
+    UF_CUDA_CHECK(
+        cudaDeviceGetAttribute(&sm_smem, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
+    UF_CUDA_CHECK(
+        cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, device));
+    cudaFuncAttributes f13{}, f2{};
+    UF_CUDA_CHECK(cudaFuncGetAttributes(&f13, moe_w13_kernel<true>));
+    UF_CUDA_CHECK(cudaFuncGetAttributes(&f2, moe_w2_kernel<true, true>));
+    // A CTA's shared memory = dynamic + static + the reservation, in 128-byte units.
+    auto cta = [&](size_t dyn, size_t stat) { return (dyn + stat + reserved + 127) / 128 * 128; };
+    pre_b_max_ = sm_smem - int(cta(kW13Smem, f13.sharedSizeBytes)) - int(f2.sharedSizeBytes) -
+                 reserved - 127;  // w2's dynamic bytes up to this fit beside a w13 CTA
+    pre_b_max_ = std::min(pre_b_max_, optin);
+    if (pre_b_max_ > 0) {
+      raise_smem(moe_w2_kernel<true, true>, pre_b_max_);
+      prefer_shared_carveout(moe_w2_kernel<true, true>);
+    }
+  }
+  for_both_paths([&](auto f16) {
+    raise_smem(moe_w13_kernel<f16>, kW13Smem);
+    if (w2_streamed_) raise_smem(moe_w2_kernel<f16, false>, w2_max);
+    raise_smem(moe_w2_tile_kernel<f16>, kW2TileSmem);
+    prefer_shared_carveout(moe_w13_kernel<f16>);
+    prefer_shared_carveout(moe_w2_kernel<f16, false>);
+    prefer_shared_carveout(moe_w2_tile_kernel<f16>);
+  });
   prefer_shared_carveout(moe_combine_kernel);
   prefer_shared_carveout(swiglu_quant_kernel);
   const size_t groups = inter / 32;
@@ -1121,24 +1278,35 @@ void MoeFp4::run_experts_impl(const Fp4ExpertsView& w, const QuantActView& x, co
               aligned(x.scales, 4),
           "MoeFp4::run: weights must be 16-byte aligned (w1 / w3 scales 4, w2 scales 16) and the "
           "FP8 input 8-byte aligned (cp.async and vector loads)");
-  const int P = x.m * topk_;
-  const int groups = inter_ / 32;
   // Grids: enough CTAs for the largest unit count of this M (P distinct experts), at most the
   // resident ones. The unit split inside depends on the routing; the arithmetic never does.
   // The unit kernels win at few rows, the persistent ones from ~5 rows (H200, bench_cuda_moe,
   // routed experts, us: unit 23.7 / 31.1 / 52.3 / 95.0 / 106.3 against persistent 25.4 / 38.7 /
   // 63.2 / 88.9 / 102.9 at 1 / 2 / 4 / 7 / 8 rows). Bitwise the same outputs either way.
-  if (!legacy_ && x.m <= kUnitMaxRowsFaster) {
+  if (f16_)
+    launch_experts<true>(w, x, topk_idx, topk_w, swiglu_limit, round_w2, y, y_row_stride, stream);
+  else
+    launch_experts<false>(w, x, topk_idx, topk_w, swiglu_limit, round_w2, y, y_row_stride, stream);
+}
+
+template <bool kF16>
+void MoeFp4::launch_experts(const Fp4ExpertsView& w, const QuantActView& x, const int* topk_idx,
+                            const float* topk_w, float swiglu_limit, bool round_w2, float* y,
+                            int64_t y_row_stride, cudaStream_t stream) const {
+  const int P = x.m * topk_;
+  const int groups = inter_ / 32;
+  if (!legacy_ && x.m <= unit_max_rows_) {
     W13Params a{w.w1,          w.w1_scale,   w.w3,     w.w3_scale, w.num_experts, dim_,
                 inter_,        x.codes,      x.scales, topk_idx,   topk_w,        P,
                 topk_,         swiglu_limit, nullptr,  nullptr,    nullptr,       nullptr,
                 kb_per_split_, splits_,      h_vals_};
-    launch_pdl(moe_w13_unit_kernel, dim3(P * (inter_ / 8)), dim3(w13_unit_warps(splits_) * 32),
+    launch_pdl(moe_w13_unit_kernel<kF16>, dim3(P * (inter_ / 8)),
+               dim3(w13_unit_warps(splits_) * 32),
                size_t(w13_unit_layout(dim_, x.m, splits_).total), stream, a, x.m);
     W2Params b{w.w2,  w.w2_scale, w.num_experts, dim_, inter_,       topk_idx, topk_w, P,
                topk_, nullptr,    nullptr,       y,    y_row_stride, round_w2, h_vals_};
-    launch_pdl(moe_w2_unit_kernel, dim3(P * (dim_ / kW2UnitRows)), dim3(kW2UnitWarps * 32),
-               size_t(w2_unit_layout(inter_, x.m).total), stream, b, x.m);
+    launch_pdl(moe_w2_unit_kernel<kF16>, dim3(P * (dim_ / kW2UnitRows)), dim3(kW2UnitWarps * 32),
+               size_t(w2_unit_layout(inter_, x.m, kF16).total), stream, b, x.m);
     return;
   }
   const int w13_units = P * groups * 4 * splits_;
@@ -1147,19 +1315,25 @@ void MoeFp4::run_experts_impl(const Fp4ExpertsView& w, const QuantActView& x, co
               inter_,        x.codes,      x.scales, topk_idx,   topk_w,        P,
               topk_,         swiglu_limit, h_codes_, h_scales_,  partials_,     counters_,
               kb_per_split_, splits_,      nullptr};
-  launch_pdl(moe_w13_kernel, dim3(w13_grid), dim3(kW13Warps * 32), size_t(kW13Smem), stream, a);
+  launch_pdl(moe_w13_kernel<kF16>, dim3(w13_grid), dim3(kW13Warps * 32), size_t(kW13Smem), stream,
+             a);
   W2Params b{w.w2,  w.w2_scale, w.num_experts, dim_, inter_,       topk_idx, topk_w, P,
              topk_, h_codes_,   h_scales_,     y,    y_row_stride, round_w2, nullptr};
   if (!w2_streamed_) {
-    launch_pdl(moe_w2_tile_kernel, dim3((dim_ / 16 + kW2Warps - 1) / kW2Warps, P),
+    launch_pdl(moe_w2_tile_kernel<kF16>, dim3((dim_ / 16 + kW2Warps - 1) / kW2Warps, P),
                dim3(kW2Warps * 32), size_t(kW2TileSmem), stream, b);
     return;
   }
   const int w2_units = P * (dim_ / 16);
   const int w2_grid =
       std::max(1, std::min(kW2CtasPerSm * sm_count_, (w2_units + kW2Warps - 1) / kW2Warps));
-  launch_pdl(moe_w2_kernel, dim3(w2_grid), dim3(kW2Warps * 32), size_t(w2_layout(inter_, P).total),
-             stream, b);
+  const int pre_b_bytes = w2_layout(inter_, P, true).total;
+  if (kF16 && pre_b_bytes <= pre_b_max_)
+    launch_pdl(moe_w2_kernel<true, true>, dim3(w2_grid), dim3(kW2Warps * 32), size_t(pre_b_bytes),
+               stream, b);
+  else
+    launch_pdl(moe_w2_kernel<kF16, false>, dim3(w2_grid), dim3(kW2Warps * 32),
+               size_t(w2_layout(inter_, P, false).total), stream, b);
 }
 
 void MoeFp4::run(const Fp4ExpertsView& w, const QuantActView& x, const int* topk_idx,
