@@ -43,6 +43,20 @@ struct MoeShape {
 void moe_route(const MoeShape& shape, const float* scores, const float* bias, int rows,
                int32_t* gate_i, float* gate_w, cudaStream_t stream);
 
+// The decode chunk's router variants, for tests and benchmarks (ops/moe_ops.cu; bitwise the same
+// outputs): 0 moe_router2_kernel (the default), 1 the previous one-launch moe_router_kernel, 2 the
+// legacy path (dense_rows gate GEMV + route_quant_kernel).
+//  - set_moe_router_variant: DeviceMoe's router launch (0 or 1). Not thread-safe: set it between
+//    runs.
+//  - moe_router_run: the router alone (rows <= 8). scores / probs [8, E], counter one int, zero
+//    before the first call (each launch leaves it zero), gate_i / gate_w [rows, K], codes [rows,
+//    D], xscales [rows, D / 32]; gate bf16 [E, D]; x 16-byte aligned.
+void set_moe_router_variant(int variant);
+void moe_router_run(int variant, const MoeShape& shape, const DeviceWeight& gate, const float* bias,
+                    const float* x, int rows, float* scores, float* probs, int* counter,
+                    int32_t* gate_i, float* gate_w, uint8_t* codes, float* xscales,
+                    cudaStream_t stream);
+
 class DeviceMoe {
  public:
   DeviceMoe(const model::MoeWeights& w, const MoeShape& shape, DeviceArena& arena);

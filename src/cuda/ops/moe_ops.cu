@@ -43,6 +43,7 @@
 #include "cuda/gemv.h"
 #include "cuda/kernels/common.cuh"
 #include "cuda/moe.h"
+#include "cuda/ops/linear_kernels.h"
 #include "cuda/ops/moe.h"
 
 namespace uf::cuda {
@@ -429,6 +430,137 @@ __global__ void __launch_bounds__(kRouterWarps * 32)
   if (threadIdx.x == 0) *counter = 0;  // every CTA has counted: safe to reset
 }
 
+// moe_router_kernel restructured for latency (DeviceMoe's default since session 7; the kernel
+// above stays selectable: set_moe_router_variant(1)). The same outputs bit for bit: the scores in
+// dense_rows_kernel's fp32 order (each (gate row, x row) accumulator gets the same fmaf sequence:
+// steps in K order, 8 elements in order; the same xor tree; warps summed from warp 0), the same
+// probs, route_row tail and warp_quant_fp8_block codes. What changed:
+//  - kRows gate rows per CTA (E / 4 = 96 CTAs at E = 384, 40 KB of gate in shared memory): each
+//    x value loaded from L2 serves kRows gate rows (a quarter of the old kernel's x traffic per
+//    gate row), a step's x loads for all m rows issued at once (predicated, no break: one L2
+//    latency a step, 2-3 steps at D = 5120); 125 registers: 2 CTAs an SM stay possible;
+//  - launch_dependents right after the gate loads are issued (before the wait), so the next
+//    kernels' weight loads start while this one runs;
+//  - the FP8 quantisation of x after the counter: the CTAs that are not last quantise while the
+//    last one routes (the routing no longer waits behind any quantisation);
+//  - no softmax scratch (func == softmax takes the previous kernel).
+constexpr int kRouter2Rows = 4;
+
+template <int kRows>
+__global__ void __launch_bounds__(kRouterWarps * 32, 2)
+    moe_router2_kernel(const uint8_t* gate, int E, int D, const float* x, int m, float* scores,
+                       float* probs, int* counter, const float* bias, int K, int func,
+                       float gate_temp, float route_scale, int32_t* gate_i, float* gate_w,
+                       uint8_t* codes, float* xscales) {
+  extern __shared__ __align__(16) float router_smem[];  // [kRows][D] bf16 gate rows
+  const uint8_t* smem = reinterpret_cast<const uint8_t*>(router_smem);
+  __shared__ float red[kRouterWarps][kRows][kMaxDecodeRows];
+  __shared__ int s_last;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int e0 = blockIdx.x * kRows, nr = min(kRows, E - e0);
+  {
+    const int pieces = D / 8;  // 16-byte pieces per row
+    for (int i = threadIdx.x; i < nr * pieces; i += blockDim.x) {
+      const int r = i / pieces, c = i - r * pieces;
+      const uint32_t d = uint32_t(__cvta_generic_to_shared(smem + (size_t(r) * D + c * 8) * 2));
+      const uint8_t* src = gate + (size_t(e0 + r) * D + c * 8) * 2;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+    }
+    detail::cp_async_commit();
+  }
+  detail::pdl_trigger();
+  detail::pdl_wait();
+  // x [m, D] rows t < m, elements k .. k + 7 (16-byte aligned: D % 32 == 0, x 16-byte aligned).
+  auto load_x = [&](int k, float(&xv)[kMaxDecodeRows][8]) {
+#pragma unroll
+    for (int t = 0; t < kMaxDecodeRows; ++t) {
+      float4 a = make_float4(0.f, 0.f, 0.f, 0.f), b = a;
+      if (t < m) {
+        const float4* xp = reinterpret_cast<const float4*>(x + size_t(t) * D + k);
+        a = xp[0];
+        b = xp[1];
+      }
+      xv[t][0] = a.x;
+      xv[t][1] = a.y;
+      xv[t][2] = a.z;
+      xv[t][3] = a.w;
+      xv[t][4] = b.x;
+      xv[t][5] = b.y;
+      xv[t][6] = b.z;
+      xv[t][7] = b.w;
+    }
+  };
+  float acc[kRows][kMaxDecodeRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r)
+#pragma unroll
+    for (int t = 0; t < kMaxDecodeRows; ++t) acc[r][t] = 0.f;
+  constexpr int kStep = kRouterWarps * kRouterChunk;
+  int k = warp * kRouterChunk + lane * 8;
+  float xv[kMaxDecodeRows][8];
+  if (k < D) load_x(k, xv);  // the first step's x in flight while the gate lands
+  detail::cp_async_wait<0>();
+  __syncthreads();
+  for (; k < D; k += kStep) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      if (r >= nr) break;
+      const uint4 q = *reinterpret_cast<const uint4*>(smem + (size_t(r) * D + k) * 2);
+      const uint32_t u[4] = {q.x, q.y, q.z, q.w};
+      float wv[8];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        wv[2 * i] = __uint_as_float(u[i] << 16);
+        wv[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
+      }
+#pragma unroll
+      for (int t = 0; t < kMaxDecodeRows; ++t)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[r][t] = fmaf(xv[t][i], wv[i], acc[r][t]);
+    }
+    if (k + kStep < D) load_x(k + kStep, xv);  // the next step's, all m rows at once
+  }
+#pragma unroll
+  for (int r = 0; r < kRows; ++r)
+#pragma unroll
+    for (int t = 0; t < kMaxDecodeRows; ++t) {
+      float v = acc[r][t];
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, o));
+      if (lane == 0) red[warp][r][t] = v;
+    }
+  __syncthreads();
+  for (int i = threadIdx.x; i < nr * m; i += blockDim.x) {
+    const int r = i / m, t = i - r * m;
+    float v = red[0][r][t];
+    for (int q = 1; q < kRouterWarps; ++q) v = __fadd_rn(v, red[q][r][t]);
+    scores[size_t(t) * E + e0 + r] = v;
+    probs[size_t(t) * E + e0 + r] = score_elementwise(v, func, gate_temp);  // func != softmax
+  }
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) s_last = atomicAdd(counter, 1) == int(gridDim.x) - 1;
+  __syncthreads();
+  const bool last = s_last;  // uniform over the block
+  if (last) {
+    __threadfence();
+    if (warp < m)
+      route_row(probs, bias, E, K, func, gate_temp, route_scale, gate_i, gate_w, nullptr, warp,
+                true);
+    if (threadIdx.x == 0) *counter = 0;  // every CTA has counted: safe to reset
+  }
+  // The FP8 quantisation of x (route_quant_kernel's items, spread over the grid's warps).
+  const int nkb = D / 32;
+  for (int item = blockIdx.x * kRouterWarps + warp; item < m * nkb;
+       item += gridDim.x * kRouterWarps) {
+    const int row = item / nkb, kb = item - row * nkb;
+    const size_t idx = size_t(row) * D + kb * 32 + lane;
+    float sc;
+    codes[idx] = detail::warp_quant_fp8_block(x[idx], &sc);
+    if (lane == 0) xscales[size_t(row) * nkb + kb] = sc;
+  }
+}
+
 // Shared expert SwiGLU on bf16 g / u (cpu::expert_forward without a routing weight).
 __global__ void swiglu_kernel(const float* g, const float* u, size_t n, float lim, float* h) {
   const size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -760,6 +892,70 @@ void DeviceMoe::run(const float* x, int T, Out mode, float* out, int32_t* gate_i
   }
 }
 
+namespace {
+
+int g_router_variant = 0;  // set_moe_router_variant
+
+// The decode chunk's one-launch router (rows <= kMaxDecodeRows): variant 0 moe_router2_kernel
+// where it serves (not softmax), else moe_router_kernel; 1 moe_router_kernel. false: neither
+// serves the shape (the caller runs the gate GEMV and route_quant_kernel).
+bool launch_router(int variant, const DeviceWeight& gw8, int func, const MoeShape& sh,
+                   const float* bias, const float* xc, int rows, float* scores, float* probs,
+                   int* counter, int32_t* gi, float* gw, uint8_t* xcodes, float* xscales,
+                   cudaStream_t stream) {
+  const int E = sh.n_experts, K = sh.top_k, D = sh.dim;
+  const bool shape_ok = rows >= 1 && rows <= kMaxDecodeRows && E <= 32 * kRoutePerLane &&
+                        D % 32 == 0 && gw8.format == WFormat::kBF16 && gw8.rows == E &&
+                        gw8.cols == D && reinterpret_cast<uintptr_t>(xc) % 16 == 0;
+  if (!shape_ok) return false;
+  const size_t smem2 = size_t(kRouter2Rows) * D * 2;
+  if (variant == 0 && func != kSoftmax && smem2 <= 48 * 1024) {
+    detail::launch_pdl(moe_router2_kernel<kRouter2Rows>,
+                       dim3((E + kRouter2Rows - 1) / kRouter2Rows), dim3(kRouterWarps * 32), smem2,
+                       stream, gw8.data, E, D, xc, rows, scores, probs, counter, bias, K, func,
+                       sh.gate_temp, sh.route_scale, gi, gw, xcodes, xscales);
+    return true;
+  }
+  const size_t smem =
+      size_t(kRouterGateRows) * D * 2 + (func == kSoftmax ? sizeof(float) * size_t(rows) * E : 0);
+  if (smem > 48 * 1024) return false;
+  detail::launch_pdl(moe_router_kernel, dim3((E + kRouterGateRows - 1) / kRouterGateRows),
+                     dim3(kRouterWarps * 32), smem, stream, gw8.data, E, D, xc, rows, scores, probs,
+                     counter, bias, K, func, sh.gate_temp, sh.route_scale, gi, gw, xcodes, xscales);
+  return true;
+}
+
+int score_func_of(const MoeShape& sh) {
+  return sh.score_func == "softmax"   ? kSoftmax
+         : sh.score_func == "sigmoid" ? kSigmoid
+                                      : kSqrtSoftplus;
+}
+
+}  // namespace
+
+// Router hooks for tests and benchmarks (declared in ops/moe.h).
+void set_moe_router_variant(int variant) { g_router_variant = variant; }
+
+void moe_router_run(int variant, const MoeShape& shape, const DeviceWeight& gate, const float* bias,
+                    const float* x, int rows, float* scores, float* probs, int* counter,
+                    int32_t* gate_i, float* gate_w, uint8_t* codes, float* xscales,
+                    cudaStream_t stream) {
+  const int func = score_func_of(shape), E = shape.n_experts, D = shape.dim;
+  require(rows >= 1 && rows <= kMaxDecodeRows && shape.top_k >= 1 && shape.top_k <= kMaxTopK,
+          "moe_router_run: %d rows (1..%d), top-%d", rows, kMaxDecodeRows, shape.top_k);
+  if (variant != 2 && launch_router(variant, gate, func, shape, bias, x, rows, scores, probs,
+                                    counter, gate_i, gate_w, codes, xscales, stream))
+    return;
+  require(E <= 32 * kRoutePerLane && D % 32 == 0,
+          "moe_router_run: %d experts, dim %d (need <= %d experts, dim %% 32 == 0)", E, D,
+          32 * kRoutePerLane);
+  ops_detail::dense_rows(gate, 0, E, x, D, rows, scores, E, false, stream);
+  detail::launch_pdl(route_quant_kernel, dim3(rows, 1 + (D / 32 + 7) / 8), dim3(256),
+                     func == kSoftmax ? sizeof(float) * E : 0, stream, scores, bias, E, shape.top_k,
+                     func, shape.gate_temp, shape.route_scale, gate_i, gate_w, x, D, codes,
+                     xscales);
+}
+
 void DeviceMoe::run_chunk(const float* x, int t0, int rows, Out mode, float* out, int32_t* gate_i,
                           float* gate_w, cudaStream_t stream) const {
   const Impl& m = *impl_;
@@ -819,18 +1015,12 @@ void DeviceMoe::run_chunk(const float* x, int t0, int rows, Out mode, float* out
   if (fork) shared_expert();
 
   // The routed experts.
-  const DeviceWeight& gw8 = m.gate.weight();
-  const size_t router_smem =
-      size_t(kRouterGateRows) * D * 2 + (m.func == kSoftmax ? sizeof(float) * size_t(rows) * E : 0);
-  const bool router = !pf && !m.legacy && E <= 32 * kRoutePerLane && D % 32 == 0 &&
-                      gw8.format == WFormat::kBF16 && gw8.rows == E && gw8.cols == D &&
-                      reinterpret_cast<uintptr_t>(xc) % 16 == 0 && router_smem <= 48 * 1024;
+  const bool router =
+      !pf && !m.legacy &&
+      launch_router(g_router_variant, m.gate.weight(), m.func, m.s, m.bias, xc, rows, scores,
+                    m.probs, m.router_counter, gi, gw, xcodes, xscales, stream);
   if (router) {
-    const size_t smem = router_smem;
-    detail::launch_pdl(moe_router_kernel, dim3((E + kRouterGateRows - 1) / kRouterGateRows),
-                       dim3(kRouterWarps * 32), smem, stream, gw8.data, E, D, xc, rows, scores,
-                       m.probs, m.router_counter, static_cast<const float*>(m.bias), K, m.func,
-                       m.s.gate_temp, m.s.route_scale, gi, gw, xcodes, xscales);
+    // gate, routing and act quant: one launch
   } else if (!pf && E <= 32 * kRoutePerLane && D % 32 == 0) {
     m.gate.apply(xc, rows, scores, stream);
     detail::launch_pdl(route_quant_kernel, dim3(rows, 1 + (D / 32 + 7) / 8), dim3(256),
