@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -116,6 +117,15 @@ std::string tag(const Dims& d, int T, const char* more = "") {
   return std::string(d.name) + " T=" + std::to_string(T) + more;
 }
 
+// Every case runs on both kernels of row_chains: the default one (the row in shared memory,
+// weights and block values read before the PDL wait) and the in-place one it replaced
+// (UF_ROW_CHAINS_LEGACY=1, also the path of rows over 12288 floats).
+class CudaFusedRows : public ::testing::TestWithParam<bool> {
+ protected:
+  void SetUp() override { setenv("UF_ROW_CHAINS_LEGACY", GetParam() ? "1" : "0", 1); }
+  void TearDown() override { unsetenv("UF_ROW_CHAINS_LEGACY"); }
+};
+
 // Slot pointers as (buffer id, offset) with 0 = null, 1 = ring, 2 = local; -1 = elsewhere.
 std::vector<int64_t> slot_ids(const std::vector<const float*>& s, const float* ring, int64_t rn,
                               const float* local, int64_t ln) {
@@ -139,7 +149,7 @@ std::vector<int64_t> slot_ids(const std::vector<const float*>& s, const float* r
 }
 
 // attention_program's launch: rope(q) + finish_kv's chain + put_ring_rows + build_window_slots.
-TEST(CudaFusedRows, AttentionQkvRingSlotsBitwise) {
+TEST_P(CudaFusedRows, AttentionQkvRingSlotsBitwise) {
   UF_REQUIRE_GPU();
   std::mt19937 rng(601);
   for (const Dims& d : kDims)
@@ -221,7 +231,7 @@ TEST(CudaFusedRows, AttentionQkvRingSlotsBitwise) {
 
 // finish_kv alone with p0 instead of positions (the host-driven path), and the norm on widths of
 // every load mode (q_lora_rank 1280, an odd width).
-TEST(CudaFusedRows, KvChainP0AndNormWidthsBitwise) {
+TEST_P(CudaFusedRows, KvChainP0AndNormWidthsBitwise) {
   UF_REQUIRE_GPU();
   std::mt19937 rng(602);
   for (const Dims& d : kDims)
@@ -274,7 +284,7 @@ TEST(CudaFusedRows, KvChainP0AndNormWidthsBitwise) {
 }
 
 // output_proj's inverse rope of the attention output (H heads), with positions and with p0.
-TEST(CudaFusedRows, OutputInverseRopeBitwise) {
+TEST_P(CudaFusedRows, OutputInverseRopeBitwise) {
   UF_REQUIRE_GPU();
   std::mt19937 rng(606);
   for (const Dims& d : kDims)
@@ -309,7 +319,7 @@ TEST(CudaFusedRows, OutputInverseRopeBitwise) {
 }
 
 // index_queries: scale_round_bf16(iw) + rope(iq, Hi heads) + qdq_fp4_e8m0_scale(iq, 32).
-TEST(CudaFusedRows, IndexQueriesBitwise) {
+TEST_P(CudaFusedRows, IndexQueriesBitwise) {
   UF_REQUIRE_GPU();
   std::mt19937 rng(603);
   for (const Dims& d : kDims)
@@ -357,7 +367,7 @@ TEST(CudaFusedRows, IndexQueriesBitwise) {
 // kv_program / finish_entries: [compress_pool + round_bf16 | c_wkv rows] + rms_norm(c_norm), the
 // raw rings' put_ring_rows, then the keys' rms_norm + rope + FP4 (UE8M0, 32) and the latents' rope
 // + FP4 (E4M3, 16), each with copy_rows_to of the first n rows; with or without index keys.
-TEST(CudaFusedRows, CompressorEntriesBitwise) {
+TEST_P(CudaFusedRows, CompressorEntriesBitwise) {
   UF_REQUIRE_GPU();
   std::mt19937 rng(604);
   for (const Dims& d : kDims)
@@ -510,7 +520,7 @@ TEST(CudaFusedRows, CompressorEntriesBitwise) {
 }
 
 // finish_entries on the host-driven path: positions p0 + i * stride instead of a position list.
-TEST(CudaFusedRows, EntriesStrideBitwise) {
+TEST_P(CudaFusedRows, EntriesStrideBitwise) {
   UF_REQUIRE_GPU();
   std::mt19937 rng(605);
   for (const Dims& d : kDims)
@@ -552,6 +562,11 @@ TEST(CudaFusedRows, EntriesStrideBitwise) {
       EXPECT_TRUE(same_bits(what + " latents", l2.download(), l1.download()));
     }
 }
+
+INSTANTIATE_TEST_SUITE_P(Kernels, CudaFusedRows, ::testing::Values(false, true),
+                         [](const ::testing::TestParamInfo<bool>& i) {
+                           return std::string(i.param ? "legacy" : "fast");
+                         });
 
 }  // namespace
 }  // namespace uf::cuda::test

@@ -175,7 +175,10 @@ struct WindowSlotsJob {
 constexpr int kMaxRowChains = 4;
 constexpr int kRowChainMaxNorm = 4096;  // the longest row a chain's norm stage takes
 // Up to kMaxRowChains chains (and optionally the window slots) in one launch (PDL: it waits for
-// the previous kernel before touching any activation).
+// the previous kernel before touching any activation). Read BEFORE that wait (and the next
+// kernel may start then): norm weights, rope frequencies, and the positions, pointer cells
+// (copy_dst, ring, WindowSlotsJob's p0 / ring) and copy_n, so no kernel of the same stream may
+// write those: the span programs' blocks are filled by the copy at the program's head.
 void row_chains(const RowChain* chains, int n_chains, const WindowSlotsJob* slots,
                 cudaStream_t stream);
 

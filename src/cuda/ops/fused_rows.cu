@@ -15,8 +15,26 @@
 //  - qdq: a block's amax (a max: exact in any order) then ew::qdq_scale / ew::qdq_value, as
 //    qdq_kernel;
 //  - copy / ring / window slots: copies and pointer arithmetic as the backend kernels.
+//
+// Two kernels, the same stages and the same bits. row_chains_kernel (the first version, kept for
+// rows longer than kFastMaxRow and selectable with env UF_ROW_CHAINS_LEGACY=1) runs the stages in
+// place on y in global memory. row_chains_fast_kernel (the default; ~9 us a call on the H200 was
+// dependent global round trips, not work) keeps the row in shared memory from its first load to
+// its last store: one read of y (or of the pool's rows), the stages on shared memory, one write
+// of y and of the copy / ring rows. Before griddepcontrol.wait it reads what no kernel of a step
+// writes: the norm weights (into the registers of the norm partition) and the rope frequencies
+// (model weights), and the step block's values (positions, ring / copy destination pointers and
+// row counts, the slot list's p0 / ring / positions): every caller passes those from the span or
+// commit block (cuda_ring_span.cpp, cuda_dspark.cpp: a cudaMemcpyAsync of the host block at the
+// head of the program, which completes before the first kernel starts; no kernel writes the
+// block) or from host-uploaded pointer tables (cuda_model.cpp's pool pointers), so the rope's
+// cos / sin (double sincos) are computed before the wait too. What an earlier kernel writes (the
+// rows, the pool's source rows) is read after it; the stores all come after it.
 
 #include <cuda_bf16.h>
+
+#include <algorithm>
+#include <cstdlib>
 
 #include "cuda/cuda_check.h"
 #include "cuda/kernels/common.cuh"
@@ -37,6 +55,10 @@ struct ChainParams {
   int n_chains = 0;
   WindowSlotsJob slots;  // blocks [first[n_chains], first[n_chains] + slots.T)
 };
+
+// The fast kernel keeps a row of up to kFastMaxRow floats in dynamic shared memory (48 KB: no
+// opt-in attribute needed); longer rows take the in-place kernel.
+constexpr int kFastMaxRow = 12288;
 
 // rms_norm_kernel on the first NT = norm_threads(n) threads of the block, in place on y.
 template <int kMode>
@@ -195,6 +217,183 @@ __global__ void __launch_bounds__(kThreads)
     copy_row(*c.ring + (c.ring_pos[row] % c.ring_slots) * n, y, n);
 }
 
+// ---- row_chains_fast_kernel ----
+
+// The row's n floats between global memory and shared memory (16-byte pieces where both ends
+// allow: the same values either way).
+__device__ __forceinline__ void row_to_smem(float* s, const float* g, int n) {
+  if ((n & 3) == 0 && (reinterpret_cast<uintptr_t>(g) & 15) == 0) {
+    for (int i = threadIdx.x; i < n / 4; i += kThreads)
+      reinterpret_cast<float4*>(s)[i] = reinterpret_cast<const float4*>(g)[i];
+  } else {
+    for (int i = threadIdx.x; i < n; i += kThreads) s[i] = g[i];
+  }
+}
+__device__ __forceinline__ void row_from_smem(float* g, const float* s, int n) {
+  if ((n & 3) == 0 && (reinterpret_cast<uintptr_t>(g) & 15) == 0) {
+    for (int i = threadIdx.x; i < n / 4; i += kThreads)
+      reinterpret_cast<float4*>(g)[i] = reinterpret_cast<const float4*>(s)[i];
+  } else {
+    for (int i = threadIdx.x; i < n; i += kThreads) g[i] = s[i];
+  }
+}
+
+// One row of chain c (block-uniform), every stage on the row in shared memory `srow` (16-byte
+// aligned). kMode: the norm's load mode (kRowScalar when there is no norm).
+template <int kMode>
+__device__ void fast_chain(const RowChain& c, int row, float* srow, float* red, float* cs,
+                           float* sn) {
+  const int tid = threadIdx.x, n = c.n;
+  float* y = c.y + int64_t(row) * n;
+  // Before the wait (see the file comment): the norm weights of this thread's vectors, the rope's
+  // cos / sin, the copy / ring destinations.
+  const int NT = ew::norm_threads(n), nv = (n + 3) / 4;
+  const bool norm = c.norm.data != nullptr, active = norm && tid < NT;
+  float4 wv[ew::kNormVec];
+#pragma unroll
+  for (int j = 0; j < ew::kNormVec; ++j) {
+    wv[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (active) wv[j] = ew::load_weight4<kMode>(c.norm, 4 * min(tid + j * NT, nv - 1), n);
+  }
+  float* ring_dst = nullptr;
+  if (c.ring && row >= c.rows - c.ring_slots)  // a later row of the chain takes the same slot
+    ring_dst = *c.ring + (c.ring_pos[row] % c.ring_slots) * n;
+  float* copy_dst = nullptr;
+  if (c.copy_dst && row < *c.copy_n) copy_dst = *c.copy_dst + int64_t(row) * n;
+  const int half = c.rope_dim / 2;
+  if (c.freqs) {
+    const int64_t pos = c.positions ? c.positions[row] : c.p0 + int64_t(row) * c.stride;
+    for (int i = tid; i < half; i += kThreads)
+      ew::rope_cos_sin(pos, c.freqs[i], c.inverse, &cs[i], &sn[i]);
+  }
+  detail::pdl_trigger();
+  detail::pdl_wait();
+
+  // 1. The row into shared memory: pooled, or y's values.
+  if (c.pool_kv) {
+    const float* const* kr = c.pool_kv + int64_t(row) * c.pool_r;
+    const float* const* gr = c.pool_gate + int64_t(row) * c.pool_r;
+    for (int ch = tid; ch < n; ch += kThreads) {
+      float mx = gr[0][ch];
+      for (int t = 1; t < c.pool_r; ++t) mx = ew::smax(mx, gr[t][ch]);
+      float sum = 0.f;
+      for (int t = 0; t < c.pool_r; ++t) sum = ew::fadd(sum, expf(ew::fsub(gr[t][ch], mx)));
+      float acc = 0.f;
+      for (int t = 0; t < c.pool_r; ++t)
+        acc = ew::fadd(acc, ew::fmul(kr[t][ch], ew::fdiv(expf(ew::fsub(gr[t][ch], mx)), sum)));
+      srow[ch] = c.pool_round ? ew::round_bf16(acc) : acc;
+    }
+  } else {
+    row_to_smem(srow, y, n);
+  }
+  __syncthreads();
+  // 2. scale_round.
+  if (c.scale_round) {
+    for (int i = tid; i < n; i += kThreads)
+      srow[i] = __bfloat162float(__float2bfloat16_rn(__fmul_rn(srow[i], c.scale)));
+    __syncthreads();
+  }
+  // 3. rms_norm_kernel's partition, weights already in registers.
+  if (norm) {
+    float4 v[ew::kNormVec];
+    float ss = 0.f;
+    if (active) {
+#pragma unroll
+      for (int j = 0; j < ew::kNormVec; ++j)
+        v[j] = ew::load_row4<kMode>(srow, 4 * min(tid + j * NT, nv - 1), n);
+#pragma unroll
+      for (int j = 0; j < ew::kNormVec; ++j) {
+        const int q = tid + j * NT;
+        if (q < nv) ss = ew::add_squares4(ss, v[j], 4 * q, n);
+      }
+      for (int q = tid + ew::kNormVec * NT; q < nv; q += NT)
+        ss = ew::add_squares4(ss, ew::load_row4<kMode>(srow, 4 * q, n), 4 * q, n);
+    }
+    // Its barriers also order every thread's reads of srow above before the stores below.
+    const float r = ew::rms_factor(ew::block_sum_warps(ss, NT / 32, red), n, c.eps);
+    if (active) {
+#pragma unroll
+      for (int j = 0; j < ew::kNormVec; ++j) {
+        const int q = tid + j * NT;
+        if (q < nv) ew::store_row4<kMode>(srow, 4 * q, n, ew::norm_out4(v[j], wv[j], r));
+      }
+      for (int q = tid + ew::kNormVec * NT; q < nv; q += NT)
+        ew::store_row4<kMode>(srow, 4 * q, n,
+                              ew::norm_out4(ew::load_row4<kMode>(srow, 4 * q, n),
+                                            ew::load_weight4<kMode>(c.norm, 4 * q, n), r));
+    }
+    __syncthreads();
+  }
+  // 4. rope (cs / sn were written before the barriers above).
+  if (c.freqs) {
+    const int vn = n / c.count;
+    for (int q = tid; q < c.count * half; q += kThreads) {
+      const int h = q / half, i = q % half;
+      ew::rope_pair(srow + int64_t(h) * vn + (vn - c.rope_dim) + 2 * i, cs[i], sn[i]);
+    }
+    __syncthreads();
+  }
+  // 5. qdq.
+  if (c.qdq != QdqKind::kNone) {
+    switch (c.qdq) {
+      case QdqKind::kFp8:
+        qdq_stage<ew::QdqFormat::kFp8>(srow, n, c.qdq_block);
+        break;
+      case QdqKind::kFp4E4m3:
+        qdq_stage<ew::QdqFormat::kFp4E4m3>(srow, n, c.qdq_block);
+        break;
+      default:
+        qdq_stage<ew::QdqFormat::kFp4E8m0>(srow, n, c.qdq_block);
+        break;
+    }
+    __syncthreads();
+  }
+  // 6, 7. The row's one write, its copy and its ring slot.
+  row_from_smem(y, srow, n);
+  if (copy_dst) row_from_smem(copy_dst, srow, n);
+  if (ring_dst) row_from_smem(ring_dst, srow, n);
+}
+
+__global__ void __launch_bounds__(kThreads)
+    row_chains_fast_kernel(const __grid_constant__ ChainParams p) {
+  extern __shared__ __align__(16) float srow[];  // [max n]
+  __shared__ float red[32];
+  __shared__ float cs[kMaxHalf], sn[kMaxHalf];
+  const int b = blockIdx.x, tid = threadIdx.x;
+  if (b >= p.first[p.n_chains]) {  // build_window_slots, row t: its inputs before the wait
+    const WindowSlotsJob& s = p.slots;
+    const int t = b - p.first[p.n_chains];
+    const int64_t p0 = *s.p0, pt = s.pos[t];
+    const float* ring = *s.ring;
+    detail::pdl_trigger();
+    detail::pdl_wait();  // the previous kernels may still read the slot list
+    for (int j = tid; j < s.W; j += kThreads) {
+      const int64_t qpos = pt - s.W + 1 + j;
+      const float* v = nullptr;
+      if (qpos >= p0)
+        v = s.local + (qpos - p0) * s.hd;
+      else if (qpos >= 0)
+        v = ring + (qpos % s.ring_slots) * s.hd;
+      s.out[int64_t(t) * s.W + j] = v;
+    }
+    return;
+  }
+  int k = 0;
+  while (b >= p.first[k + 1]) ++k;
+  const int row = b - p.first[k];
+  switch (p.mode[k]) {
+    case ew::kRowVecF32:
+      fast_chain<ew::kRowVecF32>(p.c[k], row, srow, red, cs, sn);
+      break;
+    case ew::kRowVecBF16:
+      fast_chain<ew::kRowVecBF16>(p.c[k], row, srow, red, cs, sn);
+      break;
+    default:
+      fast_chain<ew::kRowScalar>(p.c[k], row, srow, red, cs, sn);
+      break;
+  }
+}
+
 }  // namespace
 
 void row_chains(const RowChain* chains, int n_chains, const WindowSlotsJob* slots,
@@ -240,7 +439,14 @@ void row_chains(const RowChain* chains, int n_chains, const WindowSlotsJob* slot
     blocks += slots->T;
   }
   if (blocks == 0) return;
-  detail::launch_pdl(row_chains_kernel, dim3(unsigned(blocks)), dim3(kThreads), 0, stream, p);
+  int max_n = 0;
+  for (int k = 0; k < n_chains; ++k) max_n = std::max(max_n, chains[k].n);
+  const char* legacy = std::getenv("UF_ROW_CHAINS_LEGACY");
+  if (max_n <= kFastMaxRow && !(legacy && legacy[0] == '1'))
+    detail::launch_pdl(row_chains_fast_kernel, dim3(unsigned(blocks)), dim3(kThreads),
+                       size_t(std::max(max_n, 4)) * sizeof(float), stream, p);
+  else
+    detail::launch_pdl(row_chains_kernel, dim3(unsigned(blocks)), dim3(kThreads), 0, stream, p);
 }
 
 }  // namespace uf::cuda
