@@ -262,10 +262,13 @@ int run_tp(const TpArgs& a) {
       sf.draft_path, sf.draft_us, compute_us);
   print_calls("verify forward", vcalls);
   print_calls("draft round", dcalls);
+  int index_calls = 0;
+  for (const auto& c : vcalls)
+    if (c.what.rfind("index scores", 0) == 0) index_calls += c.calls;
   std::cout << fmt::format(
-      "per backbone layer: 2 (wo_b, MoE) + 1 (index scores) on the {} index-source layers; per "
-      "DSpark stage: 2\n",
-      vcalls.size() > 2 ? vcalls[2].calls : 0);
+      "per backbone layer: 2 (wo_b, MoE) + 1 (index scores; the candidate pool's list on the "
+      "Reindex layers) on the {} index-source layers; per DSpark stage: 2\n",
+      index_calls);
   json out = {{"tp", a.tp},
               {"rows", a.rows},
               {"context", sf.context},

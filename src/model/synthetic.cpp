@@ -486,14 +486,27 @@ std::vector<CollectiveCall> tp_verify_collectives(const ModelConfig& c, int tp, 
                                                   int64_t capacity) {
   UF_CHECK(tp >= 1 && rows >= 1, "tp_verify_collectives: tp {} and rows {} must be >= 1", tp, rows);
   if (tp == 1) return {};
-  int indexers = 0;
-  for (int l = 0; l < c.n_layers; ++l)
-    if (c.role(l).index_source) ++indexers;  // index_select runs on every index-source layer
+  // index_select runs on every index-source layer; the candidate-restricted ones (Reindex) score
+  // and sum only the candidate pool's list (CudaModelOptions::candidate_lists): topk_blocks *
+  // block_size entries a row, or the width rounded up to whole blocks when that is less.
+  int full = 0, pooled = 0;
+  for (int l = 0; l < c.n_layers; ++l) {
+    const auto& r = c.role(l);
+    if (!r.index_source) continue;
+    if (r.candidate_restricted && c.candidate_source_layer >= 0)
+      ++pooled;
+    else
+      ++full;
+  }
+  const int64_t width = index_score_width(c, capacity);
+  const int64_t bs = std::max(c.candidate_block_size, 1);
+  const int64_t pool =
+      std::min<int64_t>(int64_t(c.candidate_topk_blocks) * bs, (width + bs - 1) / bs * bs);
   const int64_t d = int64_t(rows) * c.dim;
   std::vector<CollectiveCall> v = {{"wo_b partial (attention output)", c.n_layers, d},
                                    {"MoE partial", c.n_layers, d}};
-  if (indexers > 0)
-    v.push_back({"index scores", indexers, int64_t(rows) * index_score_width(c, capacity)});
+  if (full > 0) v.push_back({"index scores", full, int64_t(rows) * width});
+  if (pooled > 0) v.push_back({"index scores (candidate pool)", pooled, int64_t(rows) * pool});
   // The vocab-split head (CudaModelOptions::tp_split_head, on where the vocab divides): one
   // all-gather of the rows' logit slices, modelled as a sum of the same per-rank size (the P2P
   // gather pushes and reads the same bytes as the P2P sum of a slice).

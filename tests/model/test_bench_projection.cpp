@@ -14,21 +14,28 @@ const ModelConfig& released() {
 }
 
 // Counted by hand from the call sites: wo_b and MoE on each of the 40 backbone layers, the index
-// scores on the 8 index-source layers (2, 8, 14, 20, 24, 28, 32, 36); widths from new_session:
-// the ratio-1 indexers (20..36) need capacity + 1 entries per row.
+// scores on the 8 index-source layers: the whole width on 2, 8, 14, 20, the candidate pool's
+// list on the Reindex layers 24, 28, 32, 36 (2048 blocks of 8, or the width in whole blocks);
+// widths from new_session: the ratio-1 indexers (20..36) need capacity + 1 entries per row.
 TEST(TpCollectives, VerifyStepOfTheReleasedModel) {
   const auto v = tp_verify_collectives(released(), 8, 7, 8256);
-  ASSERT_EQ(v.size(), 4u);
+  ASSERT_EQ(v.size(), 5u);
   EXPECT_EQ(v[0].calls, 40);
   EXPECT_EQ(v[0].elements, 7 * 5120);
   EXPECT_EQ(v[1].calls, 40);
   EXPECT_EQ(v[1].elements, 7 * 5120);
   EXPECT_EQ(v[2].what, "index scores");
-  EXPECT_EQ(v[2].calls, 8);
+  EXPECT_EQ(v[2].calls, 4);
   EXPECT_EQ(v[2].elements, 7 * (8256 + 1));
+  EXPECT_EQ(v[3].what, "index scores (candidate pool)");
+  EXPECT_EQ(v[3].calls, 4);
+  EXPECT_EQ(v[3].elements, 7 * 8264);  // 8257 entries in whole blocks of 8 (under 2048 blocks)
+  const auto at_1m = tp_verify_collectives(released(), 8, 7, 1000064);
+  EXPECT_EQ(at_1m[2].elements, 7 * 1000065);
+  EXPECT_EQ(at_1m[3].elements, 7 * 16384);  // the pool: 2048 x 8
   // The split head's logit slices: 129280 / 8 per row, gathered once.
-  EXPECT_EQ(v[3].calls, 1);
-  EXPECT_EQ(v[3].elements, 7 * 16160);
+  EXPECT_EQ(v[4].calls, 1);
+  EXPECT_EQ(v[4].elements, 7 * 16160);
   EXPECT_EQ(total_calls(v), 89);
   EXPECT_DOUBLE_EQ(v[0].bytes(), 4.0 * 7 * 5120);
   EXPECT_EQ(index_score_width(released(), 1000064), 1000065);

@@ -374,11 +374,15 @@ void CudaModel::ensure_index_width(int64_t width) {
   index_ws_ = nullptr;
   cand_list_ = nullptr;
   cand_n_ = nullptr;
-  // The candidate lists hold the pool's blocks (topk_blocks * block_size entries a row); their
-  // scores share score_, so its rows are as wide as the wider of the two.
-  cand_cap_ = opts_.candidate_lists && cfg_.candidate_source_layer >= 0
-                  ? int64_t(cfg_.candidate_topk_blocks) * cfg_.candidate_block_size
-                  : 0;
+  // The candidate lists hold the pool's blocks: topk_blocks * block_size entries a row, or all
+  // of a row's blocks when it has fewer (the rows' width rounded up to whole blocks). Their
+  // scores share score_, so its rows are as wide as the wider of the two; under TP they are
+  // summed whole ([T, cand_cap_]), so a short session sums no more than its width.
+  const int64_t bs = std::max(cfg_.candidate_block_size, 1);
+  cand_cap_ =
+      opts_.candidate_lists && cfg_.candidate_source_layer >= 0
+          ? std::min<int64_t>(int64_t(cfg_.candidate_topk_blocks) * bs, (width + bs - 1) / bs * bs)
+          : 0;
   const int64_t cols = std::max(width, cand_cap_);
   const size_t n = size_t(tmax_) * size_t(cols);
   UF_CUDA_CHECK(cudaMalloc(&score_, n * sizeof(float)));
