@@ -77,6 +77,21 @@ class CudaGraphTest : public ::testing::Test {
     }
     return out;
   }
+  // The same prefill and verify steps on two backends: the same logits bit for bit, no NaN.
+  void expect_same_logits(engine::Backend& a, engine::Backend& b, int tp) {
+    const int steps = 2 * engine::kMaxVerifyRows;
+    const auto x = run(a, prompt_, 0, steps, engine::kMaxVerifyRows);
+    const auto y = run(b, prompt_, 0, steps, engine::kMaxVerifyRows);
+    ASSERT_EQ(x.size(), y.size());
+    const Cmp c = compare(y.data(), x.data(), x.size());
+    EXPECT_EQ(c.first_diff, -1) << "tp " << tp << ": " << c.str();
+    EXPECT_EQ(c.nan, 0u);
+  }
+  static int gpus() {
+    int n = 0;
+    UF_CUDA_CHECK(cudaGetDeviceCount(&n));
+    return n;
+  }
   std::vector<int64_t> map_;
   std::vector<int32_t> prompt_, next_;
 };
@@ -99,55 +114,28 @@ TEST_F(CudaGraphTest, GraphReplayEqualsEagerBitwise) {
 }
 
 TEST_F(CudaGraphTest, GraphBranchesEqualOneStreamBitwise) {
-  int gpus = 0;
-  UF_CUDA_CHECK(cudaGetDeviceCount(&gpus));
-  for (int tp : {1, 2}) {
-    if (tp > gpus) continue;
-    const int steps = 2 * engine::kMaxVerifyRows;
-    const auto a = run(*backend(true, tp, false), prompt_, 0, steps, engine::kMaxVerifyRows);
-    const auto b = run(*backend(true, tp, true), prompt_, 0, steps, engine::kMaxVerifyRows);
-    ASSERT_EQ(a.size(), b.size());
-    const Cmp c = compare(b.data(), a.data(), a.size());
-    EXPECT_EQ(c.first_diff, -1) << "tp " << tp << ": " << c.str();
-    EXPECT_EQ(c.nan, 0u);
-  }
+  for (int tp : {1, 2})
+    if (tp <= gpus()) expect_same_logits(*backend(true, tp, false), *backend(true, tp, true), tp);
 }
 
 // The Reindex layers scored on the candidate pool's lists against every visible entry + the mask
 // (CudaModelOptions::candidate_lists): the same logits bit for bit, prefill and verify steps, at
 // TP 1 and 2 (tiny-a: a pool of 3 blocks of 4 entries, top-8, so the pool restricts the choice).
 TEST_F(CudaGraphTest, CandidateListsEqualMaskBitwise) {
-  int gpus = 0;
-  UF_CUDA_CHECK(cudaGetDeviceCount(&gpus));
-  for (int tp : {1, 2}) {
-    if (tp > gpus) continue;
-    const int steps = 2 * engine::kMaxVerifyRows;
-    const auto a = run(*backend(true, tp, true, false), prompt_, 0, steps, engine::kMaxVerifyRows);
-    const auto b = run(*backend(true, tp, true, true), prompt_, 0, steps, engine::kMaxVerifyRows);
-    ASSERT_EQ(a.size(), b.size());
-    const Cmp c = compare(b.data(), a.data(), a.size());
-    EXPECT_EQ(c.first_diff, -1) << "tp " << tp << ": " << c.str();
-    EXPECT_EQ(c.nan, 0u);
-  }
+  for (int tp : {1, 2})
+    if (tp <= gpus())
+      expect_same_logits(*backend(true, tp, true, false), *backend(true, tp, true, true), tp);
 }
 
 // Step graphs launched from the device (a one-node launcher graph tail-launches them) against
 // the host launch: the same logits bit for bit, every graph device-launched (no fallback), and no
 // device-side launch error; at TP 1 and 2.
 TEST_F(CudaGraphTest, DeviceGraphLaunchEqualsHostLaunchBitwise) {
-  int gpus = 0;
-  UF_CUDA_CHECK(cudaGetDeviceCount(&gpus));
   for (int tp : {1, 2}) {
-    if (tp > gpus) continue;
-    const int steps = 2 * engine::kMaxVerifyRows;
+    if (tp > gpus()) continue;
     auto host = backend(true, tp, true, true, false);
     auto dev = backend(true, tp, true, true, true);
-    const auto a = run(*host, prompt_, 0, steps, engine::kMaxVerifyRows);
-    const auto b = run(*dev, prompt_, 0, steps, engine::kMaxVerifyRows);
-    ASSERT_EQ(a.size(), b.size());
-    const Cmp c = compare(b.data(), a.data(), a.size());
-    EXPECT_EQ(c.first_diff, -1) << "tp " << tp << ": " << c.str();
-    EXPECT_EQ(c.nan, 0u);
+    expect_same_logits(*host, *dev, tp);
     for (int r = 0; r < tp; ++r) {
       const CudaModel& m = dev->model(r);
       EXPECT_GT(m.graphs_captured(), 0);
