@@ -21,114 +21,14 @@
 #include "cuda/gemv.h"
 #include "cuda/moe.h"
 #include "cuda_test_util.h"
+#include "moe_test_util.h"
 
 namespace uf::cuda::test {
 namespace {
 
-constexpr float kLimit = 10.0f;
-constexpr int kTopk = 6;
-
-struct HalfChunkExperts {
-  int E, dim, inter;
-  DeviceBuffer<uint8_t> w1, w1s, w3, w3s, w2, w2s;
-  HalfChunkExperts(int e, int d, int i, uint64_t seed)
-      : E(e),
-        dim(d),
-        inter(i),
-        w1(size_t(e) * i * d / 2),
-        w1s(size_t(e) * i * d / 32),
-        w3(size_t(e) * i * d / 2),
-        w3s(size_t(e) * i * d / 32),
-        w2(size_t(e) * d * i / 2),
-        w2s(size_t(e) * d * i / 32) {
-    fill_random_bytes(w1.get(), w1.size(), seed + 1, 0, 255, nullptr);
-    fill_random_bytes(w3.get(), w3.size(), seed + 2, 0, 255, nullptr);
-    fill_random_bytes(w2.get(), w2.size(), seed + 3, 0, 255, nullptr);
-    fill_random_bytes(w1s.get(), w1s.size(), seed + 4, 119, 123, nullptr);
-    fill_random_bytes(w3s.get(), w3s.size(), seed + 5, 119, 123, nullptr);
-    fill_random_bytes(w2s.get(), w2s.size(), seed + 6, 118, 124, nullptr);
-    sync_and_check();
-  }
-  Fp4ExpertsView view() const {
-    return {w1.get(), w1s.get(), w3.get(), w3s.get(), w2.get(), w2s.get(), E, dim, inter};
-  }
-};
-
-struct HalfChunkInputs {
-  std::vector<uint8_t> codes;
-  std::vector<float> scales, wts;
-  std::vector<int> idx;
-};
-
-HalfChunkInputs make_inputs(int m, int dim, int E, std::mt19937& rng) {
-  HalfChunkInputs in;
-  in.codes = random_e4m3(size_t(m) * dim, rng);
-  std::uniform_int_distribution<int> ex(118, 124);  // power-of-two activation scales
-  for (int i = 0; i < m * dim / 32; ++i) in.scales.push_back(std::ldexp(1.0f, ex(rng) - 127));
-  std::uniform_real_distribution<float> ud(0.05f, 0.6f);
-  for (int t = 0; t < m; ++t) {
-    std::vector<int> perm(E);
-    std::iota(perm.begin(), perm.end(), 0);
-    std::shuffle(perm.begin(), perm.end(), rng);
-    for (int k = 0; k < kTopk; ++k) {
-      in.idx.push_back(perm[k]);
-      in.wts.push_back(ud(rng));
-    }
-  }
-  return in;
-}
-
-// entry 0 = run, 1 = run_partial, 2 = run_experts (written slots only; NaN-poisoned first).
-template <typename Moe>
-std::vector<float> call_entry(const Moe& moe, int entry, const HalfChunkExperts& x,
-                              const HalfChunkInputs& in, int m) {
-  DeviceBuffer<uint8_t> a(in.codes);
-  DeviceBuffer<float> as(in.scales);
-  DeviceBuffer<int> di(in.idx);
-  DeviceBuffer<float> dw(in.wts);
-  const QuantActView act{a.get(), as.get(), m, x.dim};
-  const int64_t stride = int64_t(kTopk) * x.dim;
-  DeviceBuffer<float> out(entry == 2 ? size_t(m) * stride : size_t(m) * x.dim);
-  out.poison();
-  if (entry == 0)
-    moe.run(x.view(), act, di.get(), dw.get(), kLimit, out.get(), nullptr);
-  else if (entry == 1)
-    moe.run_partial(x.view(), act, di.get(), dw.get(), kLimit, out.get(), nullptr);
-  else
-    moe.run_experts(x.view(), act, di.get(), dw.get(), kLimit, out.get(), stride, nullptr);
-  sync_and_check();
-  return out.download();
-}
-
-::testing::AssertionResult same_bits(const std::vector<float>& want, const std::vector<float>& got,
-                                     int row_len) {
-  if (want.size() != got.size())
-    return ::testing::AssertionFailure() << "sizes " << want.size() << " vs " << got.size();
-  size_t bad = 0, first = size_t(-1), nan_w = 0, nan_g = 0;
-  double max_abs = 0;
-  for (size_t i = 0; i < want.size(); ++i) {
-    nan_w += std::isnan(want[i]);
-    nan_g += std::isnan(got[i]);
-    if (!bits_equal(want[i], got[i])) {
-      if (first == size_t(-1)) first = i;
-      ++bad;
-      if (std::isfinite(want[i]) && std::isfinite(got[i]))
-        max_abs = std::max(max_abs, std::fabs(double(want[i]) - got[i]));
-    }
-  }
-  if (bad == 0 && nan_w == 0) return ::testing::AssertionSuccess();
-  auto r = ::testing::AssertionFailure();
-  r << bad << "/" << want.size() << " differ, NaN want " << nan_w << " got " << nan_g
-    << ", max |diff| (finite) " << max_abs;
-  if (first != size_t(-1))
-    r << ", first at " << first << " (row " << first / row_len << ", col " << first % row_len
-      << "): want " << want[first] << " got " << got[first];
-  return r;
-}
-
 void compare_half_chunks(int E, int dim, int inter, uint64_t seed) {
   std::mt19937 rng{uint32_t(seed)};
-  const HalfChunkExperts x(E, dim, inter, seed);
+  const Experts x(E, dim, inter, seed);
   MoeFp4 unit(dim, inter, kTopk, device_sm_count());
   MoeFp4 legacy(dim, inter, kTopk, device_sm_count());
   legacy.set_legacy(true);
@@ -147,23 +47,23 @@ void compare_half_chunks(int E, int dim, int inter, uint64_t seed) {
       moe.set_unit_max_rows(8);
     }
   for (int m = 1; m <= 8; ++m) {
-    const HalfChunkInputs in = make_inputs(m, dim, E, rng);
-    for (int entry = 0; entry < 3; ++entry) {
-      const auto want = call_entry(pre, entry, x, in, m);
-      EXPECT_TRUE(same_bits(want, call_entry(unit, entry, x, in, m), dim))
-          << "default kernels vs prefill: dim " << dim << " inter " << inter << " m " << m
-          << " entry " << entry << (unit.legacy() ? " (persistent: unit plan does not fit)" : "");
-      EXPECT_TRUE(same_bits(want, call_entry(legacy, entry, x, in, m), dim))
-          << "persistent kernels vs prefill: dim " << dim << " inter " << inter << " m " << m
-          << " entry " << entry;
+    const Inputs in = random_inputs(m, dim, E, rng);
+    for (Entry entry : {Entry::kRun, Entry::kPartial, Entry::kExperts}) {
+      const auto want = call(pre, entry, x, in, m);
+      EXPECT_TRUE(bitwise_equal(want, call(unit, entry, x, in, m), dim))
+          << "default kernels vs prefill: dim " << dim << " inter " << inter << " m " << m << " "
+          << entry_name(entry) << (unit.legacy() ? " (persistent: unit plan does not fit)" : "");
+      EXPECT_TRUE(bitwise_equal(want, call(legacy, entry, x, in, m), dim))
+          << "persistent kernels vs prefill: dim " << dim << " inter " << inter << " m " << m << " "
+          << entry_name(entry);
       for (int f16 = 0; f16 < 2; ++f16)
         for (int set = 0; set < 2; ++set)
-          EXPECT_TRUE(same_bits(want, call_entry(*paths[f16][set], entry, x, in, m), dim))
+          EXPECT_TRUE(bitwise_equal(want, call(*paths[f16][set], entry, x, in, m), dim))
               << (set == 0
                       ? (paths[f16][set]->legacy() ? "persistent (unit plan does not fit)" : "unit")
                       : "persistent")
               << " kernels, " << (f16 ? "f16 HMMA" : "e4m3 mma") << " path, vs prefill: dim " << dim
-              << " inter " << inter << " m " << m << " entry " << entry;
+              << " inter " << inter << " m " << m << " " << entry_name(entry);
     }
   }
 }
