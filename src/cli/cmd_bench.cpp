@@ -16,6 +16,9 @@
 // host (pinned buffer); the "no head" column runs the same forward with no logits (the head and
 // the copy are skipped) against the floor without the head. The session comes from
 // CudaModel::fast_forward (ring tags and entry counts of a real prefill, device state random).
+// --trace FILE traces one more call of each timed forward with CUPTI (cuda/trace/kernel_trace.h:
+// every kernel's device start / end inside the graph replay) and writes the per-kernel summary
+// and the raw records there; the table goes to stdout too.
 // --no-graphs sets CudaModelOptions::cuda_graphs = false (the verify spans then launch eagerly);
 // --no-branches clears CudaModelOptions::graph_branches (one stream, the launches in order);
 // --device-launch sets device_graph_launch, --no-candidate-lists clears candidate_lists.
@@ -49,6 +52,7 @@
 #include "cuda/backend/cuda_model.h"
 #include "cuda/cuda_check.h"
 #include "cuda/device_fill.h"
+#include "cuda/trace/kernel_trace.h"
 #endif
 
 namespace {
@@ -73,6 +77,7 @@ struct BenchArgs {
   // logits' all-gather is bench-tp's), 1 = the whole head on the rank.
   int head_slices = 8;
   std::string json_file;
+  std::string trace_file;
   uint64_t seed = 1;
   int device = 0;
 };
@@ -322,6 +327,13 @@ int run_cuda(const BenchArgs& a, const ModelConfig& cfg, const std::vector<int>&
   UF_CUDA_CHECK(cudaMallocHost(&host_logits, size_t(8) * size_t(V) * sizeof(float)));
   std::mt19937_64 rng(a.seed + 17);
 
+  std::unique_ptr<uf::cuda::KernelTrace> trace;
+  std::ofstream trace_out;
+  if (!a.trace_file.empty()) {
+    trace = std::make_unique<uf::cuda::KernelTrace>();
+    trace_out.open(a.trace_file);
+    UF_CHECK(bool(trace_out), "bench: cannot write the trace file {}", a.trace_file);
+  }
   std::vector<StepFloor> floors;
   json jrows = json::array();
   std::cout << fmt::format(
@@ -342,6 +354,15 @@ int run_cuda(const BenchArgs& a, const ModelConfig& cfg, const std::vector<int>&
     });
     UF_CHECK(s->len == a.context, "bench: the verify forward committed tokens (len {} != {})",
              s->len, a.context);
+    if (trace) {
+      trace->start();
+      model->forward(*s, toks, false, true, host_logits, nullptr, nullptr);
+      const auto recs = trace->stop();
+      const std::string table = uf::cuda::summarize_trace(recs, 40);
+      std::cout << fmt::format("trace of one {}-row verify forward (logits to the host):\n{}", T,
+                               table);
+      trace_out << fmt::format("== {} rows\n{}", T, table) << uf::cuda::trace_records_text(recs);
+    }
     const auto f = uf::model::step_floor(cfg, T, a.context, floor_opts(a));
     double head_bytes = 0;
     for (const auto& i : f.verify)
@@ -530,6 +551,8 @@ void setup_bench(CLI::App& app, int& exit_code) {
                   "head), 1 = the whole head")
       ->check(CLI::Range(1, 64));
   cmd->add_option("--json", a->json_file, "Write every figure to this JSON file");
+  cmd->add_option("--trace", a->trace_file,
+                  "Trace one more forward per row count (CUPTI kernel timeline) into this file");
   cmd->add_option("--seed", a->seed, "Seed of the synthetic weights and tokens");
   cmd->add_option("--device", a->device, "CUDA device ordinal");
   cmd->callback([a, &exit_code] { exit_code = run_bench(*a); });

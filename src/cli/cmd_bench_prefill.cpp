@@ -21,6 +21,7 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
+#include <fstream>
 #include <iostream>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -39,6 +40,7 @@
 
 #include "cuda/backend/cuda_model.h"
 #include "cuda/cuda_check.h"
+#include "cuda/trace/kernel_trace.h"
 #endif
 
 namespace {
@@ -58,6 +60,7 @@ struct PrefillArgs {
   int tp = 8;
   double comm_gbs = -1;
   std::string json_file;
+  std::string trace_file;
   uint64_t seed = 1;
   int device = 0;
 };
@@ -149,6 +152,20 @@ std::vector<uf::model::PrefillPoint> run_chunks(const PrefillArgs& a,
         const auto t0 = bench::Clock::now();
         m->forward(*s, toks, first, false, logits.data(), nullptr, pub.data());
         if (i >= a.warmup) v.push_back(bench::us_since(t0));
+      }
+      if (!a.trace_file.empty()) {  // one more call, traced (cuda/trace/kernel_trace.h)
+        s.reset();
+        s = m->new_session(c + C + 64);
+        if (c > 0) m->fast_forward(*s, c, a.seed);
+        uf::cuda::KernelTrace trace;
+        trace.start();
+        m->forward(*s, toks, first, false, logits.data(), nullptr, pub.data());
+        const auto recs = trace.stop();
+        const std::string table = uf::cuda::summarize_trace(recs, 40);
+        std::cout << fmt::format("trace of one {}-row chunk at context {}:\n{}", C, c, table);
+        std::ofstream f(a.trace_file, std::ios::app);
+        f << fmt::format("== context {}, {} rows\n{}", c, C, table)
+          << uf::cuda::trace_records_text(recs);
       }
       const auto st = bench::stats_of(v);
       // The last timed forward left its main hidden rows and publishers: commit them.
@@ -287,6 +304,9 @@ void setup_bench_prefill(CLI::App& app, int& exit_code) {
                   "GB/s at which a rank receives the collectives' bytes (TP projection)");
   cmd->add_option("--target-s", a->target_s, "Target for a 1M-token prefill on 8 GPUs");
   cmd->add_option("--json", a->json_file, "Write every figure to this JSON file");
+  cmd->add_option(
+      "--trace", a->trace_file,
+      "Trace one more chunk per context (CUPTI kernel timeline), appended to this file");
   cmd->add_option("--seed", a->seed, "Seed of the synthetic weights and tokens");
   cmd->add_option("--device", a->device, "CUDA device ordinal");
   cmd->callback([a, &exit_code] { exit_code = run_prefill(*a); });
