@@ -145,6 +145,34 @@ TEST(OpsLinearFused, RowIndependenceAtRealShapes) {
   }
 }
 
+// dense_rows takes 4 weight rows a block for prefill calls (4+ chunks of 8 token rows) and one
+// for decode calls: a row's fp32 order must not change with it. The router's gate shape (BF16
+// [384, 5120]) and an F32 weight, 100 rows in one call against the same rows 8 at a time.
+TEST(OpsLinearFused, DenseRowsPrefillEqualsDecodeChunks) {
+  UF_REQUIRE_GPU();
+  std::mt19937 rng(35);
+  for (const auto f : {WFormat::kBF16, WFormat::kF32}) {
+    const int64_t N = f == WFormat::kBF16 ? 384 : 200, K = f == WFormat::kBF16 ? 5120 : 512;
+    auto hw = make_weight(f, N, K, rng);
+    DeviceArena arena;
+    const DeviceLinear lin(hw->w, LinearKind::kF32, arena);
+    const int T = 100;
+    const std::vector<float> x = random_acts(T, K, rng);
+    const std::vector<float> full = run_apply(lin, DeviceBuffer<float>(x), T, false);
+    for (int t0 = 0; t0 < T; t0 += kMaxDecodeRows) {
+      const int m = std::min(kMaxDecodeRows, T - t0);
+      const DeviceBuffer<float> part(std::vector<float>(
+          x.begin() + size_t(t0) * size_t(K), x.begin() + size_t(t0 + m) * size_t(K)));
+      const std::vector<float> got = run_apply(lin, part, m, false);
+      const std::vector<float> want(full.begin() + size_t(t0) * size_t(N),
+                                    full.begin() + size_t(t0 + m) * size_t(N));
+      const std::string e = diff(got, want, N);
+      ASSERT_TRUE(e.empty()) << "N=" << N << " K=" << K << " rows " << t0 << "..+" << m
+                             << " as a decode call vs inside a " << T << "-row call: " << e;
+    }
+  }
+}
+
 // quant_rows_x (FP4, row-scaled FP8, FP8 with rows % 16 != 0): apply_partial rounded to bf16 is
 // apply, bitwise (apply == cpu::linear_quant bitwise is test_ops_linear.cpp's check).
 TEST(OpsLinearFused, QuantRowsPartialRoundsToApply) {

@@ -241,15 +241,17 @@ __global__ void round_bf16_kernel(float* y, size_t n) {
 void dense_rows(const DeviceWeight& w, int64_t r0, int64_t n, const float* x, int64_t x_stride,
                 int m, float* y, int64_t y_stride, bool round_bf16, cudaStream_t stream) {
   if (n <= 0 || m <= 0) return;
-  // Four rows per block where there are rows enough to fill the GPU (the x values a lane loads
-  // then serve four weight rows); one otherwise, for parallelism.
-  const bool wide = n >= 4096;
+  // Four weight rows per block where there are blocks enough to fill the GPU (the x values a
+  // lane loads then serve four weight rows): wide weights, or prefill calls of 4+ chunks of 8
+  // token rows (the router's [384, 5120] gate at 512 rows: 96 x 64 blocks); one weight row a
+  // block otherwise, for parallelism. A row's fp32 order does not depend on R.
+  const int64_t chunks = (m + kMaxDecodeRows - 1) / kMaxDecodeRows;
+  const bool wide = n >= 4096 || chunks >= 4;
   const bool fast =
       (w.format == WFormat::kBF16 || w.format == WFormat::kF32 || w.format == WFormat::kFP8) &&
       w.cols % 8 == 0 && x_stride % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
   // One launch: blockIdx.y = chunk of 8 token rows. The registers are sized for the largest
   // chunk; a row's arithmetic does not depend on MT.
-  const int64_t chunks = (m + kMaxDecodeRows - 1) / kMaxDecodeRows;
   require(chunks <= 65535, "dense_rows: %d rows exceed one launch's 65535 chunks of 8", m);
   const int mc = std::min(kMaxDecodeRows, m);
   auto launch = [&](auto r_rows, auto m_rows) {
