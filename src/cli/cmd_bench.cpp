@@ -21,7 +21,7 @@
 // and the raw records there; the table goes to stdout too.
 // --no-graphs sets CudaModelOptions::cuda_graphs = false (the verify spans then launch eagerly);
 // --no-branches clears CudaModelOptions::graph_branches (one stream, the launches in order);
-// --device-launch sets device_graph_launch, --no-candidate-lists clears candidate_lists.
+// --no-candidate-lists clears candidate_lists.
 //
 // --floor-only prints the floors (bytes per component) without a GPU.
 #include <fmt/format.h>
@@ -70,7 +70,6 @@ struct BenchArgs {
   int64_t engram_rows = int64_t(1) << 22;
   bool no_graphs = false;
   bool no_branches = false;
-  bool device_launch = false;
   bool no_candidate_lists = false;
   bool floor_only = false;
   // Vocab slices of the head: 8 = rank 0's eighth (TP8 splits the head by vocab rows; the
@@ -281,7 +280,6 @@ int run_cuda(const BenchArgs& a, const ModelConfig& cfg, const std::vector<int>&
   opts.device = a.device;
   opts.cuda_graphs = !a.no_graphs;
   opts.graph_branches = !a.no_branches;
-  opts.device_graph_launch = a.device_launch;
   opts.candidate_lists = !a.no_candidate_lists;
   opts.head_slice_of = a.head_slices;
   out["cuda_graphs"] = opts.cuda_graphs;
@@ -539,8 +537,6 @@ void setup_bench(CLI::App& app, int& exit_code) {
                   "Rows per Engram table (released: ~384M, 98 GB each; a step gathers 24 rows per "
                   "token, so the time hardly depends on it)");
   cmd->add_flag("--no-graphs", a->no_graphs, "Run the decode path without CUDA graphs");
-  cmd->add_flag("--device-launch", a->device_launch,
-                "Launch the step graphs from the device (off by default: slower on the H200)");
   cmd->add_flag("--no-candidate-lists", a->no_candidate_lists,
                 "Reindex layers score every visible entry and mask (not the pool's list)");
   cmd->add_flag("--no-branches", a->no_branches,

@@ -63,7 +63,6 @@ struct HostArgs {
   std::string json_file;
   uint64_t seed = 1;
   bool no_branches = false;
-  bool device_launch = false;
   int device = 0;
 };
 
@@ -127,7 +126,6 @@ int run_host(const HostArgs& a) {
   uf::cuda::CudaModelOptions o;
   o.device = a.device;
   o.graph_branches = !a.no_branches;
-  o.device_graph_launch = a.device_launch;
   auto m =
       std::make_unique<uf::cuda::CudaModel>(cfg, ck, uf::model::synthetic_engram_token_map(cfg), o);
   auto s = m->new_session(a.context + 64);
@@ -215,9 +213,7 @@ int run_host(const HostArgs& a) {
   }
   out["calls"] = jc;
   out["graphs"] = m->graphs_captured();
-  out["graphs_device_launched"] = m->graphs_device_launched();
-  std::cout << fmt::format("CUDA graphs: {} captured, {} launched from the device\n",
-                           m->graphs_captured(), m->graphs_device_launched());
+  std::cout << fmt::format("CUDA graphs: {} captured\n", m->graphs_captured());
   UF_CUDA_CHECK(cudaFreeHost(host_logits));
   UF_CUDA_CHECK(cudaFree(src));
   UF_CUDA_CHECK(cudaFree(dst));
@@ -244,8 +240,6 @@ void setup_bench_host(CLI::App& app, int& exit_code) {
   cmd->add_option("--seed", a->seed, "Seed of the synthetic weights and tokens");
   cmd->add_flag("--no-branches", a->no_branches,
                 "One stream: no side streams for the compressor, indexer and shared expert");
-  cmd->add_flag("--device-launch", a->device_launch,
-                "Launch the step graphs from the device (off by default: slower on the H200)");
   cmd->add_option("--device", a->device, "CUDA device ordinal");
   cmd->callback([a, &exit_code] { exit_code = run_host(*a); });
 }

@@ -124,12 +124,6 @@ struct CudaModelOptions {
   // a row, not 1M. The same scores and selections bit for bit (ops/attention.h EntryList); off:
   // the full scores and mask_scores (tests compare the two).
   bool candidate_lists = true;
-  // Step graphs launched from the device (devlaunch/graph_launch.h): the host launches a one-node
-  // graph instead of the step's ~1,000 nodes. Falls back to the host launch (one log line) where a
-  // graph cannot be instantiated for device launch. Off: on the H200 (session 7) it cut the launch
-  // call from 32 to 18 us (1 row; bench-host) but the step itself ran 40-120 us longer on the
-  // device (bench, 1 / 7 rows: 5033 / 7569 against 4990 / 7448 us), a net loss. Tested bitwise.
-  bool device_graph_launch = false;
 };
 
 class CudaModel {
@@ -230,12 +224,6 @@ class CudaModel {
   void fast_forward(CudaSession& s, int64_t len, uint64_t seed);
   // CUDA graphs captured so far (one per (rows, all_logits, head) used, and the draft's).
   int graphs_captured() const { return int(graphs_.size()); }
-  // Captured graphs that launch from the device (CudaModelOptions::device_graph_launch).
-  int graphs_device_launched() const {
-    int n = 0;
-    for (const auto& [key, g] : graphs_) n += g.launcher != nullptr;
-    return n;
-  }
   // Captures the decode loop's graphs (verify of 1..max_rows rows with all logits, the draft) on a
   // scratch session, before serving: a capture on stream_ while another thread used the legacy
   // default stream would fail, so none should happen once requests run. No-op without graphs.
@@ -458,14 +446,10 @@ class CudaModel {
   float* commit_mh_ = nullptr;
   cudaEvent_t commit_done_ = nullptr;
   float *emit_ = nullptr, *emit_keys_ = nullptr;
-  // A step graph and, where it could be instantiated for device launch, its one-node launcher
-  // (devlaunch/graph_launch.h): the host launches the launcher, which tail-launches the step.
-  struct StepGraph {
-    cudaGraphExec_t exec = nullptr;
-    cudaGraphExec_t launcher = nullptr;
-  };
-  std::map<int, StepGraph> graphs_;
-  bool device_launch_failed_ = false;  // logged once; later graphs keep the host launch
+  // The captured step graphs by key (launch_program). Launched from the host: a device-side
+  // launch (a one-node graph tail-launching the step) was tried in session 7 and cut the launch
+  // call by ~14 us but made the step 40-120 us longer on the device (docs/perf.md).
+  std::map<int, cudaGraphExec_t> graphs_;
   // Device verification: its plan (transformed rows, sort scratch) and inputs / result.
   std::unique_ptr<VerifyPlan> verify_plan_;
   float* verify_q_ = nullptr;                  // [kMaxDraft, vocab]

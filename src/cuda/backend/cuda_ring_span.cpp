@@ -545,10 +545,7 @@ void CudaModel::capture_step_graphs() {
 }
 
 void CudaModel::drop_graphs() {
-  for (auto& [key, g] : graphs_) {
-    if (g.launcher) cudaGraphExecDestroy(g.launcher);
-    cudaGraphExecDestroy(g.exec);
-  }
+  for (auto& [key, g] : graphs_) cudaGraphExecDestroy(g);
   graphs_.clear();
 }
 

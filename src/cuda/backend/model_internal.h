@@ -10,7 +10,6 @@
 
 #include "cuda/backend/cuda_model.h"
 #include "cuda/cuda_check.h"
-#include "cuda/devlaunch/graph_launch.h"
 
 namespace uf::cuda {
 
@@ -125,35 +124,18 @@ void CudaModel::launch_program(int key, Program&& program) {
       throw;
     }
     UF_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
-    StepGraph g;
-    cudaError_t err = cudaErrorNotSupported;
-    if (opts_.device_graph_launch && !device_launch_failed_) {
-      err = cudaGraphInstantiate(&g.exec, graph, cudaGraphInstantiateFlagDeviceLaunch);
-      if (err == cudaSuccess) err = cudaGraphUpload(g.exec, stream_);
-      if (err == cudaSuccess) err = make_device_launcher(g.exec, &g.launcher);
-      if (err != cudaSuccess) {
-        cudaGetLastError();  // clear the sticky-free error for the host-launch retry
-        spdlog::warn("CUDA graph {}: no device launch ({}); step graphs launch from the host", key,
-                     cudaGetErrorString(err));
-        device_launch_failed_ = true;
-        if (g.launcher) cudaGraphExecDestroy(g.launcher);
-        if (g.exec) cudaGraphExecDestroy(g.exec);
-        g = StepGraph{};
-      }
-    }
-    if (!g.exec) err = cudaGraphInstantiate(&g.exec, graph, 0);
+    cudaGraphExec_t exec = nullptr;
+    const cudaError_t err = cudaGraphInstantiate(&exec, graph, 0);
     size_t nodes = 0;
     cudaGraphGetNodes(graph, nullptr, &nodes);
     cudaGraphDestroy(graph);
     UF_CUDA_CHECK(err);
-    it = graphs_.emplace(key, g).first;
+    it = graphs_.emplace(key, exec).first;
     spdlog::debug(
-        "CUDA graph {} captured: {} nodes in {:.1f} ms ({} launch)", key, nodes,
-        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count(),
-        g.launcher ? "device" : "host");
+        "CUDA graph {} captured: {} nodes in {:.1f} ms", key, nodes,
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
   }
-  UF_CUDA_CHECK(
-      cudaGraphLaunch(it->second.launcher ? it->second.launcher : it->second.exec, stream_));
+  UF_CUDA_CHECK(cudaGraphLaunch(it->second, stream_));
 }
 
 template <typename T>
