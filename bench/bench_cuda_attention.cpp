@@ -9,10 +9,7 @@
 // 24, ~100 MB: the caches do not stay in L2 between calls, as in a forward where the weights
 // stream through it), median of --reps replays, divided by the copies. The fast chunked path
 // (split scratch: the decode callers) is timed against the reference path (one CTA per (row,
-// head)); fast: the fused one-launch kernel where it fits (path column; off by default), 3l: the
-// three launches (chunks of 16; the default), c32: three launches with chunks of 32 slots.
-// 3l/fast: the fused kernel's gain (< 1: a loss); "fused != 3l": outputs of the two forms that
-// differ (must be 0: they are bitwise equal by construction).
+// head)); fast: its three launches with chunks of 16 slots (the default), c32: with chunks of 32.
 // The last column: outputs of the fast path that differ from the reference path (the CPU's
 // arithmetic; the fast path has the same bf16(p) values, so only rare fp32 re-association flips
 // are expected: target <= 1%) and the largest difference, a sanity line only
@@ -108,9 +105,8 @@ int main(int argc, char** argv) {
   };
   std::printf("sparse_attn, H=%d hd=%d, %d layer copies, median of %d graph replays\n", kH, kHd,
               copies, reps);
-  std::printf("%-14s %3s %6s %10s %9s %8s %10s %8s %8s %8s %8s %8s %6s\n", "shape", "T", "slots",
-              "bytes", "floor_us", "fast_us", "fast_GB/s", "3l_us", "c32_us", "ref_us", "speedup",
-              "3l/fast", "path");
+  std::printf("%-14s %3s %6s %10s %9s %8s %10s %8s %8s %8s\n", "shape", "T", "slots", "bytes",
+              "floor_us", "fast_us", "fast_GB/s", "c32_us", "ref_us", "speedup");
   std::mt19937 rng(7);
   for (const Shape& sh : shapes) {
     const int T = sh.T, W = sh.n_window, k = sh.k;
@@ -161,22 +157,16 @@ int main(int argc, char** argv) {
     auto run_all = [&](float* split) {
       for (int c = 0; c < copies; ++c) run_one(c, split);
     };
-    // The fused kernel (where it fits; off by default), the three launches with chunks of 16
-    // (the default), and with chunks of 32 (three launches too).
-    double us[3];
-    const int chunk[3] = {0, 0, 32};
-    const bool three[3] = {false, true, true};
-    for (int v = 0; v < 3; ++v) {
+    // The three launches with chunks of 16 (the default) and of 32.
+    double us[2];
+    const int chunk[2] = {0, 32};
+    for (int v = 0; v < 2; ++v) {
       sparse_attn_chunk_override(chunk[v]);
-      sparse_attn_set_fused(!three[v]);
       cudaGraphExec_t g = uf::bench::capture_graph(stream, [&] { run_all(scratch); });
       us[v] = uf::bench::median_replay_us(g, stream, reps) / copies;
       UF_CUDA_CHECK(cudaGraphExecDestroy(g));
     }
     sparse_attn_chunk_override(0);
-    sparse_attn_set_fused(true);
-    const bool fused = sparse_attn_uses_fused(std::min(T, kPrefillGroup), kH, kHd, W + k);
-    sparse_attn_set_fused(false);
     const double fast_us = us[0];
     cudaGraphExec_t ref = uf::bench::capture_graph(stream, [&] { run_all(nullptr); });
     const double ref_us = uf::bench::median_replay_us(ref, stream, reps) / copies;
@@ -184,32 +174,25 @@ int main(int argc, char** argv) {
         double(rows_touched) * kHd * 4 + 2.0 * double(T) * kH * kHd * 4;  // KV rows + q + out
     // Sanity (the tests are the real check): copy 0 on both paths, outputs differing in bf16.
     const size_t n_out = size_t(T) * kH * kHd;
-    std::vector<float> o_fast(n_out), o_ref(n_out), o_3l(n_out);
-    sparse_attn_set_fused(true);
+    std::vector<float> o_fast(n_out), o_ref(n_out);
     run_one(0, scratch);
-    sparse_attn_set_fused(false);
     UF_CUDA_CHECK(
         cudaMemcpyAsync(o_fast.data(), out, n_out * sizeof(float), cudaMemcpyDeviceToHost, stream));
-    run_one(0, scratch);
-    UF_CUDA_CHECK(
-        cudaMemcpyAsync(o_3l.data(), out, n_out * sizeof(float), cudaMemcpyDeviceToHost, stream));
     run_one(0, nullptr);
     UF_CUDA_CHECK(
         cudaMemcpyAsync(o_ref.data(), out, n_out * sizeof(float), cudaMemcpyDeviceToHost, stream));
     UF_CUDA_CHECK(cudaStreamSynchronize(stream));
-    size_t n_diff = 0, n_3l = 0;
+    size_t n_diff = 0;
     double max_abs = 0;
     for (size_t i = 0; i < n_out; ++i) {
-      n_3l += std::memcmp(&o_fast[i], &o_3l[i], sizeof(float)) != 0;
       n_diff += o_fast[i] != o_ref[i];
       max_abs = std::max(max_abs, std::fabs(double(o_fast[i]) - o_ref[i]));
     }
     std::printf(
-        "%-14s %3d %6d %10.0f %9.2f %8.2f %10.0f %8.2f %8.2f %8.2f %7.1fx %7.2fx %6s   "
-        "fused != 3l: %zu; vs ref %zu/%zu differ (%.2f%%), max %.2e\n",
+        "%-14s %3d %6d %10.0f %9.2f %8.2f %10.0f %8.2f %8.2f %7.1fx   "
+        "vs ref %zu/%zu differ (%.2f%%), max %.2e\n",
         sh.name, T, W + k, bytes, bytes / kFloorBytesPerUs, fast_us, bytes / fast_us / 1e3, us[1],
-        us[2], ref_us, ref_us / fast_us, us[1] / fast_us, fused ? "fused" : "3l", n_3l, n_diff,
-        n_out, 100.0 * double(n_diff) / double(n_out), max_abs);
+        ref_us, ref_us / fast_us, n_diff, n_out, 100.0 * double(n_diff) / double(n_out), max_abs);
     UF_CUDA_CHECK(cudaGraphExecDestroy(ref));
     for (int c = 0; c < copies; ++c) {
       UF_CUDA_CHECK(cudaFree(dwin[size_t(c)]));

@@ -45,27 +45,17 @@
 //  rarely (tests/cuda/test_ops_attention.cpp states the bound). Every order depends on the slot
 //  count and head_dim only, never on T or on other rows (spec == plain).
 //
-// Fused form of the fast path (sparse_attn_fused_kernel; OFF by default, sparse_attn_set_fused:
-// on the H200 it ran 26.8 / 27.3 / 53.9 us at 1 / 7 / 8 rows against the three launches' 14.1 /
-// 21.3 / 21.7 us (session 7, bench_cuda_attention): one ~156 KB CTA an SM, each CTA's four chunks'
-// P.V in series, three cluster barriers; kept, tested bitwise, for a next attempt. Where on, it
-// serves T <= 8 rows,
-// hd % 4 == 0 whose 64 staged KV rows fit in shared memory, ceil(n_slots / 64) <= 16; chunks of
-// 16): ONE PDL launch, a thread-block cluster of ceil(n_slots / 64) CTAs per (row, head group),
-// CTA b owning the 64-slot block b. It runs kernels 1-3's arithmetic on the same values (the
-// same thread roles for every sum, the chunk maxes, (M_b, psum_c) and acc_c exchanged through
-// distributed shared memory instead of the scratch), so its outputs are bitwise the three
-// launches' (tests/cuda/test_ops_attention.cpp compares them); details above the kernel.
-// sparse_attn_set_fused(true) turns it on (tests, benchmarks).
+// A one-launch form (a thread-block cluster per row and head group running kernels 1-3 with the
+// values in distributed shared memory, bitwise the same) was tried in session 7 and removed: one
+// ~156 KB CTA fits an SM and each ran its four chunks' P.V in series, 2x slower on the H200
+// (26.8 / 53.9 us against 14.1 / 21.7 at 1 / 8 rows; docs/perf.md).
 //
 // A row's result depends on its own inputs only (spec == plain). No allocation, no atomics.
 
-#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
-#include <mutex>
 
 #include "cuda/cuda_check.h"
 #include "cuda/kernels/common.cuh"
@@ -75,8 +65,6 @@
 
 namespace uf::cuda {
 namespace {
-
-namespace cg = cooperative_groups;
 
 constexpr int kBlock = 64;  // cpu::kAttnBlock
 constexpr int kThreads = 256;
@@ -589,287 +577,6 @@ __global__ void __launch_bounds__(kThreads)
   for (int d = tid; d < hd; d += kThreads) o[d] = detail::round_bf16(__fdiv_rn(acc[d], sum));
 }
 
-// ------------------------------------------------------------------------------------------
-// Fused path: kernels 1-3 in one launch, one thread-block cluster per (row, head group), CTA b
-// of the cluster (rank b) owning the 64-slot block b (its 4 chunks of 16). Every value is
-// computed by the same instructions on the same operands as in kernels 1-3 (the bits are the
-// same; only where the values live changes: shared memory and the cluster's distributed shared
-// memory instead of the scratch):
-//  - scores: kernel 1's thread mapping per chunk (threads 0-127 take chunks 0 and 2, 128-255
-//    chunks 1 and 3), s_j and the chunk maxes into shared memory;
-//  - cluster barrier; warp h takes M_b from the chunk maxes of ranks 0..b (kernel 2's lanes and
-//    butterfly), then per chunk p_j, psum_c, bf16(p_j) and the P.V (kernel 2's slot groups),
-//    the chunk's acc_c written over its own (dead) staged KV rows;
-//  - cluster barrier; warp h computes kernel 3's weights w_c and den from every rank's
-//    (M_b, psum_c); then CTA b merges the (head, float4 column) items
-//    [b * n / C, (b + 1) * n / C) of n = heads x hd / 4: quarter g of the threads sums the
-//    chunks [g * nc / 4, (g + 1) * nc / 4) in chunk order (kernel 3's warp g), reading acc_c
-//    from its owner's shared memory, the quarters added in order, / den, bf16, inverse rope;
-//  - a last cluster barrier so that no CTA leaves while others read its shared memory.
-// Only for up to kMaxFusedRows rows, hd / 4 <= kFastThreads, ceil(n_slots / 64) <= 16 CTAs and
-// the shared memory of 64 staged rows (hd 512: 149 KB); the three launches serve the rest.
-constexpr int kFusedChunks = kBlock / kScoreChunk;       // 16-slot chunks per CTA
-constexpr int kMaxFusedCluster = 16;                     // non-portable cluster size limit
-constexpr int kMaxFusedRows = 8;                         // decode spans
-constexpr int kMergeItems = kFastThreads / kMergeWarps;  // items a merge round, per quarter
-static_assert(kFastThreads == 2 * kScoreThreads, "two chunks' scores at a time");
-
-// Shared memory of the fused kernel (floats): the 64 staged KV rows (later acc_c of each chunk
-// over its own rows), q of the 8 heads (later the P.V group sums), bf16(p) [64][8], s [64][8].
-struct FusedSmem {
-  size_t qr, ps, s, total;  // offsets in floats (total: bytes)
-};
-__host__ __device__ inline FusedSmem fused_smem(int hd) {
-  FusedSmem m{};
-  const int ng = pv_groups(hd / 4);
-  m.qr = size_t(kBlock) * kv_stride4(hd / 4) * 4;
-  m.ps = m.qr + size_t(ng > 2 ? ng - 1 : 1) * kHeadGroup * hd;
-  m.s = m.ps + size_t(kBlock) * kHeadGroup;
-  m.total = (m.s + size_t(kBlock) * kHeadGroup) * sizeof(float);
-  return m;
-}
-
-__device__ __forceinline__ void cluster_barrier() {
-  asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
-}
-
-__global__ void __launch_bounds__(kFastThreads, 1)
-    sparse_attn_fused_kernel(const float* __restrict__ q, int H, int hd, const float* const* window,
-                             int n_window, const int32_t* __restrict__ topk, int k,
-                             const float* ckv, const float* const* ckv_ref,
-                             const float* __restrict__ sink, float scale, AttnRope rope,
-                             float* __restrict__ out) {
-  extern __shared__ __align__(16) float smem[];
-  __shared__ const float* slot[kBlock];
-  __shared__ float cmax_sh[kFusedChunks][kHeadGroup];
-  __shared__ float stat_sh[kFusedChunks][kHeadGroup][2];  // (M_b, psum_c)
-  __shared__ float wsh[kHeadGroup][kMaxFusedCluster * kFusedChunks];
-  __shared__ float den_sh[kHeadGroup];
-  __shared__ float4 mred[kMergeWarps][kMergeItems];
-  cg::cluster_group cluster = cg::this_cluster();
-  const int b = blockIdx.x, C = gridDim.x, t = blockIdx.y, h0 = blockIdx.z * kHeadGroup;
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int nh = min(kHeadGroup, H - h0), hd4 = hd / 4, st4 = kv_stride4(hd4);
-  const int n_slots = n_window + k, nc = (n_slots + kScoreChunk - 1) / kScoreChunk;
-  const int jb = b * kBlock, nbk = min(kBlock, n_slots - jb);
-  const int nlc = (nbk + kScoreChunk - 1) / kScoreChunk;  // this CTA's chunks (>= 1)
-  const FusedSmem L = fused_smem(hd);
-  float4* kv4 = reinterpret_cast<float4*>(smem);
-  float4* q4 = reinterpret_cast<float4*>(smem + L.qr);
-  float* ps = smem + L.ps;  // [64][8] bf16(p)
-  float* sc = smem + L.s;   // [64][8] s_j
-
-  // q, the window pointers, the top-k ids and the KV rows all come from earlier kernels.
-  detail::pdl_wait();
-  detail::pdl_trigger();
-  if (ckv_ref) ckv = *ckv_ref;
-  if (tid < kBlock)
-    slot[tid] = tid < nbk ? slot_ptr(t, jb + tid, window, n_window, topk, k, ckv, hd) : nullptr;
-  __syncthreads();
-  stage_rows(kv4, st4, slot, nbk, hd4, tid, kFastThreads);
-  const float4* qg = reinterpret_cast<const float4*>(q + (int64_t(t) * H + h0) * hd);
-  for (int i = tid; i < kHeadGroup * hd4; i += kFastThreads)
-    q4[i] = i < nh * hd4 ? qg[i] : make_float4(0.f, 0.f, 0.f, 0.f);
-  __syncthreads();
-  if (rope.freqs)  // q's rotary embedding on the staged copy (kernel 1's operations)
-    rotate_staged(reinterpret_cast<float*>(q4), nh, hd, rope, t, tid, kFastThreads);
-  detail::cp_async_wait<0>();
-  __syncthreads();
-
-  {  // Scores: kernel 1 per chunk (the same thread roles within 128 threads).
-    const int u = tid % kScoreThreads, j = u % kScoreChunk, hf = (u / kScoreChunk) % 2;
-    const int hp = u / (2 * kScoreChunk);
-    for (int ci = tid / kScoreThreads; ci < nlc; ci += kFastThreads / kScoreThreads) {
-      const int nb = min(kScoreChunk, nbk - ci * kScoreChunk);
-      const int js = ci * kScoreChunk + j;  // the slot in this CTA's block
-      float a[2][4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) a[0][e] = a[1][e] = 0.f;
-      const float4* kr = kv4 + js * st4;
-      const float4* q0 = q4 + (2 * hp) * hd4;
-      const float4* q1 = q0 + hd4;
-#pragma unroll 2
-      for (int f = hf; f < hd4; f += 2) {
-        const float4 x = kr[f], uu = q0[f], v = q1[f];
-        a[0][0] = __fadd_rn(a[0][0], __fmul_rn(uu.x, x.x));
-        a[0][1] = __fadd_rn(a[0][1], __fmul_rn(uu.y, x.y));
-        a[0][2] = __fadd_rn(a[0][2], __fmul_rn(uu.z, x.z));
-        a[0][3] = __fadd_rn(a[0][3], __fmul_rn(uu.w, x.w));
-        a[1][0] = __fadd_rn(a[1][0], __fmul_rn(v.x, x.x));
-        a[1][1] = __fadd_rn(a[1][1], __fmul_rn(v.y, x.y));
-        a[1][2] = __fadd_rn(a[1][2], __fmul_rn(v.z, x.z));
-        a[1][3] = __fadd_rn(a[1][3], __fmul_rn(v.w, x.w));
-      }
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const float mine = __fadd_rn(__fadd_rn(a[hh][0], a[hh][1]), __fadd_rn(a[hh][2], a[hh][3]));
-        const float other = __shfl_xor_sync(0xffffffffu, mine, kScoreChunk);
-        const float dot = hf == 0 ? __fadd_rn(mine, other) : __fadd_rn(other, mine);
-        const int h = 2 * hp + hh;
-        const float sj = j < nb && slot[js] ? __fmul_rn(dot, scale) : -INFINITY;
-        float mx = sj;
-#pragma unroll
-        for (int o = kScoreChunk / 2; o > 0; o >>= 1) {
-          const float v = __shfl_xor_sync(0xffffffffu, mx, o);
-          mx = mx < v ? v : mx;
-        }
-        if (hf == 0) {
-          sc[js * kHeadGroup + h] = sj;
-          if (j == 0) cmax_sh[ci][h] = mx;
-        }
-      }
-    }
-  }
-  cluster_barrier();  // every CTA's chunk maxes are written
-
-  {  // Chunk softmax: kernel 2's warp h (a head past H takes head nh - 1 and writes nothing).
-    const int h = warp, hs = min(h, nh - 1);
-    const int end = min(nc, (b + 1) * kFusedChunks);  // the chunks of blocks 0..b
-    float mx = -INFINITY;
-    for (int i = lane; i < end; i += 32) {
-      const float v = *cluster.map_shared_rank(&cmax_sh[i % kFusedChunks][hs], i / kFusedChunks);
-      mx = mx < v ? v : mx;
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const float v = __shfl_xor_sync(0xffffffffu, mx, o);
-      mx = mx < v ? v : mx;
-    }
-    const float m = -1e30f < mx ? mx : -1e30f;  // the CPU's running max starts at -1e30
-    for (int ci = 0; ci < nlc; ++ci) {
-      const int nb = min(kScoreChunk, nbk - ci * kScoreChunk), js = ci * kScoreChunk + lane;
-      const bool present = lane < nb && slot[js] != nullptr;
-      const float s_j = present ? sc[js * kHeadGroup + hs] : 0.f;
-      const float p = present ? exp_rn(__fadd_rn(s_j, -m)) : 0.f;
-      float sum = p;
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-      if (lane < kScoreChunk) ps[js * kHeadGroup + h] = detail::round_bf16(p);
-      if (lane == 0) {
-        stat_sh[ci][h][0] = m;
-        stat_sh[ci][h][1] = sum;
-      }
-    }
-  }
-  __syncthreads();
-
-  {  // P.V per chunk: kernel 2's thread (column f, slot group sg), at most one item a thread.
-    const int ng = pv_groups(hd4), f = tid % hd4, sg = tid / hd4;
-    const bool active = tid < hd4 * ng;
-    float4* red = q4;  // q is dead: the group sums of slot groups 1..
-    for (int ci = 0; ci < nlc; ++ci) {
-      const int nb = min(kScoreChunk, nbk - ci * kScoreChunk);
-      float4* kvc = kv4 + ci * kScoreChunk * st4;
-      float4 acc[kHeadGroup];
-      if (active)
-        pv_sum(acc, kvc, st4, ps + ci * kScoreChunk * kHeadGroup, slot + ci * kScoreChunk, f, sg,
-               ng, nb);
-      if (active && sg > 0)
-#pragma unroll
-        for (int h = 0; h < kHeadGroup; ++h) red[((sg - 1) * kHeadGroup + h) * hd4 + f] = acc[h];
-      __syncthreads();  // the chunk's KV rows are read; the group sums are in red
-      if (active && sg == 0)
-#pragma unroll
-        for (int h = 0; h < kHeadGroup; ++h) {
-          float4 a = acc[h];
-          for (int g = 1; g < ng; ++g) {
-            const float4 r = red[((g - 1) * kHeadGroup + h) * hd4 + f];
-            a.x += r.x;
-            a.y += r.y;
-            a.z += r.z;
-            a.w += r.w;
-          }
-          kvc[h * hd4 + f] = a;  // acc_c [8][hd4] over the chunk's own rows (8 hd4 <= 16 st4)
-        }
-      __syncthreads();  // red is read before the next chunk writes it
-    }
-  }
-  cluster_barrier();  // every chunk's (M_b, psum_c) and acc_c are in its CTA
-
-  if (warp < nh) {  // kernel 3's weights and denominator of head h (a warp of each merge CTA)
-    const int h = warp;
-    float mx = -INFINITY;
-    for (int c = lane; c < nc; c += 32) {
-      const float v = *cluster.map_shared_rank(&stat_sh[c % kFusedChunks][h][0], c / kFusedChunks);
-      mx = mx < v ? v : mx;
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const float x = __shfl_xor_sync(0xffffffffu, mx, o);
-      mx = mx < x ? x : mx;
-    }
-    float den = 0.f;
-    for (int c = lane; c < nc; c += 32) {
-      const float* st = cluster.map_shared_rank(&stat_sh[c % kFusedChunks][h][0], c / kFusedChunks);
-      const float w = exp_rn(__fadd_rn(st[0], -mx));
-      wsh[h][c] = w;
-      den = fmaf(st[1], w, den);
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) den += __shfl_xor_sync(0xffffffffu, den, o);
-    den += exp_rn(__fadd_rn(sink[h0 + h], -mx));
-    if (lane == 0) den_sh[h] = den;
-  }
-  __syncthreads();
-
-  {  // Merge of this CTA's items: quarter g = kernel 3's warp g.
-    const int g = tid / kMergeItems, l = tid % kMergeItems;
-    const int n_items = nh * hd4, i0 = b * n_items / C, i1 = (b + 1) * n_items / C;
-    const int c0 = g * nc / kMergeWarps, c1 = (g + 1) * nc / kMergeWarps;
-    for (int base = i0; base < i1; base += kMergeItems) {
-      const int i = base + l;
-      const bool valid = i < i1;
-      const int h = valid ? i / hd4 : 0, f = valid ? i % hd4 : 0;
-      float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (valid) {
-        const float4* mine = reinterpret_cast<const float4*>(smem) + h * hd4 + f;
-#pragma unroll 4
-        for (int c = c0; c < c1; ++c) {
-          const float4* src = cluster.map_shared_rank(mine + (c % kFusedChunks) * kScoreChunk * st4,
-                                                      c / kFusedChunks);
-          fma_f4(a, wsh[h][c], *src);
-        }
-      }
-      mred[g][l] = a;
-      __syncthreads();
-      if (g == 0 && valid) {
-        float4 r = mred[0][l];
-#pragma unroll
-        for (int w = 1; w < kMergeWarps; ++w) {
-          const float4 x = mred[w][l];
-          r.x += x.x;
-          r.y += x.y;
-          r.z += x.z;
-          r.w += x.w;
-        }
-        const float den = den_sh[h];
-        float4 o;
-        o.x = detail::round_bf16(__fdiv_rn(r.x, den));
-        o.y = detail::round_bf16(__fdiv_rn(r.y, den));
-        o.z = detail::round_bf16(__fdiv_rn(r.z, den));
-        o.w = detail::round_bf16(__fdiv_rn(r.w, den));
-        const int r0 = hd - rope.rope_dim;  // kernel 3's inverse rope
-        if (rope.freqs && 4 * f >= r0) {
-          const int ir = (4 * f - r0) / 2;
-          const int64_t pos = rope.positions ? rope.positions[t] : rope.p0 + t;
-          float cs, sn, pr[2];
-          ew::rope_cos_sin(pos, rope.freqs[ir], true, &cs, &sn);
-          pr[0] = o.x, pr[1] = o.y;
-          ew::rope_pair(pr, cs, sn);
-          o.x = pr[0], o.y = pr[1];
-          ew::rope_cos_sin(pos, rope.freqs[ir + 1], true, &cs, &sn);
-          pr[0] = o.z, pr[1] = o.w;
-          ew::rope_pair(pr, cs, sn);
-          o.z = pr[0], o.w = pr[1];
-        }
-        reinterpret_cast<float4*>(out + (int64_t(t) * H + h0 + h) * hd)[f] = o;
-      }
-      __syncthreads();  // mred is rewritten by the next round
-    }
-  }
-  cluster_barrier();  // no CTA leaves while the cluster reads its shared memory
-}
-
 template <int S>
 void launch_pv(int T, int H, int hd, const float* const* window, int n_window, const int32_t* topk,
                int k, const float* ckv, const float* const* ckv_ref, float* scratch,
@@ -887,84 +594,6 @@ void launch_pv(int T, int H, int hd, const float* const* window, int n_window, c
                   unsigned((H + kHeadGroup - 1) / kHeadGroup));
   detail::launch_pdl(kernel, grid, dim3(kFastThreads), pv_smem(S, hd).total, stream, T, H, hd,
                      window, n_window, topk, k, ckv, ckv_ref, scratch);
-}
-
-// The fused kernel's launch configuration per device: its attributes are set once, and the
-// cluster occupancy is queried once per (cluster size, shared memory) (host queries only, so a
-// graph capture may run them).
-constexpr int kMaxDevices = 64;
-bool g_fused_on = false;  // sparse_attn_set_fused (benchmarks, tests)
-struct FusedDevice {
-  bool configured = false;
-  size_t static_smem = 0, optin = 0;
-  size_t fit_smem[kMaxFusedCluster + 1] = {};
-  int fit_clusters[kMaxFusedCluster + 1] = {};  // max active clusters at fit_smem
-};
-std::mutex g_fused_mu;
-FusedDevice g_fused[kMaxDevices];
-
-cudaLaunchConfig_t fused_config(int C, int T, int groups, size_t smem, cudaStream_t stream,
-                                cudaLaunchAttribute* attr) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(unsigned(C), unsigned(T), unsigned(groups));
-  cfg.blockDim = dim3(kFastThreads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = unsigned(C);
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[1].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 2;
-  return cfg;
-}
-
-// Whether the fused kernel serves a call (the three launches otherwise; both give the same bits,
-// so the choice may depend on anything, T included).
-bool fused_fits(int T, int H, int hd, int n_slots) {
-  if (!g_fused_on || fast_chunk(n_slots) != kScoreChunk || T > kMaxFusedRows || hd % 4 != 0 ||
-      hd / 4 > kFastThreads || n_slots <= 0 || H <= 0)
-    return false;
-  const int C = (n_slots + kBlock - 1) / kBlock;
-  if (C > kMaxFusedCluster) return false;
-  int dev = 0;
-  UF_CUDA_CHECK(cudaGetDevice(&dev));
-  require(dev >= 0 && dev < kMaxDevices, "sparse_attn: device %d out of range", dev);
-  const size_t smem = fused_smem(hd).total;
-  std::lock_guard<std::mutex> lock(g_fused_mu);
-  FusedDevice& d = g_fused[dev];
-  if (!d.configured) {
-    int optin = 0;
-    UF_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-    cudaFuncAttributes fa{};
-    UF_CUDA_CHECK(cudaFuncGetAttributes(&fa, sparse_attn_fused_kernel));
-    d.optin = size_t(optin);
-    d.static_smem = fa.sharedSizeBytes;
-    if (d.optin > d.static_smem)
-      UF_CUDA_CHECK(cudaFuncSetAttribute(sparse_attn_fused_kernel,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         int(d.optin - d.static_smem)));
-    UF_CUDA_CHECK(cudaFuncSetAttribute(sparse_attn_fused_kernel,
-                                       cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-    detail::prefer_shared_carveout(sparse_attn_fused_kernel);
-    d.configured = true;
-  }
-  if (smem + d.static_smem > d.optin) return false;
-  if (d.fit_smem[C] != smem) {
-    cudaLaunchAttribute attr[2];
-    cudaLaunchConfig_t cfg = fused_config(C, 1, 1, smem, nullptr, attr);
-    cfg.numAttrs = 1;  // the cluster shape only (attr[0]) for the occupancy query
-    int clusters = 0;
-    if (cudaOccupancyMaxActiveClusters(&clusters, sparse_attn_fused_kernel, &cfg) != cudaSuccess) {
-      (void)cudaGetLastError();  // clear it: the three launches serve this size
-      clusters = 0;
-    }
-    d.fit_smem[C] = smem;
-    d.fit_clusters[C] = clusters;
-  }
-  return d.fit_clusters[C] >= 1;
 }
 
 }  // namespace
@@ -992,15 +621,6 @@ void sparse_attn(const float* q, int T, int H, int hd, const float* const* windo
   const bool merge_rope = !rope.freqs || (hd - rope.rope_dim) % 4 == 0;
   if (split_scratch && hd % 4 == 0 && n_slots > 0 && int64_t(T) * H <= 65535 && aligned &&
       fast_chunks(n_slots) <= 2048 && merge_rope) {
-    if (fused_fits(T, H, hd, n_slots)) {
-      const int C = (n_slots + kBlock - 1) / kBlock;
-      cudaLaunchAttribute attr[2];
-      const cudaLaunchConfig_t cfg =
-          fused_config(C, T, (H + kHeadGroup - 1) / kHeadGroup, fused_smem(hd).total, stream, attr);
-      UF_CUDA_CHECK(cudaLaunchKernelEx(&cfg, sparse_attn_fused_kernel, q, H, hd, window, n_window,
-                                       topk, k, ckv, ckv_ref, sink, scale, rope, out));
-      return;
-    }
     const int nc = fast_chunks(n_slots);
     static const bool configured = [] {
       UF_CUDA_CHECK(cudaFuncSetAttribute(sparse_attn_scores_kernel,
@@ -1049,12 +669,6 @@ void sparse_attn_chunk_override(int slots) {
   require(slots == 0 || slots == 16 || slots == 32,
           "sparse_attn_chunk_override: %d slots (0, 16 or 32)", slots);
   g_chunk_override = slots;
-}
-
-void sparse_attn_set_fused(bool on) { g_fused_on = on; }
-
-bool sparse_attn_uses_fused(int T, int H, int hd, int n_slots) {
-  return fused_fits(T, H, hd, n_slots);
 }
 
 }  // namespace uf::cuda

@@ -48,21 +48,8 @@ void sparse_attn(const float* q, int T, int H, int hd, const float* const* windo
                  float* split_scratch = nullptr, const AttnRope& rope = {});
 size_t sparse_attn_scratch_floats(int T, int H, int hd, int n_slots);
 // Benchmarks only (not thread-safe): 16 or 32 makes every later chunked call use chunks of that
-// many slots (32: never fused); 0 restores the default (16).
+// many slots; 0 restores the default (16).
 void sparse_attn_chunk_override(int slots);
-// The fast path's fused form (ops/attention.cu): the three launches in ONE, a thread-block
-// cluster of ceil(n_slots / 64) CTAs per (row, 8 heads) exchanging chunk maxes, (M_b, psum_c)
-// and acc_c through distributed shared memory; bitwise the three launches' outputs (the same
-// arithmetic on the same values). It serves T <= 8 rows, hd % 4 == 0, hd <= 1024 whose 64
-// staged KV rows fit in shared memory (hd 512: yes, 1024: no), n_slots <= 1024 (clusters of up
-// to 16 CTAs) and chunks of 16; the three launches serve the rest.
-// Off by default: on the H200 it is ~2x slower than the three launches (ops/attention.cu says
-// why). Tests and benchmarks only (not thread-safe): true makes every later call that fits use
-// the fused kernel; false restores the default (the three launches).
-void sparse_attn_set_fused(bool on);
-// Whether a fast-path call of this shape (given a scratch and 16-byte aligned q / out) runs the
-// fused kernel on the current device (host queries only).
-bool sparse_attn_uses_fused(int T, int H, int hd, int n_slots);
 
 // cpu::index_scores_row for T rows: score[t, i] for i < width[t] (i >= vis[t]: -inf); entries
 // width[t] <= i < max_width are left untouched. q: [T, n_heads, head_dim] (FP4 QDQ values),
