@@ -14,7 +14,8 @@
 // count (replay_us_per_copy, the bench's one timing loop). For reference, the whole layer before
 // session 7's kernel changes (H200): 41.4 / 72.9 / 115.3 us at T = 1 / 4 / 7. Then prefill:
 // T = 64, 512 rows by chunks of 8 through MoeFp4 against MoeFp4Prefill
-// (tests/cuda/test_moe_prefill.cpp), us, GB/s, bitwise check.
+// (tests/cuda/test_moe_prefill.cpp), us, GB/s, bitwise check. Last: MoeFp4Prefill's e4m3 mma
+// kernels vs its f16 HMMA kernels (set_f16) at T = 512 / 2048, us and TFLOP/s, bitwise check.
 //
 //   bench_cuda_moe [--reps N] [--copies N] [--layers N]
 
@@ -470,6 +471,68 @@ int main(int argc, char** argv) {
     std::printf("%5d %8zu %12.1f %8.0f %12.1f %8.0f %7.2fx %s  (%.0f tok/s new)\n", T, uniq.size(),
                 us[0], bytes / (us[0] * 1e-6) / 1e9, us[1], bytes / (us[1] * 1e-6) / 1e9,
                 us[0] / us[1], same ? "equal" : "DIFFERENT", T / (us[1] * 1e-6));
+  }
+
+  // Prefill kernels: MoeFp4Prefill::run (plan + w13 + w2 + combine) with the e4m3 mma kernels
+  // (set_f16(false)) vs the f16 HMMA kernels (set_f16(true), default), T = 512 / 2048 rows,
+  // random routing (~8 / ~32 pairs an expert). TFLOP/s = 2 * pairs * (2 * I + I) * dim / time
+  // (w1 and w3: I x dim each, w2: dim x I, per valid (row, expert) pair).
+  constexpr int kBigT = 2048;
+  MoeFp4Prefill pf2(kDim, kInter, kTopk, kExperts, kBigT);
+  uint16_t* bxb = reinterpret_cast<uint16_t*>(b.bytes(size_t(kBigT) * kDim * 2));
+  uint8_t* bcodes = b.bytes(size_t(kBigT) * kDim);
+  float* bscales = reinterpret_cast<float*>(b.bytes(size_t(kBigT) * kDim / 32 * 4));
+  fill_random_bf16(bxb, size_t(kBigT) * kDim, seed++, 2.0f, nullptr);
+  UF_CUDA_CHECK(cudaDeviceSynchronize());
+  for (int t0 = 0; t0 < kBigT; t0 += 8)
+    act_quant_fp8_bf16(bxb + size_t(t0) * kDim, 8, kDim, bcodes + size_t(t0) * kDim,
+                       bscales + size_t(t0) * kDim / 32, s);
+  float* bout[2] = {reinterpret_cast<float*>(b.bytes(size_t(kBigT) * kDim * 4)),
+                    reinterpret_cast<float*>(b.bytes(size_t(kBigT) * kDim * 4))};
+  int* bidx = reinterpret_cast<int*>(b.bytes(size_t(kBigT) * kTopk * 4));
+  float* bwts = reinterpret_cast<float*>(b.bytes(size_t(kBigT) * kTopk * 4));
+  {
+    std::vector<int> hidx;
+    std::vector<float> hw;
+    std::vector<int> perm(kExperts);
+    for (int t = 0; t < kBigT; ++t) {
+      std::iota(perm.begin(), perm.end(), 0);
+      std::shuffle(perm.begin(), perm.end(), rng);
+      hidx.insert(hidx.end(), perm.begin(), perm.begin() + kTopk);
+      for (int k = 0; k < kTopk; ++k) hw.push_back(ud(rng));
+    }
+    UF_CUDA_CHECK(cudaMemcpy(bidx, hidx.data(), hidx.size() * 4, cudaMemcpyHostToDevice));
+    UF_CUDA_CHECK(cudaMemcpy(bwts, hw.data(), hw.size() * 4, cudaMemcpyHostToDevice));
+  }
+  std::printf(
+      "\nprefill kernels, MoeFp4Prefill::run (plan + w13 + w2 + combine), e4m3 mma vs f16 HMMA "
+      "(set_f16)\n  TFLOP/s = 2 * pairs * 3 * inter * dim / time\n%5s %6s %10s %10s %8s %9s %9s "
+      "%s\n",
+      "T", "pairs", "e4m3 us", "f16 us", "speedup", "e4m3 TF/s", "f16 TF/s", "bitwise");
+  for (int T : {512, 2048}) {
+    float us[2];
+    for (int k = 0; k < 2; ++k) {
+      pf2.set_f16(k == 1);
+      UF_CUDA_CHECK(cudaMemsetAsync(bout[k], 0xFF, size_t(kBigT) * kDim * 4, s));
+      us[k] = replay_us_per_copy(s, 20, copies, [&](int c) {
+        pf2.run(ex[size_t(c)], QuantActView{bcodes, bscales, T, kDim}, bidx, bwts, kSwigluLimit,
+                bout[k], s);
+      });
+    }
+    pf2.set_f16(true);
+    std::vector<float> a(size_t(T) * kDim), c(size_t(T) * kDim);
+    UF_CUDA_CHECK(cudaMemcpy(a.data(), bout[0], a.size() * 4, cudaMemcpyDeviceToHost));
+    UF_CUDA_CHECK(cudaMemcpy(c.data(), bout[1], c.size() * 4, cudaMemcpyDeviceToHost));
+    size_t diff = 0, nan = 0;
+    for (size_t i = 0; i < a.size(); ++i) {
+      nan += std::isnan(a[i]) || std::isnan(c[i]);
+      diff += std::memcmp(&a[i], &c[i], 4) != 0;
+    }
+    const double flops = 2.0 * T * kTopk * 3.0 * kInter * kDim;  // every pair valid here
+    std::printf("%5d %6d %10.1f %10.1f %7.2fx %9.1f %9.1f %s\n", T, T * kTopk, us[0], us[1],
+                us[0] / us[1], flops / (us[0] * 1e-6) / 1e12, flops / (us[1] * 1e-6) / 1e12,
+                diff == 0 && nan == 0 ? "equal" : "DIFFERENT / NaN!");
+    if (diff || nan) std::printf("    %zu outputs differ, %zu NaN\n", diff, nan);
   }
   return 0;
 }

@@ -3,6 +3,10 @@
 // against the decode GEMV run by chunks of 8 rows (Fp8Gemv::run_fused, the path before the GEMM).
 // Prints us per call, TFLOP/s (2 T N K), the weight bytes / time (GB/s), the speedup, and whether
 // the two outputs are bitwise equal (they must be: the GEMM keeps the GEMV's split order).
+// Second section: the GEMM kernels alone on pre-quantised rows (M = 512, 2048), legacy (the
+// emulated e4m3 mma.sync, fp8_gemm_set_legacy(true)) against the f16 kernel (the default) and its
+// tile variants (fp8_gemm_set_variant: 1 wide, 2 tall, 3 small8): us per call from graph replay,
+// TFLOP/s (2 M N K), the speedup over legacy and whether all outputs are bitwise equal.
 // Runs in seconds: bench_cuda_prefill [iterations, default 20].
 
 #include <algorithm>
@@ -63,6 +67,112 @@ float time_us(F&& f, int iters) {
   return ms * 1000.f / float(iters);
 }
 
+// us per call of f: a CUDA graph of iters calls, replayed (after one warm-up replay).
+template <typename F>
+float graph_us(F&& f, int iters) {
+  cudaStream_t s;
+  UF_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  f(s);  // warm-up outside the capture (function attributes)
+  UF_CUDA_CHECK(cudaStreamSynchronize(s));
+  cudaGraph_t g;
+  cudaGraphExec_t ge;
+  UF_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  for (int i = 0; i < iters; ++i) f(s);
+  UF_CUDA_CHECK(cudaStreamEndCapture(s, &g));
+  UF_CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
+  UF_CUDA_CHECK(cudaGraphLaunch(ge, s));
+  UF_CUDA_CHECK(cudaStreamSynchronize(s));
+  cudaEvent_t a, b;
+  UF_CUDA_CHECK(cudaEventCreate(&a));
+  UF_CUDA_CHECK(cudaEventCreate(&b));
+  UF_CUDA_CHECK(cudaEventRecord(a, s));
+  UF_CUDA_CHECK(cudaGraphLaunch(ge, s));
+  UF_CUDA_CHECK(cudaEventRecord(b, s));
+  UF_CUDA_CHECK(cudaEventSynchronize(b));
+  float ms = 0;
+  UF_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+  UF_CUDA_CHECK(cudaEventDestroy(a));
+  UF_CUDA_CHECK(cudaEventDestroy(b));
+  UF_CUDA_CHECK(cudaGraphExecDestroy(ge));
+  UF_CUDA_CHECK(cudaGraphDestroy(g));
+  UF_CUDA_CHECK(cudaStreamDestroy(s));
+  return ms * 1000.f / float(iters);
+}
+
+// The GEMM kernels alone: legacy / f16 (default tiles) / f16 wide / tall / small8 at the
+// rank-slice shapes, M = 512 and 2048. Wide and tall run only where 128-token blocks fill the SMs,
+// small8 only where 64-token blocks do not (elsewhere each is the default tiles).
+void kernel_section(int iters, int sms) {
+  constexpr Shape kKernelShapes[] = {
+      {"wq_a|wkv [1792,5120]", 1792, 5120},   {"wq_b [4096,1280]", 4096, 1280},
+      {"wo_b [5120,1024]", 5120, 1024},       {"shared w2 [5120,288]", 5120, 288},
+      {"engram wkv [3200,6144]", 3200, 6144}, {"engram full [25600,6144]", 25600, 6144},
+  };
+  constexpr int kKernels = 5;  // legacy, then fp8_gemm_set_variant 0, 1, 2, 3
+  std::printf(
+      "\nGEMM kernels alone (graph replay of %d calls, pre-quantised rows; x = speedup "
+      "over legacy)\n",
+      iters);
+  std::printf("%-26s %4s | %8s %6s", "shape", "M", "legacy", "TF/s");
+  for (const char* name : {"f16 us", "wide us", "tall us", "small8"})
+    std::printf(" | %8s %6s %5s", name, "TF/s", "x");
+  std::printf(" | bitwise\n");
+  uint64_t seed = 1000;
+  for (const Shape& s : kKernelShapes) {
+    const int mmax = 2048;
+    const size_t wbytes = size_t(s.n) * s.k, sbytes = size_t((s.n + 31) / 32) * (s.k / 32);
+    uint8_t *w = nullptr, *ws = nullptr, *codes = nullptr;
+    float *x = nullptr, *scales = nullptr, *y[kKernels] = {};
+    UF_CUDA_CHECK(cudaMalloc(&w, wbytes));
+    UF_CUDA_CHECK(cudaMalloc(&ws, sbytes));
+    UF_CUDA_CHECK(cudaMalloc(&x, sizeof(float) * mmax * s.k));
+    UF_CUDA_CHECK(cudaMalloc(&codes, size_t(mmax) * s.k));
+    UF_CUDA_CHECK(cudaMalloc(&scales, sizeof(float) * mmax * (s.k / 32)));
+    for (auto& p : y) UF_CUDA_CHECK(cudaMalloc(&p, sizeof(float) * mmax * s.n));
+    fill_random_e4m3(w, wbytes, seed++, nullptr);
+    fill_random_bytes(ws, sbytes, seed++, 118, 124, nullptr);
+    fill_random_f32(x, size_t(mmax) * s.k, seed++, 4.f, nullptr);
+    act_quant_fp8_rows(x, s.k, mmax, s.k, codes, scales, nullptr);
+    UF_CUDA_CHECK(cudaDeviceSynchronize());
+    const Fp8Gemv plan(s.n, s.k, sms);
+    const Fp8WeightView wv{w, ws, s.n, s.k};
+    for (int m : {512, 2048}) {
+      float us[kKernels];
+      for (int v = 0; v < kKernels; ++v) {
+        fp8_gemm_set_legacy(v == 0);
+        fp8_gemm_set_variant(v == 0 ? 0 : v - 1);
+        us[v] = graph_us(
+            [&](cudaStream_t st) {
+              fp8_gemm_prefill(wv, QuantActView{codes, scales, m, s.k}, plan.kb_per_split(), y[v],
+                               true, st);
+            },
+            iters);
+      }
+      fp8_gemm_set_legacy(false);
+      fp8_gemm_set_variant(0);
+      UF_CUDA_CHECK(cudaDeviceSynchronize());
+      std::vector<float> o[kKernels];
+      bool same = true;
+      for (int v = 0; v < kKernels; ++v) {
+        o[v].resize(size_t(m) * s.n);
+        UF_CUDA_CHECK(cudaMemcpy(o[v].data(), y[v], o[v].size() * 4, cudaMemcpyDeviceToHost));
+        same = same && std::memcmp(o[0].data(), o[v].data(), o[0].size() * 4) == 0;
+      }
+      const double tf = 2.0 * m * double(s.n) * s.k * 1e-6;
+      std::printf("%-26s %4d | %8.1f %6.1f", s.name, m, us[0], tf / us[0]);
+      for (int v = 1; v < kKernels; ++v)
+        std::printf(" | %8.1f %6.1f %5.2f", us[v], tf / us[v], us[0] / us[v]);
+      std::printf(" | %s\n", same ? "yes" : "NO");
+    }
+    cudaFree(w);
+    cudaFree(ws);
+    cudaFree(x);
+    cudaFree(codes);
+    cudaFree(scales);
+    for (auto* p : y) cudaFree(p);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -118,6 +228,7 @@ int main(int argc, char** argv) {
     cudaFree(y0);
     cudaFree(y1);
   }
+  kernel_section(std::max(iters, 20), sms);
   return 0;
 }
 

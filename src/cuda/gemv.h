@@ -128,6 +128,13 @@ void act_quant_fp8_rows(const float* x, long long x_stride, int m, int k, uint8_
 // fp32 as run_fused's round_f32). One launch, no workspace; graph-capturable (no allocation).
 void fp8_gemm_prefill(const Fp8WeightView& w, const QuantActView& a, int kb_per_split, float* out,
                       bool round, cudaStream_t stream);
+// true: fp8_gemm_prefill runs the e4m3 mma.sync kernel (ptxas emulates it with 12 F2FP + 2 HMMA
+// per mma) instead of the default f16 HMMA kernel that converts each fragment once; both give
+// bitwise the same outputs. Process-wide, read at each launch (tests, benchmarks).
+void fp8_gemm_set_legacy(bool on);
+// The f16 kernel's tiles (benchmarks, tests; bitwise the same outputs): 0 the default choice, 1
+// wide (32 x 64 warp tiles), 2 tall (16-warp blocks), 3 small grids of 8-warp blocks.
+void fp8_gemm_set_variant(int v);
 
 int device_sm_count();
 

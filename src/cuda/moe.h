@@ -156,6 +156,12 @@ class MoeFp4Prefill {
                    const float* topk_w, float swiglu_limit, float* out, int64_t row_stride,
                    cudaStream_t stream) const;
   int max_rows() const { return max_rows_; }
+  // The expert kernels' mma: true (default) = the f16 HMMAs that sm_90a emulates the e4m3 mma
+  // with, every operand converted once (moe_prefill.cu: prefill_w13_f16_kernel /
+  // prefill_w2_f16_kernel), false = the e4m3 mma.sync per (weight, column) fragment pair. Bitwise
+  // the same outputs (tests/cuda/test_moe_prefill_f16.cpp). For benchmarks and tests.
+  void set_f16(bool on) { f16_ = on; }
+  bool f16() const { return f16_; }
 
  private:
   void experts_impl(const Fp4ExpertsView& w, const QuantActView& x, const int* topk_idx,
@@ -163,6 +169,7 @@ class MoeFp4Prefill {
                     int64_t y_row_stride, cudaStream_t stream) const;
   int dim_, inter_, topk_, experts_, max_rows_;
   int max_items_ = 0, plan_smem_ = 0;
+  bool f16_ = true;             // set_f16
   int* sorted_ = nullptr;       // [max_rows * topk] pair indices sorted by expert
   int* items_ = nullptr;        // [max_items][3] (expert, first sorted position, columns)
   int* n_items_ = nullptr;      // [1]

@@ -88,6 +88,7 @@
 
 #include "cuda/cuda_check.h"
 #include "cuda/kernels/common.cuh"
+#include "cuda/kernels/mma_f16.cuh"
 #include "cuda/moe.h"
 
 namespace uf::cuda {
@@ -187,40 +188,12 @@ __device__ __forceinline__ void build_plan(const int* topk_idx, const float* top
 // minus the "+ 0" FADDs. d differs from the emulation's only where t = -0 (0 + -0 = +0); the
 // callers multiply d into acc = fmaf(d * sa, sw, acc) from acc = +0, which then agrees unless acc
 // itself is -0, i.e. an earlier term underflowed to -0 (|partial * sa * sw| < 2^-150).
-__device__ __forceinline__ uint32_t e4m3x2_lo_to_f16x2(uint32_t x) {
-  uint32_t r;
-  asm("{.reg .b16 l, h;\n\tmov.b32 {l, h}, %1;\n\tcvt.rn.f16x2.e4m3x2 %0, l;}" : "=r"(r) : "r"(x));
-  return r;
-}
-__device__ __forceinline__ uint32_t e4m3x2_hi_to_f16x2(uint32_t x) {
-  uint32_t r;
-  asm("{.reg .b16 l, h;\n\tmov.b32 {l, h}, %1;\n\tcvt.rn.f16x2.e4m3x2 %0, h;}" : "=r"(r) : "r"(x));
-  return r;
-}
-__device__ __forceinline__ void mma_f16_16x8x16(float (&d)[4], uint32_t a0, uint32_t a1,
-                                                uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1,
-                                                const float (&c)[4]) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%10,%11,%12,%13};"
-      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(c[2]),
-        "f"(c[3]));
-}
-// The B fragment (b0, b1: e4m3 x 4 each) as the two HMMAs' f16 operands:
-// {lo(b0), lo(b1)} for the first, {hi(b0), hi(b1)} for the second.
-__device__ __forceinline__ uint4 b_e4m3_to_f16(uint32_t b0, uint32_t b1) {
-  return make_uint4(e4m3x2_lo_to_f16x2(b0), e4m3x2_lo_to_f16x2(b1), e4m3x2_hi_to_f16x2(b0),
-                    e4m3x2_hi_to_f16x2(b1));
-}
-// D = A * B (C = 0): a = 4 regs of e4m3 (as mma_e4m3_16x8x32), bh = b_e4m3_to_f16's operands.
+//
+// D = A * B (C = 0): a = 4 regs of e4m3 (as mma_e4m3_16x8x32), bh = b_e4m3_to_f16x8's operands
+// (kernels/mma_f16.cuh: the conversions and the HMMA chain).
 __device__ __forceinline__ void mma_e4m3_f16(float (&d)[4], const uint32_t (&a)[4],
                                              const uint4& bh) {
-  const float zero[4] = {0.f, 0.f, 0.f, 0.f};
-  float t[4];
-  mma_f16_16x8x16(t, e4m3x2_lo_to_f16x2(a[0]), e4m3x2_lo_to_f16x2(a[1]), e4m3x2_lo_to_f16x2(a[2]),
-                  e4m3x2_lo_to_f16x2(a[3]), bh.x, bh.y, zero);
-  mma_f16_16x8x16(d, e4m3x2_hi_to_f16x2(a[0]), e4m3x2_hi_to_f16x2(a[1]), e4m3x2_hi_to_f16x2(a[2]),
-                  e4m3x2_hi_to_f16x2(a[3]), bh.z, bh.w, t);
+  mma_e4m3_f16_pre(d, a_e4m3_to_f16(a), bh);
 }
 // An activation element's slot in a lane's 8 f16 values of one K block laid out as bh (the B
 // operand pre-converted, moe_w2_unit_kernel<true>): element j of the lane's 8 (byte j of its 8
@@ -246,7 +219,7 @@ __device__ __forceinline__ void fp4_mma_core(const uint8_t* w, int rs, float sw0
   e2m1x8_to_e4m3_scaled(q1, a[1], a[3]);
   float d[4];
   if constexpr (kF16)
-    mma_e4m3_f16(d, a, bh ? *bh : b_e4m3_to_f16(b0, b1));
+    mma_e4m3_f16(d, a, bh ? *bh : b_e4m3_to_f16x8(b0, b1));
   else
     mma_e4m3_16x8x32(d, a, b0, b1);
   // d holds the partial * 2^-6; (d * (sa * 2^6)) * sw is bitwise (partial * sa) * sw.
@@ -683,7 +656,7 @@ __global__ void __maxnreg__(64) moe_w2_kernel(const W2Params p) {
       for (int i = tid; i < n8; i += blockDim.x) {
         const uint2 v = __ldcg(reinterpret_cast<const uint2*>(p.h_codes) + i);
         reinterpret_cast<uint4*>(smem + L.h_off)[i] =
-            b_e4m3_to_f16(__byte_perm(v.x, v.y, 0x6420), __byte_perm(v.x, v.y, 0x7531));
+            b_e4m3_to_f16x8(__byte_perm(v.x, v.y, 0x6420), __byte_perm(v.x, v.y, 0x7531));
       }
     } else {
       const int n16 = p.pairs * p.inter / 16;
@@ -1052,7 +1025,7 @@ __global__ void __launch_bounds__(kW2UnitWarps * 32, 4)
     const uint8_t code = warp_quant_fp8_block(h, &sc);
     if constexpr (kF16) {  // as the f16 B operands (f16_b_slot): converted once, not per warp
       uint8_t* blk = hq + c * L.hcs + kb * 64 + (lane >> 3) * 16;
-      reinterpret_cast<uint16_t*>(blk)[f16_b_slot(lane & 7)] = uint16_t(e4m3x2_lo_to_f16x2(code));
+      reinterpret_cast<uint16_t*>(blk)[f16_b_slot(lane & 7)] = uint16_t(f16_lo_of_e4m3x4(code));
     } else {
       hq[c * L.hcs + kb * 32 + lane] = code;
     }

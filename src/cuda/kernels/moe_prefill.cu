@@ -5,9 +5,10 @@
 //   0. prefill_quant_kernel: x fp32 [m, K] -> FP8 codes + scales per 32 (act_quant_fp8_f32's
 //      operations, any m).
 //   1. prefill_plan_kernel (one block): the P = m * topk (row, expert) pairs sorted by expert id
-//      (stable: ascending pair index, i.e. ascending row, within an expert) into `sorted`, and a
-//      work list of items (expert, first sorted position, n <= kCols columns): an expert with c
-//      pairs makes ceil(c / kCols) items. Invalid ids (< 0, >= E) select nothing.
+//      (stable: ascending pair index, i.e. ascending row, within an expert; a counting sort, the
+//      fill in one warp walking the pairs in order) into `sorted`, and a work list of items
+//      (expert, first sorted position, n <= kCols columns): an expert with c pairs makes
+//      ceil(c / kCols) items. Invalid ids (< 0, >= E) select nothing.
 //   2. prefill_w13_kernel: grid (I/32, max items), 4 warps as moe_w13_kernel (w1 rows 0-15 /
 //      16-31, w3 rows 0-15 / 16-31 of one 32-row group). Each K block's weight fragment is loaded
 //      and decoded once and applied to all kCols / 8 column groups of the item. Then the decode
@@ -15,6 +16,9 @@
 //      position.
 //   3. prefill_w2_kernel: grid (K/16 / 8, max items), 8 warps, one 16-row output tile per warp,
 //      all column groups of the item; y of pair (t, k) at y + t * y_row_stride + k * dim.
+//   2b / 3b. prefill_w13_f16_kernel / prefill_w2_f16_kernel (MoeFp4Prefill::set_f16(true), the
+//      default): the same work with the mma as f16 HMMAs and each operand converted once (see
+//      "The f16 path" below); 2 / 3 remain selectable (set_f16(false)), bitwise the same.
 //   4. moe_combine_rows (moe_fp4.cu): out[t] = sum over t's valid experts in ascending id of y
 //      (fp32, from 0).
 //
@@ -35,9 +39,11 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/cuda_check.h"
 #include "cuda/kernels/common.cuh"
+#include "cuda/kernels/mma_f16.cuh"
 #include "cuda/moe.h"
 
 namespace uf::cuda {
@@ -64,6 +70,7 @@ __global__ void __launch_bounds__(kPlanThreads)
   int* s_e = psm;                // [P] expert of each pair (-1: invalid)
   int* s_off = psm + P;          // [E + 1] first sorted position of each expert
   int* s_item0 = s_off + E + 1;  // [E] first item of each expert
+  int* s_cur = s_item0 + E;      // [E] next free sorted position of each expert (the fill)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   for (int i = tid; i < P; i += blockDim.x) {
     int e = topk_idx[i];
@@ -80,23 +87,30 @@ __global__ void __launch_bounds__(kPlanThreads)
       const int c = s_off[e + 1];
       s_off[e + 1] += s_off[e];
       s_item0[e] = items_total;
+      s_cur[e] = s_off[e];
       items_total += (c + kCols - 1) / kCols;
     }
     *n_items = items_total;
   }
   __syncthreads();
-  // Stable fill: one warp per expert scans the pairs in order (ballot), so an expert's pairs keep
-  // ascending pair index.
-  for (int e = warp; e < E; e += blockDim.x / 32) {
-    int pos = s_off[e];
-    if (pos == s_off[e + 1]) continue;  // warp-uniform
+  // Stable fill: warp 0 walks the pairs in order, 32 a step; the pairs of one expert in a step
+  // (__match_any_sync) take its next positions in lane order, so an expert's pairs keep ascending
+  // pair index. (O(P) in one warp; it was one warp per expert scanning all P pairs, O(E * P).)
+  if (warp == 0) {
     for (int j0 = 0; j0 < P; j0 += 32) {
       const int j = j0 + lane;
-      const bool hit = j < P && s_e[j] == e;
-      const unsigned mask = __ballot_sync(0xffffffffu, hit);
-      if (hit) sorted[pos + __popc(mask & ((1u << lane) - 1u))] = j;
-      pos += __popc(mask);
+      const int e = j < P ? s_e[j] : -1;
+      const unsigned peers = __match_any_sync(0xffffffffu, e);
+      const int pos = e >= 0 ? s_cur[e] : 0;
+      __syncwarp();  // every lane has read s_cur before the leaders advance it
+      if (e >= 0) {
+        sorted[pos + __popc(peers & ((1u << lane) - 1u))] = j;
+        if (lane == __ffs(peers) - 1) s_cur[e] = pos + __popc(peers);
+      }
+      __syncwarp();
     }
+  }
+  for (int e = warp; e < E; e += blockDim.x / 32) {
     const int base = s_off[e], count = s_off[e + 1] - base;
     for (int q = lane; q * kCols < count; q += 32) {
       int* it = items + 3 * (s_item0[e] + q);
@@ -402,6 +416,420 @@ __global__ void __launch_bounds__(kW2Warps * 32) prefill_w2_kernel(const Prefill
   }
 }
 
+// ---- The f16 path (MoeFp4Prefill::set_f16(true), default) ----
+// The same products, per-K-block updates, w13 splits and epilogues as the kernels above, with the
+// e4m3 mma written as the two f16 HMMAs that sm_90a emulates it with (mma_f16.cuh) and every
+// operand converted once instead of once per mma:
+//  - activations: staged as FP8 codes (cp.async, kFChunk K blocks a chunk, two chunks deep), then
+//    converted by the whole CTA into the HMMAs' f16 B operands in shared memory, [kb][column][64
+//    bytes] (a lane's operands of one K block and column group: one 16-byte load; a quarter warp
+//    reads 128 contiguous bytes), and their scales times 2^6 as [kb][column] (columns 2t, 2t + 1:
+//    one 8-byte load);
+//  - weight scales: w13 stages a chunk's UE8M0 bytes with the activations and converts them to
+//    fp32 with them; w2 converts a warp's whole rows once; both as [kb][g][row g, g + 8] (one
+//    8-byte load a K block);
+//  - weights: decoded to e4m3 and converted to the f16 A operands once per K block and warp, then
+//    only the 2 HMMAs (+ 4 FMUL + 4 FFMA of the update) per column group.
+// The column-group count (1..8) is a template parameter of a CTA's main loop (with_groups):
+// accumulators for those groups only, straight-line code without a branch per group.
+// Shared memory (dynamic), both kernels: two raw chunks (codes [kb][column][32 bytes], scales
+// [column][kb] fp32, w13 only: weight scales [64 rows][kb] bytes), then the operands of one chunk
+// (f16 B operands [kb][column][64 bytes], activation scales * 2^6 [kb][column]), then the weight
+// scales as fp32 (w13: [warp][kb][8][2] of the chunk; w2: [warp][nkb][8][2], all of I). Sizes:
+// w13 74752 bytes (three CTAs an SM: 167 registers), w2 76288 at inter 288 (two CTAs of 8 warps
+// an SM: 128 registers); no spills (ptxas -v).
+constexpr int kFChunk = 8;  // K blocks a chunk: half a w13 split
+constexpr int kRawActScaleOff = kFChunk * kCols * 32;
+constexpr int kRawWsOff = kRawActScaleOff + kCols * kFChunk * 4;
+template <bool kW13>
+struct F16Layout {
+  static constexpr int kRaw = kRawWsOff + (kW13 ? 2 * 32 * kFChunk : 0);
+  static constexpr int kOps = 2 * kRaw;
+  static constexpr int kSa = kOps + kFChunk * kCols * 64;
+  static constexpr int kSwf = kSa + kFChunk * kCols * 4;
+  static_assert(kRaw % 16 == 0 && kSa % 16 == 0 && kSwf % 16 == 0, "16-byte layout");
+};
+using W13Layout = F16Layout<true>;
+using W2Layout = F16Layout<false>;
+constexpr int kW13F16Smem = W13Layout::kSwf + kW13Warps * kFChunk * 16 * 4;
+static_assert(kW13Warps * kGroups * 128 * 4 <= kW13F16Smem, "the w13 epilogue's s_acc fits");
+int w2_f16_smem(int inter) { return W2Layout::kSwf + kW2Warps * (inter / 32) * 16 * 4; }
+
+// Stages K blocks [kb0, kb0 + kbn) (kbn <= kFChunk) of columns c < ncols (act_row(c) = the
+// activation row, -1 = none: zero-filled) into raw (cp.async; the caller commits): codes at
+// [kb][column][32], scales at [column][kb]. All threads of the CTA. (Index math by shifts: a
+// column's pieces / scales are strided by the chunk maximum and the ones past kbn skipped.)
+template <typename RowOf>
+__device__ __forceinline__ void f16_stage_act(uint8_t* raw, int ncols, RowOf act_row,
+                                              const uint8_t* act, const float* act_s, int act_k,
+                                              int nkb, int kb0, int kbn) {
+  static_assert(kFChunk == 8, "index math: 16 pieces and 8 scales a column");
+  for (int i = threadIdx.x; i < ncols * 16; i += blockDim.x) {
+    const int c = i >> 4, q = i & 15, row = act_row(c);  // q: 16-byte piece (K block q / 2)
+    if (q < 2 * kbn) {
+      const uint8_t* src = act + size_t(row >= 0 ? row : 0) * act_k + size_t(kb0) * 32 + q * 16;
+      cp_async_zfill(raw + ((q >> 1) * kCols + c) * 32 + (q & 1) * 16, src, 16, row >= 0);
+    }
+  }
+  float* sc = reinterpret_cast<float*>(raw + kRawActScaleOff);
+  for (int i = threadIdx.x; i < ncols * 8; i += blockDim.x) {
+    const int c = i >> 3, j = i & 7, row = act_row(c);
+    if (j < kbn)
+      cp_async_zfill(sc + c * kFChunk + j, act_s + size_t(row >= 0 ? row : 0) * nkb + kb0 + j, 4,
+                     row >= 0);
+  }
+}
+
+// Converts a landed raw chunk (kbn K blocks, ngroups * 8 columns) into the f16 B operands (the B
+// fragment prefill_kb builds, b_e4m3_to_f16x8) and the scales times 2^6 (prefill_kb's sa0 / sa1).
+// All threads of the CTA: one warp per (K block, column group), lane = (column g, t) as the
+// reader's.
+__device__ __forceinline__ void f16_convert_act(const uint8_t* raw, uint8_t* ops, float* sa,
+                                                int ngroups, int kbn) {
+  const int lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+  for (int r = threadIdx.x >> 5; r < kbn * ngroups; r += nw) {
+    const int j = r / ngroups, c = (r - j * ngroups) * 8 + (lane >> 2), t = lane & 3;
+    const uint2 v = *reinterpret_cast<const uint2*>(raw + (j * kCols + c) * 32 + t * 8);
+    *reinterpret_cast<uint4*>(ops + (j * kCols + c) * 64 + t * 16) =
+        b_e4m3_to_f16x8(__byte_perm(v.x, v.y, 0x6420), __byte_perm(v.x, v.y, 0x7531));
+  }
+  const float* rs = reinterpret_cast<const float*>(raw + kRawActScaleOff);
+  const int ncols = ngroups * 8;
+  for (int i = threadIdx.x; i < kbn * kCols; i += blockDim.x) {
+    const int j = i / kCols, c = i % kCols;
+    if (c < ncols) sa[j * kCols + c] = rs[c * kFChunk + j] * kE2M1ToE4M3Rescale;
+  }
+}
+
+// One K block of a warp's 16 x (8 * NG) tile: q0 / q1 = the lane's FP4 words of rows g / g + 8,
+// sw = their scales (fp32), b = the lane's f16 operands of column group 0 (group cg at + cg * 512
+// bytes), sa = the lane's scale pair (columns 2t, 2t + 1) of group 0 (group cg at + cg * 8).
+// prefill_kb's update, operation for operation.
+template <int NG>
+__device__ __forceinline__ void f16_kb(uint32_t q0, uint32_t q1, float2 sw, const uint8_t* b,
+                                       const float* sa, float (&acc)[NG][4]) {
+  uint32_t a[4];
+  e2m1x8_to_e4m3_scaled(q0, a[0], a[2]);
+  e2m1x8_to_e4m3_scaled(q1, a[1], a[3]);
+  const AF16 af = a_e4m3_to_f16(a);
+#pragma unroll
+  for (int cg = 0; cg < NG; ++cg) {
+    const uint4 bh = *reinterpret_cast<const uint4*>(b + cg * 8 * 64);
+    const float2 s = *reinterpret_cast<const float2*>(sa + cg * 8);
+    float d[4];
+    mma_e4m3_f16_pre(d, af, bh);
+    acc[cg][0] = fmaf(d[0] * s.x, sw.x, acc[cg][0]);
+    acc[cg][1] = fmaf(d[1] * s.y, sw.x, acc[cg][1]);
+    acc[cg][2] = fmaf(d[2] * s.x, sw.y, acc[cg][2]);
+    acc[cg][3] = fmaf(d[3] * s.y, sw.y, acc[cg][3]);
+  }
+}
+
+// A chunk's kbn K blocks (in order) for NG column groups; kbn is a multiple of kQ (runs of kQ
+// blocks without a branch). swp = the lane's weight-scale pair of the chunk's block 0 (block kl
+// at + kl * 16 floats); ops / sas = the chunk's operands and activation scales.
+template <int NG, int kQ>
+__device__ __forceinline__ void f16_chunk(const uint32_t (&q0)[kFChunk],
+                                          const uint32_t (&q1)[kFChunk], int kbn, const float* swp,
+                                          const uint8_t* ops, const float* sas,
+                                          float (&acc)[NG][4]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const uint8_t* b = ops + g * 64 + t * 16;
+  const float* sa = sas + 2 * t;
+#pragma unroll
+  for (int k0 = 0; k0 < kFChunk; k0 += kQ) {
+    if (k0 >= kbn) break;
+#pragma unroll
+    for (int u = 0; u < kQ; ++u) {
+      const int kl = k0 + u;
+      f16_kb<NG>(q0[kl], q1[kl], *reinterpret_cast<const float2*>(swp + kl * 16),
+                 b + kl * kCols * 64, sa + kl * kCols, acc);
+    }
+  }
+}
+
+// Register fits (ptxas -v, no spills; w13 within the 168 registers of three CTAs an SM, w2 the
+// 128 of two): above kQBig column groups the w13 loop runs one K block at a time (a branch each),
+// above kW13SplitNG in passes of kPassNG groups (f16_chunk_split); up to kPipeNG (w13) /
+// kW2PipeNG (w2) groups the next chunk's weights are loaded during a chunk (16 registers more).
+constexpr int kQBig = 4;
+constexpr int kW13SplitNG = 6, kW2SplitNG = kGroups, kPassNG = 4, kPipeNG = 6, kW2PipeNG = 6;
+
+// f16_chunk for NG column groups; above kSplitNG groups in passes over the chunk (groups
+// [0, kPassNG), then the rest: the A operands decoded again), fewer operands in flight. The
+// updates of each output and their order are unchanged (an output's updates are its own group's).
+template <int NG, int kQ, int kSplitNG>
+__device__ __forceinline__ void f16_chunk_split(const uint32_t (&q0)[kFChunk],
+                                                const uint32_t (&q1)[kFChunk], int kbn,
+                                                const float* swp, const uint8_t* ops,
+                                                const float* sas, float (&acc)[NG][4]) {
+  if constexpr (NG > kSplitNG) {
+    constexpr int kP = kPassNG;
+    f16_chunk<kP, kQ>(q0, q1, kbn, swp, ops, sas, reinterpret_cast<float(&)[kP][4]>(acc[0]));
+    f16_chunk_split<NG - kP, kQ, kSplitNG>(q0, q1, kbn, swp, ops + kP * 8 * 64, sas + kP * 8,
+                                           reinterpret_cast<float(&)[NG - kP][4]>(acc[kP]));
+  } else {
+    f16_chunk<NG, kQ>(q0, q1, kbn, swp, ops, sas, acc);
+  }
+}
+
+// f(std::integral_constant<int, ngroups>{}) for ngroups 1..kGroups (warp-uniform): a CTA's main
+// loop compiled for its column-group count (accumulators for those groups only, no branch per
+// group).
+template <int N = 1, typename F>
+__device__ __forceinline__ void with_groups(int ngroups, F&& f) {
+  if (ngroups == N || N == kGroups) {
+    f(std::integral_constant<int, N>{});
+  } else if constexpr (N < kGroups) {
+    with_groups<N + 1>(ngroups, f);
+  }
+}
+
+// The lane's FP4 words of rows r0 / r0 + r1_off for K blocks [kb0, kb1) (kb1 - kb0 <= kFChunk; past
+// kb1: a valid address, never used), loaded before the chunk's barriers so that they are in flight
+// during them.
+__device__ __forceinline__ void f16_load_weights(const uint8_t* r0, uint32_t r1_off, int kb0,
+                                                 int kb1, uint32_t (&q0)[kFChunk],
+                                                 uint32_t (&q1)[kFChunk]) {
+  const uint8_t* w = r0 + kb0 * 16 + (threadIdx.x & 3) * 4;
+  const int last = kb1 - kb0 - 1;
+#pragma unroll
+  for (int u = 0; u < kFChunk; ++u) {
+    const int k = min(u, last);
+    q0[u] = ld_nc_u32(w + k * 16);
+    q1[u] = ld_nc_u32(w + r1_off + k * 16);
+  }
+}
+
+__global__ void __launch_bounds__(kW13Warps * 32, 3)
+    prefill_w13_f16_kernel(const PrefillW13Params p) {
+  extern __shared__ __align__(16) uint8_t smem[];  // kW13F16Smem; then the epilogue's s_acc
+  __shared__ int s_tok[kCols];
+  __shared__ int s_pair[kCols];
+  const int item = blockIdx.y;
+  if (item >= *p.n_items) return;
+  const int expert = p.items[3 * item], pos0 = p.items[3 * item + 1], n = p.items[3 * item + 2];
+  for (int c = threadIdx.x; c < kCols; c += blockDim.x) {
+    const int pair = c < n ? p.sorted[pos0 + c] : -1;
+    s_pair[c] = pair;
+    s_tok[c] = pair >= 0 ? pair / p.topk : -1;
+  }
+  __syncthreads();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
+  const int group = blockIdx.x;
+  const int row = group * 32 + (warp & 1) * 16 + g;
+  const bool up = warp >= 2;
+  const int nkb = p.dim / 32;
+  const size_t wrow = size_t(expert) * p.inter + row;
+  const uint8_t* r0 = (up ? p.w3 : p.w1) + wrow * (p.dim / 2);
+  const uint32_t r1_off = 8 * (p.dim / 2);  // row g + 8
+  const int ngroups = (n + 7) / 8, ncols = ngroups * 8;
+  const auto tok = [&](int c) { return s_tok[c]; };
+  const int nch = (nkb + kFChunk - 1) / kFChunk;  // nkb % 4 == 0: chunks of 8 K blocks, or 4 last
+  // Chunk j's operands into raw buffer j & 1: activations, and the UE8M0 scales of the CTA's 64
+  // weight rows (R = warp * 16 + r: w1 (R < 32) or w3 row group * 32 + R % 32; 4-byte pieces:
+  // nkb and kb0 are multiples of 4). Always one commit group per chunk index (empty past the
+  // end), so that cp_async_wait<1> at chunk j means chunk j has landed.
+  auto issue = [&](int j) {
+    if (j < nch) {
+      const int kb0 = j * kFChunk, kbn = min(nkb, kb0 + kFChunk) - kb0;
+      uint8_t* raw = smem + (j & 1) * W13Layout::kRaw;
+      f16_stage_act(raw, ncols, tok, p.x, p.xs, p.dim, nkb, kb0, kbn);
+      for (int i = threadIdx.x; i < 64 * 2; i += blockDim.x) {
+        const int R = i >> 1, u = i & 1;
+        if (u * 4 < kbn) {
+          const uint8_t* src = (R >= 32 ? p.w3s : p.w1s) +
+                               (size_t(expert) * p.inter + group * 32 + (R & 31)) * nkb + kb0 +
+                               u * 4;
+          cp_async_zfill(raw + kRawWsOff + R * kFChunk + u * 4, src, 4, true);
+        }
+      }
+    }
+    cp_async_commit();
+  };
+  issue(0);
+  issue(1);
+  uint8_t* ops = smem + W13Layout::kOps;
+  float* sas = reinterpret_cast<float*>(smem + W13Layout::kSa);
+  float* swf = reinterpret_cast<float*>(smem + W13Layout::kSwf);
+  const float* swp = swf + warp * kFChunk * 16 + g * 2;
+  auto s_acc = reinterpret_cast<float(*)[kGroups][128]>(smem);  // after the loop
+  with_groups(ngroups, [&](auto ng) {
+    constexpr int NG = decltype(ng)::value;
+    float total[NG][4], acc[NG][4];
+    // Up to kPipeNG groups the weights of chunk j + 1 are loaded before chunk j's products (their
+    // latency hidden behind a chunk; 16 more registers, still no spills); above, before chunk j's
+    // barriers (hidden behind the barriers and the conversion only).
+    constexpr bool kPipe = NG <= kPipeNG;
+    uint32_t q0[kFChunk], q1[kFChunk];
+    if constexpr (kPipe) f16_load_weights(r0, r1_off, 0, min(nkb, kFChunk), q0, q1);
+    for (int j = 0; j < nch; ++j) {
+      const int kb0 = j * kFChunk, kb1 = min(nkb, kb0 + kFChunk), kbn = kb1 - kb0;
+      if constexpr (!kPipe) f16_load_weights(r0, r1_off, kb0, kb1, q0, q1);
+      cp_async_wait<1>();
+      __syncthreads();  // chunk j landed for every thread; every warp is done with chunk j - 1
+      const uint8_t* raw = smem + (j & 1) * W13Layout::kRaw;
+      f16_convert_act(raw, ops, sas, NG, kbn);
+      for (int i = threadIdx.x; i < 64 * kFChunk; i += blockDim.x) {
+        const int R = i / kFChunk, k = i % kFChunk;
+        if (k < kbn)
+          swf[(((R >> 4) * kFChunk + k) * 8 + (R & 7)) * 2 + ((R >> 3) & 1)] =
+              e8m0_to_f32(raw[kRawWsOff + R * kFChunk + k]);
+      }
+      __syncthreads();  // chunk j's operands are ready; raw buffer j & 1 is free
+      issue(j + 2);
+      if (kb0 % kKbPerSplitDecode == 0) {  // a split starts: its partial from 0
+#pragma unroll
+        for (int cg = 0; cg < NG; ++cg) acc[cg][0] = acc[cg][1] = acc[cg][2] = acc[cg][3] = 0.f;
+      }
+      uint32_t n0[kFChunk], n1[kFChunk];
+      if constexpr (kPipe) {  // chunk j + 1 (past the end: chunk j again, never used)
+        const int kn0 = j + 1 < nch ? kb1 : kb0;
+        f16_load_weights(r0, r1_off, kn0, min(nkb, kn0 + kFChunk), n0, n1);
+      }
+      f16_chunk_split<NG, (NG > kQBig ? 1 : 4), kW13SplitNG>(q0, q1, kbn, swp, ops, sas, acc);
+      if constexpr (kPipe) {
+#pragma unroll
+        for (int u = 0; u < kFChunk; ++u) q0[u] = n0[u], q1[u] = n1[u];
+      }
+      if (kb1 % kKbPerSplitDecode == 0 || kb1 == nkb) {  // a split ends
+        // The decode path's split sum: total = partial[0]; total += partial[s] in split order.
+        const bool first = kb0 < kKbPerSplitDecode;
+#pragma unroll
+        for (int cg = 0; cg < NG; ++cg)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) total[cg][i] = first ? acc[cg][i] : total[cg][i] + acc[cg][i];
+      }
+    }
+    cp_async_wait<0>();  // (only empty groups remain)
+    __syncthreads();     // every warp is done with the operands before they become s_acc
+#pragma unroll
+    for (int cg = 0; cg < NG; ++cg)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s_acc[warp][cg][lane * 4 + i] = total[cg][i];
+  });
+  __syncthreads();
+
+  // Epilogue: prefill_w13_kernel's, unchanged.
+  const int rr = lane & 15, half = lane >> 4;
+  for (int c = warp; c < n; c += kW13Warps) {
+    const int cg = c >> 3, cc = c & 7;
+    const int idx = ((rr & 7) * 4 + (cc >> 1)) * 4 + (rr >> 3) * 2 + (cc & 1);
+    float gate = round_bf16(s_acc[half][cg][idx]);
+    float upv = round_bf16(s_acc[2 + half][cg][idx]);
+    if (p.limit > 0.f) {
+      upv = fminf(fmaxf(upv, -p.limit), p.limit);
+      gate = fminf(gate, p.limit);
+    }
+    const float silu = gate / (1.0f + expf(-gate));
+    const float h = round_bf16(p.topk_w[s_pair[c]] * (silu * upv));
+    float sc;
+    const uint8_t code = warp_quant_fp8_block(h, &sc);
+    const size_t pos = size_t(pos0) + c;
+    p.h_codes[pos * p.inter + group * 32 + lane] = code;
+    if (lane == 0) p.h_scales[pos * (p.inter / 32) + group] = sc;
+  }
+}
+
+__global__ void __launch_bounds__(kW2Warps * 32, 2) prefill_w2_f16_kernel(const PrefillW2Params p) {
+  extern __shared__ __align__(16) uint8_t smem[];  // w2_f16_smem(inter)
+  __shared__ int s_pair[kCols];
+  const int item = blockIdx.y;
+  if (item >= *p.n_items) return;
+  const int expert = p.items[3 * item], pos0 = p.items[3 * item + 1], n = p.items[3 * item + 2];
+  for (int c = threadIdx.x; c < kCols; c += blockDim.x) s_pair[c] = c < n ? p.sorted[pos0 + c] : -1;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int tile = blockIdx.x * kW2Warps + warp;
+  // A warp past the last tile still stages and converts (the CTA's barriers need every thread).
+  const bool live = tile * 16 < p.dim;
+  const int tile_c = live ? tile : 0;
+  const int nkb = p.inter / 32;
+  const size_t row_bytes = p.inter / 2;
+  const size_t wrow = size_t(expert) * p.dim + size_t(tile_c) * 16 + g;
+  const uint8_t* r0 = p.w2 + wrow * row_bytes;
+  const uint32_t r1_off = uint32_t(8 * row_bytes);  // row g + 8
+  // Chunk 0's weights first (in flight during the scale conversion and the staging).
+  uint32_t q0[kFChunk], q1[kFChunk];
+  f16_load_weights(r0, r1_off, 0, min(nkb, kFChunk), q0, q1);
+  // The warp's 16 rows x nkb weight scales as fp32 [kb][g][row g, g + 8], once (read after the
+  // first chunk's barriers).
+  float* swf = reinterpret_cast<float*>(smem + W2Layout::kSwf) + warp * nkb * 16;
+  {
+    const uint8_t* sc = p.w2s + (size_t(expert) * p.dim + size_t(tile_c) * 16) * nkb;
+    for (int i = lane; i < 16 * nkb; i += 32) {
+      const int r = i / nkb, k = i - r * nkb;
+      swf[(k * 8 + (r & 7)) * 2 + (r >> 3)] = e8m0_to_f32(__ldg(sc + i));
+    }
+  }
+  __syncthreads();  // s_pair
+  const int ngroups = (n + 7) / 8, ncols = ngroups * 8;
+  // h rows are the sorted positions pos0 + c (column c valid when c < n).
+  const auto hrow = [&](int c) { return c < n ? pos0 + c : -1; };
+  const int nch = (nkb + kFChunk - 1) / kFChunk;
+  auto issue = [&](int j) {  // one commit group per chunk index, as the w13 kernel's
+    if (j < nch) {
+      const int kb0 = j * kFChunk, kbn = min(nkb, kb0 + kFChunk) - kb0;
+      f16_stage_act(smem + (j & 1) * W2Layout::kRaw, ncols, hrow, p.h_codes, p.h_scales, p.inter,
+                    nkb, kb0, kbn);
+    }
+    cp_async_commit();
+  };
+  issue(0);
+  issue(1);
+  uint8_t* ops = smem + W2Layout::kOps;
+  float* sas = reinterpret_cast<float*>(smem + W2Layout::kSa);
+  const int rbase = tile * 16;
+  auto out = [&](int pair) {
+    return p.y + (pair / p.topk) * p.y_row_stride + size_t(pair % p.topk) * p.dim + rbase;
+  };
+  with_groups(ngroups, [&](auto ng) {
+    constexpr int NG = decltype(ng)::value;
+    float acc[NG][4];
+#pragma unroll
+    for (int cg = 0; cg < NG; ++cg) acc[cg][0] = acc[cg][1] = acc[cg][2] = acc[cg][3] = 0.f;
+    // w2 sums all of inter from 0 (no splits).
+    // As the w13 kernel's: up to kW2PipeNG groups chunk j + 1's weights load during chunk j.
+    constexpr bool kPipe = NG <= kW2PipeNG;
+    for (int j = 0; j < nch; ++j) {
+      const int kb0 = j * kFChunk, kb1 = min(nkb, kb0 + kFChunk), kbn = kb1 - kb0;
+      if (!kPipe && j > 0) f16_load_weights(r0, r1_off, kb0, kb1, q0, q1);
+      cp_async_wait<1>();
+      __syncthreads();  // chunk j landed for every thread; every warp is done with chunk j - 1
+      f16_convert_act(smem + (j & 1) * W2Layout::kRaw, ops, sas, NG, kbn);
+      __syncthreads();  // chunk j's operands are ready; raw buffer j & 1 is free
+      issue(j + 2);
+      uint32_t n0[kFChunk], n1[kFChunk];
+      if constexpr (kPipe) {  // chunk j + 1 (past the end: chunk j again, never used)
+        const int kn0 = j + 1 < nch ? kb1 : kb0;
+        f16_load_weights(r0, r1_off, kn0, min(nkb, kn0 + kFChunk), n0, n1);
+      }
+      if (live)
+        f16_chunk_split<NG, 1, kW2SplitNG>(q0, q1, kbn, swf + kb0 * 16 + g * 2, ops, sas, acc);
+      if constexpr (kPipe) {
+#pragma unroll
+        for (int u = 0; u < kFChunk; ++u) q0[u] = n0[u], q1[u] = n1[u];
+      }
+    }
+    cp_async_wait<0>();  // (only empty groups remain)
+    // Epilogue: prefill_w2_kernel's, unchanged.
+    if (!live) return;
+#pragma unroll
+    for (int cg = 0; cg < NG; ++cg) {
+      const int c0 = cg * 8 + 2 * t, c1 = c0 + 1;
+      if (c0 < n) {
+        float* y = out(s_pair[c0]);
+        y[g] = p.round ? round_bf16(acc[cg][0]) : acc[cg][0];
+        y[g + 8] = p.round ? round_bf16(acc[cg][2]) : acc[cg][2];
+      }
+      if (c1 < n) {
+        float* y = out(s_pair[c1]);
+        y[g] = p.round ? round_bf16(acc[cg][1]) : acc[cg][1];
+        y[g + 8] = p.round ? round_bf16(acc[cg][3]) : acc[cg][3];
+      }
+    }
+  });
+}
+
 }  // namespace
 
 MoeFp4Prefill::MoeFp4Prefill(int dim, int inter, int topk, int num_experts, int max_rows)
@@ -415,7 +843,7 @@ MoeFp4Prefill::MoeFp4Prefill(int dim, int inter, int topk, int num_experts, int 
   max_items_ = int(std::min<size_t>(size_t(num_experts), P) + P / kCols + 1);
   require(max_items_ <= 65535, "MoeFp4Prefill: %d work items exceed the grid's y limit",
           max_items_);
-  plan_smem_ = int(sizeof(int) * (P + 2 * size_t(num_experts) + 1));
+  plan_smem_ = int(sizeof(int) * (P + 3 * size_t(num_experts) + 1));
   require(plan_smem_ <= 200 * 1024,
           "MoeFp4Prefill: plan of %zu pairs and %d experts needs %d bytes of shared memory", P,
           num_experts, plan_smem_);
@@ -427,6 +855,19 @@ MoeFp4Prefill::MoeFp4Prefill(int dim, int inter, int topk, int num_experts, int 
                                      cudaFuncAttributeMaxDynamicSharedMemorySize, 2 * kStageBytes));
   UF_CUDA_CHECK(cudaFuncSetAttribute(prefill_w2_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      2 * kStageBytes));
+  require(w2_f16_smem(inter) <= 227 * 1024,
+          "MoeFp4Prefill: inter %d needs %d bytes of shared memory in the f16 w2 kernel", inter,
+          w2_f16_smem(inter));
+  UF_CUDA_CHECK(cudaFuncSetAttribute(prefill_w13_f16_kernel,
+                                     cudaFuncAttributeMaxDynamicSharedMemorySize, kW13F16Smem));
+  // The w2 kernel's shared memory depends on inter, and the attribute belongs to the kernel on
+  // this device, not to this object: raise it, never lower it below another object's need (a
+  // tensor-parallel rank's slice beside a whole-inter object on the same device).
+  cudaFuncAttributes fa{};
+  UF_CUDA_CHECK(cudaFuncGetAttributes(&fa, prefill_w2_f16_kernel));
+  if (fa.maxDynamicSharedSizeBytes < w2_f16_smem(inter))
+    UF_CUDA_CHECK(cudaFuncSetAttribute(
+        prefill_w2_f16_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, w2_f16_smem(inter)));
   UF_CUDA_CHECK(cudaMalloc(&sorted_, sizeof(int) * P));
   UF_CUDA_CHECK(cudaMalloc(&items_, sizeof(int) * 3 * size_t(max_items_)));
   UF_CUDA_CHECK(cudaMalloc(&n_items_, sizeof(int)));
@@ -465,13 +906,19 @@ void MoeFp4Prefill::experts_impl(const Fp4ExpertsView& w, const QuantActView& x,
   const PrefillW13Params a{w.w1,     w.w1_scale,   w.w3,     w.w3_scale, dim_,    inter_,
                            topk_,    x.codes,      x.scales, topk_w,     sorted_, items_,
                            n_items_, swiglu_limit, h_codes_, h_scales_};
-  prefill_w13_kernel<<<dim3(inter_ / 32, items), kW13Warps * 32, 2 * kStageBytes, stream>>>(a);
+  if (f16_)
+    prefill_w13_f16_kernel<<<dim3(inter_ / 32, items), kW13Warps * 32, kW13F16Smem, stream>>>(a);
+  else
+    prefill_w13_kernel<<<dim3(inter_ / 32, items), kW13Warps * 32, 2 * kStageBytes, stream>>>(a);
   UF_CUDA_CHECK(cudaGetLastError());
   const PrefillW2Params b{w.w2,     w.w2_scale, dim_,      inter_, topk_,        sorted_, items_,
                           n_items_, h_codes_,   h_scales_, y,      y_row_stride, round_w2};
   const int tiles = dim_ / 16;
-  prefill_w2_kernel<<<dim3((tiles + kW2Warps - 1) / kW2Warps, items), kW2Warps * 32,
-                      2 * kStageBytes, stream>>>(b);
+  const dim3 w2_grid((tiles + kW2Warps - 1) / kW2Warps, items);
+  if (f16_)
+    prefill_w2_f16_kernel<<<w2_grid, kW2Warps * 32, w2_f16_smem(inter_), stream>>>(b);
+  else
+    prefill_w2_kernel<<<w2_grid, kW2Warps * 32, 2 * kStageBytes, stream>>>(b);
   UF_CUDA_CHECK(cudaGetLastError());
 }
 
