@@ -15,6 +15,9 @@
 // "bits": new and every forced cluster size bitwise equal to old (the tests assert it;
 // tests/cuda/test_dense_mma.cpp); "agree": old within 2^-12 of max |y| of dense_rows.
 //
+// "prefill": wo_a FP8 and a BF16 [1024, 4096] at T = 512 / 2048 rows, the prefill kernel against
+// the full-K kernel per 8-row chunk (set_dense_mma_prefill), us and TFLOP/s.
+//
 //   bench_cuda_dense [--reps N] [--only NAME]
 
 #include <algorithm>
@@ -191,6 +194,66 @@ int main(int argc, char** argv) {
     }
     for (void* p : allocs) UF_CUDA_CHECK(cudaFree(p));
   }
+  // Prefill chunks (m > 8): dense_mma_prefill_kernel ("new", the default) against the full-K
+  // kernel per 8-row chunk ("old", set_dense_mma_prefill(false)) at T = 512 and 2048 rows, one
+  // weight (re-read from L2 by every CTA either way), bf16 out; "bits": new == old bitwise.
+  std::printf("\n%-10s %5s %9s %8s %9s %8s %8s %s\n", "prefill", "T", "old us", "TFLOP/s", "new us",
+              "TFLOP/s", "old/new", "bits");
+  const Shape pshapes[] = {{"wo_a fp8", WFormat::kFP8, 1024, 4096, true},
+                           {"bf16 1024", WFormat::kBF16, 1024, 4096, true}};
+  for (const Shape& sh : pshapes) {
+    const bool fp8 = sh.f == WFormat::kFP8;
+    const int64_t N = sh.rows, K = sh.cols;
+    DeviceWeight w;
+    w.format = sh.f;
+    w.rows = N;
+    w.cols = K;
+    const size_t data_bytes = size_t(N) * size_t(K) * (fp8 ? 1 : 2);
+    void* d = nullptr;
+    void* sc = nullptr;
+    UF_CUDA_CHECK(cudaMalloc(&d, data_bytes));
+    if (fp8) {
+      const size_t scale_bytes = size_t((N + 31) / 32) * size_t(K / 32);
+      fill_random_e4m3(static_cast<uint8_t*>(d), data_bytes, seed++, s);
+      UF_CUDA_CHECK(cudaMalloc(&sc, scale_bytes));
+      fill_random_bytes(static_cast<uint8_t*>(sc), scale_bytes, seed++, 118, 122, s);
+      w.scale = static_cast<const uint8_t*>(sc);
+    } else {
+      fill_random_bf16(static_cast<uint16_t*>(d), data_bytes / 2, seed++, 0.05f, s);
+    }
+    w.data = static_cast<const uint8_t*>(d);
+    const DenseMma plan(w, sms);
+    for (const int T : {512, 2048}) {
+      std::vector<float> hpx(size_t(T) * size_t(K));
+      for (float& v : hpx) v = uf::core::round_bf16(nd(rng));
+      float* px = nullptr;
+      float* py[2] = {};
+      UF_CUDA_CHECK(cudaMalloc(&px, hpx.size() * sizeof(float)));
+      UF_CUDA_CHECK(cudaMemcpy(px, hpx.data(), hpx.size() * sizeof(float), cudaMemcpyHostToDevice));
+      for (float*& y : py) UF_CUDA_CHECK(cudaMalloc(&y, size_t(T) * size_t(N) * sizeof(float)));
+      auto time_path = [&](bool on, float* y) {
+        set_dense_mma_prefill(on);
+        const float us = uf::bench::time_graph_us(
+            s, std::min(reps, 50), [&] { plan.run(w, 0, N, px, K, T, y, N, sh.round, s); });
+        set_dense_mma_prefill(true);
+        return us;
+      };
+      const float us_old = time_path(false, py[1]), us_new = time_path(true, py[0]);
+      std::vector<float> a(size_t(T) * size_t(N)), b(a.size());
+      UF_CUDA_CHECK(cudaMemcpy(a.data(), py[0], a.size() * 4, cudaMemcpyDeviceToHost));
+      UF_CUDA_CHECK(cudaMemcpy(b.data(), py[1], b.size() * 4, cudaMemcpyDeviceToHost));
+      const bool bits = std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+      const double flop = 2.0 * double(T) * double(N) * double(K);
+      std::printf("%-10s %5d %9.2f %8.1f %9.2f %8.1f %7.2fx %s\n", sh.name, T, us_old,
+                  flop / (double(us_old) * 1e-6) * 1e-12, us_new,
+                  flop / (double(us_new) * 1e-6) * 1e-12, us_old / us_new, bits ? "yes" : "NO");
+      UF_CUDA_CHECK(cudaFree(px));
+      for (float* y : py) UF_CUDA_CHECK(cudaFree(y));
+    }
+    UF_CUDA_CHECK(cudaFree(d));
+    if (sc) UF_CUDA_CHECK(cudaFree(sc));
+  }
+
   UF_CUDA_CHECK(cudaFree(x));
   for (float* y : ybuf) UF_CUDA_CHECK(cudaFree(y));
   UF_CUDA_CHECK(cudaStreamDestroy(s));

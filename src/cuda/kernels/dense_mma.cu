@@ -25,6 +25,9 @@
 //     wave of resident CTAs; blockIdx.z = chunk of 8 token rows. With S > 1 the warp sums the
 //     parts itself: acc restarts at each part boundary and total = ((P0 + P1) + ...) -- the
 //     split-K order below, so rows of a > 8-row call are bitwise those of a <= 8-row call.
+//   prefill (m > 8, set_dense_mma_prefill(true), the default): dense_mma_prefill_kernel, the
+//     full-K work of 4 token chunks (32 rows) a CTA of 8 tiles, each weight fragment loaded and
+//     converted once for all of them (bitwise the full-K kernel: see the kernel's comment).
 //   split K (S > 1, m <= 8): CTAs of 2 warps, blockIdx.y = part; each warp publishes its tile's
 //     fp32 part to the workspace; the last warp to finish a tile (an integer counter, no float
 //     atomics) adds the S parts in part order P0 + P1 + ... and stores. S doubles while tiles x S
@@ -62,6 +65,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 
 #include "cuda/cuda_check.h"
@@ -454,6 +458,184 @@ __global__ void __launch_bounds__(kFullWarps * 32, 2) dense_mma_kernel(const Arg
   if (done_tile >= 0) finish_split(done_tile, done);
 }
 
+// ---- Prefill kernel (m > 8 rows; set_dense_mma_prefill) ----
+//
+// The full-K configuration's work for kPreChunks chunks of 8 token rows at once: warp w of CTA
+// (bx, by) owns tile bx * 8 + w and token chunks by * kPreChunks + z (z < kPreChunks). Each
+// 64-wide K chunk's weight fragments are loaded and converted ONCE (the legacy code: the same
+// loads, scales, e4m3 -> bf16 conversion), then applied to every token chunk z: the same 4 mma
+// (the same A registers, B = chunk z's x fragment in the legacy staging layout, acc of chunk z),
+// the same part boundaries (acc restarts) and the same part-order total. So every output is the
+// legacy full-K kernel's (and the decode kernels') value bit for bit; only the reuse differs.
+// x goes in windows of kPreWin K: the CTA's 32 rows of window w + 1 are copied raw (fp32,
+// cp.async) into shared memory while window w computes; at the window's start they are packed
+// into the legacy bf16 fragment layout (pack_exact_bf16x2: the same values, the same NaN rule;
+// rows >= m zeros). The weights of the next K chunk are loaded (registers) while the current one
+// computes, across windows.
+constexpr int kPreChunks = 4;  // 8-row token chunks a CTA (32 rows)
+constexpr int kPreTok = kPreChunks * kRows;
+constexpr int kPreWarps = 8;  // tiles a CTA
+constexpr int kPreWin = 256;  // K of one staged x window
+constexpr int kPreWinChunks = kPreWin / kChunkK;
+constexpr int kPreXBytes = kRows * kPreWin * 2;                   // a token chunk's bf16 window
+constexpr int kPreRawBytes = kPreTok * kPreWin * 4;               // the CTA's fp32 window
+constexpr int kPreSmem = kPreRawBytes + kPreChunks * kPreXBytes;  // 48 KB
+
+__device__ __forceinline__ void pre_cp_async(void* dst, const void* src, int bytes16) {
+  const uint32_t d = uint32_t(__cvta_generic_to_shared(dst));
+  if (bytes16)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(src) : "memory");
+}
+
+template <bool kFp8>
+__global__ void __launch_bounds__(kPreWarps * 32, 2) dense_mma_prefill_kernel(const Args p) {
+  extern __shared__ __align__(16) uint8_t psm[];
+  float* raw = reinterpret_cast<float*>(psm);  // [kPreTok][kPreWin] fp32
+  uint8_t* xsb = psm + kPreRawBytes;           // [kPreChunks][kPreXBytes] bf16 fragments
+  pdl_trigger();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tid = threadIdx.x;
+  const int nt = int(blockDim.x);
+  const int g = lane >> 2, tg = lane & 3;
+  const int nckp = p.kp / kChunkK, nck = p.K / kChunkK;
+  const int tile = int(blockIdx.x) * kPreWarps + warp;  // warp-uniform; >= tiles: zeros, no store
+  const int ra = tile * 16 + g, rb = ra + 8;
+  const bool va = ra < p.n, vb = rb < p.n;
+  const int zc0 = int(blockIdx.y) * kPreChunks;       // the CTA's first 8-row token chunk
+  const int mrows = min(p.m - zc0 * kRows, kPreTok);  // the CTA's valid token rows (> 0)
+  const float* xb = p.x + int64_t(zc0) * kRows * p.x_stride;
+  constexpr int kL = kFp8 ? 2 : 4;  // 16-byte loads per chunk
+
+  // Raw copy of window [kbeg, kbeg + kPreWin) of the CTA's valid rows (one commit group).
+  auto prefetch = [&](int kbeg) {
+    const int nk = min(kPreWin, p.K - kbeg);
+    const int vw = p.x_vec ? 4 : 1, per = nk / vw, items = mrows * per;
+    for (int i = tid; i < items; i += nt) {
+      const int r = i / per, q = (i - r * per) * vw;
+      pre_cp_async(raw + r * kPreWin + q, xb + int64_t(r) * p.x_stride + kbeg + q, p.x_vec);
+    }
+    cp_async_commit();
+  };
+  // The landed window into the fragment layout of each token chunk (stage_x's layout and values).
+  auto convert = [&](int nq) {
+    const int items = kPreTok * nq;
+    for (int i = tid; i < items; i += nt) {
+      const int r = i / nq, q = i - r * nq;
+      uint4 v = make_uint4(0u, 0u, 0u, 0u);
+      if (r < mrows) {
+        const float4 a = *reinterpret_cast<const float4*>(raw + r * kPreWin + q * 8);
+        const float4 c = *reinterpret_cast<const float4*>(raw + r * kPreWin + q * 8 + 4);
+        v = make_uint4(pack_exact_bf16x2(a.x, a.y), pack_exact_bf16x2(a.z, a.w),
+                       pack_exact_bf16x2(c.x, c.y), pack_exact_bf16x2(c.z, c.w));
+      }
+      const int c = q >> 3, z = r >> 3, rr = r & 7;
+      const int tq = kFp8 ? (q >> 1) & 3 : q & 3, h = kFp8 ? q & 1 : (q >> 2) & 1;
+      *reinterpret_cast<uint4*>(xsb + z * kPreXBytes + (((c * 2 + h) * kRows + rr) * 4 + tq) * 16) =
+          v;
+    }
+  };
+
+  auto load = [&](int kc, uint4(&buf)[kL], float(&sc)[2]) {
+    const uint4 z = make_uint4(0u, 0u, 0u, 0u);
+    if constexpr (kFp8) {
+      const int k = kc * kChunkK + tg * 16;
+      const uint8_t* pa = p.w + int64_t(ra) * p.K + k;
+      buf[0] = va ? ld_stream_u4(pa) : z;
+      buf[1] = vb ? ld_stream_u4(pa + 8 * int64_t(p.K)) : z;
+      sc[0] = va ? fp8_scale(p, ra, k) : 1.f;
+      sc[1] = vb ? fp8_scale(p, rb, k) : 1.f;
+    } else {
+      const int k = kc * kChunkK + tg * 8;
+      const uint8_t* pa = p.w + (int64_t(ra) * p.K + k) * 2;
+      const uint8_t* pb = pa + 16 * int64_t(p.K);
+      buf[0] = va ? ld_stream_u4(pa) : z;
+      buf[1] = va ? ld_stream_u4(pa + 64) : z;
+      buf[2] = vb ? ld_stream_u4(pb) : z;
+      buf[3] = vb ? ld_stream_u4(pb + 64) : z;
+      sc[0] = sc[1] = 1.f;
+    }
+  };
+
+  uint4 cur[kL], nxt[kL];
+  float scc[2], scn[2];
+  load(0, cur, scc);
+  pdl_wait();
+  prefetch(0);
+
+  float acc[kPreChunks][4], tot[kPreChunks][4];
+#pragma unroll
+  for (int z = 0; z < kPreChunks; ++z)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[z][e] = 0.f, tot[z][e] = 0.f;
+
+  for (int kc = 0; kc < nck; ++kc) {
+    const int wc = kc % kPreWinChunks;  // chunk within the window
+    if (wc == 0) {  // the window's x: landed raw -> fragments; the next window's copy out
+      cp_async_wait<0>();
+      __syncthreads();  // every thread's copies landed; the previous window's reads are done
+      convert(min(kPreWin, p.K - kc * kChunkK) / 8);
+      __syncthreads();  // fragments ready; raw free
+      if (kc + kPreWinChunks < nck) prefetch((kc + kPreWinChunks) * kChunkK);
+    }
+    if (kc + 1 < nck) load(kc + 1, nxt, scn);
+    uint32_t wa[8], wb[8];
+    if constexpr (kFp8) {
+      const uint32_t ca[4] = {cur[0].x, cur[0].y, cur[0].z, cur[0].w};
+      const uint32_t cb[4] = {cur[1].x, cur[1].y, cur[1].z, cur[1].w};
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        wa[e] = e4m3x2_to_bf16x2(ca[e >> 1] >> (16 * (e & 1)), scc[0]);
+        wb[e] = e4m3x2_to_bf16x2(cb[e >> 1] >> (16 * (e & 1)), scc[1]);
+      }
+    } else {
+      wa[0] = cur[0].x, wa[1] = cur[0].y, wa[2] = cur[0].z, wa[3] = cur[0].w;
+      wa[4] = cur[1].x, wa[5] = cur[1].y, wa[6] = cur[1].z, wa[7] = cur[1].w;
+      wb[0] = cur[2].x, wb[1] = cur[2].y, wb[2] = cur[2].z, wb[3] = cur[2].w;
+      wb[4] = cur[3].x, wb[5] = cur[3].y, wb[6] = cur[3].z, wb[7] = cur[3].w;
+    }
+#pragma unroll
+    for (int z = 0; z < kPreChunks; ++z) {
+      const uint8_t* xp = xsb + z * kPreXBytes + ((wc * 2 * kRows + g) * 4 + tg) * 16;
+      const uint4 x0 = *reinterpret_cast<const uint4*>(xp);
+      const uint4 x1 = *reinterpret_cast<const uint4*>(xp + kRows * 64);
+      const uint32_t xw[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        mma_bf16(acc[z], wa[2 * j], wb[2 * j], wa[2 * j + 1], wb[2 * j + 1], xw[2 * j],
+                 xw[2 * j + 1]);
+    }
+    if ((kc + 1) % nckp == 0) {  // a part is complete: fold it into the total, in part order
+      const bool first = kc + 1 == nckp;
+#pragma unroll
+      for (int z = 0; z < kPreChunks; ++z)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          tot[z][e] = first ? acc[z][e] : __fadd_rn(tot[z][e], acc[z][e]);
+          acc[z][e] = 0.f;
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < kL; ++i) cur[i] = nxt[i];
+    scc[0] = scn[0], scc[1] = scn[1];
+  }
+
+  if (tile >= p.tiles) return;
+  auto post = [&](float a) { return p.round ? round_bf16(a) : a; };
+#pragma unroll
+  for (int z = 0; z < kPreChunks; ++z) {
+    const int t0 = (zc0 + z) * kRows + 2 * tg, t1 = t0 + 1;
+    if (t0 < p.m) {
+      if (va) p.y[int64_t(t0) * p.y_stride + ra] = post(tot[z][0]);
+      if (vb) p.y[int64_t(t0) * p.y_stride + rb] = post(tot[z][2]);
+    }
+    if (t1 < p.m) {
+      if (va) p.y[int64_t(t1) * p.y_stride + ra] = post(tot[z][1]);
+      if (vb) p.y[int64_t(t1) * p.y_stride + rb] = post(tot[z][3]);
+    }
+  }
+}
+
 // ---- Resident kernel (m <= 8 rows; kernel comment at the top of the file) ----
 
 constexpr int kResMaxWarps = 8;
@@ -722,7 +904,11 @@ void setup_kernel() {
   prefer_shared_carveout(dense_mma_resident_kernel<kFp8>);
 }
 
+std::atomic<bool> g_prefill{true};  // set_dense_mma_prefill
+
 }  // namespace
+
+void set_dense_mma_prefill(bool on) { g_prefill.store(on, std::memory_order_relaxed); }
 
 bool DenseMma::supports(const DeviceWeight& w) {
   return !w.empty() && (w.format == WFormat::kBF16 || w.format == WFormat::kFP8) &&
@@ -852,6 +1038,15 @@ void DenseMma::run(const DeviceWeight& w, int64_t r0, int64_t n, const float* x,
         launch_resident<false>(b, r, stream);
       return;
     }
+  }
+  if (chunks > 1 && g_prefill.load(std::memory_order_relaxed)) {  // prefill rows
+    const dim3 pgrid(unsigned((tiles + kPreWarps - 1) / kPreWarps),
+                     unsigned((chunks + kPreChunks - 1) / kPreChunks));
+    if (fp8_)
+      launch_pdl(dense_mma_prefill_kernel<true>, pgrid, dim3(kPreWarps * 32), kPreSmem, stream, a);
+    else
+      launch_pdl(dense_mma_prefill_kernel<false>, pgrid, dim3(kPreWarps * 32), kPreSmem, stream, a);
+    return;
   }
   dim3 grid, block;
   size_t smem;

@@ -19,7 +19,8 @@
 // calls of m <= 8 rows take the resident kernel where its plan fits (DenseMmaPath::kAuto: one
 // wave of CTAs holding all their weight bytes in shared memory, the S parts of a tile spread over
 // the warps of a thread-block cluster and added through distributed shared memory); other calls
-// (m > 8, or weights too large, or DenseMmaPath::kLegacy) the legacy full-K / split-K kernel.
+// (weights too large, or DenseMmaPath::kLegacy) the legacy full-K / split-K kernel; m > 8 the
+// prefill kernel (set_dense_mma_prefill) or the legacy full-K kernel per 8-row chunk.
 
 #include <cuda_runtime.h>
 
@@ -32,6 +33,11 @@ namespace uf::cuda {
 // kAuto: the resident kernel for m <= 8 where it fits; kLegacy: never (the session-6 kernels,
 // kept for benchmarks and for the tests' bitwise comparison).
 enum class DenseMmaPath { kAuto, kLegacy };
+
+// Calls of m > 8 rows: true (the default) the prefill kernel (32 token rows a CTA, each weight
+// fragment converted once for all of them), false the full-K kernel per chunk of 8 rows (benchmarks
+// and the tests' bitwise comparison). The same bits either way. Host-side, read at launch/capture.
+void set_dense_mma_prefill(bool on);
 
 class DenseMma {
  public:
