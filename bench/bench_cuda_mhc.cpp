@@ -13,6 +13,11 @@
 // session-6 kernels (set_mhc_legacy_kernels(true): "old"), the current ones ("new") and the current
 // ones with 2 row groups in hc_post_mixes ("g2", set_mhc_post_groups(2)), printed side by side (the
 // outputs are bitwise the same: tests/cuda/test_ops_mhc_fused.cpp).
+// "moe fold": the FFN's tail of a decode step, MoE combine + hc_post_mixes (moe_combine_rows over
+// the 6 routed slots and the shared expert's as a 7th, the decode combine's reads and adds, then
+// hc_post_mixes on its output) against hc_post_mixes_moe (the combine folded into the expand,
+// bitwise the same: tests/cuda/test_mhc_combine_fold.cpp), top-6 of 384 experts, the slots
+// L2-warm as after the expert kernels; current kernels, 2 row groups.
 //
 //   bench_cuda_mhc [--reps N] [--copies N] [--rows 1,2,4,7,8]
 
@@ -34,6 +39,7 @@ int main() {
 #include "cuda/cuda_check.h"
 #include "cuda/device_fill.h"
 #include "cuda/device_weights.h"
+#include "cuda/moe.h"
 #include "cuda/ops/elementwise.h"
 #include "cuda_bench_util.h"
 
@@ -43,7 +49,8 @@ namespace {
 
 constexpr int kHc = 4, kDim = 5120, kIters = 20, kTmax = 8;
 constexpr int kMix = (2 + kHc) * kHc;
-constexpr double kHbm = 4.1e12;  // bytes / s
+constexpr int kTopK = 6, kExperts = 384;  // the MoE of the "moe fold" case
+constexpr double kHbm = 4.1e12;           // bytes / s
 
 struct Buffers {
   std::vector<void*> ptrs;
@@ -140,6 +147,21 @@ int main(int argc, char** argv) {
   fill_random_f32(post, kTmax * kHc, seed++, 1.0f, s);
   fill_random_f32(comb, kTmax * kHc * kHc, seed++, 0.5f, s);
   hc_mixes_partial(p, fn[0], X, kTmax, partial, s);
+  // The MoE slots [kTmax, top-k + 1, dim] and ids: row t's k-th expert (t + 3 k) % E; ids7 gives
+  // the shared slot the id E (last in the combine's ascending order) for moe_combine_rows.
+  float* slots = b.floats(size_t(kTmax) * (kTopK + 1) * kDim);
+  fill_random_f32(slots, size_t(kTmax) * (kTopK + 1) * kDim, seed++, 1.0f, s);
+  std::vector<int32_t> ids_h(size_t(kTmax) * kTopK), ids7_h(size_t(kTmax) * (kTopK + 1));
+  for (int t = 0; t < kTmax; ++t) {
+    for (int k = 0; k < kTopK; ++k)
+      ids_h[size_t(t) * kTopK + k] = ids7_h[size_t(t) * (kTopK + 1) + k] = (t + 3 * k) % kExperts;
+    ids7_h[size_t(t) * (kTopK + 1) + kTopK] = kExperts;
+  }
+  int32_t* ids = reinterpret_cast<int32_t*>(b.floats(ids_h.size()));
+  int32_t* ids7 = reinterpret_cast<int32_t*>(b.floats(ids7_h.size()));
+  UF_CUDA_CHECK(cudaMemcpy(ids, ids_h.data(), ids_h.size() * 4, cudaMemcpyHostToDevice));
+  UF_CUDA_CHECK(cudaMemcpy(ids7, ids7_h.data(), ids7_h.size() * 4, cudaMemcpyHostToDevice));
+  const MoeSlots moe{slots, ids, kTopK, kExperts};
   UF_CUDA_CHECK(cudaStreamSynchronize(s));
 
   const size_t S = hc_mixes_scratch_floats(p, 1) / size_t(kMix + 1);
@@ -196,6 +218,21 @@ int main(int argc, char** argv) {
     line("pair", T, o.pair, w.pair, w2.pair, pm_bytes + mp_bytes);
     line("hc_mixes_finish", T, o.fin, w.fin, w2.fin, fin_bytes);
     line("hc_pre_norm", T, o.pn, w.pn, w2.pn, pn_bytes);
+    // moe fold: combine + post against the fused post (x comes from the slots: the same R / post
+    // / comb / fn reads and out / partial writes).
+    const float t_cp = uf::bench::time_graph_us(s, reps, [&] {
+      for (int c = 0; c < copies; ++c) {
+        moe_combine_rows(slots, ids7, T, kTopK + 1, kExperts + 1, kDim, y, s);
+        hc_post_mixes(p, y, X, post, comb, T, R, fn[size_t(c)], partial, s);
+      }
+    });
+    const float t_fold = uf::bench::time_graph_us(s, reps, [&] {
+      for (int c = 0; c < copies; ++c)
+        hc_post_mixes_moe(p, moe, X, post, comb, T, R, fn[size_t(c)], partial, s);
+    });
+    const float cc = float(copies);
+    std::printf("moe fold         T=%d  combine+post %7.2f  fused %7.2f us/call  saves %5.2f us\n",
+                T, t_cp / cc, t_fold / cc, (t_cp - t_fold) / cc);
   }
   UF_CUDA_CHECK(cudaStreamDestroy(s));
   return 0;

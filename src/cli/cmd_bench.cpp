@@ -52,6 +52,7 @@
 #include "cuda/backend/cuda_model.h"
 #include "cuda/cuda_check.h"
 #include "cuda/device_fill.h"
+#include "cuda/ops/moe.h"
 #include "cuda/trace/kernel_trace.h"
 #endif
 
@@ -71,6 +72,8 @@ struct BenchArgs {
   bool no_graphs = false;
   bool no_branches = false;
   bool no_candidate_lists = false;
+  bool fold_moe_combine = false;
+  bool shared_beside_router = false;
   bool floor_only = false;
   // Vocab slices of the head: 8 = rank 0's eighth (TP8 splits the head by vocab rows; the
   // logits' all-gather is bench-tp's), 1 = the whole head on the rank.
@@ -280,6 +283,8 @@ int run_cuda(const BenchArgs& a, const ModelConfig& cfg, const std::vector<int>&
   opts.device = a.device;
   opts.cuda_graphs = !a.no_graphs;
   opts.graph_branches = !a.no_branches;
+  opts.fold_moe_combine = a.fold_moe_combine;
+  uf::cuda::set_moe_shared_after_router(!a.shared_beside_router);
   opts.candidate_lists = !a.no_candidate_lists;
   opts.head_slice_of = a.head_slices;
   out["cuda_graphs"] = opts.cuda_graphs;
@@ -537,6 +542,11 @@ void setup_bench(CLI::App& app, int& exit_code) {
                   "Rows per Engram table (released: ~384M, 98 GB each; a step gathers 24 rows per "
                   "token, so the time hardly depends on it)");
   cmd->add_flag("--no-graphs", a->no_graphs, "Run the decode path without CUDA graphs");
+  cmd->add_flag("--fold-moe-combine", a->fold_moe_combine,
+                "Fold the MoE combine into the mHC expand (one GPU only: a TP rank combines before "
+                "its all-reduce, so the TP8 rank figure leaves it off)");
+  cmd->add_flag("--shared-beside-router", a->shared_beside_router,
+                "Start the forked shared expert with the router (before session 8), not after it");
   cmd->add_flag("--no-candidate-lists", a->no_candidate_lists,
                 "Reindex layers score every visible entry and mask (not the pool's list)");
   cmd->add_flag("--no-branches", a->no_branches,

@@ -126,6 +126,7 @@ int run_host(const HostArgs& a) {
   uf::cuda::CudaModelOptions o;
   o.device = a.device;
   o.graph_branches = !a.no_branches;
+  o.fold_moe_combine = false;  // a TP8 rank's combine precedes its all-reduce (cmd_bench.cpp)
   auto m =
       std::make_unique<uf::cuda::CudaModel>(cfg, ck, uf::model::synthetic_engram_token_map(cfg), o);
   auto s = m->new_session(a.context + 64);

@@ -224,6 +224,8 @@ CudaModel::CudaModel(model::ModelConfig cfg, const model::Checkpoint& ckpt,
   ids_ = arena_.alloc<int32_t>(T);
   gate_i_ = arena_.alloc<int32_t>(T * size_t(max_topk));
   gate_w_ = arena_.alloc<float>(T * size_t(max_topk));
+  if (opts_.fold_moe_combine && tp_ == 1 && cfg_.hc_mult <= 4)  // hc_post_mixes_moe: hc <= 4
+    moe_slots_ = arena_.alloc<float>(size_t(kMaxDecodeRows) * size_t(max_topk + 1) * D);
   vis_ = arena_.alloc<int32_t>(T);
   width_ = arena_.alloc<int32_t>(T);
   if (hasher_)
@@ -675,13 +677,22 @@ void CudaModel::layer(int l, float* X, int T, float* pre_mix,
   // attention), the FFN collapses with the attention's pre.
   hc_mix_pre_norm(hc_, op.hc_ffn_scale, op.hc_ffn_base, mix_scratch_, R_, apre_, op.ffn_norm, eps,
                   T, x_, pre_mix, fpost_, fcomb_, stream_);
-  moe(l, x_, T, y_);
+  // fold_moe_combine: the routed + shared slots, combined inside the expand below.
+  const bool fold = moe_slots_ && T <= kMaxDecodeRows;
+  if (fold)
+    op.moe->apply_partial_experts(x_, T, moe_slots_, gate_i_, gate_w_, stream_);
+  else
+    moe(l, x_, T, y_);
   const int next = l + 1;
   const int stack_end = l < cfg_.n_layers ? cfg_.n_layers : cfg_.n_total_layers();
   const bool fuse_next = next < stack_end && !cfg_.role(next).engram;
-  hc_post_mixes(hc_, y_, R_, fpost_, fcomb_, T, X,
-                fuse_next ? layers_[size_t(next)]->hc_attn_fn : DeviceWeight{}, mix_scratch_,
-                stream_);
+  const DeviceWeight next_fn = fuse_next ? layers_[size_t(next)]->hc_attn_fn : DeviceWeight{};
+  if (fold) {
+    const MoeSlots slots{moe_slots_, gate_i_, op.moe->top_k(), cfg_.role(l).n_routed_experts};
+    hc_post_mixes_moe(hc_, slots, R_, fpost_, fcomb_, T, X, next_fn, mix_scratch_, stream_);
+  } else {
+    hc_post_mixes(hc_, y_, R_, fpost_, fcomb_, T, X, next_fn, mix_scratch_, stream_);
+  }
   if (fuse_next) mix_ready_ = MixReady{next, X, T};
 }
 

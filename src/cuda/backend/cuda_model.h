@@ -124,6 +124,14 @@ struct CudaModelOptions {
   // a row, not 1M. The same scores and selections bit for bit (ops/attention.h EntryList); off:
   // the full scores and mask_scores (tests compare the two).
   bool candidate_lists = true;
+  // Decode spans (T <= kMaxDecodeRows) at tp = 1: the MoE stops before its combine
+  // (DeviceMoe::apply_partial_experts' slots) and the FFN's mHC expand computes the combine per
+  // element (hc_post_mixes_moe, ops/mhc.cu): one kernel less a layer, bitwise the same outputs
+  // (tests/cuda/test_mhc_combine_fold.cpp). Off: apply() + hc_post_mixes. One GPU only: a TP
+  // rank's combine comes before its all-reduce, so `bench --synthetic tp8-rank` (the step of a
+  // TP8 rank) leaves it off unless --fold-moe-combine (H200, session 8: 61 / 124 us a step
+  // shorter at 1 / 7 rows).
+  bool fold_moe_combine = true;
 };
 
 class CudaModel {
@@ -414,6 +422,8 @@ class CudaModel {
   float *mh_ = nullptr, *logits_ = nullptr, *emb_ = nullptr;
   int32_t *ids_ = nullptr, *gate_i_ = nullptr, *vis_ = nullptr, *width_ = nullptr;
   float* gate_w_ = nullptr;
+  // fold_moe_combine: apply_partial_experts' slots [kMaxDecodeRows, max top-k + 1, dim].
+  float* moe_slots_ = nullptr;
   int64_t* hash_ = nullptr;                 // [n_engram, tmax, n_cols]
   const float** win_ptrs_ = nullptr;        // [tmax * max(window + block, window)]
   const float** pool_kv_ptrs_ = nullptr;    // [tmax * max ratio]

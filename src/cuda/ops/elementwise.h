@@ -80,6 +80,26 @@ void hc_mixes_finish(const HcShape& p, const DeviceWeight& scale, const DeviceWe
 void hc_post_mixes(const HcShape& p, const float* x, const float* R, const float* post,
                    const float* comb, int T, float* out, const DeviceWeight& fn, float* partial,
                    cudaStream_t stream);
+// The FFN output of a decode step before the MoE's combine: DeviceMoe::apply_partial_experts'
+// slots [T, topk + 1, dim] fp32 (slot k < topk: expert ids[t, k]'s UNROUNDED w2 output, slot
+// topk: the shared expert's) and ids [T, topk] int32 (the gate_i apply_partial_experts was
+// given). topk <= 8; ids outside [0, n_experts) are skipped (their slots are never read).
+struct MoeSlots {
+  const float* slots = nullptr;
+  const int32_t* ids = nullptr;
+  int topk = 0;
+  int n_experts = 0;
+};
+// hc_post_mixes with x = DeviceMoe::combine_experts(moe.slots, moe.ids) computed per element in
+// the kernel (bf16(sum over the row's valid experts in ascending id (ties in k order), fp32 from
+// 0, of bf16(slot) + bf16(shared slot)): that kernel's operations in its order), instead of read:
+// bitwise combine_experts + hc_post_mixes (tests/cuda/test_mhc_combine_fold.cpp), one kernel
+// less. At one GPU that is bitwise DeviceMoe::apply + hc_post_mixes (ops/moe.h). hc <= 4; any T;
+// spec == plain; set_mhc_legacy_kernels / set_mhc_post_groups apply as to hc_post_mixes. out may
+// overlap neither R nor the slots. The combine's output x is not written anywhere.
+void hc_post_mixes_moe(const HcShape& p, const MoeSlots& moe, const float* R, const float* post,
+                       const float* comb, int T, float* out, const DeviceWeight& fn, float* partial,
+                       cudaStream_t stream);
 // The rest of hc_mixes from `partial` (scale, base -> pre, post, comb; partial null: skipped)
 // together with hc_pre(X, pre_in) and rms_norm(norm, eps) of the collapsed rows into y [T, dim].
 // The collapse uses pre_in (the previous sublayer's pre), so pre must not overlap pre_in.

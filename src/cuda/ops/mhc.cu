@@ -28,6 +28,10 @@
 //    shared memory by cp.async before the PDL wait; hc > 4 (tests) or set_mhc_legacy_kernels:
 //    hc_post_mixes_kernel (session 6: 1 warp group, the rows one after the other). The two
 //    compute every value with the same operations in the same order (bitwise the same outputs).
+//  - hc_post_mixes_moe: hc_post_mixes whose x (the FFN output) is the MoE combine of
+//    DeviceMoe::apply_partial_experts' slots, computed in the kernel (combine_experts_kernel's
+//    operations and order, staged per block: moe_stage / moe_value) instead of read: the combine
+//    kernel leaves the decode chain. The same kernels with kMoe, hc <= 4.
 //  - hc_mix_pre_norm: grid (T, 2): block (t, 1) the mixes' finish of row t (mixes_finish, bitwise
 //    hc_mixes'), block (t, 0) hc_pre of row t with the previous pre and rms_norm on it, in
 //    rms_norm's partition (bitwise hc_pre + rms_norm). The weights (scale, base, the norm weight)
@@ -123,6 +127,74 @@ __device__ __forceinline__ void load_fn_segment(const DeviceWeight& fn, int m, i
   }
 }
 
+// hc_post_mixes_moe: the FFN output x[t, d] is not read but computed from the MoE's slots
+// (MoeSlots, ops/elementwise.h) with DeviceMoe::combine_experts_kernel's operations in its order.
+// The block stages its rows' slot values of its 32 channels and the combine order of each row in
+// shared memory before its first barrier (the loads in flight with R's), and every thread then
+// computes x for its (row, channel) from there, where the plain kernel reads x.
+constexpr int kMoeMaxTopK = 8;
+constexpr int kMoeSlots = kMoeMaxTopK + 1;  // the routed experts' slots + the shared expert's
+
+struct MoeStage {
+  float (*vals)[kMoeSlots][kPostD];  // [kPostRows]: slot k of row tt at channel d0 + i
+  int (*order)[kMoeMaxTopK];         // [kPostRows]: the k of the row's j-th expert in sum order
+  int* count;                        // [kPostRows]: the row's valid experts
+};
+
+// vals[tt][k][i] = slots[t0 + tt, k, d0 + i] for k <= topk, i < nvalid (16-byte cp.async where
+// the source is aligned and the piece whole, else plain loads; the caller commits and waits);
+// order / count: moe_combine_kernel's insertion sort of the row's valid ids (0 <= id <
+// n_experts) made explicit: thread (tt, k) of a valid id computes its position, the number of
+// valid (id_j, j) < (id_k, k) (the sort is stable: equal ids keep their k order), and writes k
+// there. Block threads tid < NTH, loops over all of them.
+template <int NTH>
+__device__ __forceinline__ void moe_stage(const MoeSlots& m, int D, int t0, int nt, int d0,
+                                          int nvalid, int tid, const MoeStage& st) {
+  constexpr int kSeg4 = kPostD / 4;
+  const int K = m.topk, KS = K + 1, E = m.n_experts;
+  const bool vec = reinterpret_cast<uintptr_t>(m.slots) % 16 == 0 && D % 4 == 0;
+  for (int i = tid; i < nt * KS * kSeg4; i += NTH) {
+    const int j = i % kSeg4, q = i / kSeg4, k = q % KS, tt = q / KS;
+    const float* src = m.slots + (int64_t(t0 + tt) * KS + k) * D + d0 + 4 * j;
+    float* dst = &st.vals[tt][k][4 * j];
+    if (vec && 4 * j + 4 <= nvalid) {
+      const uint32_t d = uint32_t(__cvta_generic_to_shared(dst));
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+    } else {
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (4 * j + e < nvalid) dst[e] = src[e];
+    }
+  }
+  for (int i = tid; i < nt * K; i += NTH) {
+    const int tt = i / K, k = i % K;
+    const int32_t* id = m.ids + int64_t(t0 + tt) * K;
+    const int ek = id[k];
+    int pos = 0, n = 0;
+#pragma unroll
+    for (int j = 0; j < kMoeMaxTopK; ++j) {
+      if (j >= K) break;
+      const int ej = id[j];
+      const bool ok = ej >= 0 && ej < E;
+      n += ok ? 1 : 0;
+      pos += ok && (ej < ek || (ej == ek && j < k)) ? 1 : 0;
+    }
+    if (ek >= 0 && ek < E) st.order[tt][pos] = k;
+    if (k == 0) st.count[tt] = n;
+  }
+}
+
+// x[t0 + tt, d0 + i] as DeviceMoe::combine_experts writes it: the fp32 sum from 0 over the row's
+// experts in order of bf16(slot), then bf16(sum + bf16(shared slot)); detail::round_bf16 and
+// __fadd_rn as that kernel (and moe_combine_kernel + combine_kernel on bf16 slots: the same bits).
+__device__ __forceinline__ float moe_value(const MoeStage& st, int K, int tt, int i) {
+  float sum = 0.f;
+  const int n = st.count[tt];
+  for (int j = 0; j < n; ++j)
+    sum = __fadd_rn(sum, detail::round_bf16(st.vals[tt][st.order[tt][j]][i]));
+  return detail::round_bf16(__fadd_rn(sum, detail::round_bf16(st.vals[tt][K][i])));
+}
+
 // hc_post (kPost) or a plain read of X (!kPost, X passed as R), then the split-K partials of the
 // next mixes over the values (fn . v and |v|^2), for up to kPostRows rows per block.
 // Block (s, g) owns channels d0 = s * kPostD .. d0 + 31 of every stream of rows g * kPostRows ..:
@@ -135,10 +207,11 @@ __device__ __forceinline__ void load_fn_segment(const DeviceWeight& fn, int m, i
 //     v * v);
 //  3. partial (t, m, s) = the tasks' sums added in stream order, at partial[(t * M1 + m) * S + s].
 // Every order is a function of (hc, dim) only, never of T or of the other rows.
-template <int HC, bool kPost>
+template <int HC, bool kPost, bool kMoe = false>
 __global__ void __launch_bounds__(HC * 32)
     hc_post_mixes_kernel(HcShape p, const float* x, const float* R, const float* post,
-                         const float* comb, int T, float* out, DeviceWeight fn, float* partial) {
+                         const float* comb, int T, float* out, DeviceWeight fn, float* partial,
+                         MoeSlots moe) {
   constexpr int kMix = (2 + HC) * HC, M1 = kMix + 1, HH = HC * HC, CP = HH + HC;
   constexpr int NTH = HC * 32, kTasks = M1 * HC, TPT = (kTasks + NTH - 1) / NTH;
   // comb then post (kPost); R (kPost); the values v (a stream's row padded by 4 floats, so that
@@ -147,6 +220,11 @@ __global__ void __launch_bounds__(HC * 32)
   __shared__ float rs[kPostRows][HC][kPostD];
   __shared__ __align__(16) float vs[kPostRows][HC][kPostD + 4];
   __shared__ float red[kPostRows][M1][HC];
+  // kMoe: the slots and the combine order of the block's rows (moe_stage).
+  __shared__ __align__(16) float mv[kMoe ? kPostRows : 1][kMoeSlots][kPostD];
+  __shared__ int mo[kMoe ? kPostRows : 1][kMoeMaxTopK];
+  __shared__ int mc[kMoe ? kPostRows : 1];
+  const MoeStage st{mv, mo, mc};
   const int D = p.dim, s = blockIdx.x, S = gridDim.x, tid = threadIdx.x;
   const int64_t n = int64_t(HC) * D;
   const int t0 = blockIdx.y * kPostRows, nt = min(kPostRows, T - t0);
@@ -171,7 +249,7 @@ __global__ void __launch_bounds__(HC * 32)
   for (int tt = 0; tt < kPostRows; ++tt) {
     const int64_t t = t0 + min(tt, nt - 1);
     vals[tt] = R[t * n + c];
-    if constexpr (kPost) xv[tt] = x[t * D + (c - int64_t(k) * D)];
+    if constexpr (kPost && !kMoe) xv[tt] = x[t * D + (c - int64_t(k) * D)];
   }
   if constexpr (kPost) {
     for (int i = tid; i < nt * CP; i += NTH) {
@@ -180,6 +258,11 @@ __global__ void __launch_bounds__(HC * 32)
     }
 #pragma unroll
     for (int tt = 0; tt < kPostRows; ++tt) rs[tt][k][lane] = vals[tt];
+    if constexpr (kMoe) {
+      moe_stage<NTH>(moe, D, t0, nt, d0, nvalid, tid, st);
+      detail::cp_async_commit();
+      detail::cp_async_wait<0>();
+    }
     __syncthreads();
 #pragma unroll
     for (int tt = 0; tt < kPostRows; ++tt) {
@@ -188,7 +271,12 @@ __global__ void __launch_bounds__(HC * 32)
       float sum = ew::fmul(cb[k], rs[tt][0][lane]);
 #pragma unroll
       for (int j = 1; j < HC; ++j) sum = ew::fadd(sum, ew::fmul(cb[j * HC + k], rs[tt][j][lane]));
-      vals[tt] = ew::round_bf16(ew::fadd(ew::fmul(cb[HH + k], xv[tt]), sum));
+      float xt;
+      if constexpr (kMoe)
+        xt = moe_value(st, moe.topk, tt, valid ? lane : nvalid - 1);
+      else
+        xt = xv[tt];
+      vals[tt] = ew::round_bf16(ew::fadd(ew::fmul(cb[HH + k], xt), sum));
       if (valid) out[(t0 + tt) * n + c] = vals[tt];
     }
   }
@@ -256,11 +344,11 @@ __device__ __forceinline__ float fn_elem(const DeviceWeight& fn, int m, int64_t 
 //     channels in order of fn[m, k D + d] * v[t, k, d] (m = kMix: v * v);
 //  4. partial (t, m, s) = the tasks' sums added in stream order (one thread per (t, m)).
 // Requires M1 * HC <= HC * 32 (hc <= 4) and kPostRows * (HC * HC + HC) <= the block.
-template <int HC, bool kPost, int G>
+template <int HC, bool kPost, int G, bool kMoe = false>
 __global__ void __launch_bounds__(HC * 32 * G, 8 / G)
     hc_post_mixes_rows_kernel(HcShape p, const float* x, const float* R, const float* post,
-                              const float* comb, int T, float* out, DeviceWeight fn,
-                              float* partial) {
+                              const float* comb, int T, float* out, DeviceWeight fn, float* partial,
+                              MoeSlots moe) {
   constexpr int kMix = (2 + HC) * HC, M1 = kMix + 1, HH = HC * HC, CP = HH + HC;
   constexpr int NTG = HC * 32, NTH = NTG * G, RPG = kPostRows / G;
   constexpr int kTasks = M1 * HC, kFnTasks = kMix * HC, kSeg4 = kPostD / 4;
@@ -273,6 +361,11 @@ __global__ void __launch_bounds__(HC * 32 * G, 8 / G)
   __shared__ float rs[kPostRows][HC][kPostD];
   __shared__ __align__(16) float vs[kPostRows][HC][kPostD + 4];
   __shared__ float red[kPostRows][M1][HC];
+  // kMoe: the slots and the combine order of the block's rows (moe_stage).
+  __shared__ __align__(16) float mv[kMoe ? kPostRows : 1][kMoeSlots][kPostD];
+  __shared__ int mo[kMoe ? kPostRows : 1][kMoeMaxTopK];
+  __shared__ int mc[kMoe ? kPostRows : 1];
+  const MoeStage st{mv, mo, mc};
   const int D = p.dim, s = blockIdx.x, S = gridDim.x, tid = threadIdx.x;
   const int64_t n = int64_t(HC) * D;
   const int t0 = blockIdx.y * kPostRows, nt = min(kPostRows, T - t0);
@@ -314,7 +407,7 @@ __global__ void __launch_bounds__(HC * 32 * G, 8 / G)
   for (int r = 0; r < RPG; ++r) {
     const int64_t t = t0 + min(g + G * r, nt - 1);
     vals[r] = R[t * n + c];
-    if constexpr (kPost) xv[r] = x[t * D + (c - int64_t(k) * D)];
+    if constexpr (kPost && !kMoe) xv[r] = x[t * D + (c - int64_t(k) * D)];
   }
   if constexpr (kPost) {
     if (tid < nt * CP) {
@@ -323,6 +416,11 @@ __global__ void __launch_bounds__(HC * 32 * G, 8 / G)
     }
 #pragma unroll
     for (int r = 0; r < RPG; ++r) rs[g + G * r][k][lane] = vals[r];
+    if constexpr (kMoe) {  // (waits for fn's copies too: issued long before, done by now)
+      moe_stage<NTH>(moe, D, t0, nt, d0, nvalid, tid, st);
+      detail::cp_async_commit();
+      detail::cp_async_wait<0>();
+    }
     __syncthreads();
 #pragma unroll
     for (int r = 0; r < RPG; ++r) {
@@ -332,7 +430,12 @@ __global__ void __launch_bounds__(HC * 32 * G, 8 / G)
         float sum = ew::fmul(cb[k], rs[tt][0][lane]);
 #pragma unroll
         for (int j = 1; j < HC; ++j) sum = ew::fadd(sum, ew::fmul(cb[j * HC + k], rs[tt][j][lane]));
-        vals[r] = ew::round_bf16(ew::fadd(ew::fmul(cb[HH + k], xv[r]), sum));
+        float xt;
+        if constexpr (kMoe)
+          xt = moe_value(st, moe.topk, tt, valid ? lane : nvalid - 1);
+        else
+          xt = xv[r];
+        vals[r] = ew::round_bf16(ew::fadd(ew::fmul(cb[HH + k], xt), sum));
         if (valid) out[(t0 + tt) * n + c] = vals[r];
       }
     }
@@ -730,37 +833,42 @@ void check_mix_weights(const char* name, const HcShape& p, const DeviceWeight& s
 std::atomic<bool> g_legacy{false};
 std::atomic<int> g_post_groups{kPostGroupsDefault};
 
-template <int HC, bool kPost, int G>
+template <int HC, bool kPost, int G, bool kMoe>
 void launch_rows_kernel(dim3 grid, const HcShape& p, const float* x, const float* R,
                         const float* post, const float* comb, int T, float* out,
-                        const DeviceWeight& fn, float* partial, cudaStream_t stream) {
-  const auto kernel = hc_post_mixes_rows_kernel<HC, kPost, G>;
+                        const DeviceWeight& fn, float* partial, const MoeSlots& moe,
+                        cudaStream_t stream) {
+  const auto kernel = hc_post_mixes_rows_kernel<HC, kPost, G, kMoe>;
   static const bool configured = [&] {
     detail::prefer_shared_carveout(kernel);
     return true;
   }();
   (void)configured;
   detail::launch_pdl(kernel, grid, dim3(HC * 32 * G), 0, stream, p, x, R, post, comb, T, out, fn,
-                     partial);
+                     partial, moe);
 }
 
 // hc_post_mixes_kernel (legacy, or hc > 4) or hc_post_mixes_rows_kernel: the same outputs.
-template <int HC, bool kPost>
+// kMoe (x from the MoE slots, hc <= 4 only: the slot staging does not fit beside hc 8's arrays).
+template <int HC, bool kPost, bool kMoe = false>
 void launch_post_mixes(const HcShape& p, const float* x, const float* R, const float* post,
                        const float* comb, int T, float* out, const DeviceWeight& fn, float* partial,
-                       cudaStream_t stream) {
+                       cudaStream_t stream, const MoeSlots& moe = MoeSlots{}) {
+  static_assert(!kMoe || (kPost && HC <= 4), "hc_post_mixes_moe: hc <= 4");
   const dim3 grid(mix_splits(p), (T + kPostRows - 1) / kPostRows);
   if constexpr (HC <= 4) {
     if (!g_legacy.load(std::memory_order_relaxed)) {
       if (g_post_groups.load(std::memory_order_relaxed) == 2)
-        launch_rows_kernel<HC, kPost, 2>(grid, p, x, R, post, comb, T, out, fn, partial, stream);
+        launch_rows_kernel<HC, kPost, 2, kMoe>(grid, p, x, R, post, comb, T, out, fn, partial, moe,
+                                               stream);
       else
-        launch_rows_kernel<HC, kPost, 4>(grid, p, x, R, post, comb, T, out, fn, partial, stream);
+        launch_rows_kernel<HC, kPost, 4, kMoe>(grid, p, x, R, post, comb, T, out, fn, partial, moe,
+                                               stream);
       return;
     }
   }
-  detail::launch_pdl(hc_post_mixes_kernel<HC, kPost>, grid, dim3(HC * 32), 0, stream, p, x, R, post,
-                     comb, T, out, fn, partial);
+  detail::launch_pdl(hc_post_mixes_kernel<HC, kPost, kMoe>, grid, dim3(HC * 32), 0, stream, p, x, R,
+                     post, comb, T, out, fn, partial, moe);
 }
 
 // The split-K partials of fn . X (the post-mixes kernels without the expand).
@@ -856,6 +964,33 @@ void hc_post_mixes(const HcShape& p, const float* x, const float* R, const float
   float* part = fn.empty() ? nullptr : partial;
   dispatch_hc(p.hc, [&](auto H) {
     launch_post_mixes<decltype(H)::value, true>(p, x, R, post, comb, T, out, fn, part, stream);
+  });
+  UF_CUDA_CHECK(cudaGetLastError());
+}
+
+void hc_post_mixes_moe(const HcShape& p, const MoeSlots& moe, const float* R, const float* post,
+                       const float* comb, int T, float* out, const DeviceWeight& fn, float* partial,
+                       cudaStream_t stream) {
+  check_shape("hc_post_mixes_moe", p);
+  require(p.hc <= 4, "hc_post_mixes_moe: hc = %d; the MoE-fused expand needs hc <= 4", p.hc);
+  if (T <= 0) return;
+  require(moe.slots && moe.ids && moe.topk >= 1 && moe.topk <= kMoeMaxTopK && moe.n_experts >= 1,
+          "hc_post_mixes_moe: slots %p, ids %p, top-%d of %d experts (need both, top-1..%d)",
+          static_cast<const void*>(moe.slots), static_cast<const void*>(moe.ids), moe.topk,
+          moe.n_experts, kMoeMaxTopK);
+  const size_t n = size_t(T) * size_t(p.hc) * size_t(p.dim);
+  const size_t ns = size_t(T) * size_t(moe.topk + 1) * size_t(p.dim);
+  require(!overlaps(out, n, R, n) && !overlaps(out, n, moe.slots, ns),
+          "hc_post_mixes_moe: out overlaps R or the MoE slots (T = %d)", T);
+  if (!fn.empty()) {
+    check_fn("hc_post_mixes_moe", p, fn);
+    require(partial, "hc_post_mixes_moe: no partials buffer (hc_mixes_scratch_floats)");
+  }
+  float* part = fn.empty() ? nullptr : partial;
+  dispatch_hc(p.hc, [&](auto H) {
+    constexpr int HC = decltype(H)::value;
+    if constexpr (HC <= 4)
+      launch_post_mixes<HC, true, true>(p, nullptr, R, post, comb, T, out, fn, part, stream, moe);
   });
   UF_CUDA_CHECK(cudaGetLastError());
 }

@@ -52,6 +52,12 @@ void moe_route(const MoeShape& shape, const float* scores, const float* bias, in
 //    before the first call (each launch leaves it zero), gate_i / gate_w [rows, K], codes [rows,
 //    D], xscales [rows, D / 32]; gate bf16 [E, D]; x 16-byte aligned.
 void set_moe_router_variant(int variant);
+// Where the forked shared expert of a decode chunk starts (benchmarks; not thread-safe): true (the
+// default) after the router: its stream waits for the router, so it runs beside the routed
+// experts; false: beside the router, from the MoE's start. The same outputs either way. On the
+// H200 (session 8) the later start made the step 340-470 us shorter (1 and 7 rows): the shared
+// expert's GEMVs no longer slow the router, which every routed expert waits for.
+void set_moe_shared_after_router(bool on);
 void moe_router_run(int variant, const MoeShape& shape, const DeviceWeight& gate, const float* bias,
                     const float* x, int rows, float* scores, float* probs, int* counter,
                     int32_t* gate_i, float* gate_w, uint8_t* codes, float* xscales,

@@ -14,10 +14,10 @@
 //      expert outputs summed in fp32 in ascending expert id from 0: all as cpu::expert_forward /
 //      moe_forward; only the order of a block's 32 products and the K-split grouping differ);
 //   4. shared expert: DeviceLinear w1, w3 (kQuant, bf16 outputs), swiglu_kernel
-//      (h = bf16(silu(min(g, L)) * clamp(u, -L, L))), DeviceLinear w2 (bf16 output); launched
-//      FIRST on the object's own stream (forked from the caller's by an event, joined back by
-//      another before the combine; CUDA graph capture records the fork and the join), so it runs
-//      beside steps 1-3;
+//      (h = bf16(silu(min(g, L)) * clamp(u, -L, L))), DeviceLinear w2 (bf16 output); on the
+//      object's own stream (forked from the caller's by an event, joined back by another before
+//      the combine; CUDA graph capture records the fork and the join): a decode chunk forks it
+//      after the router, so it runs beside steps 2-3, a prefill chunk at the start;
 //   5. combine: y = bf16(routed + shared), folded into MoeFp4's combine kernel (MoeFp4::run_add,
 //      combine_kernel's operations). set_legacy(true): the earlier order (4 after 3 on the
 //      caller's stream, a separate combine_kernel) and MoeFp4's persistent kernels; bitwise the
@@ -894,7 +894,8 @@ void DeviceMoe::run(const float* x, int T, Out mode, float* out, int32_t* gate_i
 
 namespace {
 
-int g_router_variant = 0;  // set_moe_router_variant
+int g_router_variant = 0;           // set_moe_router_variant
+bool g_shared_after_router = true;  // set_moe_shared_after_router
 
 // The decode chunk's one-launch router (rows <= kMaxDecodeRows): variant 0 moe_router2_kernel
 // where it serves (not softmax), else moe_router_kernel; 1 moe_router_kernel. false: neither
@@ -935,6 +936,7 @@ int score_func_of(const MoeShape& sh) {
 
 // Router hooks for tests and benchmarks (declared in ops/moe.h).
 void set_moe_router_variant(int variant) { g_router_variant = variant; }
+void set_moe_shared_after_router(bool on) { g_shared_after_router = on; }
 
 void moe_router_run(int variant, const MoeShape& shape, const DeviceWeight& gate, const float* bias,
                     const float* x, int rows, float* scores, float* probs, int* counter,
@@ -975,15 +977,18 @@ void DeviceMoe::run_chunk(const float* x, int t0, int rows, Out mode, float* out
   const float* xc = x + int64_t(t0) * D;
   int32_t* gi = gate_i ? gate_i + int64_t(t0) * K : (pf ? w->gi : m.gi);
   float* gw = gate_w ? gate_w + int64_t(t0) * K : (pf ? w->gw : m.gw);
-  // The shared expert (independent of the routing), on the forked stream and launched first
-  // unless legacy: w1 and w3 read the same rows (one launch, each output as its own apply()),
-  // SwiGLU, w2.
+  // The shared expert (independent of the routing) on the forked stream unless legacy: w1 and w3
+  // read the same rows (one launch, each output as its own apply()), SwiGLU, w2. A decode chunk
+  // forks it after the router (set_moe_shared_after_router: beside the router its GEMVs slowed
+  // the router, which every routed expert waits for); a prefill chunk at the MoE's start.
   const bool fork = !m.legacy && m.fork_shared;
   cudaStream_t ss = fork ? m.side : stream;
-  if (fork) {
+  const bool fork_late = fork && !pf && g_shared_after_router;
+  auto fork_here = [&] {
     UF_CUDA_CHECK(cudaEventRecord(m.fork, stream));
     UF_CUDA_CHECK(cudaStreamWaitEvent(ss, m.fork, 0));
-  }
+  };
+  if (fork && !fork_late) fork_here();
   const int64_t slot_row = int64_t(K + 1) * D;  // kPartialSlots: floats per row of `out`
   auto shared_expert = [&] {
     const LinearCall gate_up[] = {{&m.sw1, g}, {&m.sw3, u}};
@@ -1002,7 +1007,7 @@ void DeviceMoe::run_chunk(const float* x, int t0, int rows, Out mode, float* out
                                       size_t(rows), cudaMemcpyDeviceToDevice, ss));
     if (fork) UF_CUDA_CHECK(cudaEventRecord(m.join, ss));
   };
-  // Forked: launched first on the side stream, joined before the combine. In line: after the
+  // Forked: on the side stream, joined before the combine. In line: after the
   // routed experts, right before the combine (MoeFp4::run_add's hook, or join() below), so that
   // its weights stream in behind theirs under PDL.
   const bool combine_adds = !pf && !m.legacy && mode != Out::kPartialSlots;
@@ -1012,13 +1017,17 @@ void DeviceMoe::run_chunk(const float* x, int t0, int rows, Out mode, float* out
     else
       shared_expert();
   };
-  if (fork) shared_expert();
+  if (fork && !fork_late) shared_expert();
 
   // The routed experts.
   const bool router =
       !pf && !m.legacy &&
       launch_router(g_router_variant, m.gate.weight(), m.func, m.s, m.bias, xc, rows, scores,
                     m.probs, m.router_counter, gi, gw, xcodes, xscales, stream);
+  if (fork_late) {
+    fork_here();
+    shared_expert();
+  }
   if (router) {
     // gate, routing and act quant: one launch
   } else if (!pf && E <= 32 * kRoutePerLane && D % 32 == 0) {
