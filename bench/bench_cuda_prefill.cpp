@@ -4,9 +4,9 @@
 // Prints us per call, TFLOP/s (2 T N K), the weight bytes / time (GB/s), the speedup, and whether
 // the two outputs are bitwise equal (they must be: the GEMM keeps the GEMV's split order).
 // Second section: the GEMM kernels alone on pre-quantised rows (M = 512, 2048), legacy (the
-// emulated e4m3 mma.sync, fp8_gemm_set_legacy(true)) against the f16 kernel (the default) and its
-// tile variants (fp8_gemm_set_variant: 1 wide, 2 tall, 3 small8): us per call from graph replay,
-// TFLOP/s (2 M N K), the speedup over legacy and whether all outputs are bitwise equal.
+// emulated e4m3 mma.sync, fp8_gemm_set_legacy(true)) against the f16 kernel (the default): us per
+// call from graph replay, TFLOP/s (2 M N K), the speedup over legacy and whether the outputs are
+// bitwise equal.
 // Runs in seconds: bench_cuda_prefill [iterations, default 20].
 
 #include <algorithm>
@@ -99,23 +99,22 @@ float graph_us(F&& f, int iters) {
   return ms * 1000.f / float(iters);
 }
 
-// The GEMM kernels alone: legacy / f16 (default tiles) / f16 wide / tall / small8 at the
-// rank-slice shapes, M = 512 and 2048. Wide and tall run only where 128-token blocks fill the SMs,
-// small8 only where 64-token blocks do not (elsewhere each is the default tiles).
+// The GEMM kernels alone: legacy / f16 at the rank-slice shapes, M = 512 and 2048 (wkv and the
+// shared expert's w1 | w3 take the small-grid blocks).
 void kernel_section(int iters, int sms) {
   constexpr Shape kKernelShapes[] = {
       {"wq_a|wkv [1792,5120]", 1792, 5120},   {"wq_b [4096,1280]", 4096, 1280},
       {"wo_b [5120,1024]", 5120, 1024},       {"shared w2 [5120,288]", 5120, 288},
       {"engram wkv [3200,6144]", 3200, 6144}, {"engram full [25600,6144]", 25600, 6144},
+      {"wkv [512,5120]", 512, 5120},          {"shared w13 [576,5120]", 576, 5120},
   };
-  constexpr int kKernels = 5;  // legacy, then fp8_gemm_set_variant 0, 1, 2, 3
+  constexpr int kKernels = 2;  // legacy, f16
   std::printf(
       "\nGEMM kernels alone (graph replay of %d calls, pre-quantised rows; x = speedup "
       "over legacy)\n",
       iters);
   std::printf("%-26s %4s | %8s %6s", "shape", "M", "legacy", "TF/s");
-  for (const char* name : {"f16 us", "wide us", "tall us", "small8"})
-    std::printf(" | %8s %6s %5s", name, "TF/s", "x");
+  std::printf(" | %8s %6s %5s", "f16 us", "TF/s", "x");
   std::printf(" | bitwise\n");
   uint64_t seed = 1000;
   for (const Shape& s : kKernelShapes) {
@@ -140,7 +139,6 @@ void kernel_section(int iters, int sms) {
       float us[kKernels];
       for (int v = 0; v < kKernels; ++v) {
         fp8_gemm_set_legacy(v == 0);
-        fp8_gemm_set_variant(v == 0 ? 0 : v - 1);
         us[v] = graph_us(
             [&](cudaStream_t st) {
               fp8_gemm_prefill(wv, QuantActView{codes, scales, m, s.k}, plan.kb_per_split(), y[v],
@@ -149,7 +147,6 @@ void kernel_section(int iters, int sms) {
             iters);
       }
       fp8_gemm_set_legacy(false);
-      fp8_gemm_set_variant(0);
       UF_CUDA_CHECK(cudaDeviceSynchronize());
       std::vector<float> o[kKernels];
       bool same = true;

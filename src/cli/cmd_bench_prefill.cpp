@@ -40,6 +40,7 @@
 
 #include "cuda/backend/cuda_model.h"
 #include "cuda/cuda_check.h"
+#include "cuda/gemv.h"
 #include "cuda/trace/kernel_trace.h"
 #endif
 
@@ -63,6 +64,7 @@ struct PrefillArgs {
   std::string trace_file;
   uint64_t seed = 1;
   int device = 0;
+  std::string fp8_gemm = "default";  // the prefill GEMM's kernel (cuda/gemv.h): or "legacy"
 };
 
 #ifdef UF_HAVE_CUDA
@@ -209,6 +211,10 @@ int run_prefill(const PrefillArgs& a) {
   const cudaError_t e = cudaGetDeviceCount(&n_dev);
   UF_CHECK(e == cudaSuccess && n_dev > a.device, "bench-prefill: no CUDA device {} ({})", a.device,
            e == cudaSuccess ? fmt::format("{} visible", n_dev) : cudaGetErrorString(e));
+  UF_CHECK(a.fp8_gemm == "default" || a.fp8_gemm == "legacy",
+           "bench-prefill: --fp8-gemm {} (default or legacy)", a.fp8_gemm);
+  uf::cuda::fp8_gemm_set_legacy(a.fp8_gemm == "legacy");
+  out["fp8_gemm"] = a.fp8_gemm;
   spdlog::info("bench-prefill: building the synthetic checkpoint");
   const auto ck = uf::model::synthetic_checkpoint(cfg, a.seed);
   double ratio = -1, ced_measured_s = -1;
@@ -314,6 +320,8 @@ void setup_bench_prefill(CLI::App& app, int& exit_code) {
       "Trace one more chunk per context (CUPTI kernel timeline), appended to this file");
   cmd->add_option("--seed", a->seed, "Seed of the synthetic weights and tokens");
   cmd->add_option("--device", a->device, "CUDA device ordinal");
+  cmd->add_option("--fp8-gemm", a->fp8_gemm,
+                  "Prefill GEMM kernel: default (f16 HMMA) or legacy (emulated e4m3 mma)");
   cmd->callback([a, &exit_code] { exit_code = run_prefill(*a); });
 }
 

@@ -132,9 +132,6 @@ void fp8_gemm_prefill(const Fp8WeightView& w, const QuantActView& a, int kb_per_
 // per mma) instead of the default f16 HMMA kernel that converts each fragment once; both give
 // bitwise the same outputs. Process-wide, read at each launch (tests, benchmarks).
 void fp8_gemm_set_legacy(bool on);
-// The f16 kernel's tiles (benchmarks, tests; bitwise the same outputs): 0 the default choice, 1
-// wide (32 x 64 warp tiles), 2 tall (16-warp blocks), 3 small grids of 8-warp blocks.
-void fp8_gemm_set_variant(int v);
 
 int device_sm_count();
 

@@ -3,14 +3,12 @@
 //   - the legacy kernel (fp8_gemm_set_legacy(true): the emulated e4m3 mma.sync), and
 //   - the decode GEMV (Fp8Gemv::run by chunks of 8 rows, the kb_per_split of its plan),
 // at the real TP8 rank-slice shapes, odd N (N % 128 != 0), K tails (K blocks not a multiple of the
-// 4-block stage) and M in {1, 9, 64, 100, 512, 2048} (tile edges, both launch variants). Every
+// 4-block stage) and M in {1, 9, 64, 100, 512, 2048} (tile edges, both block shapes). Every
 // output must be BITWISE equal (tolerance 0: the kernels compute the same f16 HMMA chain, the
 // same fmaf per K block and the same split sums); rounded outputs (round = true) bitwise the
-// legacy kernel's rounded ones and round_bf16 of the GEMV's. The tile variants
-// (fp8_gemm_set_variant: 1 wide, 2 tall, 3 small grids of 8-warp blocks) are checked the same
-// way. Outputs are
-// poisoned with 0xFF bytes (NaN) and a guard row after M x N must stay poisoned. The first mismatch
-// is printed with its bits in hex.
+// legacy kernel's rounded ones and round_bf16 of the GEMV's. Outputs are poisoned with 0xFF bytes
+// (NaN) and a guard row after M x N must stay poisoned. The first mismatch is printed with its bits
+// in hex.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -31,14 +29,8 @@ namespace {
 
 // Restores the default kernel choice however a test exits.
 struct KernelChoice {
-  KernelChoice(bool legacy, int variant) {
-    fp8_gemm_set_legacy(legacy);
-    fp8_gemm_set_variant(variant);
-  }
-  ~KernelChoice() {
-    fp8_gemm_set_legacy(false);
-    fp8_gemm_set_variant(0);
-  }
+  explicit KernelChoice(bool legacy) { fp8_gemm_set_legacy(legacy); }
+  ~KernelChoice() { fp8_gemm_set_legacy(false); }
 };
 
 // Bitwise comparison of the M x N outputs; prints the first mismatch (token, feature, hex bits).
@@ -88,8 +80,8 @@ struct Case {
 
 // One prefill GEMM call into a poisoned (m + 1) x n buffer.
 std::vector<float> run_gemm(const Fp8WeightView& wv, const QuantActView& av, int kbps, bool round,
-                            bool legacy, int variant) {
-  const KernelChoice choice(legacy, variant);
+                            bool legacy) {
+  const KernelChoice choice(legacy);
   DeviceBuffer<float> out(size_t(av.m + 1) * size_t(wv.n));
   out.poison();
   fp8_gemm_prefill(wv, av, kbps, out.get(), round, nullptr);
@@ -141,16 +133,15 @@ void run_case(const Case& c) {
       ASSERT_EQ(unwritten(gemv, mn), 0u) << what << ": GEMV left outputs unwritten";
       for (const bool round : {false, true}) {
         const int kbps = plan.kb_per_split();
-        const std::vector<float> old = run_gemm(wv, av, kbps, round, true, 0);
+        const std::vector<float> old = run_gemm(wv, av, kbps, round, true);
         std::vector<float> want(mn);
         for (size_t i = 0; i < mn; ++i) want[i] = round ? core::round_bf16(gemv[i]) : gemv[i];
         char w2[256];
         std::snprintf(w2, sizeof w2, "%s round=%d legacy vs GEMV", what, int(round));
         EXPECT_EQ(compare(old, want, m, n, w2), 0u) << w2;
-        for (const int variant : {0, 1, 2, 3}) {
-          const std::vector<float> got = run_gemm(wv, av, kbps, round, false, variant);
-          static const char* const kName[] = {"f16", "f16 wide", "f16 tall", "f16 small8"};
-          std::snprintf(w2, sizeof w2, "%s round=%d %s", what, int(round), kName[variant]);
+        {
+          const std::vector<float> got = run_gemm(wv, av, kbps, round, false);
+          std::snprintf(w2, sizeof w2, "%s round=%d f16", what, int(round));
           EXPECT_EQ(unwritten(got, mn), 0u) << w2 << ": outputs left unwritten";
           EXPECT_TRUE(guard_intact(got, mn)) << w2 << ": wrote past M x N";
           if (c.finite) {

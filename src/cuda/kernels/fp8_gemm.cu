@@ -438,9 +438,8 @@ void act_quant_fp8_rows(const float* x, long long x_stride, int m, int k, uint8_
 
 namespace {
 
-// fp8_gemm_set_legacy / fp8_gemm_set_variant (process-wide, read at each launch).
+// fp8_gemm_set_legacy (process-wide, read at each launch).
 std::atomic<bool> g_legacy{false};
-std::atomic<int> g_variant{0};
 
 // Sets the f16 kernel's shared-memory attributes on the current device (once; see below) and
 // launches it on an m-tiles x n-blocks grid.
@@ -462,13 +461,6 @@ void launch_f16(const GemmParams& p, int dev, cudaStream_t stream) {
 }  // namespace
 
 void fp8_gemm_set_legacy(bool on) { g_legacy.store(on); }
-// fp8_gemm_set_variant (gemv.h): the f16 kernel's tiles
-// where 128-token blocks fill the SMs. 0 (default): 64-token blocks of 8 warps (32 x 32 warp
-// tiles, 2 blocks an SM); 1 "wide": 8 warps of 32 x 64 (242 registers, 1 block an SM); 2 "tall":
-// 16 warps of 32 x 32 (1 block an SM, a third less L2 traffic than 0); 3: where 64-token blocks
-// do not fill the SMs, 8 warps of 32 x 16 (the legacy kernel's small tiles) instead of 4 warps of
-// 32 x 32. Same outputs.
-void fp8_gemm_set_variant(int v) { g_variant.store(v); }
 
 void fp8_gemm_prefill(const Fp8WeightView& w, const QuantActView& a, int kb_per_split, float* out,
                       bool round, cudaStream_t stream) {
@@ -498,22 +490,18 @@ void fp8_gemm_prefill(const Fp8WeightView& w, const QuantActView& a, int kb_per_
   static int sms[kMaxDevices] = {};
   if (sms[dev] == 0) sms[dev] = device_sm_count();
   if (!g_legacy.load(std::memory_order_relaxed)) {
-    // 64-token blocks of 8 warps where they give every SM a block, else 32-token blocks of 4
-    // warps (the same warp tile; twice the blocks). The arithmetic of an output is the same.
+    // 64-token blocks of 8 warps (32 x 32 warp tiles, 2 blocks an SM) where they give every SM a
+    // block, else 32-token blocks of 8 warps (32 x 16 warp tiles: twice the blocks, as many warps
+    // a block as the legacy kernel's small tiles). The arithmetic of an output is the same. On the
+    // H200 (session 8, a 512-row chunk's 168 small-grid calls: wkv, the shared expert) 32 x 32
+    // tiles on 4-warp blocks ran 80 us a call, these 67, the legacy kernel 72; wider (32 x 64) or
+    // taller (16-warp) blocks for the large grids were no faster than the 64-token blocks.
     const size_t nb = size_t((w.n + kBN - 1) / kBN);
     require(nb <= 65535, "fp8_gemm_prefill: n = %d exceeds one launch", w.n);
-    const int v = g_variant.load(std::memory_order_relaxed);
-    const bool fill128 = nb * size_t((a.m + 127) / 128) >= size_t(sms[dev]);
-    if (v == 1 && fill128)
-      launch_f16<8, 2, 1>(p, dev, stream);
-    else if (v == 2 && fill128)
-      launch_f16<4, 4, 1>(p, dev, stream);
-    else if (nb * size_t((a.m + 63) / 64) >= size_t(sms[dev]))
+    if (nb * size_t((a.m + 63) / 64) >= size_t(sms[dev]))
       launch_f16<4, 2, 2>(p, dev, stream);
-    else if (v == 3)
-      launch_f16<2, 2, 2>(p, dev, stream);
     else
-      launch_f16<4, 1, 2>(p, dev, stream);
+      launch_f16<2, 2, 2>(p, dev, stream);
     UF_CUDA_CHECK(cudaGetLastError());
     return;
   }
