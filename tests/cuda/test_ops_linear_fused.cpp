@@ -161,8 +161,8 @@ TEST(OpsLinearFused, DenseRowsPrefillEqualsDecodeChunks) {
     const std::vector<float> full = run_apply(lin, DeviceBuffer<float>(x), T, false);
     for (int t0 = 0; t0 < T; t0 += kMaxDecodeRows) {
       const int m = std::min(kMaxDecodeRows, T - t0);
-      const DeviceBuffer<float> part(std::vector<float>(
-          x.begin() + size_t(t0) * size_t(K), x.begin() + size_t(t0 + m) * size_t(K)));
+      const DeviceBuffer<float> part(std::vector<float>(x.begin() + size_t(t0) * size_t(K),
+                                                        x.begin() + size_t(t0 + m) * size_t(K)));
       const std::vector<float> got = run_apply(lin, part, m, false);
       const std::vector<float> want(full.begin() + size_t(t0) * size_t(N),
                                     full.begin() + size_t(t0 + m) * size_t(N));
