@@ -28,6 +28,7 @@ int main() {
 #include "cuda/cuda_check.h"
 #include "cuda/device_fill.h"
 #include "cuda/gemv.h"
+#include "cuda_bench_util.h"
 
 using namespace uf::cuda;
 
@@ -67,36 +68,18 @@ float time_us(F&& f, int iters) {
   return ms * 1000.f / float(iters);
 }
 
-// us per call of f: a CUDA graph of iters calls, replayed (after one warm-up replay).
+// us per call of f: a CUDA graph of iters calls (cuda_bench_util.h: median of 5 replays).
 template <typename F>
 float graph_us(F&& f, int iters) {
   cudaStream_t s;
   UF_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   f(s);  // warm-up outside the capture (function attributes)
   UF_CUDA_CHECK(cudaStreamSynchronize(s));
-  cudaGraph_t g;
-  cudaGraphExec_t ge;
-  UF_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-  for (int i = 0; i < iters; ++i) f(s);
-  UF_CUDA_CHECK(cudaStreamEndCapture(s, &g));
-  UF_CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
-  UF_CUDA_CHECK(cudaGraphLaunch(ge, s));
-  UF_CUDA_CHECK(cudaStreamSynchronize(s));
-  cudaEvent_t a, b;
-  UF_CUDA_CHECK(cudaEventCreate(&a));
-  UF_CUDA_CHECK(cudaEventCreate(&b));
-  UF_CUDA_CHECK(cudaEventRecord(a, s));
-  UF_CUDA_CHECK(cudaGraphLaunch(ge, s));
-  UF_CUDA_CHECK(cudaEventRecord(b, s));
-  UF_CUDA_CHECK(cudaEventSynchronize(b));
-  float ms = 0;
-  UF_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
-  UF_CUDA_CHECK(cudaEventDestroy(a));
-  UF_CUDA_CHECK(cudaEventDestroy(b));
-  UF_CUDA_CHECK(cudaGraphExecDestroy(ge));
-  UF_CUDA_CHECK(cudaGraphDestroy(g));
+  const float us = uf::bench::time_graph_us(s, 5, [&] {
+    for (int i = 0; i < iters; ++i) f(s);
+  });
   UF_CUDA_CHECK(cudaStreamDestroy(s));
-  return ms * 1000.f / float(iters);
+  return us / float(iters);
 }
 
 // The GEMM kernels alone: legacy / f16 at the rank-slice shapes, M = 512 and 2048 (wkv and the

@@ -145,12 +145,15 @@ std::vector<uf::model::PrefillPoint> run_chunks(const PrefillArgs& a,
       // A fresh session per call: a chunk longer than the window ring overwrites the ring rows
       // the next (uncommitted) call at the same position would need.
       std::unique_ptr<uf::cuda::CudaSession> s;
-      const bool first = c == 0;
-      std::vector<double> v;
-      for (int i = 0; i < a.warmup + a.iters; ++i) {
+      auto fresh_session = [&] {
         s.reset();
         s = m->new_session(c + C + 64);
         if (c > 0) m->fast_forward(*s, c, a.seed);
+      };
+      const bool first = c == 0;
+      std::vector<double> v;
+      for (int i = 0; i < a.warmup + a.iters; ++i) {
+        fresh_session();
         const auto t0 = bench::Clock::now();
         m->forward(*s, toks, first, false, logits.data(), nullptr, pub.data());
         if (i >= a.warmup) v.push_back(bench::us_since(t0));
@@ -161,9 +164,7 @@ std::vector<uf::model::PrefillPoint> run_chunks(const PrefillArgs& a,
         uf::cuda::KernelTrace trace;
         std::vector<uf::cuda::KernelRecord> recs;
         for (int pass = 0; pass < 2; ++pass) {
-          s.reset();
-          s = m->new_session(c + C + 64);
-          if (c > 0) m->fast_forward(*s, c, a.seed);
+          fresh_session();
           trace.start();
           m->forward(*s, toks, first, false, logits.data(), nullptr, pub.data());
           recs = trace.stop();
