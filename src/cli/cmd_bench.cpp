@@ -53,6 +53,7 @@
 #include "cuda/cuda_check.h"
 #include "cuda/device_fill.h"
 #include "cuda/ops/moe.h"
+#include "cuda/probe.h"
 #include "cuda/trace/kernel_trace.h"
 #endif
 
@@ -358,13 +359,25 @@ int run_cuda(const BenchArgs& a, const ModelConfig& cfg, const std::vector<int>&
     UF_CHECK(s->len == a.context, "bench: the verify forward committed tokens (len {} != {})",
              s->len, a.context);
     if (trace) {
+      // Probe builds (cmake -DUF_PROBE=ON) also stamp phases inside chosen kernels of the same
+      // call (cuda/probe.h), written after the trace's records.
+      if (uf::cuda::probe::enabled()) uf::cuda::probe::begin(1 << 16);
       trace->start();
       model->forward(*s, toks, false, true, host_logits, nullptr, nullptr);
       const auto recs = trace->stop();
+      const auto probes = uf::cuda::probe::enabled() ? uf::cuda::probe::end()
+                                                     : std::vector<uf::cuda::probe::Record>{};
       const std::string table = uf::cuda::summarize_trace(recs, 40);
       std::cout << fmt::format("trace of one {}-row verify forward (logits to the host):\n{}", T,
                                table);
       trace_out << fmt::format("== {} rows\n{}", T, table) << uf::cuda::trace_records_text(recs);
+      if (!probes.empty()) {
+        // The first kernel's start on both clocks, to line the probes up with the records.
+        trace_out << fmt::format(
+                         "== {} rows probes (first record start {} ns, first probe {} ns)\n", T,
+                         recs.empty() ? 0 : recs[0].start_ns, probes[0].t[0])
+                  << uf::cuda::probe::probe_text(probes);
+      }
     }
     const auto f = uf::model::step_floor(cfg, T, a.context, floor_opts(a));
     double head_bytes = 0;

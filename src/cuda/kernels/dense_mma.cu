@@ -71,6 +71,7 @@
 #include "cuda/cuda_check.h"
 #include "cuda/gemv.h"
 #include "cuda/kernels/common.cuh"
+#include "cuda/kernels/probe.cuh"
 #include "cuda/kernels/dense_mma.h"
 
 namespace uf::cuda {
@@ -704,6 +705,10 @@ __device__ __forceinline__ void wait_group_in_order(int j) {
 template <bool kFp8>
 __global__ void __launch_bounds__(kResMaxWarps * 32, 2) dense_mma_resident_kernel(const ResArgs p) {
   extern __shared__ __align__(16) uint8_t smem[];
+  // Probe points: 0 start, 1 PDL wait returned, 2 x staged, 3 parts in the stash, 4 cluster
+  // barrier, 5 exit barrier.
+  UF_PROBE_OPEN(probe, kTagDenseMmaResident);
+  UF_PROBE_MARK(probe, 0);
   constexpr int kEb = kFp8 ? 1 : 2;  // bytes a weight
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
   const int g = lane >> 2, tg = lane & 3;
@@ -757,9 +762,11 @@ __global__ void __launch_bounds__(kResMaxWarps * 32, 2) dense_mma_resident_kerne
     }
   }
   pdl_wait();
+  UF_PROBE_MARK(probe, 1);
 
   stage_x<kFp8>(xs, p.x, p.x_stride, p.m, p.x_vec, rank * p.pc * p.kp, p.pc * p.kp / 8);
   __syncthreads();
+  UF_PROBE_MARK(probe, 2);
 
   // The warp's part: acc from 0, chunks in K order (each group's as it lands), one mma a 16-wide
   // slice: exactly the legacy kernels' part sum.
@@ -796,7 +803,9 @@ __global__ void __launch_bounds__(kResMaxWarps * 32, 2) dense_mma_resident_kerne
       reinterpret_cast<float4*>(stash)[warp * 32 + lane] =
           make_float4(acc[0], acc[1], acc[2], acc[3]);
   }
+  UF_PROBE_MARK(probe, 3);
   cluster_sync();  // every part of the cluster's tiles is in its CTA's stash
+  UF_PROBE_MARK(probe, 4);
 
   // Finish: output (tile tl2, fragment slot) of the cluster: the S parts (part s: rank s / PC,
   // warp (s % PC) x TG + tl2) added in part order P0 + P1 + ..., then rounded and stored.
@@ -827,6 +836,7 @@ __global__ void __launch_bounds__(kResMaxWarps * 32, 2) dense_mma_resident_kerne
     }
   }
   cluster_sync();  // no CTA leaves while the cluster reads its stash
+  UF_PROBE_MARK(probe, 5);
 }
 
 // The resident configuration of an n-row call: the first cluster size C (cluster_pref, else 8, 4,

@@ -94,6 +94,7 @@
 #include "cuda/cuda_check.h"
 #include "cuda/gemv.h"
 #include "cuda/kernels/common.cuh"
+#include "cuda/kernels/probe.cuh"
 
 namespace uf::cuda {
 namespace {
@@ -437,6 +438,10 @@ __device__ __forceinline__ float ld_cluster_f32(uint32_t addr, uint32_t cta) {
 template <bool kFused>
 __global__ void __launch_bounds__(kResWarps * 32, 2) fp8_gemv_resident_kernel(const ResParams p) {
   extern __shared__ __align__(16) uint8_t smem[];
+  // Probe points: 0 start, 1 loads issued, 2 PDL wait returned, 3 activations ready, 4 weights
+  // landed, 5 partials written, 6 cluster barrier, 7 outputs stored, 8 exit barrier.
+  UF_PROBE_OPEN(probe, kTagGemvResident);
+  UF_PROBE_MARK(probe, 0);
   const ResJob job = block_job(p.jobs, p.njobs);
   const int C = p.cluster;
   const int rank = int(cluster_ctarank());
@@ -473,7 +478,9 @@ __global__ void __launch_bounds__(kResWarps * 32, 2) fp8_gemv_resident_kernel(co
     if (r < ntiles && u < kw) sc[i] = __ldg(job.w_scale + size_t((tile0 + r) >> 1) * nkb + kb0 + u);
   }
   pdl_trigger();
+  UF_PROBE_MARK(probe, 1);
   pdl_wait();
+  UF_PROBE_MARK(probe, 2);
 
   // Activation fragments of the warp's K blocks: codes (b0, b1) of token g, bytes 8t..8t+7 of
   // each block, and the scales of tokens 2t (sa0) and 2t + 1 (sa1). Tokens >= m: zeros.
@@ -534,8 +541,10 @@ __global__ void __launch_bounds__(kResWarps * 32, 2) fp8_gemv_resident_kernel(co
 #pragma unroll
   for (int i = 0; i < 2; ++i)
     if (lane + 32 * i < p.tiles_per_cta * kResScaleSlots) sreg[lane + 32 * i] = uint8_t(sc[i]);
+  UF_PROBE_MARK(probe, 3);
   cp_async_wait<0>();  // this lane's weight pieces have landed
   __syncwarp();        // ... and every other lane's, and the scale bytes
+  UF_PROBE_MARK(probe, 4);
 
   if (kw > 0) {
     // Two tiles at a time (independent mma chains); each tile's partial replaces its weights.
@@ -571,7 +580,9 @@ __global__ void __launch_bounds__(kResWarps * 32, 2) fp8_gemv_resident_kernel(co
               make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
     }
   }
+  UF_PROBE_MARK(probe, 5);
   cluster_barrier();  // every split's partials are in its CTA's shared memory
+  UF_PROBE_MARK(probe, 6);
 
   // Output slot of thread: fragment element e of lane ln (d[e]: row g + 8 (e >> 1), token
   // 2 (ln % 4) + (e & 1)); the two halves of the block finish alternate tiles.
@@ -602,7 +613,9 @@ __global__ void __launch_bounds__(kResWarps * 32, 2) fp8_gemv_resident_kernel(co
       if (job.out_bf16) job.out_bf16[o] = __float2bfloat16_rn(total);
     }
   }
+  UF_PROBE_MARK(probe, 7);
   cluster_barrier();  // no CTA leaves while the cluster reads its partials
+  UF_PROBE_MARK(probe, 8);
 }
 
 // The resident split plan of K (numerics: kbps and splits; the cluster follows).

@@ -89,6 +89,7 @@
 #include "cuda/cuda_check.h"
 #include "cuda/kernels/common.cuh"
 #include "cuda/kernels/mma_f16.cuh"
+#include "cuda/kernels/probe.cuh"
 #include "cuda/moe.h"
 
 namespace uf::cuda {
@@ -399,9 +400,14 @@ template <bool kF16>
 __global__ void __maxnreg__(96) moe_w13_kernel(const W13Params p) {
   extern __shared__ __align__(128) uint8_t smem[];
   MoePlan& plan = *reinterpret_cast<MoePlan*>(smem);
+  // Probe points: 0 start, 1 PDL wait returned, 2 plan built.
+  UF_PROBE_OPEN(probe, kTagMoeW13);
+  UF_PROBE_MARK(probe, 0);
   pdl_wait();
+  UF_PROBE_MARK(probe, 1);
   pdl_trigger();  // after the wait: kernel 2 reads topk_idx before its own wait
   build_plan(p.topk_idx, p.topk_w, p.pairs, p.topk, p.E, plan);
+  UF_PROBE_MARK(probe, 2);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int S = p.splits, kbps = p.kb_per_split, nkb = p.dim / 32, groups = p.inter / 32;
   const int upg = 4 * S;  // units per group
@@ -646,7 +652,11 @@ __global__ void __maxnreg__(64) moe_w2_kernel(const W2Params p) {
 #pragma unroll
   for (int c = 0; c < kW2Stages - 1; ++c) issue();
 
+  // Probe points: 0 weights issued, 1 PDL wait returned.
+  UF_PROBE_OPEN(probe, kTagMoeW2);
+  UF_PROBE_MARK(probe, 0);
   pdl_wait();  // h from kernel 1
+  UF_PROBE_MARK(probe, 1);
   pdl_trigger();
   {  // h codes [pairs][inter] and scales [pairs][nkb] into shared memory (L2 reads)
     if constexpr (kPreB) {
@@ -852,9 +862,14 @@ __global__ void __launch_bounds__(kUnitMaxWarps * 32, 2)
     moe_w13_unit_kernel(const W13Params p, int cols_cap) {
   extern __shared__ __align__(128) uint8_t smem[];
   MoePlan& plan = *reinterpret_cast<MoePlan*>(smem);
+  // Probe points: 0 start, 1 PDL wait returned, 2 plan built.
+  UF_PROBE_OPEN(probe, kTagW13Unit);
+  UF_PROBE_MARK(probe, 0);
   pdl_wait();
+  UF_PROBE_MARK(probe, 1);
   pdl_trigger();  // after the wait: kernel 2 reads topk_idx before its own wait
   build_plan(p.topk_idx, p.topk_w, p.pairs, p.topk, p.E, plan);
+  UF_PROBE_MARK(probe, 2);
   const int nrg = p.inter / 8;
   const int u = blockIdx.x / nrg, rg = blockIdx.x - u * nrg;
   if (u >= plan.n_unique) return;  // uniform over the block
@@ -1014,7 +1029,11 @@ __global__ void __launch_bounds__(kW2UnitWarps * 32, 4)
     for (int i = lane; i < nkb; i += 32) moe_cp16(wsm + L.sc_off + i * 16, ssrc + i * 16);
     cp_async_commit();
   }
+  // Probe points: 0 weights issued, 1 PDL wait returned.
+  UF_PROBE_OPEN(probe, kTagW2Unit);
+  UF_PROBE_MARK(probe, 0);
   pdl_wait();  // h from kernel 1
+  UF_PROBE_MARK(probe, 1);
   pdl_trigger();
   uint8_t* hq = smem + L.h_off;
   float* hs = reinterpret_cast<float*>(smem + L.hs_off);

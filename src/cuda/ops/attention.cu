@@ -59,6 +59,7 @@
 
 #include "cuda/cuda_check.h"
 #include "cuda/kernels/common.cuh"
+#include "cuda/kernels/probe.cuh"
 #include "cuda/ops/attention.h"
 #include "cuda/ops/elementwise.h"
 #include "cuda/ops/elementwise_common.cuh"
@@ -191,8 +192,14 @@ __global__ void __launch_bounds__(kScoreThreads)
   float4* kv4 = reinterpret_cast<float4*>(smem);
   float4* q4 = reinterpret_cast<float4*>(smem + score_smem_q(hd));
 
+  // Probe points: 0 start, 1 PDL wait returned, 2 q staged, 3 q rotated, 4 KV rows landed, 5 end.
+  UF_PROBE_OPEN_IF(probe, kTagAttnScores,
+                   tid == 0 && blockIdx.y == 0 && blockIdx.z == 0 &&
+                       (blockIdx.x == 0 || blockIdx.x == gridDim.x - 1));
+  UF_PROBE_MARK(probe, 0);
   // q, the window pointers, the top-k ids and the KV rows all come from earlier kernels.
   detail::pdl_wait();
+  UF_PROBE_MARK(probe, 1);
   detail::pdl_trigger();
   if (ckv_ref) ckv = *ckv_ref;
   if (tid < kScoreChunk)
@@ -201,13 +208,16 @@ __global__ void __launch_bounds__(kScoreThreads)
   for (int i = tid; i < kHeadGroup * hd4; i += kScoreThreads)
     q4[i] = i < nh * hd4 ? qg[i] : make_float4(0.f, 0.f, 0.f, 0.f);
   __syncthreads();
+  UF_PROBE_MARK(probe, 2);
   if (rope.freqs) {  // q's rotary embedding on the staged copy (rope_kernel's operations)
     rotate_staged(reinterpret_cast<float*>(q4), nh, hd, rope, t, tid, kScoreThreads);
     __syncthreads();
   }
+  UF_PROBE_MARK(probe, 3);
   stage_rows(kv4, st4, slot, nb, hd4, tid, kScoreThreads);
   detail::cp_async_wait<0>();
   __syncthreads();
+  UF_PROBE_MARK(probe, 4);
 
   // Rows of empty or missing slots hold stale shared memory: their sums are computed anyway (no
   // divergence) and never written.
@@ -249,6 +259,7 @@ __global__ void __launch_bounds__(kScoreThreads)
       if (j == 0) cmax[(int64_t(t) * H + h0 + h) * gridDim.x + c] = mx;
     }
   }
+  UF_PROBE_MARK(probe, 5);
 }
 
 // sum_j bf16(p_j[h]) * k_j[4f .. 4f + 3] over the present slots j = j_first, j_first + step, ...

@@ -49,6 +49,7 @@
 
 #include "cuda/cuda_check.h"
 #include "cuda/kernels/common.cuh"
+#include "cuda/kernels/probe.cuh"
 #include "cuda/ops/elementwise.h"
 #include "cuda/ops/elementwise_common.cuh"
 
@@ -686,15 +687,22 @@ __global__ void __launch_bounds__(kMixPreNormMaxThreads, 1)
                            float* comb, int NT) {
   __shared__ float sm[kMaxMix1 > 32 ? kMaxMix1 : 32];
   const int64_t t = blockIdx.x;
+  // Probe points (row 0's blocks): 0 start, 1 PDL wait returned, 2 done.
   if (blockIdx.y == 1) {
+    UF_PROBE_OPEN_IF(probe_f, kTagMixFinish, threadIdx.x == 0 && blockIdx.x == 0);
+    UF_PROBE_MARK(probe_f, 0);
     FinishWeights<HC> fw;
     if constexpr (kEarly) fw = load_finish_weights<HC>(scale, base);
     detail::pdl_wait();  // PDL: the partials come from the previous kernel
+    UF_PROBE_MARK(probe_f, 1);
     detail::pdl_trigger();
     if constexpr (!kEarly) fw = load_finish_weights<HC>(scale, base);
     mixes_finish<HC>(p, fw, S, partial, t, sm, pre, post, comb);
+    UF_PROBE_MARK(probe_f, 2);
     return;
   }
+  UF_PROBE_OPEN_IF(probe, kTagMixPreNorm, threadIdx.x == 0 && blockIdx.x == 0);
+  UF_PROBE_MARK(probe, 0);
   const int D = p.dim, nv = (D + 3) / 4, i = threadIdx.x;
   const float* xt = X + t * HC * D;
   // Clamped vector indices: every load is unconditional (all in flight together); `on` says
@@ -706,6 +714,7 @@ __global__ void __launch_bounds__(kMixPreNormMaxThreads, 1)
       wv[j] = ew::load_weight4<kMode>(nw, 4 * min(i + j * NT, nv - 1), D);
   }
   detail::pdl_wait();  // PDL: X and pre_in come from earlier kernels
+  UF_PROBE_MARK(probe, 1);
   detail::pdl_trigger();
   float pw[HC];
 #pragma unroll
@@ -742,6 +751,7 @@ __global__ void __launch_bounds__(kMixPreNormMaxThreads, 1)
   for (int j = 0; j < ew::kNormVec; ++j) {
     if (on[j]) ew::store_row4<kMode>(yt, 4 * (i + j * NT), D, ew::norm_out4(v[j], wv[j], r));
   }
+  UF_PROBE_MARK(probe, 2);
 }
 
 // Calls f(std::integral_constant<int, hc>{}) for hc in 1..8.

@@ -42,6 +42,7 @@
 #include "cuda/cuda_check.h"
 #include "cuda/gemv.h"
 #include "cuda/kernels/common.cuh"
+#include "cuda/kernels/probe.cuh"
 #include "cuda/moe.h"
 #include "cuda/ops/linear_kernels.h"
 #include "cuda/ops/moe.h"
@@ -458,6 +459,10 @@ __global__ void __launch_bounds__(kRouterWarps * 32, 2)
   __shared__ int s_last;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int e0 = blockIdx.x * kRows, nr = min(kRows, E - e0);
+  // Probe points: 0 start, 1 PDL wait returned, 2 gate landed, 3 dot products reduced, 4 ticket
+  // taken; the last CTA's own record: 0 ticket, 1 routed; 5 quantised (exit).
+  UF_PROBE_OPEN(probe, kTagRouter2);
+  UF_PROBE_MARK(probe, 0);
   {
     const int pieces = D / 8;  // 16-byte pieces per row
     for (int i = threadIdx.x; i < nr * pieces; i += blockDim.x) {
@@ -470,6 +475,7 @@ __global__ void __launch_bounds__(kRouterWarps * 32, 2)
   }
   detail::pdl_trigger();
   detail::pdl_wait();
+  UF_PROBE_MARK(probe, 1);
   // x [m, D] rows t < m, elements k .. k + 7 (16-byte aligned: D % 32 == 0, x 16-byte aligned).
   auto load_x = [&](int k, float(&xv)[kMaxDecodeRows][8]) {
 #pragma unroll
@@ -501,6 +507,7 @@ __global__ void __launch_bounds__(kRouterWarps * 32, 2)
   if (k < D) load_x(k, xv);  // the first step's x in flight while the gate lands
   detail::cp_async_wait<0>();
   __syncthreads();
+  UF_PROBE_MARK(probe, 2);
   for (; k < D; k += kStep) {
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
@@ -530,6 +537,7 @@ __global__ void __launch_bounds__(kRouterWarps * 32, 2)
       if (lane == 0) red[warp][r][t] = v;
     }
   __syncthreads();
+  UF_PROBE_MARK(probe, 3);
   for (int i = threadIdx.x; i < nr * m; i += blockDim.x) {
     const int r = i / m, t = i - r * m;
     float v = red[0][r][t];
@@ -542,12 +550,16 @@ __global__ void __launch_bounds__(kRouterWarps * 32, 2)
   if (threadIdx.x == 0) s_last = atomicAdd(counter, 1) == int(gridDim.x) - 1;
   __syncthreads();
   const bool last = s_last;  // uniform over the block
+  UF_PROBE_MARK(probe, 4);
   if (last) {
+    UF_PROBE_OPEN_IF(probe_last, kTagRouter2, threadIdx.x == 0);
+    UF_PROBE_MARK(probe_last, 0);
     __threadfence();
     if (warp < m)
       route_row(probs, bias, E, K, func, gate_temp, route_scale, gate_i, gate_w, nullptr, warp,
                 true);
     if (threadIdx.x == 0) *counter = 0;  // every CTA has counted: safe to reset
+    UF_PROBE_MARK(probe_last, 1);
   }
   // The FP8 quantisation of x (route_quant_kernel's items, spread over the grid's warps).
   const int nkb = D / 32;
@@ -559,6 +571,7 @@ __global__ void __launch_bounds__(kRouterWarps * 32, 2)
     codes[idx] = detail::warp_quant_fp8_block(x[idx], &sc);
     if (lane == 0) xscales[size_t(row) * nkb + kb] = sc;
   }
+  UF_PROBE_MARK(probe, 5);
 }
 
 // Shared expert SwiGLU on bf16 g / u (cpu::expert_forward without a routing weight).
