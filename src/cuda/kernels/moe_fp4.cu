@@ -143,8 +143,10 @@ __device__ __forceinline__ void build_plan(const int* topk_idx, const float* top
   __shared__ int s_e[kMaxPairs], s_first[kMaxPairs];
   const int i = threadIdx.x;
   int e = -1;
-  if (i < P) {
+  float w = 0.f;
+  if (i < P) {  // both loads in flight together: one L2 round trip, not two
     e = __ldcg(topk_idx + i);
+    w = __ldcg(topk_w + i);
     if (e < 0 || e >= E) e = -1;  // invalid ids select nothing
   }
   if (i < kMaxPairs) s_e[i] = e;
@@ -166,7 +168,7 @@ __device__ __forceinline__ void build_plan(const int* topk_idx, const float* top
     SlotPlan& sp = plan.slot[rank];
     sp.pair[col] = i;
     sp.tok[col] = i / topk;
-    sp.weight[col] = __ldcg(topk_w + i);
+    sp.weight[col] = w;
     if (first) {
       sp.expert = e;
       sp.count = count;

@@ -191,7 +191,14 @@ __device__ __forceinline__ float score_elementwise(float s, int func, float gate
 __device__ __forceinline__ void route_row(const float* scores, const float* bias, int E, int K,
                                           int func, float gate_temp, float route_scale,
                                           int32_t* gate_i, float* gate_w, float* smem, int t = -1,
-                                          bool pre = false) {
+                                          bool pre = false,
+                                          [[maybe_unused]] void* probe_rec = nullptr) {
+  // Probe points of the caller's record (probe builds): 2 inputs loaded, 3 keys built, 4 top-k
+  // chosen, 5 stored.
+  [[maybe_unused]] uf::cuda::probe::Record* probe = nullptr;
+#if defined(UF_PROBE) && UF_PROBE
+  if (threadIdx.x == 0) probe = static_cast<uf::cuda::probe::Record*>(probe_rec);
+#endif
   detail::pdl_trigger();
   if (t < 0) t = blockIdx.x;
   const int lane = threadIdx.x & 31;
@@ -210,6 +217,7 @@ __device__ __forceinline__ void route_row(const float* scores, const float* bias
     if (e < E) v = pre ? __ldcg(row + e) : score_elementwise(__ldcg(row + e), func, gate_temp);
     sc[i] = v;
   }
+  UF_PROBE_MARK(probe, 2);
   if (func == kSoftmax) {  // sequential, in the CPU's order
 #pragma unroll
     for (int i = 0; i < kRoutePerLane; ++i)
@@ -239,6 +247,7 @@ __device__ __forceinline__ void route_row(const float* scores, const float* bias
   uint64_t mine = 0;
 #pragma unroll
   for (int i = 0; i < kRoutePerLane; ++i) mine = key[i] > mine ? key[i] : mine;
+  UF_PROBE_MARK(probe, 3);
   int gi[kMaxTopK];
   float gw[kMaxTopK];
 #pragma unroll
@@ -269,6 +278,7 @@ __device__ __forceinline__ void route_row(const float* scores, const float* bias
       gw[k] = e >= 0 ? __shfl_sync(0xffffffffu, w, e & 31) : 0.f;
     }
   }
+  UF_PROBE_MARK(probe, 4);
   if (lane == 0) {
     if (K > 1) {  // norm_topk_prob (always on for this model)
       float sum = 0.f;
@@ -287,6 +297,7 @@ __device__ __forceinline__ void route_row(const float* scores, const float* bias
         gate_w[size_t(t) * K + k] = __fmul_rn(gw[k], route_scale);
       }
   }
+  UF_PROBE_MARK(probe, 5);
 }
 
 __global__ void __launch_bounds__(32)
@@ -555,11 +566,17 @@ __global__ void __launch_bounds__(kRouterWarps * 32, 2)
     UF_PROBE_OPEN_IF(probe_last, kTagRouter2, threadIdx.x == 0);
     UF_PROBE_MARK(probe_last, 0);
     __threadfence();
+    UF_PROBE_MARK(probe_last, 1);
+#if defined(UF_PROBE) && UF_PROBE
+    void* probe_rec = probe_last;
+#else
+    void* probe_rec = nullptr;
+#endif
     if (warp < m)
       route_row(probs, bias, E, K, func, gate_temp, route_scale, gate_i, gate_w, nullptr, warp,
-                true);
+                true, probe_rec);
     if (threadIdx.x == 0) *counter = 0;  // every CTA has counted: safe to reset
-    UF_PROBE_MARK(probe_last, 1);
+    UF_PROBE_MARK(probe_last, 6);
   }
   // The FP8 quantisation of x (route_quant_kernel's items, spread over the grid's warps).
   const int nkb = D / 32;
