@@ -45,9 +45,11 @@
 //   wait the CTA stages x of its PC parts (stage_x: the legacy layout and bf16-exactness check),
 //   then each warp runs its part's chunks as their groups land (mma_chunk: the legacy fragments),
 //   acc from 0, and stashes its 16 x 8 partial in shared memory. Cluster barrier; the cluster's
-//   threads then finish one output each: parts 0..S-1 read through distributed shared memory
-//   (part s: rank s / PC, warp (s % PC) x TG + tile) and added in part order, bf16 rounding,
-//   store; cluster barrier. No global workspace, no counters, no second wave.
+//   threads then finish the outputs (TG x 128 on S x TG x 32 threads: 4 / S a thread for S <= 4,
+//   else one on part of them): parts 0..S-1 read through distributed shared memory (part s: rank
+//   s / PC, warp (s % PC) x TG + tile; up to 16 of a thread's reads in flight at once) and added
+//   in part order, bf16 rounding; the exit barrier's arrive, then the stores, then its wait. No
+//   global workspace, no counters, no second wave.
 //   Plan (res_plan, from tiles, K, S, SM count): C = the first of 8, 4, 2, 1 dividing S with
 //   PC = S / C <= 8, TG = the fewest tiles a CTA that keep the grid within one CTA an SM, shared
 //   memory <= 100 KB (weights rows padded to 64 mod 128 bytes: conflict-free 16-byte fragment
@@ -71,8 +73,8 @@
 #include "cuda/cuda_check.h"
 #include "cuda/gemv.h"
 #include "cuda/kernels/common.cuh"
-#include "cuda/kernels/probe.cuh"
 #include "cuda/kernels/dense_mma.h"
+#include "cuda/kernels/probe.cuh"
 
 namespace uf::cuda {
 namespace {
@@ -200,12 +202,11 @@ __device__ __forceinline__ void stage_x(uint8_t* xs, const float* x, int64_t x_s
 
 // One 64-wide K chunk of a tile into acc: 4 mma in the fixed fragment order (the sum order of
 // the header). buf: the thread's weight pieces of the chunk (FP8: row g, row g + 8, 16 codes
-// each, scales sa / sb; BF16: row g at 8 tg and 32 + 8 tg, then row g + 8 the same); xs: the
-// staged x, cc: the chunk's index in it.
+// each, scales sa / sb; BF16: row g at 8 tg and 32 + 8 tg, then row g + 8 the same); xv: the
+// thread's two 16-byte pieces of the staged x chunk (chunk_x).
 template <bool kFp8>
 __device__ __forceinline__ void mma_chunk(float (&acc)[4], const uint4 (&buf)[kFp8 ? 2 : 4],
-                                          float sa, float sb, const uint8_t* xs, int cc, int g,
-                                          int tg) {
+                                          float sa, float sb, const uint4 (&xv)[2]) {
   uint32_t wa[8], wb[8];
   if constexpr (kFp8) {
     const uint32_t ca[4] = {buf[0].x, buf[0].y, buf[0].z, buf[0].w};
@@ -221,13 +222,17 @@ __device__ __forceinline__ void mma_chunk(float (&acc)[4], const uint4 (&buf)[kF
     wb[0] = buf[2].x, wb[1] = buf[2].y, wb[2] = buf[2].z, wb[3] = buf[2].w;
     wb[4] = buf[3].x, wb[5] = buf[3].y, wb[6] = buf[3].z, wb[7] = buf[3].w;
   }
-  const uint8_t* xp = xs + ((cc * 2 * kRows + g) * 4 + tg) * 16;
-  const uint4 x0 = *reinterpret_cast<const uint4*>(xp);
-  const uint4 x1 = *reinterpret_cast<const uint4*>(xp + kRows * 64);
-  const uint32_t xw[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+  const uint32_t xw[8] = {xv[0].x, xv[0].y, xv[0].z, xv[0].w, xv[1].x, xv[1].y, xv[1].z, xv[1].w};
 #pragma unroll
   for (int j = 0; j < 4; ++j)
     mma_bf16(acc, wa[2 * j], wb[2 * j], wa[2 * j + 1], wb[2 * j + 1], xw[2 * j], xw[2 * j + 1]);
+}
+
+// The B pieces of chunk cc of the staged x (xs) for lane (g, tg): half 0, then half 1.
+__device__ __forceinline__ void chunk_x(uint4 (&xv)[2], const uint8_t* xs, int cc, int g, int tg) {
+  const uint8_t* xp = xs + ((cc * 2 * kRows + g) * 4 + tg) * 16;
+  xv[0] = *reinterpret_cast<const uint4*>(xp);
+  xv[1] = *reinterpret_cast<const uint4*>(xp + kRows * 64);
 }
 
 template <bool kFp8>
@@ -643,7 +648,9 @@ constexpr int kResMaxWarps = 8;
 constexpr int kResMaxCluster = 8;              // portable cluster size
 constexpr size_t kResSmemBudget = 100 * 1024;  // 2 CTAs an SM: the next kernel's CTAs co-reside
 constexpr int kResGroups = 4;                  // cp.async groups a warp (chunk ranges, in order)
-constexpr int kResBatch = 8;                   // distributed-shared loads in flight in the sum
+constexpr int kResBatch = 8;                   // scale-byte loads in flight before the wait
+constexpr int kResSumBatch = 16;  // distributed-shared loads in flight in the sum (S <= 16: one)
+constexpr int kResOuts = 4;       // outputs a thread at most: TG x 128 over S x TG x 32 threads
 
 struct ResArgs {
   const uint8_t* w;      // weight row r0 (row 0 of the call)
@@ -670,6 +677,13 @@ __device__ __forceinline__ uint32_t cluster_rank() {
 }
 __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
+}
+// The two halves of cluster_sync, for work between them (the exit barrier's stores).
+__device__ __forceinline__ void cluster_arrive() {
+  asm volatile("barrier.cluster.arrive.release;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() {
+  asm volatile("barrier.cluster.wait.acquire;" ::: "memory");
 }
 // fp32 at shared address `addr` (this CTA's window) of cluster rank `cta`.
 __device__ __forceinline__ float ld_dsmem_f32(uint32_t addr, uint32_t cta) {
@@ -769,34 +783,51 @@ __global__ void __launch_bounds__(kResMaxWarps * 32, 2) dense_mma_resident_kerne
   UF_PROBE_MARK(probe, 2);
 
   // The warp's part: acc from 0, chunks in K order (each group's as it lands), one mma a 16-wide
-  // slice: exactly the legacy kernels' part sum.
+  // slice: exactly the legacy kernels' part sum. Within a group the next chunk's shared-memory
+  // operands (weights, FP8 scales, x) are read before the current chunk's conversions and mma, so
+  // their latency hides behind that work; the values and the mma order are unchanged.
   if (active) {
     const bool va = row0 + g < p.n, vb = row0 + g + 8 < p.n;
     const uint4 z = make_uint4(0u, 0u, 0u, 0u);
     const uint8_t* ra = wreg + g * R;
     const uint8_t* rb = ra + 8 * R;
+    constexpr int kL = kFp8 ? 2 : 4;  // 16-byte pieces a chunk
+    struct Ops {
+      uint4 w[kL], x[2];
+      float sa, sb;
+    };
+    auto read_ops = [&](int c) {
+      Ops o;
+      chunk_x(o.x, xs, pl * nckp + c, g, tg);
+      if constexpr (kFp8) {
+        const int off = c * kChunkK + tg * 16;
+        o.w[0] = va ? *reinterpret_cast<const uint4*>(ra + off) : z;
+        o.w[1] = vb ? *reinterpret_cast<const uint4*>(rb + off) : z;
+        const int kb = 2 * c + (tg >> 1);
+        o.sa = va ? e8m0_to_f32(sreg[g * nkbp + kb]) : 1.f;
+        o.sb = vb ? e8m0_to_f32(sreg[(g + 8) * nkbp + kb]) : 1.f;
+      } else {
+        const int off = c * kChunkK * 2 + tg * 16;
+        o.w[0] = va ? *reinterpret_cast<const uint4*>(ra + off) : z;
+        o.w[1] = va ? *reinterpret_cast<const uint4*>(ra + off + 64) : z;
+        o.w[2] = vb ? *reinterpret_cast<const uint4*>(rb + off) : z;
+        o.w[3] = vb ? *reinterpret_cast<const uint4*>(rb + off + 64) : z;
+        o.sa = o.sb = 1.f;
+      }
+      return o;
+    };
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
     for (int j = 0; j < kResGroups; ++j) {
       wait_group_in_order(j);
       __syncwarp();  // every lane's pieces (and, the first time, the scale bytes)
-      const int c1 = (j + 1) * nckp / kResGroups;
-      for (int c = j * nckp / kResGroups; c < c1; ++c) {
-        if constexpr (kFp8) {
-          const int o = c * kChunkK + tg * 16;
-          const uint4 buf[2] = {va ? *reinterpret_cast<const uint4*>(ra + o) : z,
-                                vb ? *reinterpret_cast<const uint4*>(rb + o) : z};
-          const int kb = 2 * c + (tg >> 1);
-          const float sa = va ? e8m0_to_f32(sreg[g * nkbp + kb]) : 1.f;
-          const float sb = vb ? e8m0_to_f32(sreg[(g + 8) * nkbp + kb]) : 1.f;
-          mma_chunk<true>(acc, buf, sa, sb, xs, pl * nckp + c, g, tg);
-        } else {
-          const int o = c * kChunkK * 2 + tg * 16;
-          const uint4 buf[4] = {va ? *reinterpret_cast<const uint4*>(ra + o) : z,
-                                va ? *reinterpret_cast<const uint4*>(ra + o + 64) : z,
-                                vb ? *reinterpret_cast<const uint4*>(rb + o) : z,
-                                vb ? *reinterpret_cast<const uint4*>(rb + o + 64) : z};
-          mma_chunk<false>(acc, buf, 1.f, 1.f, xs, pl * nckp + c, g, tg);
-        }
+      const int c0 = j * nckp / kResGroups, c1 = (j + 1) * nckp / kResGroups;
+      if (c0 == c1) continue;  // nckp < kResGroups: an empty group
+      Ops cur = read_ops(c0);
+      for (int c = c0; c < c1; ++c) {
+        Ops nxt = cur;
+        if (c + 1 < c1) nxt = read_ops(c + 1);
+        mma_chunk<kFp8>(acc, cur.w, cur.sa, cur.sb, cur.x);
+        cur = nxt;
       }
     }
     if (2 * tg < p.m)  // this lane holds tokens 2 tg, 2 tg + 1
@@ -807,35 +838,67 @@ __global__ void __launch_bounds__(kResMaxWarps * 32, 2) dense_mma_resident_kerne
   cluster_sync();  // every part of the cluster's tiles is in its CTA's stash
   UF_PROBE_MARK(probe, 4);
 
-  // Finish: output (tile tl2, fragment slot) of the cluster: the S parts (part s: rank s / PC,
-  // warp (s % PC) x TG + tl2) added in part order P0 + P1 + ..., then rounded and stored.
+  // Finish: output f = (tile tl2, fragment slot) of the cluster: the S parts (part s: rank s / PC,
+  // warp (s % PC) x TG + tl2; PC is a power of two, so shifts) added in part order
+  // P0 + P1 + ..., then rounded and stored. A thread has outputs f0 + o x step, o < kResOuts
+  // (items / step = 4 / S). Every load of a thread goes out before its first add: S <= 2 (<= 4
+  // outputs): all <= 8 at once; S >= 4 (one output): kResSumBatch at a time, so one round trip
+  // for S <= 16. The exit barrier's arrive follows the loads (release: they are done before any
+  // CTA may leave), the stores go between it and the wait, off the barrier's path.
   const uint32_t stash_addr = uint32_t(__cvta_generic_to_shared(stash));
   const int items = p.tg * 128, step = p.cluster * int(blockDim.x);
-  for (int f = rank * int(blockDim.x) + int(threadIdx.x); f < items; f += step) {
+  const int f0 = rank * int(blockDim.x) + int(threadIdx.x);
+  const int lpc = __ffs(p.pc) - 1;  // log2 PC
+  // Address of part s of output (tl2, slot) in its owner's window; the owner is rank s >> lpc.
+  auto part_addr = [&](int s, int tl2, int slot) {
+    return stash_addr + uint32_t((((s & (p.pc - 1)) * p.tg + tl2) * 128 + slot) * 4);
+  };
+  float out[kResOuts];
+  int64_t dst[kResOuts];  // y offset of output o, -1: none
+#pragma unroll
+  for (int o = 0; o < kResOuts; ++o) {
+    const int f = f0 + o * step;
     const int tl2 = f >> 7, slot = f & 127, ln = slot >> 2, e = slot & 3;
     const int tok = 2 * (ln & 3) + (e & 1);
     const int row = (group * p.tg + tl2) * 16 + (ln >> 2) + ((e & 2) ? 8 : 0);
-    if (tok < p.m && row < p.n) {
-      float total = 0.f;
-      for (int s0 = 0; s0 < p.splits; s0 += kResBatch) {
-        float v[kResBatch];
-#pragma unroll
-        for (int i = 0; i < kResBatch; ++i) {
-          const int s = s0 + i;
-          v[i] = s < p.splits
-                     ? ld_dsmem_f32(
-                           stash_addr + uint32_t((((s % p.pc) * p.tg + tl2) * 128 + slot) * 4),
-                           uint32_t(s / p.pc))
-                     : 0.f;
-        }
-#pragma unroll
-        for (int i = 0; i < kResBatch; ++i)
-          if (s0 + i < p.splits) total = s0 + i == 0 ? v[i] : __fadd_rn(total, v[i]);
-      }
-      p.y[int64_t(tok) * p.y_stride + row] = p.round ? round_bf16(total) : total;
-    }
+    dst[o] = f < items && tok < p.m && row < p.n ? int64_t(tok) * p.y_stride + row : -1;
+    out[o] = 0.f;
   }
-  cluster_sync();  // no CTA leaves while the cluster reads its stash
+  if (p.splits <= 2) {
+    float v[kResOuts][2];
+#pragma unroll
+    for (int o = 0; o < kResOuts; ++o) {
+      const int f = f0 + o * step, tl2 = f >> 7, slot = f & 127;
+#pragma unroll
+      for (int s = 0; s < 2; ++s)
+        v[o][s] = dst[o] >= 0 && s < p.splits
+                      ? ld_dsmem_f32(part_addr(s, tl2, slot), uint32_t(s >> lpc))
+                      : 0.f;
+    }
+#pragma unroll
+    for (int o = 0; o < kResOuts; ++o)
+      out[o] = p.splits == 2 ? __fadd_rn(v[o][0], v[o][1]) : v[o][0];
+  } else if (dst[0] >= 0) {  // S >= 4: items <= step, one output
+    const int tl2 = f0 >> 7, slot = f0 & 127;
+    float total = 0.f;
+    for (int s0 = 0; s0 < p.splits; s0 += kResSumBatch) {
+      float v[kResSumBatch];
+#pragma unroll
+      for (int i = 0; i < kResSumBatch; ++i) {
+        const int s = s0 + i;
+        v[i] = s < p.splits ? ld_dsmem_f32(part_addr(s, tl2, slot), uint32_t(s >> lpc)) : 0.f;
+      }
+#pragma unroll
+      for (int i = 0; i < kResSumBatch; ++i)
+        if (s0 + i < p.splits) total = s0 + i == 0 ? v[i] : __fadd_rn(total, v[i]);
+    }
+    out[0] = total;
+  }
+  cluster_arrive();  // this thread's reads of the cluster's stashes are done
+#pragma unroll
+  for (int o = 0; o < kResOuts; ++o)
+    if (dst[o] >= 0) p.y[dst[o]] = p.round ? round_bf16(out[o]) : out[o];
+  cluster_wait();  // no CTA leaves while the cluster reads its stash
   UF_PROBE_MARK(probe, 5);
 }
 
@@ -1039,6 +1102,8 @@ void DenseMma::run(const DeviceWeight& w, int64_t r0, int64_t n, const float* x,
       b.cluster = r.cluster;
       b.tg = r.tg;
       b.pc = r.pc;
+      require((r.pc & (r.pc - 1)) == 0, "DenseMma::run: resident parts a CTA %d not a power of two",
+              r.pc);  // the kernel's finish addresses parts with shifts
       b.row_bytes = r.row_bytes;
       b.warp_bytes = r.warp_bytes;
       b.x_bytes = r.x_bytes;

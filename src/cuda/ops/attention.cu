@@ -20,11 +20,12 @@
 //
 // Fast (chunked) path (a scratch buffer given; the decode callers): three PDL launches (each
 // starts with griddepcontrol.wait), reproducing the CPU's p values and bf16 roundings exactly.
-//  1. scores: one CTA of 128 threads per (16 slots, row, group of 8 heads) stages the slots' KV
-//     rows in shared memory (16-byte cp.async) and writes s_j = dot8(q_h, k_j) * scale for the
-//     8 heads (-inf for empty slots) to the scratch [T, H, n_slots]: the CPU's dot8 lanes in the
-//     CPU's order with __fmul_rn / __fadd_rn, so every s_j has the CPU's bits; and the max of
-//     the 16 scores per head (so that kernel 2 reads 40 maxes, not 640 scores, for its base).
+//  1. scores: one CTA of 128 threads per (16 slots, row, group of 8 heads; 4 when that grid is
+//     small, same bits) stages the slots' KV rows in shared memory (16-byte cp.async) and writes
+//     s_j = dot8(q_h, k_j) * scale for its heads (-inf for empty slots) to the scratch [T, H,
+//     n_slots]: the CPU's dot8 lanes in the CPU's order with __fmul_rn / __fadd_rn, so every s_j
+//     has the CPU's bits; and the max of the 16 scores per head (so that kernel 2 reads 40 maxes,
+//     not 640 scores, for its base).
 //  2. P.V: one CTA of 256 threads per (chunk of S = 16 slots, row, head group; 32 is kept for
 //     benchmarks, sparse_attn_chunk_override). A chunk lies in one 64-slot block b of the CPU
 //     loop; warp h takes the CPU's running max after that block, M_b = max(-1e30, s_0 ..
@@ -77,8 +78,8 @@ constexpr int kHeadGroup = 8;  // heads per CTA: one warp per head in the chunk 
 static_assert(kFastThreads / 32 == kHeadGroup, "one softmax warp per head of the group");
 constexpr int kMergeCols = 32 * 4;  // output columns per merge CTA (a float4 per lane)
 constexpr int kScoreChunk = 16;     // slots per scores CTA (whatever the P.V chunk)
-constexpr int kScoreThreads = 128;  // (slot, dot8 half, head pair): 16 x 2 x 4
-static_assert(kScoreThreads == kScoreChunk * 2 * (kHeadGroup / 2), "one thread per work item");
+constexpr int kScoreThreads = 128;  // (slot, dot8 half, head quarter): 16 x 2 x 4
+static_assert(kScoreThreads == kScoreChunk * 2 * 4, "one thread per work item");
 
 __device__ __forceinline__ float exp_rn(float x) { return float(exp(double(x))); }
 
@@ -99,12 +100,26 @@ __host__ __device__ constexpr int pv_groups(int hd4) {
   return hd4 >= kFastThreads ? 1 : (kFastThreads / hd4 < 4 ? kFastThreads / hd4 : 4);
 }
 
-// Shared memory of the scores kernel (floats): staged KV rows, then q of the 8 heads.
-__host__ __device__ inline size_t score_smem_q(int hd) {
-  return size_t(kScoreChunk) * kv_stride4(hd / 4) * 4;
+// Shared memory of the scores kernel (floats): the 16 staged KV rows, then q of the kHeads heads.
+// Strides in float4s chosen for the dot loop's lanes (4 slots x 2 halves x 4 head quarters a
+// warp): KV rows = 2 (mod 8) so that slots 4w .. 4w + 3 at the columns f, f + 1 hit 8 distinct
+// 16-byte bank groups; q heads = 1 (mod 8) with 2 heads a thread (8 heads a CTA), 2 (mod 8) with
+// one (4 heads a CTA), so that the 4 quarters' heads at f, f + 1 do too: every LDS.128 of the
+// loop is 8 distinct addresses, one wavefront.
+__host__ __device__ constexpr int pad4(int hd4, int r) { return hd4 + ((r - hd4) % 8 + 8) % 8; }
+__host__ __device__ constexpr int score_kv_stride4(int hd4) { return pad4(hd4, 2); }
+template <int kHeads>
+__host__ __device__ constexpr int score_q_stride4(int hd4) {
+  return pad4(hd4, kHeads == 8 ? 1 : 2);
 }
+__host__ __device__ inline size_t score_smem_q(int hd) {
+  return size_t(kScoreChunk) * score_kv_stride4(hd / 4) * 4;
+}
+// (+ 2 float4s of slack: the dot loop's last prefetch reads up to 2 columns past a row.)
+template <int kHeads>
 __host__ __device__ inline size_t score_smem_bytes(int hd) {
-  return (score_smem_q(hd) + size_t(kHeadGroup) * hd) * sizeof(float);
+  return (score_smem_q(hd) + size_t(kHeads) * score_q_stride4<kHeads>(hd / 4) * 4 + 8) *
+         sizeof(float);
 }
 // Shared memory of the P.V kernel (floats): staged KV rows, the group sums, bf16(p) [S][8].
 struct PvSmem {
@@ -139,6 +154,11 @@ __device__ __forceinline__ const float* slot_ptr(int t, int j, const float* cons
   return e >= 0 ? ckv + int64_t(e) * hd : nullptr;
 }
 
+__device__ __forceinline__ void cp_async16(float4* dst, const float4* src) {
+  const uint32_t d = uint32_t(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+}
+
 // Stage rows slot[0 .. nb) (present ones) at kv4 + j * st4: 16-byte cp.async (all in flight at
 // once), or plain loads for a row that is not 16-byte aligned. The caller commits and waits.
 __device__ __forceinline__ void stage_rows(float4* kv4, int st4, const float* const* slot, int nb,
@@ -158,12 +178,6 @@ __device__ __forceinline__ void stage_rows(float4* kv4, int st4, const float* co
   detail::cp_async_commit();
 }
 
-// Kernel 1: s_j = dot8(q_h, k_j) * scale for 16 slots and 8 heads, into the scores scratch
-// (-inf for empty slots). Thread (slot j, half hf, head pair hp): the dot8 lanes 4hf .. 4hf + 3
-// of heads 2hp and 2hp + 1, i.e. the float4 columns f = hf, hf + 2, ... (element 4f + e is dot8
-// lane 4hf + e), each lane summed in increasing element order with __fmul_rn / __fadd_rn; the two
-// halves meet through one shuffle as ((l0+l1)+(l2+l3)) + ((l4+l5)+(l6+l7)). A warp is one head
-// pair: its q loads are 2 addresses (broadcast), its KV loads 8 rows a phase (odd stride).
 // Rotates the rotated channels [hd - rope_dim, hd) of n staged head vectors (stride hd) of row t
 // forward, rope_kernel's operations; threads tid < n * rope_dim / 2 of nthreads.
 __device__ __forceinline__ void rotate_staged(float* v, int n, int hd, const AttnRope& rope, int t,
@@ -178,6 +192,17 @@ __device__ __forceinline__ void rotate_staged(float* v, int n, int hd, const Att
   }
 }
 
+// Kernel 1: s_j = dot8(q_h, k_j) * scale for 16 slots and kHeads heads (8, or 4 when the grid
+// of 8-head CTAs would leave most SMs idle: more CTAs, each half the dot work; every score and
+// chunk max has the same bits either way), into the scores scratch (-inf for empty slots).
+// Thread (slot j, half hf, head quarter hq) computes the dot8 lanes 4hf .. 4hf + 3 of the heads
+// hq * kHeads / 4 .. + kHeads / 4, i.e. the float4 columns f = hf, hf + 2, ... (element 4f + e is
+// dot8 lane 4hf + e), each lane summed in increasing element order with __fmul_rn / __fadd_rn;
+// the two halves meet through one shuffle as ((l0+l1)+(l2+l3)) + ((l4+l5)+(l6+l7)). Lanes: bit 0
+// hf, bits 1-2 hq, bits 3-4 the slot's low bits; warp w holds slots 4w .. 4w + 3. Each chunk max
+// is taken by one thread over the 16 scores in exactly the tree of the xor butterfly (8, 4, 2, 1)
+// seen from lane 0 that it replaced, so that even +-0 and NaN ties resolve as before.
+template <int kHeads>
 __global__ void __launch_bounds__(kScoreThreads)
     sparse_attn_scores_kernel(const float* __restrict__ q, int T, int H, int hd,
                               const float* const* window, int n_window,
@@ -186,13 +211,19 @@ __global__ void __launch_bounds__(kScoreThreads)
                               float* __restrict__ scores, float* __restrict__ cmax) {
   extern __shared__ __align__(16) float smem[];
   __shared__ const float* slot[kScoreChunk];
-  const int c = blockIdx.x, t = blockIdx.y, h0 = blockIdx.z * kHeadGroup, tid = threadIdx.x;
-  const int nh = min(kHeadGroup, H - h0), hd4 = hd / 4, st4 = kv_stride4(hd4);
+  __shared__ float2 rope_cs[kMaxHeadDim / 2];  // (cos, sin) of each rotated pair of row t
+  __shared__ float sc[kHeads][kScoreChunk];    // the scores, for the chunk maxes
+  constexpr int kHt = kHeads / 4;              // heads a thread
+  static_assert(kHeads == 8 || kHeads == 4, "8 or 4 heads a CTA");
+  const int c = blockIdx.x, t = blockIdx.y, h0 = blockIdx.z * kHeads, tid = threadIdx.x;
+  const int nh = min(kHeads, H - h0), hd4 = hd / 4, st4 = score_kv_stride4(hd4);
+  const int qs4 = score_q_stride4<kHeads>(hd4);
   const int n_slots = n_window + k, j0 = c * kScoreChunk, nb = min(kScoreChunk, n_slots - j0);
   float4* kv4 = reinterpret_cast<float4*>(smem);
   float4* q4 = reinterpret_cast<float4*>(smem + score_smem_q(hd));
 
-  // Probe points: 0 start, 1 PDL wait returned, 2 q staged, 3 q rotated, 4 KV rows landed, 5 end.
+  // Probe points: 0 start, 1 PDL wait returned, 2 q staged (and the KV copies issued, the rope
+  // angles computed), 3 q rotated (this thread's pairs), 4 KV rows landed, 5 end.
   UF_PROBE_OPEN_IF(probe, kTagAttnScores,
                    tid == 0 && blockIdx.y == 0 && blockIdx.z == 0 &&
                        (blockIdx.x == 0 || blockIdx.x == gridDim.x - 1));
@@ -201,63 +232,115 @@ __global__ void __launch_bounds__(kScoreThreads)
   detail::pdl_wait();
   UF_PROBE_MARK(probe, 1);
   detail::pdl_trigger();
-  if (ckv_ref) ckv = *ckv_ref;
-  if (tid < kScoreChunk)
-    slot[tid] = tid < nb ? slot_ptr(t, j0 + tid, window, n_window, topk, k, ckv, hd) : nullptr;
+  // The KV copies wait on the slot pointers (a top-k id, then its row): their loads are issued
+  // first, then the rope inputs' and q's copies, all in flight together; the values are used
+  // only after the q copies were issued.
+  const int js = j0 + tid;  // thread tid < nb: slot js (slot_ptr's loads, its select deferred)
+  const float* wslot = nullptr;
+  int32_t eid = -1;
+  if (tid < nb) {
+    if (js < n_window) {
+      wslot = window[int64_t(t) * n_window + js];
+    } else {
+      eid = topk[int64_t(t) * k + (js - n_window)];
+      if (ckv_ref) ckv = *ckv_ref;
+    }
+  }
+  const int half = rope.freqs ? rope.rope_dim / 2 : 0;
+  int64_t pos = 0;
+  float freq0 = 0.f;  // the frequency of pair tid (the first this thread's angle loop takes)
+  if (tid < half) {
+    pos = rope.positions ? rope.positions[t] : rope.p0 + t;
+    freq0 = rope.freqs[tid];
+  }
   const float4* qg = reinterpret_cast<const float4*>(q + (int64_t(t) * H + h0) * hd);
-  for (int i = tid; i < kHeadGroup * hd4; i += kScoreThreads)
-    q4[i] = i < nh * hd4 ? qg[i] : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+  for (int h = 0; h < kHeads; ++h)
+    for (int f = tid; f < hd4; f += kScoreThreads) {
+      if (h < nh)  // q is 16-byte aligned (the host checks) and hd % 4 == 0
+        cp_async16(q4 + h * qs4 + f, qg + h * hd4 + f);
+      else
+        q4[h * qs4 + f] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  detail::cp_async_commit();  // group 1: q
+  if (tid < kScoreChunk)
+    slot[tid] = js < n_window ? wslot : (eid >= 0 ? ckv + int64_t(eid) * hd : nullptr);
+  __syncthreads();
+  stage_rows(kv4, st4, slot, nb, hd4, tid, kScoreThreads);  // group 2: the KV rows
+  // The rope angles depend on the row's position and the pair only, not on the head: each
+  // (cos, sin) is computed once (rope_cos_sin, the same call on the same inputs as rope_kernel's),
+  // while the copies fly.
+  for (int i = tid; i < half; i += kScoreThreads)
+    ew::rope_cos_sin(pos, i == tid ? freq0 : rope.freqs[i], false, &rope_cs[i].x, &rope_cs[i].y);
+  detail::cp_async_wait<1>();  // this thread's q copies landed (the KV rows may still fly)
   __syncthreads();
   UF_PROBE_MARK(probe, 2);
-  if (rope.freqs) {  // q's rotary embedding on the staged copy (rope_kernel's operations)
-    rotate_staged(reinterpret_cast<float*>(q4), nh, hd, rope, t, tid, kScoreThreads);
-    __syncthreads();
+  // q's rotary embedding on the staged copy (rope_kernel's operations), under the KV copies.
+  for (int w = tid; w < nh * half; w += kScoreThreads) {
+    const int h = w / half, i = w - h * half;
+    ew::rope_pair(reinterpret_cast<float*>(q4 + h * qs4) + (hd - 2 * half) + 2 * i, rope_cs[i].x,
+                  rope_cs[i].y);
   }
   UF_PROBE_MARK(probe, 3);
-  stage_rows(kv4, st4, slot, nb, hd4, tid, kScoreThreads);
   detail::cp_async_wait<0>();
-  __syncthreads();
+  __syncthreads();  // the KV rows and the rotated q are visible to every thread
   UF_PROBE_MARK(probe, 4);
 
   // Rows of empty or missing slots hold stale shared memory: their sums are computed anyway (no
   // divergence) and never written.
-  const int j = tid % kScoreChunk, hf = (tid / kScoreChunk) % 2, hp = tid / (2 * kScoreChunk);
-  float a[2][4];
+  const int hf = tid & 1, hq = (tid >> 1) & 3, j = ((tid >> 3) & 3) + 4 * (tid >> 5);
+  float a[kHt][4];
 #pragma unroll
-  for (int e = 0; e < 4; ++e) a[0][e] = a[1][e] = 0.f;
+  for (int hh = 0; hh < kHt; ++hh) a[hh][0] = a[hh][1] = a[hh][2] = a[hh][3] = 0.f;
   const float4* kr = kv4 + j * st4;
-  const float4* q0 = q4 + (2 * hp) * hd4;
-  const float4* q1 = q0 + hd4;
-#pragma unroll 2
-  for (int f = hf; f < hd4; f += 2) {
-    const float4 x = kr[f], u = q0[f], v = q1[f];
-    a[0][0] = __fadd_rn(a[0][0], __fmul_rn(u.x, x.x));
-    a[0][1] = __fadd_rn(a[0][1], __fmul_rn(u.y, x.y));
-    a[0][2] = __fadd_rn(a[0][2], __fmul_rn(u.z, x.z));
-    a[0][3] = __fadd_rn(a[0][3], __fmul_rn(u.w, x.w));
-    a[1][0] = __fadd_rn(a[1][0], __fmul_rn(v.x, x.x));
-    a[1][1] = __fadd_rn(a[1][1], __fmul_rn(v.y, x.y));
-    a[1][2] = __fadd_rn(a[1][2], __fmul_rn(v.z, x.z));
-    a[1][3] = __fadd_rn(a[1][3], __fmul_rn(v.w, x.w));
-  }
+  const float4* qh = q4 + hq * kHt * qs4;
+  // The operands of column f + 2 load while column f's are multiplied (one warp an SM
+  // sub-partition at one row: the loads' latency is hidden by this thread's own work). The last
+  // prefetch reads past the row into the next one or the slack after q, and is never used.
+  float4 x = kr[hf], u[kHt];
 #pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
+  for (int hh = 0; hh < kHt; ++hh) u[hh] = qh[hh * qs4 + hf];
+#pragma unroll 4
+  for (int f = hf; f < hd4; f += 2) {
+    const float4 xn = kr[f + 2];
+    float4 un[kHt];
+#pragma unroll
+    for (int hh = 0; hh < kHt; ++hh) un[hh] = qh[hh * qs4 + f + 2];
+#pragma unroll
+    for (int hh = 0; hh < kHt; ++hh) {
+      a[hh][0] = __fadd_rn(a[hh][0], __fmul_rn(u[hh].x, x.x));
+      a[hh][1] = __fadd_rn(a[hh][1], __fmul_rn(u[hh].y, x.y));
+      a[hh][2] = __fadd_rn(a[hh][2], __fmul_rn(u[hh].z, x.z));
+      a[hh][3] = __fadd_rn(a[hh][3], __fmul_rn(u[hh].w, x.w));
+      u[hh] = un[hh];
+    }
+    x = xn;
+  }
+  const bool present = j < nb && slot[j];
+#pragma unroll
+  for (int hh = 0; hh < kHt; ++hh) {
     const float mine = __fadd_rn(__fadd_rn(a[hh][0], a[hh][1]), __fadd_rn(a[hh][2], a[hh][3]));
-    const float other = __shfl_xor_sync(0xffffffffu, mine, kScoreChunk);  // the other half
+    const float other = __shfl_xor_sync(0xffffffffu, mine, 1);  // the other half
     // Addition commutes bitwise: both halves hold ((l0+l1)+(l2+l3)) + ((l4+l5)+(l6+l7)).
     const float dot = hf == 0 ? __fadd_rn(mine, other) : __fadd_rn(other, mine);
-    const int h = 2 * hp + hh;
-    const float sj = j < nb && slot[j] ? __fmul_rn(dot, scale) : -INFINITY;
-    float mx = sj;  // the chunk's max over the 16 slot lanes of this half-warp (exact)
+    const int h = hq * kHt + hh;
+    const float sj = present ? __fmul_rn(dot, scale) : -INFINITY;
+    if (hf == 0) {
+      sc[h][j] = sj;
+      if (h < nh && j < nb) scores[(int64_t(t) * H + h0 + h) * n_slots + j0 + j] = sj;
+    }
+  }
+  __syncthreads();
+  if (tid < nh) {  // the chunk max of head tid: lane 0's view of the butterfly, step by step
+    const float* v = sc[tid];
+    const auto sel = [](float m, float o) { return m < o ? o : m; };  // mine, then partner's
+    float m8[8], m4[4];
 #pragma unroll
-    for (int o = kScoreChunk / 2; o > 0; o >>= 1) {
-      const float v = __shfl_xor_sync(0xffffffffu, mx, o);
-      mx = mx < v ? v : mx;
-    }
-    if (hf == 0 && h < nh) {
-      if (j < nb) scores[(int64_t(t) * H + h0 + h) * n_slots + j0 + j] = sj;
-      if (j == 0) cmax[(int64_t(t) * H + h0 + h) * gridDim.x + c] = mx;
-    }
+    for (int l = 0; l < 8; ++l) m8[l] = sel(v[l], v[l + 8]);  // lanes 0..7 after xor 8
+#pragma unroll
+    for (int l = 0; l < 4; ++l) m4[l] = sel(m8[l], m8[l + 4]);     // lanes 0..3 after xor 4
+    const float m2a = sel(m4[0], m4[2]), m2b = sel(m4[1], m4[3]);  // lanes 0, 1 after xor 2
+    cmax[(int64_t(t) * H + h0 + tid) * gridDim.x + c] = sel(m2a, m2b);
   }
   UF_PROBE_MARK(probe, 5);
 }
@@ -607,6 +690,34 @@ void launch_pv(int T, int H, int hd, const float* const* window, int n_window, c
                      window, n_window, topk, k, ckv, ckv_ref, scratch);
 }
 
+template <int kHeads>
+void launch_scores(unsigned n16, const float* q, int T, int H, int hd, const float* const* window,
+                   int n_window, const int32_t* topk, int k, const float* ckv,
+                   const float* const* ckv_ref, float scale, const AttnRope& rope, float* scores,
+                   float* cmax, cudaStream_t stream) {
+  const auto kernel = sparse_attn_scores_kernel<kHeads>;
+  static const bool configured = [&] {
+    UF_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       int(score_smem_bytes<kHeads>(kMaxHeadDim))));
+    detail::prefer_shared_carveout(kernel);
+    return true;
+  }();
+  (void)configured;
+  const dim3 grid(n16, unsigned(T), unsigned((H + kHeads - 1) / kHeads));
+  detail::launch_pdl(kernel, grid, dim3(kScoreThreads), score_smem_bytes<kHeads>(hd), stream, q, T,
+                     H, hd, window, n_window, topk, k, ckv, ckv_ref, scale, rope, scores, cmax);
+}
+
+int sm_count() {
+  static const int n = [] {
+    int dev = 0, sms = 0;
+    UF_CUDA_CHECK(cudaGetDevice(&dev));
+    UF_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    return sms;
+  }();
+  return n;
+}
+
 }  // namespace
 
 void sparse_attn(const float* q, int T, int H, int hd, const float* const* window, int n_window,
@@ -633,20 +744,18 @@ void sparse_attn(const float* q, int T, int H, int hd, const float* const* windo
   if (split_scratch && hd % 4 == 0 && n_slots > 0 && int64_t(T) * H <= 65535 && aligned &&
       fast_chunks(n_slots) <= 2048 && merge_rope) {
     const int nc = fast_chunks(n_slots);
-    static const bool configured = [] {
-      UF_CUDA_CHECK(cudaFuncSetAttribute(sparse_attn_scores_kernel,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         int(score_smem_bytes(kMaxHeadDim))));
-      detail::prefer_shared_carveout(sparse_attn_scores_kernel);
-      return true;
-    }();
-    (void)configured;
-    const dim3 sgrid(unsigned((n_slots + kScoreChunk - 1) / kScoreChunk), unsigned(T),
-                     unsigned((H + kHeadGroup - 1) / kHeadGroup));
-    detail::launch_pdl(sparse_attn_scores_kernel, sgrid, dim3(kScoreThreads), score_smem_bytes(hd),
-                       stream, q, T, H, hd, window, n_window, topk, k, ckv, ckv_ref, scale, rope,
-                       split_scratch + scratch_scores(T, H, hd, nc),
-                       split_scratch + scratch_cmax(T, H, hd, nc, n_slots));
+    const unsigned n16 = unsigned((n_slots + kScoreChunk - 1) / kScoreChunk);
+    // CTAs of 4 heads when even twice the 8-head grid fits the SMs at once (1 row of 640
+    // slots): each CTA does half the dot products. Same bits either way.
+    const bool four = int64_t(2) * n16 * T * ((H + 7) / 8) <= sm_count();
+    float* scores = split_scratch + scratch_scores(T, H, hd, nc);
+    float* cmax = split_scratch + scratch_cmax(T, H, hd, nc, n_slots);
+    if (four)
+      launch_scores<4>(n16, q, T, H, hd, window, n_window, topk, k, ckv, ckv_ref, scale, rope,
+                       scores, cmax, stream);
+    else
+      launch_scores<8>(n16, q, T, H, hd, window, n_window, topk, k, ckv, ckv_ref, scale, rope,
+                       scores, cmax, stream);
     if (fast_chunk(n_slots) == 16)
       launch_pv<16>(T, H, hd, window, n_window, topk, k, ckv, ckv_ref, split_scratch, stream);
     else
