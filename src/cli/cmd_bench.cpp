@@ -21,7 +21,7 @@
 // and the raw records there; the table goes to stdout too.
 // --no-graphs sets CudaModelOptions::cuda_graphs = false (the verify spans then launch eagerly);
 // --no-branches clears CudaModelOptions::graph_branches (one stream, the launches in order);
-// --no-candidate-lists clears candidate_lists; --mix-finish-inline clears mix_finish_branch.
+// --no-candidate-lists clears candidate_lists.
 //
 // --floor-only prints the floors (bytes per component) without a GPU.
 #include <fmt/format.h>
@@ -74,7 +74,6 @@ struct BenchArgs {
   bool no_branches = false;
   bool no_candidate_lists = false;
   bool fold_moe_combine = false;
-  bool mix_finish_inline = false;
   bool shared_beside_router = false;
   bool floor_only = false;
   // Vocab slices of the head: 8 = rank 0's eighth (TP8 splits the head by vocab rows; the
@@ -286,7 +285,6 @@ int run_cuda(const BenchArgs& a, const ModelConfig& cfg, const std::vector<int>&
   opts.cuda_graphs = !a.no_graphs;
   opts.graph_branches = !a.no_branches;
   opts.fold_moe_combine = a.fold_moe_combine;
-  opts.mix_finish_branch = !a.mix_finish_inline;
   uf::cuda::set_moe_shared_after_router(!a.shared_beside_router);
   opts.candidate_lists = !a.no_candidate_lists;
   opts.head_slice_of = a.head_slices;
@@ -564,8 +562,6 @@ void setup_bench(CLI::App& app, int& exit_code) {
                 "Start the forked shared expert with the router (before session 8), not after it");
   cmd->add_flag("--no-candidate-lists", a->no_candidate_lists,
                 "Reindex layers score every visible entry and mask (not the pool's list)");
-  cmd->add_flag("--mix-finish-inline", a->mix_finish_inline,
-                "The mHC mixes' finish inside hc_mix_pre_norm (before session 9), not on a branch");
   cmd->add_flag("--no-branches", a->no_branches,
                 "One stream: no side streams for the compressor, indexer and shared expert");
   cmd->add_flag("--floor-only", a->floor_only, "Print the floors (bytes per component); no GPU");

@@ -663,19 +663,20 @@ void CudaModel::block(Span& sp, int l, float* X, float* pre_mix) {
 void CudaModel::layer(int l, float* X, int T, float* pre_mix,
                       const std::function<void(const float* x, float* out)>& attention) {
   const auto& op = *layers_[size_t(l)];
+  const float eps = float(cfg_.norm_eps);
   const bool ready =
       mix_ready_.layer == l && mix_ready_.X == X && mix_ready_.T == T && !cfg_.role(l).engram;
   mix_ready_ = MixReady{};
   if (!ready) hc_mixes_partial(hc_, op.hc_attn_fn, X, T, mix_scratch_, stream_);
-  mix_pre_norm(op.hc_attn_scale, op.hc_attn_base, X, pre_mix, op.attn_norm, T, apre_, apost_,
-               acomb_);
+  hc_mix_pre_norm(hc_, op.hc_attn_scale, op.hc_attn_base, mix_scratch_, X, pre_mix, op.attn_norm,
+                  eps, T, x_, apre_, apost_, acomb_, stream_);
   attention(x_, y_);
-  if (mix_branch_open_) join(kMixSide);  // post / comb; the partials are rewritten next
   hc_post_mixes(hc_, y_, X, apost_, acomb_, T, R_, op.hc_ffn_fn, mix_scratch_, stream_);
 
   // As the CPU (and the reference): the FFN mixes' pre goes to pre_mix (the next layer's
   // attention), the FFN collapses with the attention's pre.
-  mix_pre_norm(op.hc_ffn_scale, op.hc_ffn_base, R_, apre_, op.ffn_norm, T, pre_mix, fpost_, fcomb_);
+  hc_mix_pre_norm(hc_, op.hc_ffn_scale, op.hc_ffn_base, mix_scratch_, R_, apre_, op.ffn_norm, eps,
+                  T, x_, pre_mix, fpost_, fcomb_, stream_);
   // fold_moe_combine: the routed + shared slots, combined inside the expand below.
   const bool fold = moe_slots_ && T <= kMaxDecodeRows;
   if (fold)
@@ -686,7 +687,6 @@ void CudaModel::layer(int l, float* X, int T, float* pre_mix,
   const int stack_end = l < cfg_.n_layers ? cfg_.n_layers : cfg_.n_total_layers();
   const bool fuse_next = next < stack_end && !cfg_.role(next).engram;
   const DeviceWeight next_fn = fuse_next ? layers_[size_t(next)]->hc_attn_fn : DeviceWeight{};
-  if (mix_branch_open_) join(kMixSide);
   if (fold) {
     const MoeSlots slots{moe_slots_, gate_i_, op.moe->top_k(), cfg_.role(l).n_routed_experts};
     hc_post_mixes_moe(hc_, slots, R_, fpost_, fcomb_, T, X, next_fn, mix_scratch_, stream_);
@@ -694,25 +694,6 @@ void CudaModel::layer(int l, float* X, int T, float* pre_mix,
     hc_post_mixes(hc_, y_, R_, fpost_, fcomb_, T, X, next_fn, mix_scratch_, stream_);
   }
   if (fuse_next) mix_ready_ = MixReady{next, X, T};
-}
-
-// hc_mix_pre_norm of a sublayer into x_, or (mix_finish_branch) its two halves: the mixes'
-// finish on the kMixSide branch (joined before the sublayer's hc_post_mixes) and the collapse +
-// norm on the chain. The partials are in mix_scratch_.
-void CudaModel::mix_pre_norm(const DeviceWeight& scale, const DeviceWeight& base, const float* X,
-                             const float* pre_in, const DeviceWeight& norm, int T, float* pre,
-                             float* post, float* comb) {
-  const float eps = float(cfg_.norm_eps);
-  mix_branch_open_ = opts_.mix_finish_branch && opts_.graph_branches && open_side_ < 0;
-  if (!mix_branch_open_) {
-    hc_mix_pre_norm(hc_, scale, base, mix_scratch_, X, pre_in, norm, eps, T, x_, pre, post, comb,
-                    stream_);
-    return;
-  }
-  fork(kMixSide);
-  hc_mixes_finish(hc_, scale, base, mix_scratch_, T, pre, post, comb, stream_);
-  unfork();
-  hc_pre_norm(hc_, X, pre_in, norm, eps, T, x_, stream_);
 }
 
 void CudaModel::moe(int l, const float* x, int T, float* y) {

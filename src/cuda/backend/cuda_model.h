@@ -132,13 +132,6 @@ struct CudaModelOptions {
   // TP8 rank) leaves it off unless --fold-moe-combine (H200, session 8: 61 / 124 us a step
   // shorter at 1 / 7 rows).
   bool fold_moe_combine = true;
-  // The mHC mixes' finish (pre / post / comb from the partials: ~4 us, the Sinkhorn) on a graph
-  // branch beside the sublayer instead of inside hc_mix_pre_norm: nothing of the sublayer reads
-  // them before its hc_post_mixes, but a kernel boundary makes the sublayer's first kernel wait
-  // for the whole grid, finish included (session 9 probes: the finish ends 0.9-1.9 us after the
-  // collapse). Needs graph_branches; bitwise the same outputs (hc_mixes_finish + hc_pre_norm ==
-  // hc_mix_pre_norm, tests/cuda/test_ops_mhc_fused.cpp).
-  bool mix_finish_branch = true;
 };
 
 class CudaModel {
@@ -390,22 +383,17 @@ class CudaModel {
   // (the compressor, the indexer) runs on a side stream; CUDA graph capture records the event
   // edges as dependencies and an eager run keeps them. Forks start from the main stream only.
   // Off, fork / unfork / join keep everything on the main stream.
-  static constexpr int kSideStreams = 3;
-  static constexpr int kMixSide = 2;  // the mixes' finish (mix_finish_branch) across a sublayer
+  static constexpr int kSideStreams = 2;
   cudaStream_t side_[kSideStreams] = {};
   cudaEvent_t fork_ev_[kSideStreams] = {};
   cudaEvent_t side_done_[kSideStreams] = {};
   int open_side_ = -1;
   double last_launch_host_us_ = 0;
   double last_plan_host_us_ = 0;
-  void fork(int side);            // side waits for the main stream's work so far; stream_ = side
-  void unfork();                  // stream_ = the main stream (the branch keeps running)
-  void join(int side);            // stream_ (main or another side) waits for side's work so far
-  bool mix_branch_open_ = false;  // the last mix_pre_norm left its finish on kMixSide
-  void mix_pre_norm(const DeviceWeight& scale, const DeviceWeight& base, const float* X,
-                    const float* pre_in, const DeviceWeight& norm, int T, float* pre, float* post,
-                    float* comb);
-  DeviceArena arena_;                          // weights and fixed scratch
+  void fork(int side);  // side waits for the main stream's work so far; stream_ = side
+  void unfork();        // stream_ = the main stream (the branch keeps running)
+  void join(int side);  // stream_ (main or another side) waits for side's work so far
+  DeviceArena arena_;   // weights and fixed scratch
   std::vector<std::vector<uint8_t>> staging_;  // host sources of uploads in flight
 
   // Weights on the device.

@@ -70,8 +70,10 @@ void hc_mixes_partial(const HcShape& p, const DeviceWeight& fn, const float* X, 
 // The second half of hc_mixes: pre / post / comb of T rows from their partials (one block per
 // row; the Sinkhorn is ~40 dependent steps on one warp, ~2 us whatever T). Bitwise the pre / post
 // / comb of hc_mixes and hc_mix_pre_norm. Nothing of the sublayer needs pre / post / comb before
-// its hc_post_mixes, so a captured step may run this on a forked branch beside hc_pre_norm + the
-// sublayer (join before hc_post_mixes, which overwrites `partial`) instead of hc_mix_pre_norm.
+// its hc_post_mixes, but running this on a forked graph branch beside hc_pre_norm + the sublayer
+// (joined before hc_post_mixes) was measured slower, not faster (session 9, H200: +540 us a
+// 1-row step): the joined kernel waits on another stream's event and loses its PDL early launch,
+// which costs more than the 2 us of Sinkhorn it takes off the chain.
 void hc_mixes_finish(const HcShape& p, const DeviceWeight& scale, const DeviceWeight& base,
                      const float* partial, int T, float* pre, float* post, float* comb,
                      cudaStream_t stream);
