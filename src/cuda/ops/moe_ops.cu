@@ -265,12 +265,16 @@ __device__ __forceinline__ void route_row(const float* scores, const float* bias
       gi[k] = e;
       float w = 0.f;
       if (e >= 0 && (e & 31) == lane) {  // the owner: its score, then drop the key and rescan
+        // Selects, not `if (i == sel) key[i] = 0`: the compiler turns that into key[sel], a
+        // dynamic index that puts key[] and sc[] in local memory (a 192-byte stack frame; with
+        // the shared-memory carve-out each access was an L2 round trip: 9 us of top-k a call).
+        const int sel = e >> 5;
 #pragma unroll
-        for (int i = 0; i < kRoutePerLane; ++i)
-          if (i == (e >> 5)) {
-            w = sc[i];
-            key[i] = 0;
-          }
+        for (int i = 0; i < kRoutePerLane; ++i) {
+          const bool hit = i == sel;
+          w = hit ? sc[i] : w;
+          key[i] = hit ? 0ull : key[i];
+        }
         mine = 0;
 #pragma unroll
         for (int i = 0; i < kRoutePerLane; ++i) mine = key[i] > mine ? key[i] : mine;
