@@ -9,7 +9,8 @@
 //    so every kernel loads A and B with the SAME bijection of the block's 32 positions onto the mma
 //    fragment positions, chosen so that loads are contiguous. Each kernel states its mapping.
 //  - Activation quantization (act_quant, ue8m0): amax floored at 1e-4, scale = 2^ceil(log2(amax /
-//    448)) from the fp32 bits, code = e4m3_satfinite_rne(x / scale), bit-exact with core/quant.h.
+//    448)) from the fp32 bits, code = e4m3_satfinite_rne(x / scale), bit-exact with core/quant.h
+//    (computed as x * (1 / scale), the same bits: see pow2_scale_inv).
 //  - PDL (programmatic dependent launch): kernels call pdl_wait() before reading anything an
 //    earlier kernel wrote, and pdl_trigger() early so the next kernel's blocks can start loading
 //    their (independent) weights while this one drains.
@@ -82,8 +83,31 @@ __device__ __forceinline__ float pow2_scale(float amax, float max_inv) {
   return __uint_as_float(uint32_t(l2 + 127) << 23);
 }
 
+// 1 / s exactly, for s = pow2_scale(amax, kFp8MaxInv) with amax >= kActAmaxFloor (the activation
+// scales): s = 2^e with -22 <= e <= 120 for finite amax (amax * kFp8MaxInv lies in [2^-23,
+// 2^120)), so 1 / s = 2^-e is a normal float: exponent field 254 - (e + 127). Then x * (1 / s) and
+// x / s are the correctly rounded values of the same exact real x * 2^-e, so they are bitwise equal
+// for every x (subnormal results, overflow to inf, zeros, infinities alike); a NaN x gives NaN
+// either way, and the e4m3 conversion makes every NaN the one code 0x7f. amax = inf (an inf in the
+// block) gives s = inf (field 255): 1 / s = 0, and x * 0 == x / inf (signed zero for finite x, NaN
+// for infinite x).
+__device__ __forceinline__ float pow2_scale_inv(float s) {
+  const uint32_t f = __float_as_uint(s) >> 23;
+  return f >= 255u ? 0.0f : __uint_as_float((254u - f) << 23);
+}
+
 __device__ __forceinline__ uint8_t f32_to_e4m3(float x) {
   return uint8_t(__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3));
+}
+// Two codes in one conversion (low byte = lo): each byte is f32_to_e4m3 of its value (the
+// conversion rounds the two lanes independently; f32_to_e4m3 is this with hi = 0).
+__device__ __forceinline__ uint32_t f32x2_to_e4m3x2(float lo, float hi) {
+  return uint32_t(__nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3));
+}
+// Four codes packed little-endian (byte i = f32_to_e4m3(v_i * inv)).
+__device__ __forceinline__ uint32_t f32x4_to_e4m3x4(float v0, float v1, float v2, float v3,
+                                                    float inv) {
+  return f32x2_to_e4m3x2(v0 * inv, v1 * inv) | (f32x2_to_e4m3x2(v2 * inv, v3 * inv) << 16);
 }
 
 // Quantizes one 32-block held one value per lane (the full warp participates). Returns the
@@ -94,7 +118,8 @@ __device__ __forceinline__ uint8_t warp_quant_fp8_block(float x, float* scale) {
   for (int o = 16; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
   const float s = pow2_scale(fmaxf(a, kActAmaxFloor), kFp8MaxInv);
   *scale = s;
-  return f32_to_e4m3(x / s);  // IEEE division by a power of two, as the reference
+  // x * (1 / s): bitwise the reference's IEEE division by the power of two s (pow2_scale_inv).
+  return f32_to_e4m3(x * pow2_scale_inv(s));
 }
 
 // 8 packed E2M1 codes (low nibble = even element) -> 8 e4m3 bytes holding value * 2^-6, by bit

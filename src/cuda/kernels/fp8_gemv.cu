@@ -22,17 +22,24 @@
 //   rows x kbps K blocks of its split into its own shared region (cp.async 16 B, rows of kbps x 32
 //   B padded to 32 mod 64 bytes: conflict-free 8-byte fragment reads) and its weight scales into
 //   registers, all before griddepcontrol.wait; launch_dependents follows the issue. Shared memory
-//   is 8 x (R x 16 x row + R x 8) bytes <= 100 KB, so the next kernel's CTAs co-reside.
-//   After the wait a warp loads its activations into registers (fused: lane (g, t) loads the 8 x
-//   values of token g it feeds to the mma, K block bytes 8t..8t+7, and quantises them exactly as
-//   act_quant_fp8_f32: amax over the block's 4 lanes, pow2_scale, e4m3(x / s); pre-quantised: the
-//   same 8 code bytes and the scales), then per tile one mma per K block, acc in K order. Its
-//   16 x 8 partial replaces the tile's weights in shared memory. Cluster barrier; CTA rank c
-//   finishes tiles r = c, c + C, ...: per output, the S partials (distributed shared memory, rank
-//   s / 8, warp s % 8) are added in split order 0..S-1; bf16 rounding and stores; cluster barrier
-//   (no CTA leaves while its partials are read). No global workspace, no counters.
+//   is 8 x (R x 16 x row + R x 8 x 4) bytes <= 100 KB and registers are capped at 104
+//   (kResMaxRegs), so the next kernel's CTAs co-reside.
+//   After the wait (work specialised on the warp's split length kw, a template argument, so that
+//   each phase is one branch-free block): a warp loads its activations into registers, every load
+//   issued before the first use (fused: lane (g, t) loads the 8 x values of token g it feeds to the
+//   mma, K block bytes 8t..8t+7, and quantises them exactly as act_quant_fp8_f32: amax over the
+//   block's 4 lanes, pow2_scale, e4m3(x / s), computed as x * (1 / s), the same bits since s is a
+//   power of two with a normal reciprocal (pow2_scale_inv); pre-quantised: the same 8 code bytes
+//   and the scales). The weight scales are staged in the warp's region as fp32. Then the warp's
+//   tiles go through the mma res_mma_group(kw) at a time (<= 4, kw x tiles <= 12): all of a pass's
+//   mma are independent and issue back to back, each tile's acc still runs in K order. Each 16 x 8
+//   partial replaces its tile's weights in shared memory. Cluster barrier; CTA rank c finishes
+//   tiles r = c, c + C, ...: per output, the S partials (distributed shared memory, rank s / 8,
+//   warp s % 8; kResBatch = 32 loads in flight, so one round trip for S <= 32) are added in split
+//   order 0..S-1; bf16 rounding and stores; cluster barrier (no CTA leaves while its partials are
+//   read). No global workspace, no counters.
 //   TP8 rank weights on 132 SMs (kbps / S / C / R, CTAs x shared memory): wq_a|wkv [1280|512,
-//   5120] grouped 5 / 32 / 4 / 4, 112 x 80 KB; wq_b [4096, 1280] 5 / 8 / 1 / 2, 128 x 40 KB;
+//   5120] grouped 5 / 32 / 4 / 4, 112 x 81 KB; wq_b [4096, 1280] 5 / 8 / 1 / 2, 128 x 40 KB;
 //   wo_b [5120, 1024] 4 / 8 / 1 / 3, 107 x 60 KB; shared w1|w3 [288|288, 5120] 5 / 32 / 4 / 2,
 //   72 x 40 KB; shared w2 [5120, 288] 2 / 5 / 1 / 3, 107 x 36 KB. Fused x traffic a CTA is
 //   m x K / C x 4 bytes (L2), at m = 8 up to the CTA's weight bytes (wq_b): kResKPerCta trades
@@ -65,10 +72,11 @@
 //   (288 B, the same conflict-free stride). Warp w quantises token w; lane l the 8 elements
 //   [32 (l / 4) + 8 (l % 4), +8) of the chunk: two 16-byte loads, amax over the 4 lanes of the
 //   block (fmaxf, exact in any order and NaN-ignoring like act_quant's butterfly), then
-//   pow2_scale and e4m3(x / s) exactly as warp_quant_fp8_block: the codes and scales are bitwise
-//   those of act_quant_fp8_f32, so run_fused == act_quant + run bitwise. Tokens >= M get zero
-//   codes and scales (as run's zero fragments). Two buffers: chunk c + 1 is quantised (its x
-//   loaded one chunk ahead) while chunk c's weights are consumed, one __syncthreads per chunk.
+//   pow2_scale and e4m3(x / s) (as x * (1 / s), the same bits) exactly as warp_quant_fp8_block:
+//   the codes and scales are bitwise those of act_quant_fp8_f32, so run_fused == act_quant + run
+//   bitwise. Tokens >= M get zero codes and scales (as run's zero fragments). Two buffers:
+//   chunk c + 1 is quantised (its x loaded one chunk ahead) while chunk c's weights are consumed,
+//   one __syncthreads per chunk.
 //
 // Reduction order (what spec == plain relies on; both kernels)
 //   For each output (m, n): within a split, acc = 0; for kb in K order:
@@ -205,8 +213,9 @@ __device__ __forceinline__ void act_store(const GemvParams& p, const ActLoad& r,
   const float s = tok ? pow2_scale(fmaxf(a, kActAmaxFloor), kFp8MaxInv) : 0.f;
   uint32_t c[2] = {0u, 0u};
   if (tok) {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) c[i >> 2] |= uint32_t(f32_to_e4m3(v[i] / s)) << (8 * (i & 3));
+    const float inv = pow2_scale_inv(s);  // x * inv == x / s bitwise (common.cuh)
+    c[0] = f32x4_to_e4m3x4(v[0], v[1], v[2], v[3], inv);
+    c[1] = f32x4_to_e4m3x4(v[4], v[5], v[6], v[7], inv);
   }
   uint8_t* row = buf + warp * kActRowBytes;
   const int kbl = lane >> 2;
@@ -388,9 +397,14 @@ constexpr int kResMaxKbps = 6;     // K blocks a split (the plan rule gives <= 6
 constexpr int kResMaxTiles = 8;    // 16-row tiles a CTA
 constexpr int kResMaxCluster = 8;  // portable cluster size
 constexpr int kResKPerCta = 1536;  // K a CTA aims at: C = ceil(K / 1536)
-constexpr int kResScaleSlots = 8;  // weight-scale bytes a tile in a warp's region (>= kbps)
+constexpr int kResScaleSlots = 8;  // fp32 weight scales a tile in a warp's region (>= kbps)
 constexpr size_t kResSmemBudget = 100 * 1024;
-constexpr int kResBatch = 16;  // distributed-shared loads in flight in the split sum
+constexpr int kResBatch = 32;  // distributed-shared loads in flight in the split sum
+// Registers a thread (instead of __launch_bounds__(256, 2), which let ptxas take 116-128): 2 CTAs
+// an SM still fit, and one CTA (the usual wave) leaves more than half of the register file to the
+// next kernel's CTAs (PDL). The widest mma pass, the 6-block fused activations and the 32 split
+// loads run without spills (96 spilled a word).
+constexpr int kResMaxRegs = 104;
 
 // One weight of a resident launch.
 struct ResJob {
@@ -415,7 +429,7 @@ struct ResParams {
   int kbps, splits, cluster;  // the split plan (K only)
   int tiles_per_cta;          // R
   int row_stride;             // padded shared row of a split (bytes)
-  int warp_bytes;             // a warp's region: R x 16 rows + R x kResScaleSlots scale bytes
+  int warp_bytes;             // a warp's region: R x 16 rows + R x kResScaleSlots fp32 scales
 };
 
 __device__ __forceinline__ uint32_t cluster_ctarank() {
@@ -426,17 +440,173 @@ __device__ __forceinline__ uint32_t cluster_ctarank() {
 __device__ __forceinline__ void cluster_barrier() {
   asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
 }
-// fp32 at shared address `addr` (this CTA's window) of cluster rank `cta`.
-__device__ __forceinline__ float ld_cluster_f32(uint32_t addr, uint32_t cta) {
+// Shared address `addr` (this CTA's window) in the window of cluster rank `cta`. A CTA's window is
+// contiguous: map once, then add offsets.
+__device__ __forceinline__ uint32_t cluster_map(uint32_t addr, uint32_t cta) {
   uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(cta));
-  float v;
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+  asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(cta));
+  return remote;
+}
+// fp32 at shared::cluster address `remote` when `pred`, else 0 (predicated: no branch).
+__device__ __forceinline__ float ld_cluster_f32_if(uint32_t remote, bool pred) {
+  float v = 0.f;
+  asm volatile(
+      "{\n\t.reg .pred p;\n\tsetp.ne.u32 p, %2, 0;\n\t@p ld.shared::cluster.f32 %0, [%1];\n\t}"
+      : "+f"(v)
+      : "r"(remote), "r"(uint32_t(pred))
+      : "memory");
   return v;
 }
 
+// Activation fragments of the warp's KW K blocks (KW = kw, a template argument): codes (b0, b1)
+// of token g, bytes 8t..8t+7 of each block, and the scales of tokens 2t (sa0) and 2t + 1 (sa1).
+// Tokens >= m: zeros. Branch-free, so every load is issued before the first use: lanes of tokens
+// >= m load row 0 (the addresses of lanes g = 0 in the same instruction: no extra traffic) and
+// their codes and scales are masked to zero (their amax shuffles stay within their own 4 lanes).
+template <int KW, bool kFused>
+__device__ __forceinline__ void res_activations(const ResParams& p, int kb0, int g, int t,
+                                                uint32_t (&b0)[kResMaxKbps],
+                                                uint32_t (&b1)[kResMaxKbps],
+                                                float (&sa0)[kResMaxKbps],
+                                                float (&sa1)[kResMaxKbps]) {
+  const bool tok = g < p.m;
+  const uint32_t keep = tok ? 0xffffffffu : 0u;
+  const int t0 = 2 * t, t1 = 2 * t + 1;
+  if constexpr (kFused) {
+    float4 xv[KW][2];
+    const float* xr = p.x + size_t(tok ? g : 0) * size_t(p.x_stride) + size_t(kb0) * 32 + t * 8;
+#pragma unroll
+    for (int u = 0; u < KW; ++u) {
+      xv[u][0] = __ldg(reinterpret_cast<const float4*>(xr + u * 32));
+      xv[u][1] = __ldg(reinterpret_cast<const float4*>(xr + u * 32 + 4));
+    }
+#pragma unroll
+    for (int u = 0; u < KW; ++u) {
+      const float v[8] = {xv[u][0].x, xv[u][0].y, xv[u][0].z, xv[u][0].w,
+                          xv[u][1].x, xv[u][1].y, xv[u][1].z, xv[u][1].w};
+      float a = fabsf(v[0]);
+#pragma unroll
+      for (int i = 1; i < 8; ++i) a = fmaxf(a, fabsf(v[i]));
+      a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 1));
+      a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 2));
+      // Exactly warp_quant_fp8_block's scale and codes (the same max over the same 32 values;
+      // x * (1 / s) == x / s bitwise: pow2_scale_inv).
+      const float sq = pow2_scale(fmaxf(a, kActAmaxFloor), kFp8MaxInv);
+      const float inv = pow2_scale_inv(sq);
+      const float s = tok ? sq : 0.f;
+      b0[u] = f32x4_to_e4m3x4(v[0], v[1], v[2], v[3], inv) & keep;
+      b1[u] = f32x4_to_e4m3x4(v[4], v[5], v[6], v[7], inv) & keep;
+      sa0[u] = __shfl_sync(0xffffffffu, s, 8 * t);      // lane of token 2t
+      sa1[u] = __shfl_sync(0xffffffffu, s, 8 * t + 4);  // lane of token 2t + 1
+    }
+  } else {
+    const int nkb = p.k / 32;
+    const uint8_t* ar = p.a + size_t(tok ? g : 0) * p.k + size_t(kb0) * 32 + t * 8;
+    const float* as0 = p.a_scale + size_t(t0 < p.m ? t0 : 0) * nkb + kb0;
+    const float* as1 = p.a_scale + size_t(t1 < p.m ? t1 : 0) * nkb + kb0;
+#pragma unroll
+    for (int u = 0; u < KW; ++u) {
+      const uint2 c = __ldg(reinterpret_cast<const uint2*>(ar + u * 32));
+      const float f0 = __ldg(as0 + u), f1 = __ldg(as1 + u);
+      b0[u] = c.x & keep;
+      b1[u] = c.y & keep;
+      sa0[u] = t0 < p.m ? f0 : 0.f;
+      sa1[u] = t1 < p.m ? f1 : 0.f;
+    }
+  }
+}
+
+// Tiles r .. r + NT - 1 of the warp over its KW K blocks in one branch-free pass: the NT x KW mma
+// are independent (only each tile's accumulating FMAs chain, in K order as before), so their
+// shared-memory reads and mma issue back to back. Each tile's 16 x 8 partial then replaces its
+// weights. swf: the warp's weight scales as fp32, kResScaleSlots a tile.
+template <int KW, int NT>
+__device__ __forceinline__ void res_mma_tiles(uint8_t* wreg, const float* swf, int L, int r,
+                                              int lane, const uint32_t (&b0)[kResMaxKbps],
+                                              const uint32_t (&b1)[kResMaxKbps],
+                                              const float (&sa0)[kResMaxKbps],
+                                              const float (&sa1)[kResMaxKbps]) {
+  static_assert(KW <= kResMaxKbps && kResMaxKbps <= kResScaleSlots, "scale slots per tile");
+  const int g = lane >> 2, t = lane & 3;
+  float sw[NT][8];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+#pragma unroll
+    for (int h = 0; h < (KW + 3) / 4; ++h) {
+      const float4 q = *reinterpret_cast<const float4*>(swf + (r + j) * kResScaleSlots + 4 * h);
+      sw[j][4 * h] = q.x, sw[j][4 * h + 1] = q.y, sw[j][4 * h + 2] = q.z, sw[j][4 * h + 3] = q.w;
+    }
+  }
+  float acc[NT][4];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+  const uint8_t* wt = wreg + r * 16 * L + g * L + t * 8;
+#pragma unroll
+  for (int u = 0; u < KW; ++u) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      const uint8_t* tb = wt + j * 16 * L + u * 32;
+      const uint2 wa = *reinterpret_cast<const uint2*>(tb);
+      const uint2 wb = *reinterpret_cast<const uint2*>(tb + 8 * L);
+      const uint32_t af[4] = {wa.x, wb.x, wa.y, wb.y};
+      float d[4];
+      mma_e4m3_16x8x32(d, af, b0[u], b1[u]);
+      acc[j][0] = fmaf(d[0] * sa0[u], sw[j][u], acc[j][0]);
+      acc[j][1] = fmaf(d[1] * sa1[u], sw[j][u], acc[j][1]);
+      acc[j][2] = fmaf(d[2] * sa0[u], sw[j][u], acc[j][2]);
+      acc[j][3] = fmaf(d[3] * sa1[u], sw[j][u], acc[j][3]);
+    }
+  }
+  __syncwarp();  // every lane is done with these tiles' weights
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+    *reinterpret_cast<float4*>(wreg + (r + j) * 16 * L + lane * 16) =
+        make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
+}
+
+// Tiles a warp runs through the mma in one pass: NT x KW <= 12 (NT <= 4), which keeps the pass's
+// weight fragments, scales and accumulators within the register budget without spills.
+constexpr int res_mma_group(int kw) { return kw <= 3 ? 4 : 12 / kw; }
+
+// Tiles r .. r + nt - 1 (nt <= N) in one pass.
+template <int KW, int N>
+__device__ __forceinline__ void res_mma_pass(int nt, uint8_t* wreg, const float* swf, int L, int r,
+                                             int lane, const uint32_t (&b0)[kResMaxKbps],
+                                             const uint32_t (&b1)[kResMaxKbps],
+                                             const float (&sa0)[kResMaxKbps],
+                                             const float (&sa1)[kResMaxKbps]) {
+  if (nt == N) {
+    res_mma_tiles<KW, N>(wreg, swf, L, r, lane, b0, b1, sa0, sa1);
+  } else if constexpr (N > 1) {
+    res_mma_pass<KW, N - 1>(nt, wreg, swf, L, r, lane, b0, b1, sa0, sa1);
+  }
+}
+
+// The warp's ntiles tiles, res_mma_group(KW) at a time.
+template <int KW>
+__device__ __forceinline__ void res_mma(uint8_t* wreg, const float* swf, int L, int ntiles,
+                                        int lane, const uint32_t (&b0)[kResMaxKbps],
+                                        const uint32_t (&b1)[kResMaxKbps],
+                                        const float (&sa0)[kResMaxKbps],
+                                        const float (&sa1)[kResMaxKbps]) {
+  constexpr int kGroup = res_mma_group(KW);
+  for (int r = 0; r < ntiles; r += kGroup)  // warp-uniform
+    res_mma_pass<KW, kGroup>(min(kGroup, ntiles - r), wreg, swf, L, r, lane, b0, b1, sa0, sa1);
+}
+
+// f.template operator()<KW>() with KW = kw (warp-uniform), for kw in 1..kResMaxKbps; nothing
+// for kw = 0.
+template <int KW = 1, class F>
+__device__ __forceinline__ void with_kw(int kw, F&& f) {
+  if (kw == KW) {
+    f.template operator()<KW>();
+  } else if constexpr (KW < kResMaxKbps) {
+    with_kw<KW + 1>(kw, f);
+  }
+}
+
 template <bool kFused>
-__global__ void __launch_bounds__(kResWarps * 32, 2) fp8_gemv_resident_kernel(const ResParams p) {
+__global__ void __maxnreg__(kResMaxRegs) fp8_gemv_resident_kernel(const ResParams p) {
   extern __shared__ __align__(16) uint8_t smem[];
   // Probe points: 0 start, 1 loads issued, 2 PDL wait returned, 3 activations ready, 4 weights
   // landed, 5 partials written, 6 cluster barrier, 7 outputs stored, 8 exit barrier.
@@ -453,9 +623,9 @@ __global__ void __launch_bounds__(kResWarps * 32, 2) fp8_gemv_resident_kernel(co
   const int nkb = p.k / 32;
   const int split = rank * kResWarps + warp;
   const int kb0 = split * p.kbps;
-  const int kw = split < p.splits ? min(p.kbps, nkb - kb0) : 0;  // warp-uniform
+  const int kw = split < p.splits ? min(p.kbps, nkb - kb0) : 0;  // warp-uniform, <= kResMaxKbps
   uint8_t* wreg = smem + warp * p.warp_bytes;
-  uint8_t* sreg = wreg + p.tiles_per_cta * 16 * L;
+  float* swf = reinterpret_cast<float*>(wreg + p.tiles_per_cta * 16 * L);
 
   // Weights and their scales do not depend on the previous kernel: all issued before the wait.
   if (kw > 0) {
@@ -482,104 +652,20 @@ __global__ void __launch_bounds__(kResWarps * 32, 2) fp8_gemv_resident_kernel(co
   pdl_wait();
   UF_PROBE_MARK(probe, 2);
 
-  // Activation fragments of the warp's K blocks: codes (b0, b1) of token g, bytes 8t..8t+7 of
-  // each block, and the scales of tokens 2t (sa0) and 2t + 1 (sa1). Tokens >= m: zeros.
   uint32_t b0[kResMaxKbps], b1[kResMaxKbps];
   float sa0[kResMaxKbps], sa1[kResMaxKbps];
-  const bool tok = g < p.m;
-  const int t0 = 2 * t, t1 = 2 * t + 1;
-  if constexpr (kFused) {
-    float4 xv[kResMaxKbps][2];
-    const float* xr = p.x + size_t(tok ? g : 0) * size_t(p.x_stride) + size_t(kb0) * 32 + t * 8;
-#pragma unroll
-    for (int u = 0; u < kResMaxKbps; ++u) {
-      if (tok && u < kw) {
-        xv[u][0] = __ldg(reinterpret_cast<const float4*>(xr + u * 32));
-        xv[u][1] = __ldg(reinterpret_cast<const float4*>(xr + u * 32 + 4));
-      } else {
-        xv[u][0] = xv[u][1] = make_float4(0.f, 0.f, 0.f, 0.f);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kResMaxKbps; ++u) {
-      b0[u] = b1[u] = 0u;
-      sa0[u] = sa1[u] = 0.f;
-      if (u < kw) {  // warp-uniform: the shuffles below see the whole warp
-        const float v[8] = {xv[u][0].x, xv[u][0].y, xv[u][0].z, xv[u][0].w,
-                            xv[u][1].x, xv[u][1].y, xv[u][1].z, xv[u][1].w};
-        float a = fabsf(v[0]);
-#pragma unroll
-        for (int i = 1; i < 8; ++i) a = fmaxf(a, fabsf(v[i]));
-        a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 1));
-        a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 2));
-        // Exactly warp_quant_fp8_block's scale and codes (the same max over the same 32 values).
-        const float s = tok ? pow2_scale(fmaxf(a, kActAmaxFloor), kFp8MaxInv) : 0.f;
-        if (tok) {
-#pragma unroll
-          for (int i = 0; i < 4; ++i) b0[u] |= uint32_t(f32_to_e4m3(v[i] / s)) << (8 * i);
-#pragma unroll
-          for (int i = 0; i < 4; ++i) b1[u] |= uint32_t(f32_to_e4m3(v[4 + i] / s)) << (8 * i);
-        }
-        sa0[u] = __shfl_sync(0xffffffffu, s, 8 * t);      // lane of token 2t
-        sa1[u] = __shfl_sync(0xffffffffu, s, 8 * t + 4);  // lane of token 2t + 1
-      }
-    }
-  } else {
-    const uint8_t* ar = p.a + size_t(tok ? g : 0) * p.k + size_t(kb0) * 32 + t * 8;
-    const float* as0 = p.a_scale + size_t(t0 < p.m ? t0 : 0) * nkb + kb0;
-    const float* as1 = p.a_scale + size_t(t1 < p.m ? t1 : 0) * nkb + kb0;
-#pragma unroll
-    for (int u = 0; u < kResMaxKbps; ++u) {
-      uint2 c = make_uint2(0u, 0u);
-      if (tok && u < kw) c = __ldg(reinterpret_cast<const uint2*>(ar + u * 32));
-      b0[u] = c.x;
-      b1[u] = c.y;
-      sa0[u] = t0 < p.m && u < kw ? __ldg(as0 + u) : 0.f;
-      sa1[u] = t1 < p.m && u < kw ? __ldg(as1 + u) : 0.f;
-    }
-  }
+  // kw = 0 (no split): nothing to load.
+  with_kw(kw, [&]<int KW>() { res_activations<KW, kFused>(p, kb0, g, t, b0, b1, sa0, sa1); });
+  // The weight scales, as fp32 (e8m0_to_f32 once per slot instead of once per use).
 #pragma unroll
   for (int i = 0; i < 2; ++i)
-    if (lane + 32 * i < p.tiles_per_cta * kResScaleSlots) sreg[lane + 32 * i] = uint8_t(sc[i]);
+    if (lane + 32 * i < p.tiles_per_cta * kResScaleSlots) swf[lane + 32 * i] = e8m0_to_f32(sc[i]);
   UF_PROBE_MARK(probe, 3);
   cp_async_wait<0>();  // this lane's weight pieces have landed
-  __syncwarp();        // ... and every other lane's, and the scale bytes
+  __syncwarp();        // ... and every other lane's, and the scales
   UF_PROBE_MARK(probe, 4);
 
-  if (kw > 0) {
-    // Two tiles at a time (independent mma chains); each tile's partial replaces its weights.
-    for (int r = 0; r < ntiles; r += 2) {
-      const int nt = min(2, ntiles - r);
-      float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-#pragma unroll
-      for (int u = 0; u < kResMaxKbps; ++u) {
-        if (u < kw) {
-#pragma unroll
-          for (int j = 0; j < 2; ++j) {
-            if (j < nt) {
-              const uint8_t* tb = wreg + (r + j) * 16 * L + t * 8 + u * 32;
-              const uint2 wa = *reinterpret_cast<const uint2*>(tb + g * L);
-              const uint2 wb = *reinterpret_cast<const uint2*>(tb + (g + 8) * L);
-              const float sw = e8m0_to_f32(sreg[(r + j) * kResScaleSlots + u]);
-              const uint32_t af[4] = {wa.x, wb.x, wa.y, wb.y};
-              float d[4];
-              mma_e4m3_16x8x32(d, af, b0[u], b1[u]);
-              acc[j][0] = fmaf(d[0] * sa0[u], sw, acc[j][0]);
-              acc[j][1] = fmaf(d[1] * sa1[u], sw, acc[j][1]);
-              acc[j][2] = fmaf(d[2] * sa0[u], sw, acc[j][2]);
-              acc[j][3] = fmaf(d[3] * sa1[u], sw, acc[j][3]);
-            }
-          }
-        }
-      }
-      __syncwarp();  // every lane is done with these tiles' weights
-#pragma unroll
-      for (int j = 0; j < 2; ++j)
-        if (j < nt)
-          *reinterpret_cast<float4*>(wreg + (r + j) * 16 * L + lane * 16) =
-              make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
-    }
-  }
+  with_kw(kw, [&]<int KW>() { res_mma<KW>(wreg, swf, L, ntiles, lane, b0, b1, sa0, sa1); });
   UF_PROBE_MARK(probe, 5);
   cluster_barrier();  // every split's partials are in its CTA's shared memory
   UF_PROBE_MARK(probe, 6);
@@ -592,18 +678,22 @@ __global__ void __launch_bounds__(kResWarps * 32, 2) fp8_gemv_resident_kernel(co
   const int orow = (ln >> 2) + ((e & 2) ? 8 : 0);
   if (otok < p.m) {
     const uint32_t base = uint32_t(__cvta_generic_to_shared(smem));
+    const uint32_t wb = uint32_t(p.warp_bytes);
     for (int r = rank + C * (threadIdx.x >> 7); r < ntiles; r += 2 * C) {
       const uint32_t off = base + uint32_t(r * 16 * L + slot * 4);
       float total = 0.f;
       for (int s0 = 0; s0 < p.splits; s0 += kResBatch) {
+        // Split s = s0 + i: rank s / 8, warp s % 8. Every load is issued before the first add
+        // (predicated on s < S; ranks past C - 1 are never read, so their map is clamped).
+        uint32_t rb[kResBatch / kResWarps];
+#pragma unroll
+        for (int c = 0; c < kResBatch / kResWarps; ++c)
+          rb[c] = cluster_map(off, uint32_t(min(s0 / kResWarps + c, C - 1)));
         float v[kResBatch];
 #pragma unroll
-        for (int i = 0; i < kResBatch; ++i) {
-          const int s = s0 + i;
-          v[i] = s < p.splits ? ld_cluster_f32(off + uint32_t((s % kResWarps) * p.warp_bytes),
-                                               uint32_t(s / kResWarps))
-                              : 0.f;
-        }
+        for (int i = 0; i < kResBatch; ++i)
+          v[i] = ld_cluster_f32_if(rb[i / kResWarps] + uint32_t(i % kResWarps) * wb,
+                                   s0 + i < p.splits);
 #pragma unroll
         for (int i = 0; i < kResBatch; ++i)
           if (s0 + i < p.splits) total = s0 + i == 0 ? v[i] : total + v[i];
@@ -635,7 +725,7 @@ ResPlan res_plan(int k) {
   return r;
 }
 int res_warp_bytes(const ResPlan& r, int tiles_per_cta) {
-  return (tiles_per_cta * 16 * r.row_stride + tiles_per_cta * kResScaleSlots + 15) / 16 * 16;
+  return (tiles_per_cta * 16 * r.row_stride + tiles_per_cta * kResScaleSlots * 4 + 15) / 16 * 16;
 }
 size_t res_smem_bytes(const ResPlan& r, int tiles_per_cta) {
   return size_t(kResWarps) * size_t(res_warp_bytes(r, tiles_per_cta));
