@@ -21,8 +21,7 @@
 // and the raw records there; the table goes to stdout too.
 // --no-graphs sets CudaModelOptions::cuda_graphs = false (the verify spans then launch eagerly);
 // --no-branches clears CudaModelOptions::graph_branches (one stream, the launches in order);
-// --no-candidate-lists clears candidate_lists; --moe-static-units / --moe-dynamic-tuning set
-// MoeFp4::set_dynamic_units / set_dynamic_tuning (the persistent MoE kernels, 5+ rows).
+// --no-candidate-lists clears candidate_lists.
 //
 // --floor-only prints the floors (bytes per component) without a GPU.
 #include <fmt/format.h>
@@ -75,8 +74,6 @@ struct BenchArgs {
   bool no_branches = false;
   bool no_candidate_lists = false;
   bool fold_moe_combine = false;
-  bool moe_static_units = false;
-  std::vector<int> moe_dynamic_tuning;  // static %, w13 batch, w2 batch
   bool shared_beside_router = false;
   bool floor_only = false;
   // Vocab slices of the head: 8 = rank 0's eighth (TP8 splits the head by vocab rows; the
@@ -288,10 +285,6 @@ int run_cuda(const BenchArgs& a, const ModelConfig& cfg, const std::vector<int>&
   opts.cuda_graphs = !a.no_graphs;
   opts.graph_branches = !a.no_branches;
   opts.fold_moe_combine = a.fold_moe_combine;
-  uf::cuda::MoeFp4::set_dynamic_units(!a.moe_static_units);
-  if (a.moe_dynamic_tuning.size() == 3)
-    uf::cuda::MoeFp4::set_dynamic_tuning(a.moe_dynamic_tuning[0], a.moe_dynamic_tuning[1],
-                                         a.moe_dynamic_tuning[2]);
   uf::cuda::set_moe_shared_after_router(!a.shared_beside_router);
   opts.candidate_lists = !a.no_candidate_lists;
   opts.head_slice_of = a.head_slices;
@@ -569,11 +562,6 @@ void setup_bench(CLI::App& app, int& exit_code) {
                 "Start the forked shared expert with the router (before session 8), not after it");
   cmd->add_flag("--no-candidate-lists", a->no_candidate_lists,
                 "Reindex layers score every visible entry and mask (not the pool's list)");
-  cmd->add_flag("--moe-static-units", a->moe_static_units,
-                "The persistent MoE kernels' static unit ranges (before session 9), not dynamic");
-  cmd->add_option("--moe-dynamic-tuning", a->moe_dynamic_tuning,
-                  "static share %, w13 batch, w2 batch of the dynamic MoE units (3 values)")
-      ->expected(3);
   cmd->add_flag("--no-branches", a->no_branches,
                 "One stream: no side streams for the compressor, indexer and shared expert");
   cmd->add_flag("--floor-only", a->floor_only, "Print the floors (bytes per component); no GPU");

@@ -44,8 +44,7 @@ struct Fp4ExpertsView {
 // inter / 8 CTAs of 43.5 KB of weights each at dim 5120, w2 grid M * topk * dim / 128 CTAs);
 // shapes whose unit shared-memory plan exceeds the device's opt-in limit run the persistent ones.
 // Construction allocates; run() does not (graph-capturable; one run at a time per object: the
-// w13 group counters and the persistent kernels' unit counters live in its workspace; they are 0
-// again when a call's kernels finish, no memset). topk_idx must be complete when the w13 kernel's
+// w13 group counters live in its workspace). topk_idx must be complete when the w13 kernel's
 // griddepcontrol.wait returns (any chain of kernels that each wait before finishing; the w2
 // kernel reads it before its own wait, moe_fp4.cu).
 class MoeFp4 {
@@ -104,15 +103,6 @@ class MoeFp4 {
   // The unit kernels run for calls of up to this many rows (default 2, where they are faster),
   // the persistent ones above; bitwise the same outputs. Tests set 8 to cover both at every M.
   void set_unit_max_rows(int rows) { unit_max_rows_ = rows; }
-  // How the persistent kernels' warps get their units (process-wide, read at each launch; not
-  // thread-safe; for benchmarks and tests): true (default) = a static share of each warp, then
-  // batches claimed from a device counter (moe_fp4.cu: WorkSource), so CTAs that start late do
-  // less; false = the static contiguous ranges only. Bitwise the same outputs either way.
-  static void set_dynamic_units(bool on);
-  static bool dynamic_units();
-  // The dynamic split: static_pct % of the units as static ranges (100 = static only), the rest
-  // in batches of batch_w13 / batch_w2 units. Defaults 50, 1, 1.
-  static void set_dynamic_tuning(int static_pct, int batch_w13, int batch_w2);
 
  private:
   // w13 + w2 (kernels 1, 2): w2 outputs of pair (t, k) to y[t * y_row_stride + k * dim],
@@ -140,7 +130,6 @@ class MoeFp4 {
   float* y_ = nullptr;          // [pairs][dim]
   float* partials_ = nullptr;   // [slots][inter/32 groups][4 tiles][splits][128]
   int* counters_ = nullptr;     // [slots][inter/32 groups], zero between calls
-  unsigned long long* work_ = nullptr;  // the w13 / w2 unit counters (dynamic), zero between calls
 };
 
 // The routed experts for prefill chunks of many rows (m up to max_rows, any m >= 1): the same

@@ -20,16 +20,11 @@
 //  - the persistent kernels (legacy; below), kept for comparison and for shapes whose unit
 //    shared-memory plan does not fit.
 // Persistent work decomposition: both kernels are persistent grids (about one 16-warp CTA per SM
-// for w13, two 8-warp CTAs per SM for w2) over a FLAT list of small work units (N of them, known
-// only on the device: no host sync). Scheduling (WorkSource, MoeFp4::set_dynamic_units): static =
-// warp gw of W takes the contiguous unit range [gw * N / W, (gw + 1) * N / W), so every warp
-// streams the same number of bytes (+- one unit) whatever the routing; dynamic (default) = each
-// warp takes such a range of the first half of the units, then claims batches of the rest from a
-// device counter, so the warps of CTAs that start late (their SM still holds another kernel's
-// CTA, e.g. the shared expert's GEMV on a side stream) do less and the others absorb their share.
+// for w13, two 8-warp CTAs per SM for w2) over a FLAT list of small work units; warp gw of W takes
+// the contiguous unit range [gw * N / W, (gw + 1) * N / W), so every warp streams the same number
+// of bytes (+- one unit) whatever the routing, and N (known only on the device) needs no host sync.
 // Each warp streams weights AND their UE8M0 scales through its own cp.async ring that runs across
-// unit (and batch) boundaries (the next unit's bytes are in flight while this one finishes); each
-// ring stage records its unit, and the consumer follows that sequence.
+// unit boundaries (the next unit's bytes are in flight while this one finishes).
 //
 // Kernel 1, w13 (+ SwiGLU + quant): unit = (slot u, 32-row group grp of I, tile tau, K split s),
 //   s fastest: tau 0/1 = w1 rows 0-15/16-31 of the group, tau 2/3 = w3 rows 0-15/16-31; split s
@@ -40,9 +35,7 @@
 //   K mapping within a block, A and B alike: thread t's 8 elements 8t..8t+7 go to fragment
 //   positions {4t+j} = elements [0,2,4,6] and {16+4t+j} = elements [1,3,5,7].
 //   The unit's fragment (valid columns only) goes to a global partial buffer; a warp leaving a
-//   group (its next unit is not the next one of the same group: a group end, the end of a batch
-//   not continued by the next, or its last unit) adds its unit count to the group's counter, and
-//   the warp that completes the group
+//   group adds its unit count to the group's counter, and the warp that completes the group
 //   (4 S units) reduces, one column at a time with lane = row: per output, split 0's value, then
 //   += splits 1..S-1 in order (no float atomics), then g = bf16(sum1), u = bf16(sum3), clamps,
 //   h = bf16(w * silu(g) * u), FP8 quantization of h per 32 rows, and resets the counter (graph
@@ -52,11 +45,10 @@
 //   y[pair] = bf16(acc) as fp32 (run), or acc itself (run_partial / run_experts: a
 //   tensor-parallel rank's split-K partial of the expert's w2 product, rounded after the sum).
 //   Pair (t, k) goes to y + t * y_row_stride + k * dim (internal y_: y_row_stride = topk * dim).
-//   The weights do not depend on kernel 1, so each w2 CTA builds its plan from topk_idx, claims
-//   its first units (dynamic) and issues its first ring stages BEFORE griddepcontrol.wait (kernel
-//   1 triggers its dependents only after its own wait, so topk_idx is complete and the previous
-//   call's w2 kernel has finished, its unit counter back at 0, when kernel 2 starts); h is copied
-//   to shared memory after the wait.
+//   The weights do not depend on kernel 1, so each w2 CTA builds its plan from topk_idx and
+//   issues its first ring stages BEFORE griddepcontrol.wait (kernel 1 triggers its dependents
+//   only after its own wait, so topk_idx is complete when kernel 2 starts); h is copied to
+//   shared memory after the wait.
 //   Shapes whose plan does not fit in shared memory (large I, e.g. 2304 on one GPU) run
 //   moe_w2_tile_kernel instead: one 16-row tile per warp, the same products and order.
 // Kernel 3, combine: out[t] = sum over t's experts in ascending expert id of y (fp32, from 0);
@@ -293,64 +285,11 @@ __device__ __forceinline__ void w2_tile_k_loop(const uint8_t* w, int rs, const f
   }
 }
 
-// ---- Unit scheduling of the persistent kernels ----
-// static_pct = 100: warp gw of W takes the units [gw * N / W, (gw + 1) * N / W) (no atomics).
-// Below 100 (dynamic): warp gw first takes [gw * N0 / W, (gw + 1) * N0 / W) of the first
-// N0 = N * static_pct / 100 units (contiguous: few group publications), then claims batches of
-// `batch` consecutive units of [N0, N) from ctr (atomicAdd, in claim order), so the warps of CTAs
-// that start late (an SM still held by another kernel) do less of the pool. *ctr = (finished
-// warps << 32) | claimed units, 0 between calls: each warp keeps one claim in flight ahead of its
-// producer (issued when it enters a batch; the result is read only when that batch is done), and
-// after its failing claim adds 1 << 32 (no claim follows); the warp whose add returns W - 1
-// finished warps made the last operation on ctr (one location: each warp's operations on it are
-// in program order) and sets it back to 0. The next call's kernel touches ctr only after the
-// kernel before it in the stream has finished (w13: after its griddepcontrol.wait; w2: it starts
-// when w13's CTAs have passed theirs), so it sees 0. Which warp runs a unit never changes its
-// arithmetic (acc from 0 over the unit; the w13 group sums read the splits in split order).
-struct WorkSource {
-  unsigned long long* ctr;
-  int static_pct, batch;
-};
-// The claimed units (the counter's low half): a register of the atomic's result, no wait.
-__device__ __forceinline__ unsigned claim_units(const WorkSource& w) {
-  return unsigned(atomicAdd(w.ctr, static_cast<unsigned long long>(w.batch)));
-}
-// The next batch [pn, pe) of a warp whose batch is done (pn == pe): from the claim in flight
-// (`claim`, lane 0's atomicAdd result; the pool starts at n0), with the next claim issued at once,
-// or none (pn = pe = 0) after the failing claim, then `claim` holds the finished-warps ticket.
-__device__ __forceinline__ int static_share(const WorkSource& w, int n_units);
-__device__ __forceinline__ void next_batch(const WorkSource& w, int n_units, unsigned& claim,
-                                           int& pn, int& pe) {
-  pn = pe = 0;
-  if (w.static_pct >= 100) return;
-  const int lane = threadIdx.x & 31;
-  const int n0 = static_share(w, n_units);
-  const int start = n0 + int(__shfl_sync(0xffffffffu, claim, 0));
-  if (start < n_units) {
-    pn = start;
-    pe = min(start + w.batch, n_units);
-    if (lane == 0) claim = claim_units(w);
-  } else if (lane == 0) {
-    claim = unsigned(atomicAdd(w.ctr, 1ull << 32) >> 32);  // finished warps before this one
-  }
-}
-// N0: the units handed out as static ranges (all of them when static).
-__device__ __forceinline__ int static_share(const WorkSource& w, int n_units) {
-  return w.static_pct >= 100 ? n_units : int(int64_t(n_units) * w.static_pct / 100);
-}
-// After the warp's last unit: the warp that finished last resets the counter (see WorkSource).
-__device__ __forceinline__ void finish_work(const WorkSource& w, unsigned claim, int warps) {
-  if (w.static_pct < 100 && (threadIdx.x & 31) == 0 && int(claim) == warps - 1)
-    atomicExch(w.ctr, 0ull);
-}
-
 // ---- Kernel 1: w13 ----
 constexpr int kW13Warps = 16;
 constexpr int kW13Stages = 3;
 constexpr int kW13RowStride = 144;  // 128 B of a row + 16: conflict-free 4-byte fragment reads
 constexpr int kW13ScaleOff = 16 * kW13RowStride;
-// The stage's unit index (written by the producer, -1: none) in row 0's 16 padding bytes.
-constexpr int kW13TagOff = 128;
 constexpr int kW13StageBytes = kW13ScaleOff + 16 * 8;
 // A chunk's weight scales as fp32 [16 rows][8] per warp (LDS.128 reads: a quarter warp = rows g,
 // g + 1, distinct banks).
@@ -377,8 +316,7 @@ struct W13Params {
   float* partials;  // [slot][group][tau][split][column 8][row 16]
   int* counters;    // [slot][group]
   int kb_per_split, splits;
-  float* h_vals;    // unit kernel: [pairs][inter] bf16 values of h (quantised by the w2 kernel)
-  WorkSource work;  // persistent kernel: static ranges or claimed batches
+  float* h_vals;  // unit kernel: [pairs][inter] bf16 values of h (quantised by the w2 kernel)
 };
 
 // The group reduction + SwiGLU + quantization of group gq = u * groups + grp (one warp): lane =
@@ -470,32 +408,27 @@ __global__ void __maxnreg__(96) moe_w13_kernel(const W13Params p) {
   pdl_wait();
   UF_PROBE_MARK(probe, 1);
   pdl_trigger();  // after the wait: kernel 2 reads topk_idx before its own wait
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  unsigned claim = 0;  // lane 0: the pool claim in flight, then the finished ticket
-  // The first pool claim (dynamic): its round trip overlaps the plan's.
-  if (p.work.static_pct < 100 && lane == 0) claim = claim_units(p.work);
   build_plan(p.topk_idx, p.topk_w, p.pairs, p.topk, p.E, plan);
   UF_PROBE_MARK(probe, 2);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int S = p.splits, kbps = p.kb_per_split, nkb = p.dim / 32, groups = p.inter / 32;
   const int upg = 4 * S;  // units per group
   const int n_units = plan.n_unique * groups * upg;
   const int W = gridDim.x * kW13Warps, gw = blockIdx.x * kW13Warps + warp;
-  const int n0 = static_share(p.work, n_units);
+  const int lo = int(int64_t(gw) * n_units / W), hi = int(int64_t(gw + 1) * n_units / W);
   uint8_t* wsm = smem + kPlanBytes + warp * (kW13Stages * kW13StageBytes);
   float* swf = reinterpret_cast<float*>(smem + kW13SwOff + warp * kW13SwBytes);
   const size_t row_bytes = size_t(p.dim / 2);
 
-  // Producer: unit pn (at pcur) of its batch [pn, pe), chunk pc (8 K blocks) within it. The
-  // lane's source pointers for the unit's first chunk are set when the producer enters a unit.
-  // Each stage records its unit (kW13TagOff): the consumer follows the producer's sequence.
-  int pn = int(int64_t(gw) * n0 / W), pe = int(int64_t(gw + 1) * n0 / W), pc = 0, issued = 0;
-  if (pn == pe) next_batch(p.work, n_units, claim, pn, pe);
-  W13Cursor pcur = w13_cursor(pn, S, groups);
+  // Producer cursor: unit pn (at pcur), chunk pc (8 K blocks) within it. The lane's source
+  // pointers for the unit's first chunk are set when the producer enters a unit.
+  int pn = lo, pc = 0, issued = 0;
+  W13Cursor pcur = w13_cursor(lo, S, groups);
   const uint8_t* psrc = nullptr;   // weight piece (row lane / 8, column lane % 8) of chunk 0
   const uint8_t* pssrc = nullptr;  // scale piece (row lane / 2, 4 bytes lane % 2) of chunk 0
   int pnkb = 0;                    // the unit's K blocks
   auto enter = [&]() {
-    if (pn >= pe) return;
+    if (pn >= hi) return;
     const int kb0 = pcur.s * kbps;
     pnkb = min(nkb, kb0 + kbps) - kb0;
     const size_t row0 =
@@ -506,9 +439,9 @@ __global__ void __maxnreg__(96) moe_w13_kernel(const W13Params p) {
   };
   enter();
   auto issue = [&]() {
-    uint8_t* dst = wsm + (issued % kW13Stages) * kW13StageBytes;
-    if (pn < pe) {
+    if (pn < hi) {
       const int nk = min(8, pnkb - pc * 8);  // 4 or 8 (K % 128 == 0)
+      uint8_t* dst = wsm + (issued % kW13Stages) * kW13StageBytes;
       if ((lane & 7) < nk) {  // 16 rows x nk 16-byte pieces; a warp op = 4 rows x 128 B
         uint8_t* d = dst + (lane >> 3) * kW13RowStride + (lane & 7) * 16;
         const uint8_t* src = psrc + pc * 128;
@@ -519,33 +452,24 @@ __global__ void __maxnreg__(96) moe_w13_kernel(const W13Params p) {
       // 16 rows x nk scale bytes as 4-byte pieces (nk % 4 == 0)
       if ((lane & 1) * 4 < nk)
         moe_cp4(dst + kW13ScaleOff + (lane >> 1) * 8 + (lane & 1) * 4, pssrc + pc * 8);
-      if (lane == 0) *reinterpret_cast<int*>(dst + kW13TagOff) = pn;
       if ((pc + 1) * 8 >= pnkb) {
         pc = 0;
-        if (++pn == pe) {
-          next_batch(p.work, n_units, claim, pn, pe);
-          pcur = w13_cursor(pn, S, groups);
-        } else {
-          w13_advance(pcur, S, groups);
-        }
+        ++pn;
+        w13_advance(pcur, S, groups);
         enter();
       } else {
         ++pc;
       }
-    } else if (lane == 0) {
-      *reinterpret_cast<int*>(dst + kW13TagOff) = -1;
     }
     ++issued;
     cp_async_commit();
   };
 #pragma unroll
   for (int c = 0; c < kW13Stages - 1; ++c) issue();
-  __syncwarp();  // the tags
 
   int consumed = 0, pending = 0;
-  int n = *reinterpret_cast<const int*>(wsm + kW13TagOff);
-  W13Cursor cur = w13_cursor(max(n, 0), S, groups);
-  while (n >= 0) {
+  W13Cursor cur = w13_cursor(lo, S, groups);
+  for (int n = lo; n < hi; ++n) {
     const int s = cur.s, tau = cur.tau, grp = cur.grp, gq = cur.u * groups + cur.grp;
     const SlotPlan& r = plan.slot[cur.u];
     const int count = r.count;
@@ -608,12 +532,8 @@ __global__ void __maxnreg__(96) moe_w13_kernel(const W13Params p) {
       }
     }
     ++pending;
-    // The next unit (its first chunk is issued; -1: none).
-    const int nn =
-        *reinterpret_cast<const int*>(wsm + (consumed % kW13Stages) * kW13StageBytes + kW13TagOff);
-    // Leaving group gq (the next unit is not n + 1, or starts a group: s and tau wrap): publish
-    // this warp's units.
-    if (nn != n + 1 || (s == S - 1 && tau == 3)) {
+    // Leaving group gq (the next unit starts a group: s and tau wrap): publish this warp's units.
+    if (n + 1 == hi || (s == S - 1 && tau == 3)) {
       __threadfence();
       __syncwarp();
       int old = 0;
@@ -626,23 +546,15 @@ __global__ void __maxnreg__(96) moe_w13_kernel(const W13Params p) {
       }
       pending = 0;
     }
-    if (nn == n + 1)
-      w13_advance(cur, S, groups);
-    else
-      cur = w13_cursor(max(nn, 0), S, groups);
-    n = nn;
+    w13_advance(cur, S, groups);
   }
   cp_async_wait<0>();
-  finish_work(p.work, claim, W);
 }
 
 // ---- Kernel 2: w2 ----
 constexpr int kW2Warps = 8;
 constexpr int kW2Stages = 3;
 constexpr int kW2CtasPerSm = 2;
-constexpr int kW2TagOff = int(sizeof(MoePlan));  // [warp][stage] units, below kPlanBytes
-static_assert(kW2TagOff % 4 == 0 && kW2TagOff + kW2Warps * kW2Stages * 4 <= kPlanBytes,
-              "moe_w2_kernel's stage tags must fit in the plan's padding");
 
 struct W2Layout {
   int rs, stage_sc, stage_bytes, h_off, hs_off, stage_off, sws, sw_off, total;
@@ -701,7 +613,6 @@ struct W2Params {
   int64_t y_row_stride;
   bool round;
   const float* h_vals;  // unit kernel: h as moe_w13_unit_kernel wrote it
-  WorkSource work;      // persistent kernel: static ranges or claimed batches
 };
 
 // kPreB (with kF16; where shared memory allows, MoeFp4::launch_experts): h held as the f16 B
@@ -710,26 +621,20 @@ template <bool kF16, bool kPreB>
 __global__ void __maxnreg__(64) moe_w2_kernel(const W2Params p) {
   extern __shared__ __align__(128) uint8_t smem[];
   MoePlan& plan = *reinterpret_cast<MoePlan*>(smem);
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  unsigned claim = 0;  // lane 0: the pool claim in flight, then the finished ticket
-  // The first pool claim (dynamic; ctr is 0, see WorkSource): its round trip overlaps the plan's.
-  if (p.work.static_pct < 100 && lane == 0) claim = claim_units(p.work);
   // Before the wait: the plan (topk_idx is complete, see the header) and the first weights.
   build_plan(p.topk_idx, p.topk_w, p.pairs, p.topk, p.E, plan);
   const W2Layout L = w2_layout(p.inter, p.pairs, kPreB);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int nkb = p.inter / 32;
   const int tiles = p.dim / 16;
   const int n_units = plan.n_unique * tiles;
-  const int gw = blockIdx.x * kW2Warps + warp, W = gridDim.x * kW2Warps;
-  const int n0 = static_share(p.work, n_units);
+  const int W = gridDim.x * kW2Warps, gw = blockIdx.x * kW2Warps + warp;
+  const int lo = int(int64_t(gw) * n_units / W), hi = int(int64_t(gw + 1) * n_units / W);
   uint8_t* wsm = smem + L.stage_off + warp * (kW2Stages * L.stage_bytes);
-  // Each ring stage's unit (-1: none), in the plan's padding: a constant offset.
-  int* tags = reinterpret_cast<int*>(smem + kW2TagOff) + warp * kW2Stages;
-  int pn = int(int64_t(gw) * n0 / W), pe = int(int64_t(gw + 1) * n0 / W), issued = 0;
-  if (pn == pe) next_batch(p.work, n_units, claim, pn, pe);
-  int pu = pn / tiles, ptile = pn - pu * tiles;  // unit pn, counted within a batch
+  int pn = lo, issued = 0;
+  int pu = lo / tiles, ptile = lo - pu * tiles;  // unit pn, counted
   auto issue = [&]() {
-    if (pn < pe) {
+    if (pn < hi) {
       const size_t row0 = size_t(plan.slot[pu].expert) * p.dim + size_t(ptile) * 16;
       uint8_t* dst = wsm + (issued % kW2Stages) * L.stage_bytes;
       // 16 rows x I/2 bytes (I/32 pieces a row), contiguous; the walk is recomputed per unit
@@ -737,18 +642,11 @@ __global__ void __maxnreg__(64) moe_w2_kernel(const W2Params p) {
       copy_rows16(dst, L.rs, p.w2 + row0 * (p.inter / 2), piece_walk(nkb));
       const uint8_t* ssrc = p.w2s + row0 * nkb;  // 16 * nkb bytes, contiguous
       for (int i = lane; i < nkb; i += 32) moe_cp16(dst + L.stage_sc + i * 16, ssrc + i * 16);
-      if (lane == 0) tags[issued % kW2Stages] = pn;
-      if (++pn == pe) {
-        // n_units re-read from the plan here: fewer registers live across the loop.
-        next_batch(p.work, plan.n_unique * tiles, claim, pn, pe);
-        pu = pn / tiles;
-        ptile = pn - pu * tiles;
-      } else if (++ptile == tiles) {
+      ++pn;
+      if (++ptile == tiles) {
         ptile = 0;
         ++pu;
       }
-    } else if (lane == 0) {
-      tags[issued % kW2Stages] = -1;
     }
     ++issued;
     cp_async_commit();
@@ -782,15 +680,13 @@ __global__ void __maxnreg__(64) moe_w2_kernel(const W2Params p) {
     for (int i = tid; i < p.pairs * nkb; i += blockDim.x)
       reinterpret_cast<float*>(smem + L.hs_off)[i] = __ldcg(p.h_scales + i) * kE2M1ToE4M3Rescale;
   }
-  __syncthreads();  // also makes the first stages' tags visible
+  __syncthreads();
 
   const float* hs = reinterpret_cast<const float*>(smem + L.hs_off);
   float* swf = reinterpret_cast<float*>(smem + L.sw_off) + warp * 16 * L.sws;
   int consumed = 0;
-  // The consumer follows the producer's units through the stage tags: (u, tile) counted while
-  // they are consecutive, divided out at a batch change.
-  int n = tags[0], u = max(n, 0) / tiles, tile = max(n, 0) - u * tiles;
-  while (n >= 0) {
+  int u = lo / tiles, tile = lo - u * tiles;  // counted below: no division per unit
+  for (int n = lo; n < hi; ++n) {
     const SlotPlan& r = plan.slot[u];
     // Absent columns read a present one (fp4_mma_block); only valid pairs are stored.
     const uint8_t* act_g = smem + L.h_off +
@@ -811,17 +707,10 @@ __global__ void __maxnreg__(64) moe_w2_kernel(const W2Params p) {
     w2_tile_k_loop<kF16, kPreB>(st + t * 4, L.rs, swf, L.sws, act_g, as0, as1, nkb, acc);
     __syncwarp();
     const int row0 = tile * 16;
-    const int nn = tags[consumed % kW2Stages];  // the next unit (issued; -1: none)
-    if (nn == n + 1) {
-      if (++tile == tiles) {
-        tile = 0;
-        ++u;
-      }
-    } else {
-      u = max(nn, 0) / tiles;
-      tile = max(nn, 0) - u * tiles;
+    if (++tile == tiles) {
+      tile = 0;
+      ++u;
     }
-    n = nn;
     auto out = [&](int pair) {
       return p.y + (pair / p.topk) * p.y_row_stride + size_t(pair % p.topk) * p.dim + row0;
     };
@@ -837,7 +726,6 @@ __global__ void __maxnreg__(64) moe_w2_kernel(const W2Params p) {
     }
   }
   cp_async_wait<0>();
-  finish_work(p.work, claim, gridDim.x * kW2Warps);
 }
 
 // w2 for shapes whose shared-memory plan of moe_w2_kernel does not fit (a large expert
@@ -1278,30 +1166,8 @@ constexpr int kUnitMaxRowsFaster = 2;
 
 namespace {
 bool g_default_f16 = true;  // MoeFp4::set_default_f16
-// MoeFp4::set_dynamic_units / set_dynamic_tuning. Defaults: half of the units static (each warp's
-// contiguous share, few w13 group publications), the rest claimed one unit at a time. A w13 or
-// w2 unit is a whole ~1/7 of a warp's work at 7 rows (dim 5120, inter 288: ~6.8 units a warp),
-// and the finish times of dynamically fed warps spread over one batch, so batches of 2-4 units
-// would spread the tail over 2-4 such steps (more than the ~1.5 units a late CTA misses); with
-// 1 the claim's round trip is still hidden (one claim in flight, a batch ahead of the producer).
-bool g_dynamic_units = true;
-int g_dyn_static_pct = 50;
-int g_dyn_batch_w13 = 1;
-int g_dyn_batch_w2 = 1;
-constexpr int kWorkCtrStride = 16;  // unsigned long longs between the w13 and w2 counters
 }  // namespace
 void MoeFp4::set_default_f16(bool on) { g_default_f16 = on; }
-void MoeFp4::set_dynamic_units(bool on) { g_dynamic_units = on; }
-bool MoeFp4::dynamic_units() { return g_dynamic_units; }
-void MoeFp4::set_dynamic_tuning(int static_pct, int batch_w13, int batch_w2) {
-  require(static_pct >= 0 && static_pct <= 100 && batch_w13 >= 1 && batch_w2 >= 1,
-          "MoeFp4::set_dynamic_tuning: static share %d%% must be in 0..100 and the batches (%d, "
-          "%d) >= 1",
-          static_pct, batch_w13, batch_w2);
-  g_dyn_static_pct = static_pct;
-  g_dyn_batch_w13 = batch_w13;
-  g_dyn_batch_w2 = batch_w2;
-}
 
 MoeFp4::MoeFp4(int dim, int inter, int topk, int sm_count)
     : dim_(dim), inter_(inter), topk_(topk), sm_count_(sm_count) {
@@ -1377,8 +1243,6 @@ MoeFp4::MoeFp4(int dim, int inter, int topk, int sm_count)
   UF_CUDA_CHECK(cudaMalloc(&partials_, sizeof(float) * slots * groups * 4 * splits_ * 128));
   UF_CUDA_CHECK(cudaMalloc(&counters_, sizeof(int) * slots * groups));
   UF_CUDA_CHECK(cudaMemset(counters_, 0, sizeof(int) * slots * groups));
-  UF_CUDA_CHECK(cudaMalloc(&work_, sizeof(unsigned long long) * 2 * kWorkCtrStride));
-  UF_CUDA_CHECK(cudaMemset(work_, 0, sizeof(unsigned long long) * 2 * kWorkCtrStride));
 }
 
 MoeFp4::~MoeFp4() {
@@ -1388,7 +1252,6 @@ MoeFp4::~MoeFp4() {
   cudaFree(y_);
   cudaFree(partials_);
   cudaFree(counters_);
-  cudaFree(work_);
 }
 
 void MoeFp4::run_experts_impl(const Fp4ExpertsView& w, const QuantActView& x, const int* topk_idx,
@@ -1446,14 +1309,10 @@ void MoeFp4::launch_experts(const Fp4ExpertsView& w, const QuantActView& x, cons
               inter_,        x.codes,      x.scales, topk_idx,   topk_w,        P,
               topk_,         swiglu_limit, h_codes_, h_scales_,  partials_,     counters_,
               kb_per_split_, splits_,      nullptr};
-  const bool dyn = g_dynamic_units;
-  a.work = {work_, dyn ? g_dyn_static_pct : 100, g_dyn_batch_w13};
   launch_pdl(moe_w13_kernel<kF16>, dim3(w13_grid), dim3(kW13Warps * 32), size_t(kW13Smem), stream,
              a);
   W2Params b{w.w2,  w.w2_scale, w.num_experts, dim_, inter_,       topk_idx, topk_w, P,
              topk_, h_codes_,   h_scales_,     y,    y_row_stride, round_w2, nullptr};
-  // The w2 counter: 128 bytes after w13's (another L2 line).
-  b.work = {work_ + kWorkCtrStride, dyn ? g_dyn_static_pct : 100, g_dyn_batch_w2};
   if (!w2_streamed_) {
     launch_pdl(moe_w2_tile_kernel<kF16>, dim3((dim_ / 16 + kW2Warps - 1) / kW2Warps, P),
                dim3(kW2Warps * 32), size_t(kW2TileSmem), stream, b);
