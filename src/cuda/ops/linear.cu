@@ -89,6 +89,8 @@ __global__ void __launch_bounds__(kDenseWarps * 32, 2)
     dense_rows_kernel(DeviceWeight w, int64_t r0, int64_t n, const float* x, int64_t x_stride,
                       int m, float* y, int64_t y_stride, bool round) {
   __shared__ float red[kDenseWarps][R][MT];
+  detail::pdl_trigger();  // launched with PDL: x comes from the previous kernel
+  detail::pdl_wait();
   // Token rows [8 * blockIdx.y, + 8) of the call: one launch for any row count.
   x += int64_t(blockIdx.y) * kMaxDecodeRows * x_stride;
   y += int64_t(blockIdx.y) * kMaxDecodeRows * y_stride;
@@ -258,11 +260,11 @@ void dense_rows(const DeviceWeight& w, int64_t r0, int64_t n, const float* x, in
     constexpr int R = decltype(r_rows)::value, MT = decltype(m_rows)::value;
     const dim3 grid{unsigned((n + R - 1) / R), unsigned(chunks)};
     if (fast)
-      dense_rows_kernel<R, MT, true><<<grid, kDenseWarps * 32, 0, stream>>>(
-          w, r0, n, x, x_stride, m, y, y_stride, round_bf16);
+      detail::launch_pdl(dense_rows_kernel<R, MT, true>, grid, dim3(kDenseWarps * 32), 0, stream, w,
+                         r0, n, x, x_stride, m, y, y_stride, round_bf16);
     else
-      dense_rows_kernel<R, MT, false><<<grid, kDenseWarps * 32, 0, stream>>>(
-          w, r0, n, x, x_stride, m, y, y_stride, round_bf16);
+      detail::launch_pdl(dense_rows_kernel<R, MT, false>, grid, dim3(kDenseWarps * 32), 0, stream,
+                         w, r0, n, x, x_stride, m, y, y_stride, round_bf16);
   };
   // Registers for 1, 2, 4 or 8 token rows: fewer registers, more warps in flight at small m.
   auto by_rows = [&](auto r_rows) {

@@ -597,6 +597,8 @@ __global__ void __launch_bounds__(kRouterWarps * 32, 2)
 
 // Shared expert SwiGLU on bf16 g / u (cpu::expert_forward without a routing weight).
 __global__ void swiglu_kernel(const float* g, const float* u, size_t n, float lim, float* h) {
+  detail::pdl_trigger();  // PDL (launch_pdl): g / u come from the previous kernel
+  detail::pdl_wait();
   const size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
   float gv = g[i], uv = u[i];
@@ -1033,7 +1035,11 @@ void DeviceMoe::run_chunk(const float* x, int t0, int rows, Out mode, float* out
     const LinearCall gate_up[] = {{&m.sw1, g}, {&m.sw3, u}};
     DeviceLinear::apply_group(gate_up, xc, rows, ss);
     const size_t nh = size_t(rows) * I;
-    swiglu_kernel<<<blocks_for(nh, 256), 256, 0, ss>>>(g, u, nh, m.s.swiglu_limit, h);
+    // PDL, like its neighbours: a plain launch waited for the gate/up GEMV to drain and made the
+    // w2 GEMV wait for it in turn (6.4 us of chain a layer at 1 row, session 9's trace).
+    detail::launch_pdl(swiglu_kernel, dim3(blocks_for(nh, 256)), dim3(256), 0, ss,
+                       static_cast<const float*>(g), static_cast<const float*>(u), nh,
+                       m.s.swiglu_limit, h);
     UF_CUDA_CHECK(cudaGetLastError());
     if (mode == Out::kRounded)
       m.sw2.apply(h, rows, shared, ss);
