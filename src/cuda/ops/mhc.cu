@@ -66,9 +66,11 @@ constexpr int kPostRows = 8;
 // groups of the block's rows (set_mhc_post_groups). 2 by default: bench_cuda_mhc on the H200
 // (session 7), hc_post_mixes at 7 / 8 rows: 3.70 / 3.96 us with 4 groups, 3.30 / 3.51 with 2.
 constexpr int kPostGroupsDefault = 2;
-// The mixes' finish: the split partials are summed by 8 warps (mix m on warp m % 8), then warp 0
-// runs the Sinkhorn.
-constexpr int kFinishWarps = 8;
+// The mixes' finish (mixes_finish): kMixWarps warps sum the split partials of the mixes (mix m on
+// warp m % 8), one more warp those of the sum of squares; then warp 0 runs the Sinkhorn and warp 1
+// writes pre / post. The legacy finish uses the first 8 warps.
+constexpr int kMixWarps = 8;
+constexpr int kFinishWarps = kMixWarps + 1;
 constexpr int kFinishThreads = 32 * kFinishWarps;
 constexpr int kMixPreNormMaxThreads = 512;
 constexpr int kMaxMix1 = (2 + kMaxHc) * kMaxHc + 1;
@@ -523,29 +525,35 @@ __device__ __forceinline__ float warp_get(const float (&v)[E], int idx) {
 }
 
 // The mixes' finish of row t on one block of >= kFinishThreads threads (all of them call it):
-//  1. mix m (on warp m % 8) = the butterfly over the lanes of lane l's serial sum of the partials
-//     s = l, l + 32, .. in s order (an order fixed by S = mix_splits(dim), never by T);
-//  2. r = 1 / sqrt(sumsq / n + norm_eps), m *= r, then cpu::hc_split_sinkhorn on warp 0 with one
-//     comb element per lane (HC * HC <= 32; more: E per lane) in registers, the sums gathered by
-//     shuffles: every sum and every element keeps the CPU's operation order, so the result is the
-//     CPU's arithmetic except the mixes' summation order and CUDA's expf. (The CPU's sums start
-//     with 0 + c[0]; c is never -0 here (exp >= +0 over a positive sum, + eps, then divided by
-//     positive sums), so starting at c[0] gives the same bits.)
-// sm: >= kMaxMix1 floats of shared memory. fw: load_finish_weights' (every thread calls both).
+//  1. mix m = the butterfly over the lanes of lane l's serial sum of the partials s = l, l + 32,
+//     .. in s order (an order fixed by S = mix_splits(dim), never by T);
+//  2. r = 1 / sqrt(sumsq / n + norm_eps), m *= r, pre / post, then cpu::hc_split_sinkhorn on warp
+//     0 with one comb element per lane (HC * HC <= 32; more: E per lane) in registers, the sums
+//     gathered by shuffles: every sum and every element keeps the CPU's operation order, so the
+//     result is the CPU's arithmetic except the mixes' summation order and CUDA's expf. (The CPU's
+//     sums start with 0 + c[0]; c is never -0 here (exp >= +0 over a positive sum, + eps, then
+//     divided by positive sums), so starting at c[0] gives the same bits.)
+// mixes_finish (the default): kMixWarps warps sum the mixes (mix m on warp m % 8), 4 of them at a
+// time in 3 shuffle rounds (warp_sum_quad), warp kMixWarps the sum of squares alone and r from
+// it, before the block's one barrier; then warp 1 writes pre / post while warp 0 runs the
+// Sinkhorn. mixes_finish_legacy (set_mhc_legacy_kernels; session 8): 8 warps, a 5-round butterfly
+// per mix, then warp 0 computes r, pre / post, then the Sinkhorn. The same operations on the same
+// operands in the same order: bitwise the same pre / post / comb (the legacy test compares them).
+// sm: >= kMaxMix1 + 1 floats of shared memory. fw: load_finish_weights' (every thread calls both).
 template <int HC>
 struct FinishWeights {
   static constexpr int E = (HC * HC + 31) / 32;
   float sc[3] = {0.f, 0.f, 0.f}, bpre = 0.f, bpost = 0.f, bc[E] = {};
 };
-// Warp 0's Sinkhorn inputs from the weights (the other warps: zeros, unused). Weights: a PDL
-// kernel loads them before its wait.
+// The weights of warps 0 and 1 (the Sinkhorn's and pre / post's; the legacy finish does both on
+// warp 0; the other warps: zeros, unused). Weights: a PDL kernel loads them before its wait.
 template <int HC>
 __device__ __forceinline__ FinishWeights<HC> load_finish_weights(const DeviceWeight& scale,
                                                                  const DeviceWeight& base) {
   constexpr int HH = HC * HC, E = FinishWeights<HC>::E;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   FinishWeights<HC> fw;
-  if (warp == 0) {
+  if (warp < 2) {
 #pragma unroll
     for (int i = 0; i < 3; ++i) fw.sc[i] = ew::weight_flat(scale, i);
     if (lane < HC) {
@@ -558,57 +566,33 @@ __device__ __forceinline__ FinishWeights<HC> load_finish_weights(const DeviceWei
   }
   return fw;
 }
+
+// pre / post of row t from the mixes sm[0 .. 2 HC) and r, lane k < HC writing stream k's.
 template <int HC>
-__device__ void mixes_finish(const HcShape& p, const FinishWeights<HC>& fw, int S,
-                             const float* partial, int64_t t, float* sm, float* pre, float* post,
-                             float* comb) {
-  constexpr int kMix = (2 + HC) * HC, M1 = kMix + 1, HH = HC * HC, E = (HH + 31) / 32;
-  constexpr int QM = (M1 + kFinishWarps - 1) / kFinishWarps;  // mixes per warp
-  constexpr int kJ = QM <= 4 ? 8 : 2;                         // partials per lane per batch
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const float(&sc)[3] = fw.sc;
-  const float bpre = fw.bpre, bpost = fw.bpost;
-  const float(&bc)[E] = fw.bc;
-  if (warp < kFinishWarps) {
-    const float* pt = partial + t * M1 * S;
-    float acc[QM];
-#pragma unroll
-    for (int q = 0; q < QM; ++q) acc[q] = 0.f;
-    for (int s0 = 0; s0 < S; s0 += 32 * kJ) {
-      float v[QM][kJ];
-#pragma unroll
-      for (int q = 0; q < QM; ++q)
-#pragma unroll
-        for (int j = 0; j < kJ; ++j) {
-          const int m = warp + kFinishWarps * q, si = s0 + 32 * j + lane;
-          v[q][j] = m < M1 && si < S ? pt[int64_t(m) * S + si] : 0.f;
-        }
-#pragma unroll
-      for (int q = 0; q < QM; ++q)
-#pragma unroll
-        for (int j = 0; j < kJ; ++j)
-          if (s0 + 32 * j + lane < S) acc[q] = s0 + j == 0 ? v[q][j] : ew::fadd(acc[q], v[q][j]);
-    }
-#pragma unroll
-    for (int q = 0; q < QM; ++q) {
-      float v = acc[q];
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) v = ew::fadd(v, __shfl_xor_sync(0xffffffffu, v, o));
-      const int m = warp + kFinishWarps * q;
-      if (lane == 0 && m < M1) sm[m] = v;
-    }
-  }
-  __syncthreads();
-  if (warp != 0) return;
-  const int n = HC * p.dim;
+__device__ __forceinline__ void write_pre_post(const HcShape& p, const FinishWeights<HC>& fw,
+                                               float r, const float* sm, int64_t t, float* pre,
+                                               float* post) {
+  const int lane = threadIdx.x & 31;
   const float eps = p.hc_eps;
-  const float r = ew::fdiv(1.0f, __fsqrt_rn(ew::fadd(ew::fdiv(sm[kMix], float(n)), p.norm_eps)));
   if (lane < HC) {
     pre[t * HC + lane] =
-        ew::fadd(sigmoid(ew::fadd(ew::fmul(ew::fmul(sm[lane], r), sc[0]), bpre)), eps);
+        ew::fadd(sigmoid(ew::fadd(ew::fmul(ew::fmul(sm[lane], r), fw.sc[0]), fw.bpre)), eps);
     post[t * HC + lane] =
-        ew::fmul(2.0f, sigmoid(ew::fadd(ew::fmul(ew::fmul(sm[HC + lane], r), sc[1]), bpost)));
+        ew::fmul(2.0f, sigmoid(ew::fadd(ew::fmul(ew::fmul(sm[HC + lane], r), fw.sc[1]), fw.bpost)));
   }
+}
+
+// comb of row t on one warp (every lane calls it) from the mixes sm[2 HC .. 2 HC + HH) and r: the
+// softmax and the Sinkhorn in registers. mark(point): probe points 4 (the softmax done) and 5 (the
+// Sinkhorn done, before the stores).
+template <int HC, typename Mark>
+__device__ __forceinline__ void write_comb(const HcShape& p, const FinishWeights<HC>& fw, float r,
+                                           const float* sm, int64_t t, float* comb, Mark&& mark) {
+  constexpr int HH = HC * HC, E = (HH + 31) / 32;
+  const int lane = threadIdx.x & 31;
+  const float eps = p.hc_eps;
+  const float(&sc)[3] = fw.sc;
+  const float(&bc)[E] = fw.bc;
   // Lane l holds elements i = l + 32 e (clamped to HH - 1 past the matrix: computed, never
   // stored) of row i / HC, column i % HC.
   int row[E], col[E];
@@ -639,6 +623,7 @@ __device__ void mixes_finish(const HcShape& p, const FinishWeights<HC>& fw, int 
   }
 #pragma unroll
   for (int e = 0; e < E; ++e) c[e] = ew::fadd(ew::fdiv(ex[e], sum[e]), eps);
+  mark(4);
   auto norm = [&](bool cols) {
     float sn[E];
 #pragma unroll
@@ -657,19 +642,169 @@ __device__ void mixes_finish(const HcShape& p, const FinishWeights<HC>& fw, int 
     norm(false);
     norm(true);
   }
+  mark(5);
 #pragma unroll
   for (int e = 0; e < E; ++e)
     if (lane + 32 * e < HH) comb[t * HH + lane + 32 * e] = c[e];
 }
 
-// hc_mixes' second kernel: the finish of row blockIdx.x.
+// r = 1 / sqrt(sumsq / n + norm_eps), n = HC * dim (model.py's rsqrt(x.square().mean(-1) + eps)).
 template <int HC>
+__device__ __forceinline__ float mix_rsqrt(const HcShape& p, float sumsq) {
+  const int n = HC * p.dim;
+  return ew::fdiv(1.0f, __fsqrt_rn(ew::fadd(ew::fdiv(sumsq, float(n)), p.norm_eps)));
+}
+
+// Lane l's serial sums acc[q] of the partials s = l, l + 32, .. < S of mix m[q] (at pt + m[q] S),
+// in s order from the first (a lane with none: +0), kJ partials of each mix a pass with all of a
+// pass's loads (clamped in bounds) issued before any add.
+template <int Q, int kJ>
+__device__ __forceinline__ void lane_sums(const float* pt, int S, const int (&m)[Q], int lane,
+                                          float (&acc)[Q]) {
+#pragma unroll
+  for (int q = 0; q < Q; ++q) acc[q] = 0.f;
+  for (int s0 = 0; s0 < S; s0 += 32 * kJ) {
+    float v[Q][kJ];
+#pragma unroll
+    for (int q = 0; q < Q; ++q)
+#pragma unroll
+      for (int j = 0; j < kJ; ++j) v[q][j] = pt[int64_t(m[q]) * S + min(s0 + 32 * j + lane, S - 1)];
+#pragma unroll
+    for (int q = 0; q < Q; ++q)
+#pragma unroll
+      for (int j = 0; j < kJ; ++j)
+        if (s0 + 32 * j + lane < S) acc[q] = s0 + j == 0 ? v[q][j] : ew::fadd(acc[q], v[q][j]);
+  }
+}
+
+// The butterfly sum over the lanes (levels o = 16, 8, 4, 2, 1: v = v + shfl_xor(v, o), the lane's
+// own value first) of 4 values per lane, x[g] of slot g, in 3 shuffle rounds (7 shuffles for the
+// 4) instead of 5 rounds of 4: lane l returns the total of slot g(l) = 2 bit4(l) + bit3(l), the
+// butterfly's value at lane l. Round 1 takes slot g(l) of lanes l ^ 16, l ^ 8 and l ^ 24 (each
+// lane sends z[i] = x[i ^ g], the slot its partner l ^ 8 i keeps); lane l computes its own level-16
+// sum, lane l ^ 8's (v[l ^ 8] + v[l ^ 24], that lane's operands in its order) and its level-8 sum
+// of the two. Round 2 does the same for levels 4 and 2 (lanes l ^ 4, l ^ 2, l ^ 6 keep the same
+// slot), round 3 level 1. Every add is one the butterfly performs, with the same operands in the
+// same order. (The butterfly leaves the same bits on every lane: each of its adds is commutative.)
+__device__ __forceinline__ float warp_sum_quad(const float (&x)[4], int lane) {
+  constexpr unsigned kAll = 0xffffffffu;
+  const bool b3 = (lane & 8) != 0, b4 = (lane & 16) != 0;
+  const float y0 = b3 ? x[1] : x[0], y1 = b3 ? x[0] : x[1];
+  const float y2 = b3 ? x[3] : x[2], y3 = b3 ? x[2] : x[3];
+  const float z0 = b4 ? y2 : y0, z1 = b4 ? y3 : y1, z2 = b4 ? y0 : y2, z3 = b4 ? y1 : y3;
+  const float v16 = __shfl_xor_sync(kAll, z2, 16);
+  const float v8 = __shfl_xor_sync(kAll, z1, 8);
+  const float v24 = __shfl_xor_sync(kAll, z3, 24);
+  const float w = ew::fadd(ew::fadd(z0, v16), ew::fadd(v8, v24));
+  const float w4 = __shfl_xor_sync(kAll, w, 4);
+  const float w2 = __shfl_xor_sync(kAll, w, 2);
+  const float w6 = __shfl_xor_sync(kAll, w, 6);
+  const float u = ew::fadd(ew::fadd(w, w4), ew::fadd(w2, w6));
+  return ew::fadd(u, __shfl_xor_sync(kAll, u, 1));
+}
+
+// The default finish (see above). mark(point): probe points 3 (the mixes and r in shared memory,
+// on warp 0), 4 and 5 (write_comb).
+template <int HC, typename Mark>
+__device__ void mixes_finish(const HcShape& p, const FinishWeights<HC>& fw, int S,
+                             const float* partial, int64_t t, float* sm, float* pre, float* post,
+                             float* comb, Mark&& mark) {
+  constexpr int kMix = (2 + HC) * HC, M1 = kMix + 1;
+  constexpr int QM = (kMix + kMixWarps - 1) / kMixWarps;  // mixes per warp
+  constexpr int NQ = (QM + 3) / 4;                        // warp_sum_quad calls per warp
+  constexpr int kJ = QM <= 4 ? 5 : 2;                     // partials per lane per mix per pass
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const float* pt = partial + t * M1 * S;
+  if (warp < kMixWarps) {
+    // Slot q: mix warp + 8 q (slots past the mixes: a valid mix's sums, never stored).
+    int m[QM];
+#pragma unroll
+    for (int q = 0; q < QM; ++q) m[q] = min(warp + kMixWarps * q, kMix - 1);
+    float acc[QM];
+    lane_sums<QM, kJ>(pt, S, m, lane, acc);
+#pragma unroll
+    for (int k = 0; k < NQ; ++k) {
+      float x[4];
+#pragma unroll
+      for (int g = 0; g < 4; ++g) x[g] = 4 * k + g < QM ? acc[4 * k + g] : 0.f;
+      const float total = warp_sum_quad(x, lane);
+      const int q = 4 * k + (lane >> 3), mix = warp + kMixWarps * q;
+      if ((lane & 7) == 0 && q < QM && mix < kMix) sm[mix] = total;
+    }
+  } else if (warp == kMixWarps) {
+    // The sum of squares (mix kMix), then r: off the Sinkhorn warp's path.
+    const int m[1] = {kMix};
+    float acc[1];
+    lane_sums<1, kJ>(pt, S, m, lane, acc);
+    const float x[4] = {acc[0], acc[0], acc[0], acc[0]};
+    const float sumsq = warp_sum_quad(x, lane);
+    if (lane == 0) sm[M1] = mix_rsqrt<HC>(p, sumsq);
+  }
+  __syncthreads();
+  if (warp == 1) write_pre_post<HC>(p, fw, sm[M1], sm, t, pre, post);
+  if (warp != 0) return;
+  mark(3);
+  write_comb<HC>(p, fw, sm[M1], sm, t, comb, mark);
+}
+
+// The session-8 finish (set_mhc_legacy_kernels): 8 warps (mix m on warp m % 8) reduce with a
+// 5-round butterfly each, then warp 0 computes r, pre / post and the Sinkhorn.
+template <int HC>
+__device__ void mixes_finish_legacy(const HcShape& p, const FinishWeights<HC>& fw, int S,
+                                    const float* partial, int64_t t, float* sm, float* pre,
+                                    float* post, float* comb) {
+  constexpr int kMix = (2 + HC) * HC, M1 = kMix + 1;
+  constexpr int kWarps = 8;
+  constexpr int QM = (M1 + kWarps - 1) / kWarps;  // mixes per warp
+  constexpr int kJ = QM <= 4 ? 8 : 2;             // partials per lane per batch
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  if (warp < kWarps) {
+    const float* pt = partial + t * M1 * S;
+    float acc[QM];
+#pragma unroll
+    for (int q = 0; q < QM; ++q) acc[q] = 0.f;
+    for (int s0 = 0; s0 < S; s0 += 32 * kJ) {
+      float v[QM][kJ];
+#pragma unroll
+      for (int q = 0; q < QM; ++q)
+#pragma unroll
+        for (int j = 0; j < kJ; ++j) {
+          const int m = warp + kWarps * q, si = s0 + 32 * j + lane;
+          v[q][j] = m < M1 && si < S ? pt[int64_t(m) * S + si] : 0.f;
+        }
+#pragma unroll
+      for (int q = 0; q < QM; ++q)
+#pragma unroll
+        for (int j = 0; j < kJ; ++j)
+          if (s0 + 32 * j + lane < S) acc[q] = s0 + j == 0 ? v[q][j] : ew::fadd(acc[q], v[q][j]);
+    }
+#pragma unroll
+    for (int q = 0; q < QM; ++q) {
+      float v = acc[q];
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) v = ew::fadd(v, __shfl_xor_sync(0xffffffffu, v, o));
+      const int m = warp + kWarps * q;
+      if (lane == 0 && m < M1) sm[m] = v;
+    }
+  }
+  __syncthreads();
+  if (warp != 0) return;
+  const float r = mix_rsqrt<HC>(p, sm[kMix]);
+  write_pre_post<HC>(p, fw, r, sm, t, pre, post);
+  write_comb<HC>(p, fw, r, sm, t, comb, [](int) {});
+}
+
+// hc_mixes' second kernel: the finish of row blockIdx.x (kLegacy: mixes_finish_legacy).
+template <int HC, bool kLegacy>
 __global__ void __launch_bounds__(kFinishThreads)
     hc_mixes_finish_kernel(HcShape p, DeviceWeight scale, DeviceWeight base, int S,
                            const float* partial, float* pre, float* post, float* comb) {
-  __shared__ float sm[kMaxMix1];
+  __shared__ float sm[kMaxMix1 + 1];
   const FinishWeights<HC> fw = load_finish_weights<HC>(scale, base);
-  mixes_finish<HC>(p, fw, S, partial, blockIdx.x, sm, pre, post, comb);
+  if constexpr (kLegacy)
+    mixes_finish_legacy<HC>(p, fw, S, partial, blockIdx.x, sm, pre, post, comb);
+  else
+    mixes_finish<HC>(p, fw, S, partial, blockIdx.x, sm, pre, post, comb, [](int) {});
 }
 
 // Block (t, 0): hc_pre of row t with pre_in, then rms_norm with nw on the collapsed row in
@@ -678,16 +813,18 @@ __global__ void __launch_bounds__(kFinishThreads)
 // partials): the mixes' finish of row t. The two are independent (the collapse uses the previous
 // sublayer's pre), so they run side by side. kEarly: the weights (scale, base; the norm weight)
 // are loaded before the PDL wait, so their DRAM latency overlaps the previous kernel (the same
-// values: only the load order differs); !kEarly: the session-6 kernel (all after the wait).
+// values: only the load order differs) and the finish is mixes_finish; !kEarly: the session-6
+// kernel (all after the wait) with mixes_finish_legacy.
 template <int HC, int kMode, bool kEarly>
 __global__ void __launch_bounds__(kMixPreNormMaxThreads, 1)
     hc_mix_pre_norm_kernel(HcShape p, DeviceWeight scale, DeviceWeight base, int S,
                            const float* partial, const float* X, const float* pre_in,
                            DeviceWeight nw, float eps, float* y, float* pre, float* post,
                            float* comb, int NT) {
-  __shared__ float sm[kMaxMix1 > 32 ? kMaxMix1 : 32];
+  __shared__ float sm[kMaxMix1 + 1 > 32 ? kMaxMix1 + 1 : 32];
   const int64_t t = blockIdx.x;
-  // Probe points (row 0's blocks): 0 start, 1 PDL wait returned, 2 done.
+  // Probe points (row 0's blocks): 0 start, 1 PDL wait returned, 2 done; the finish (kEarly) also
+  // 3 its mixes and r summed, 4 its softmax done, 5 its Sinkhorn done (mixes_finish).
   if (blockIdx.y == 1) {
     UF_PROBE_OPEN_IF(probe_f, kTagMixFinish, threadIdx.x == 0 && blockIdx.x == 0);
     UF_PROBE_MARK(probe_f, 0);
@@ -696,8 +833,13 @@ __global__ void __launch_bounds__(kMixPreNormMaxThreads, 1)
     detail::pdl_wait();  // PDL: the partials come from the previous kernel
     UF_PROBE_MARK(probe_f, 1);
     detail::pdl_trigger();
-    if constexpr (!kEarly) fw = load_finish_weights<HC>(scale, base);
-    mixes_finish<HC>(p, fw, S, partial, t, sm, pre, post, comb);
+    if constexpr (kEarly) {
+      mixes_finish<HC>(p, fw, S, partial, t, sm, pre, post, comb,
+                       [&]([[maybe_unused]] int point) { UF_PROBE_MARK(probe_f, point); });
+    } else {
+      fw = load_finish_weights<HC>(scale, base);
+      mixes_finish_legacy<HC>(p, fw, S, partial, t, sm, pre, post, comb);
+    }
     UF_PROBE_MARK(probe_f, 2);
     return;
   }
@@ -925,9 +1067,12 @@ void hc_mixes_finish(const HcShape& p, const DeviceWeight& scale, const DeviceWe
           "hc_mixes_finish: null partials or pre / post / comb (T = %d)", T);
   if (T <= 0) return;
   const int S = mix_splits(p);
+  const bool legacy = g_legacy.load(std::memory_order_relaxed);
   dispatch_hc(p.hc, [&](auto H) {
-    hc_mixes_finish_kernel<decltype(H)::value>
-        <<<T, kFinishThreads, 0, stream>>>(p, scale, base, S, partial, pre, post, comb);
+    constexpr int HC = decltype(H)::value;
+    const auto kernel =
+        legacy ? hc_mixes_finish_kernel<HC, true> : hc_mixes_finish_kernel<HC, false>;
+    kernel<<<T, kFinishThreads, 0, stream>>>(p, scale, base, S, partial, pre, post, comb);
   });
   UF_CUDA_CHECK(cudaGetLastError());
 }
