@@ -67,9 +67,8 @@ __global__ void __launch_bounds__(kThreads) partial_kernel(const int* prev, int*
   if (threadIdx.x == 0) partials[blockIdx.x] = __ldcg(prev) + int(blockIdx.x);
 }
 
-__global__ void __launch_bounds__(kThreads) finish_kernel(const int* partials, int g, int* out) {
-  trigger_next();
-  wait_prev();
+// The block's sum of partials[0..g) into *out (thread 0 stores; the block calls it together).
+__device__ void block_sum_store(const int* partials, int g, int* out) {
   __shared__ int warp_sum[kThreads / 32];
   int v = 0;
   for (int i = threadIdx.x; i < g; i += kThreads) v += __ldcg(partials + i);
@@ -83,12 +82,17 @@ __global__ void __launch_bounds__(kThreads) finish_kernel(const int* partials, i
   }
 }
 
+__global__ void __launch_bounds__(kThreads) finish_kernel(const int* partials, int g, int* out) {
+  trigger_next();
+  wait_prev();
+  block_sum_store(partials, g, out);
+}
+
 __global__ void __launch_bounds__(kThreads)
     ticket_kernel(const int* prev, int* partials, unsigned* ticket, int* out) {
   trigger_next();
   wait_prev();
   __shared__ bool last;
-  __shared__ int warp_sum[kThreads / 32];
   if (threadIdx.x == 0) {
     partials[blockIdx.x] = __ldcg(prev) + int(blockIdx.x);
     __threadfence();
@@ -97,17 +101,8 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
   if (!last) return;
   __threadfence();
-  int v = 0;
-  for (int i = threadIdx.x; i < int(gridDim.x); i += kThreads) v += __ldcg(partials + i);
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  if (threadIdx.x % 32 == 0) warp_sum[threadIdx.x / 32] = v;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    int s = 0;
-    for (int w = 0; w < kThreads / 32; ++w) s += warp_sum[w];
-    *out = s;
-    *ticket = 0;  // the next replay (the kernel boundary orders it)
-  }
+  block_sum_store(partials, int(gridDim.x), out);
+  if (threadIdx.x == 0) *ticket = 0;  // the next replay (the kernel boundary orders it)
 }
 
 // counter: zeroed by the graph before the kernel.
