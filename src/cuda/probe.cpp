@@ -48,6 +48,12 @@ const char* tag_name(uint32_t tag) {
       return "moe_w13_unit";
     case 11:
       return "moe_w2_unit";
+    case 12:
+      return "sparse_attn_pv";
+    case 13:
+      return "sparse_attn_merge";
+    case 14:
+      return "moe_router2_last";
     default:
       return "?";
   }

@@ -25,6 +25,9 @@ enum Tag : uint32_t {
   kTagMixFinish = 9,
   kTagW13Unit = 10,
   kTagW2Unit = 11,
+  kTagAttnPv = 12,
+  kTagAttnMerge = 13,
+  kTagRouterLast = 14,  // moe_router2's last CTA (the routing), its own record
 };
 
 }  // namespace uf::cuda::probe

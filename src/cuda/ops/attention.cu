@@ -26,20 +26,22 @@
 //     n_slots]: the CPU's dot8 lanes in the CPU's order with __fmul_rn / __fadd_rn, so every s_j
 //     has the CPU's bits; and the max of the 16 scores per head (so that kernel 2 reads 40 maxes,
 //     not 640 scores, for its base).
-//  2. P.V: one CTA of 256 threads per (chunk of S = 16 slots, row, head group; 32 is kept for
-//     benchmarks, sparse_attn_chunk_override). A chunk lies in one 64-slot block b of the CPU
-//     loop; warp h takes the CPU's running max after that block, M_b = max(-1e30, s_0 ..
-//     s_{64(b+1)-1}) (from kernel 1's 16-slot maxes; max is exact in any order), then
-//     p_j = exp(s_j - M_b) with the float subtraction and a correctly rounded exp (double, one
-//     rounding: ~0.1 us of FP64 latency, hidden behind the KV copies), psum_c = butterfly sum
-//     of the unrounded p_j, and bf16(p_j) for P.V over the re-staged KV rows (L2 hits right
-//     after kernel 1): thread (float4 column f, slot group sg) sums bf16(p_j) * k_j over
-//     j = sg, sg + ng, ... with FMAs, the group sums added in group order. It writes
-//     (M_b, psum_c) and acc_c[hd] per head.
+//  2. P.V: one CTA of 256 threads per (chunk of S = 16 slots, row, head group of 8, or of 4 when
+//     twice that grid fits the SMs: same bits; 32 slots is kept for benchmarks,
+//     sparse_attn_chunk_override). Its slot pointers and KV rows are read BEFORE its PDL wait
+//     (written by kernels that completed before kernel 1's wait returned; see the kernel). A chunk
+//     lies in one 64-slot block b of the CPU loop; warp h takes the CPU's running max after that
+//     block, M_b = max(-1e30, s_0 .. s_{64(b+1)-1}) (from kernel 1's 16-slot maxes; max is exact in
+//     any order), then p_j = exp(s_j - M_b) with the float subtraction and a correctly rounded exp
+//     (double, one rounding: ~0.1 us of FP64 latency), psum_c = butterfly sum of the unrounded p_j,
+//     and bf16(p_j) for P.V over the re-staged KV rows (L2 hits, staged while kernel 1 runs):
+//     thread (float4 column f, slot group sg) sums bf16(p_j) * k_j over j = sg, sg + ng, ... with
+//     FMAs, the group sums added in group order. It writes (M_b, psum_c) and acc_c[hd] per head.
 //  3. merge: 4 warps per (row, head, 128 columns), each summing a quarter of the chunks in
 //     chunk order, the quarters added in order: M = max M_b (= the CPU's final max),
 //     w_c = exp(M_b - M), den = butterfly sum of w_c * psum_c + exp(sink - M),
-//     out = bf16(sum_c w_c acc_c / den).
+//     out = bf16(sum_c w_c acc_c / den), then the inverse rope with (cos, sin) computed before
+//     the PDL wait.
 //  Every p_j and bf16(p_j) equals the CPU's (up to the glibc expf vs correctly rounded exp
 //  difference of the reference path); only the fp32 sums are re-associated (chunk weights
 //  instead of the CPU's running products exp(m - m_new), FMA P.V), which flips a bf16 output
@@ -145,12 +147,20 @@ __host__ __device__ inline size_t scratch_cmax(int T, int H, int hd, int nc, int
   return scratch_scores(T, H, hd, nc) + size_t(T) * H * n_slots;
 }
 
-// The pointer of slot j of row t (nullptr: empty).
-__device__ __forceinline__ const float* slot_ptr(int t, int j, const float* const* window,
-                                                 int n_window, const int32_t* topk, int k,
-                                                 const float* ckv, int hd) {
-  if (j < n_window) return window[int64_t(t) * n_window + j];
-  const int32_t e = topk[int64_t(t) * k + (j - n_window)];
+// The pointer of slot j of row t (nullptr: empty), for the P.V kernel BEFORE its PDL wait: the
+// loads bypass L1 (ld.global.cg: L2 is the coherence point, so no line an earlier grid left in
+// this SM's L1 can be read), and the values were written by kernels that completed before the
+// scores kernel's wait returned (see sparse_attn_pv_kernel).
+__device__ __forceinline__ const float* ldcg_ptr(const float* const* p) {
+  return reinterpret_cast<const float*>(__ldcg(reinterpret_cast<const unsigned long long*>(p)));
+}
+__device__ __forceinline__ const float* slot_ptr_cg(int t, int j, const float* const* window,
+                                                    int n_window, const int32_t* topk, int k,
+                                                    const float* ckv, const float* const* ckv_ref,
+                                                    int hd) {
+  if (j < n_window) return ldcg_ptr(window + int64_t(t) * n_window + j);
+  const int32_t e = __ldcg(topk + int64_t(t) * k + (j - n_window));
+  if (ckv_ref) ckv = ldcg_ptr(ckv_ref);
   return e >= 0 ? ckv + int64_t(e) * hd : nullptr;
 }
 
@@ -174,6 +184,24 @@ __device__ __forceinline__ void stage_rows(float4* kv4, int st4, const float* co
     } else {
       *dst = make_float4(p[4 * f], p[4 * f + 1], p[4 * f + 2], p[4 * f + 3]);
     }
+  }
+  detail::cp_async_commit();
+}
+
+// stage_rows for the P.V kernel's copies before its wait: the same copies, the fallback's loads
+// through L2 only (ld.global.cg) like the cp.async.cg ones.
+__device__ __forceinline__ void stage_rows_cg(float4* kv4, int st4, const float* const* slot,
+                                              int nb, int hd4, int tid, int nthreads) {
+  for (int i = tid; i < nb * hd4; i += nthreads) {
+    const int j = i / hd4, f = i - j * hd4;
+    const float* p = slot[j];
+    if (!p) continue;
+    float4* dst = kv4 + j * st4 + f;
+    if ((reinterpret_cast<uintptr_t>(p) & 15u) == 0)
+      cp_async16(dst, reinterpret_cast<const float4*>(p) + f);
+    else
+      *dst = make_float4(__ldcg(p + 4 * f), __ldcg(p + 4 * f + 1), __ldcg(p + 4 * f + 2),
+                         __ldcg(p + 4 * f + 3));
   }
   detail::cp_async_commit();
 }
@@ -231,6 +259,8 @@ __global__ void __launch_bounds__(kScoreThreads)
   // q, the window pointers, the top-k ids and the KV rows all come from earlier kernels.
   detail::pdl_wait();
   UF_PROBE_MARK(probe, 1);
+  // After the wait, never before: sparse_attn_pv_kernel reads the top-k ids, window pointers
+  // and KV rows before its own wait, which is safe only while this kernel triggers here.
   detail::pdl_trigger();
   // The KV copies wait on the slot pointers (a top-k id, then its row): their loads are issued
   // first, then the rope inputs' and q's copies, all in flight together; the values are used
@@ -346,20 +376,24 @@ __global__ void __launch_bounds__(kScoreThreads)
 }
 
 // sum_j bf16(p_j[h]) * k_j[4f .. 4f + 3] over the present slots j = j_first, j_first + step, ...
-// < nb, in slot order, for the 8 heads of the group.
-__device__ __forceinline__ void pv_sum(float4 (&acc)[kHeadGroup], const float4* kv4, int st4,
-                                       const float* ps, const float* const* slot, int f,
-                                       int j_first, int step, int nb) {
+// < nb, in slot order, for the kH heads of the CTA (8, or 4: each head's sums are the same
+// either way). present: bit j set when slot j holds a row (a register, so that the loop's
+// shared-memory loads do not wait on a slot-pointer load).
+template <int kH>
+__device__ __forceinline__ void pv_sum(float4 (&acc)[kH], const float4* kv4, int st4,
+                                       const float* ps, uint32_t present, int f, int j_first,
+                                       int step, int nb) {
 #pragma unroll
-  for (int h = 0; h < kHeadGroup; ++h) acc[h] = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int h = 0; h < kH; ++h) acc[h] = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 2
   for (int j = j_first; j < nb; j += step) {
-    if (!slot[j]) continue;  // the same for every thread: empty rows were not staged
+    if (!((present >> j) & 1u)) continue;  // the same for every thread: empty rows were not staged
     const float4 kf = kv4[j * st4 + f];
     const float4* pj = reinterpret_cast<const float4*>(ps + j * kHeadGroup);
-    const float4 pa = pj[0], pb = pj[1];
-    const float pp[kHeadGroup] = {pa.x, pa.y, pa.z, pa.w, pb.x, pb.y, pb.z, pb.w};
+    const float4 pa = pj[0], pb = kH > 4 ? pj[1] : pa;
+    const float pp[8] = {pa.x, pa.y, pa.z, pa.w, pb.x, pb.y, pb.z, pb.w};
 #pragma unroll
-    for (int h = 0; h < kHeadGroup; ++h) {
+    for (int h = 0; h < kH; ++h) {
       acc[h].x = fmaf(pp[h], kf.x, acc[h].x);
       acc[h].y = fmaf(pp[h], kf.y, acc[h].y);
       acc[h].z = fmaf(pp[h], kf.z, acc[h].z);
@@ -372,43 +406,71 @@ __device__ __forceinline__ void pv_sum(float4 (&acc)[kHeadGroup], const float4* 
 // block b; its base is the CPU's running max after block b, M_b = max(-1e30, s_0 .. s_{64(b+1)-1})
 // (warp h over the scores of head h, max is exact in any order), p_j = exp(s_j - M_b) exactly as
 // the CPU (float subtraction, correctly rounded exp), psum = butterfly sum of the unrounded p_j,
-// bf16(p_j) for P.V over the re-staged KV rows (L2 hits after kernel 1; the copies fly while the
-// softmax runs). Writes (M_b, psum) and the chunk's P.V per head.
-template <int S>
+// bf16(p_j) for P.V over the re-staged KV rows (copied before the PDL wait, while kernel 1 runs).
+// Writes (M_b, psum) and the chunk's P.V per head. kH heads a CTA (8, or 4 where the 8-head grid
+// is small): warp h < kH takes head h0 + h's softmax; every head's values and sums are the same.
+template <int S, int kH>
 __global__ void __launch_bounds__(kFastThreads)
     sparse_attn_pv_kernel(int T, int H, int hd, const float* const* window, int n_window,
                           const int32_t* __restrict__ topk, int k, const float* ckv,
                           const float* const* ckv_ref, float* __restrict__ scratch) {
   static_assert(S <= 32 && kBlock % S == 0, "a chunk is at most a warp and inside one block");
+  static_assert(kH == kHeadGroup || kH == 4, "8 or 4 heads a CTA");
   extern __shared__ __align__(16) float smem[];
   __shared__ const float* slot[S];
-  const int c = blockIdx.x, t = blockIdx.y, h0 = blockIdx.z * kHeadGroup, tid = threadIdx.x;
-  const int nh = min(kHeadGroup, H - h0), hd4 = hd / 4, st4 = kv_stride4(hd4);
+  const int c = blockIdx.x, t = blockIdx.y, h0 = blockIdx.z * kH, tid = threadIdx.x;
+  const int nh = min(kH, H - h0), hd4 = hd / 4, st4 = kv_stride4(hd4);
   const int n_slots = n_window + k, nc = gridDim.x, j0 = c * S, nb = min(S, n_slots - j0);
   const PvSmem L = pv_smem(S, hd);
   float4* kv4 = reinterpret_cast<float4*>(smem);
   float* ps = smem + L.ps;  // [S][8] bf16(p)
 
-  detail::pdl_wait();  // the scores come from kernel 1
-  detail::pdl_trigger();
-  if (ckv_ref) ckv = *ckv_ref;
+  // Probe points: 0 start, 1 PDL wait returned (the slot pointers read and the KV copies issued
+  // before it), 2 the scores and chunk maxes landed (M_b reduced), 3 bf16(p) in shared memory and
+  // the KV rows landed, 4 end.
+  UF_PROBE_OPEN_IF(probe, kTagAttnPv,
+                   tid == 0 && blockIdx.y == 0 && blockIdx.z == 0 &&
+                       (blockIdx.x == 0 || blockIdx.x == gridDim.x - 1));
+  UF_PROBE_MARK(probe, 0);
+  // Before the wait: the slot pointers (the window table, the top-k ids, the ckv base) and the KV
+  // rows. None of them is written by the scores kernel (it writes only the scores and chunk
+  // maxes), and every kernel before it had completed, its writes visible, when this grid
+  // started: this grid launches only once every scores CTA has executed launch_dependents, which
+  // each does after its own griddepcontrol.wait has returned, i.e. after all earlier grids
+  // completed. The loads go through L2 only (ld.global.cg, cp.async.cg). Nothing is written to
+  // global memory before the wait, and the scratch (the scores kernel's output) is read after it.
   if (tid < S)
-    slot[tid] = tid < nb ? slot_ptr(t, j0 + tid, window, n_window, topk, k, ckv, hd) : nullptr;
+    slot[tid] =
+        tid < nb ? slot_ptr_cg(t, j0 + tid, window, n_window, topk, k, ckv, ckv_ref, hd) : nullptr;
   __syncthreads();
-  stage_rows(kv4, st4, slot, nb, hd4, tid, kFastThreads);
+  stage_rows_cg(kv4, st4, slot, nb, hd4, tid, kFastThreads);
+  const int lane = tid % 32;
+  const bool present = lane < nb && slot[lane] != nullptr;  // the softmax's slot j0 + lane
+  const uint32_t present_bits = __ballot_sync(0xffffffffu, present);  // slot j: bit j (S <= 32)
 
-  {  // warp h: head h0 + h (a head past H reads head nh - 1 and writes nothing)
-    const int h = tid / 32, lane = tid % 32;
+  detail::pdl_wait();  // the scores come from kernel 1
+  UF_PROBE_MARK(probe, 1);
+  detail::pdl_trigger();
+
+  if (tid / 32 < kH) {  // warp h: head h0 + h (a head past H reads head nh - 1, writes nothing)
+    const int h = tid / 32;
     const int64_t th = int64_t(t) * H + h0 + min(h, nh - 1);
     const float* srow = scratch + scratch_scores(T, H, hd, nc) + th * n_slots;
     // The 16-slot chunk maxes of kernel 1 over slots [0, 64(b + 1)): at most 40 for 640 slots.
     const int n16 = (n_slots + kScoreChunk - 1) / kScoreChunk;
     const float* crow = scratch + scratch_cmax(T, H, hd, nc, n_slots) + th * n16;
     const int end = min(n16, (j0 / kBlock + 1) * (kBlock / kScoreChunk));
-    const bool present = lane < nb && slot[lane] != nullptr;
-    const float s_j = present ? srow[j0 + lane] : 0.f;  // loaded with the maxes, not after
+    // All loaded at once: s_j and the maxes i = lane, lane + 32 (every list up to 1024 slots;
+    // longer ones load the rest in the loop). The maxes are taken in the same order as the loop
+    // over i = lane, lane + 32, ... from -inf (a missing i is -inf, which the select ignores:
+    // the same value as not taking that step).
+    const float s_j = present ? srow[j0 + lane] : 0.f;
+    const float v0 = lane < end ? crow[lane] : -INFINITY;
+    const float v1 = lane + 32 < end ? crow[lane + 32] : -INFINITY;
     float mx = -INFINITY;
-    for (int i = lane; i < end; i += 32) {
+    mx = mx < v0 ? v0 : mx;
+    mx = mx < v1 ? v1 : mx;
+    for (int i = lane + 64; i < end; i += 32) {
       const float v = crow[i];
       mx = mx < v ? v : mx;
     }
@@ -418,6 +480,7 @@ __global__ void __launch_bounds__(kFastThreads)
       mx = mx < v ? v : mx;
     }
     const float m = -1e30f < mx ? mx : -1e30f;  // the CPU's running max starts at -1e30
+    UF_PROBE_MARK(probe, 2);
     const float p = present ? exp_rn(__fadd_rn(s_j, -m)) : 0.f;
     float sum = p;  // xor butterfly: every lane ends with the same, fixed-order sum
 #pragma unroll
@@ -431,28 +494,30 @@ __global__ void __launch_bounds__(kFastThreads)
   }
   detail::cp_async_wait<0>();
   __syncthreads();
+  UF_PROBE_MARK(probe, 3);
 
   // P.V: thread (column f, slot group sg) over the slots j = sg, sg + ng, ...
   const int ng = pv_groups(hd4);
   float4* accg = reinterpret_cast<float4*>(scratch);
   if (ng == 1) {
     for (int f = tid; f < hd4; f += kFastThreads) {
-      float4 acc[kHeadGroup];
-      pv_sum(acc, kv4, st4, ps, slot, f, 0, 1, nb);
+      float4 acc[kH];
+      pv_sum<kH>(acc, kv4, st4, ps, present_bits, f, 0, 1, nb);
       for (int h = 0; h < nh; ++h) accg[((int64_t(t) * H + h0 + h) * nc + c) * hd4 + f] = acc[h];
     }
+    UF_PROBE_MARK(probe, 4);
     return;
   }
   // ng > 1 means hd4 * ng <= 256: at most one item per thread. Groups 1.. hand their sums to
   // group 0 through shared memory, added in group order.
   const int f = tid % hd4, sg = tid / hd4;
   const bool active = tid < hd4 * ng;
-  float4 acc[kHeadGroup];
-  if (active) pv_sum(acc, kv4, st4, ps, slot, f, sg, ng, nb);
+  float4 acc[kH];
+  if (active) pv_sum<kH>(acc, kv4, st4, ps, present_bits, f, sg, ng, nb);
   float4* red = reinterpret_cast<float4*>(smem + L.red);
   if (active && sg > 0)
 #pragma unroll
-    for (int h = 0; h < kHeadGroup; ++h) red[((sg - 1) * kHeadGroup + h) * hd4 + f] = acc[h];
+    for (int h = 0; h < kH; ++h) red[((sg - 1) * kHeadGroup + h) * hd4 + f] = acc[h];
   __syncthreads();
   if (active && sg == 0)
     for (int h = 0; h < nh; ++h) {
@@ -466,6 +531,7 @@ __global__ void __launch_bounds__(kFastThreads)
       }
       accg[((int64_t(t) * H + h0 + h) * nc + c) * hd4 + f] = a;
     }
+  UF_PROBE_MARK(probe, 4);
 }
 
 // The chunks of one (row, head) merged in a fixed order; a CTA of kMergeWarps warps per (row,
@@ -490,12 +556,52 @@ __global__ void __launch_bounds__(kMergeWarps * 32)
                              float* __restrict__ out) {
   extern __shared__ float wsh_all[];  // [kMergeWarps][nc] chunk weights, one copy per warp
   __shared__ float4 red[kMergeWarps][32];
-  detail::pdl_wait();
-  detail::pdl_trigger();
+  __shared__ float2 rcs[2][32];  // the inverse rope's (cos, sin) of pairs 2f, 2f + 1 (rotated)
   const int th = blockIdx.y, h = th % H, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int hd4 = hd / 4, f = blockIdx.x * 32 + lane;
   const bool col = f < hd4;
+  // Probe points: 0 start, 1 PDL wait returned (sink and the inverse rope's cos / sin ready
+  // before it), 2 the chunk statistics landed (M reduced), 3 den and the weights known, 4 end.
+  UF_PROBE_OPEN_IF(
+      probe, kTagAttnMerge,
+      threadIdx.x == 0 && blockIdx.x == 0 && (blockIdx.y == 0 || blockIdx.y == gridDim.y - 1));
+  UF_PROBE_MARK(probe, 0);
+  // Before the wait: what no kernel of this call writes. sink and the rope frequencies are model
+  // weights; the positions are the step block's (uploaded before the step's first kernel) and,
+  // whoever wrote them, were complete when this grid started: it launches only once every P.V
+  // CTA has executed launch_dependents, after its wait, i.e. after the scores kernel completed,
+  // which in turn had waited for every earlier grid. So the inverse rope's (cos, sin) of the
+  // output's two pairs per float4 column (rope_cos_sin: the same call on the same inputs as after
+  // the wait) are computed here, off the chain: lane (warp w < 2, column f) that of pair w, into
+  // rcs[w] (one call a thread: no value lives across the double sincos's slow-path call), read by
+  // warp 0 after the barrier before the final sum. ld.global.cg: no line an earlier grid left in
+  // L1 is read.
+  const float sink_h = __ldcg(sink + h);
+  const int r0 = hd - rope.rope_dim;
+  const bool rot = rope.freqs && col && 4 * f >= r0;  // this column holds rotated channels
+  if (rot && warp < 2) {
+    const int t = th / H, i = (4 * f - r0) / 2 + warp;
+    const int64_t pos = rope.positions ? __ldcg(rope.positions + t) : rope.p0 + t;
+    float c, s;
+    ew::rope_cos_sin(pos, __ldcg(rope.freqs + i), true, &c, &s);
+    rcs[warp][lane] = make_float2(c, s);
+  }
+
+  detail::pdl_wait();
+  UF_PROBE_MARK(probe, 1);
+  detail::pdl_trigger();
   const int c0 = warp * nc / kMergeWarps, c1 = (warp + 1) * nc / kMergeWarps;
+  // The (M_b, psum) pairs of chunks lane and lane + 32 load first (the max waits on them), then the
+  // chunk records (64-bit loads: the pair is 8-byte aligned); longer lists load the rest in the
+  // loops. The max and den take the chunks c = lane, lane + 32, ... in that order as before; a
+  // missing chunk is -inf for the max (the select ignores it: the same value as not taking the
+  // step) and skipped for den.
+  const float2* st =
+      reinterpret_cast<const float2*>(scratch + size_t(T) * H * nc * hd) + int64_t(th) * nc;
+  float* wsh = wsh_all + warp * nc;
+  const bool has0 = lane < nc, has1 = lane + 32 < nc;
+  const float2 s0 = has0 ? st[lane] : make_float2(-INFINITY, 0.f);
+  const float2 s1 = has1 ? st[lane + 32] : make_float2(-INFINITY, 0.f);
   const float4* acc =
       reinterpret_cast<const float4*>(scratch) + int64_t(th) * nc * hd4 + (col ? f : 0);
   float4 v[kMergePrefetch];
@@ -503,25 +609,40 @@ __global__ void __launch_bounds__(kMergeWarps * 32)
   for (int u = 0; u < kMergePrefetch; ++u)
     v[u] = c0 + u < c1 ? acc[int64_t(c0 + u) * hd4] : make_float4(0.f, 0.f, 0.f, 0.f);
 
-  const float* st = scratch + size_t(T) * H * nc * hd + int64_t(th) * nc * 2;
-  float* wsh = wsh_all + warp * nc;
   float mx = -INFINITY;
-  for (int c = lane; c < nc; c += 32) mx = mx < st[2 * c] ? st[2 * c] : mx;
+  mx = mx < s0.x ? s0.x : mx;
+  mx = mx < s1.x ? s1.x : mx;
+  for (int c = lane + 64; c < nc; c += 32) mx = mx < st[c].x ? st[c].x : mx;
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
     const float x = __shfl_xor_sync(0xffffffffu, mx, o);
     mx = mx < x ? x : mx;
   }
+  UF_PROBE_MARK(probe, 2);
+  // The three exps are independent and unconditional (no divergent branch: one FP64 latency,
+  // not three); a missing chunk's w is never used. den adds in the same order.
+  const float e_sink = exp_rn(__fadd_rn(sink_h, -mx));
+  const float w0 = exp_rn(__fadd_rn(s0.x, -mx)), w1 = exp_rn(__fadd_rn(s1.x, -mx));
   float den = 0.f;
-  for (int c = lane; c < nc; c += 32) {
-    const float w = exp_rn(__fadd_rn(st[2 * c], -mx));
+  if (has0) {
+    wsh[lane] = w0;
+    den = fmaf(s0.y, w0, den);
+  }
+  if (has1) {
+    wsh[lane + 32] = w1;
+    den = fmaf(s1.y, w1, den);
+  }
+  for (int c = lane + 64; c < nc; c += 32) {
+    const float2 sc = st[c];
+    const float w = exp_rn(__fadd_rn(sc.x, -mx));
     wsh[c] = w;
-    den = fmaf(st[2 * c + 1], w, den);
+    den = fmaf(sc.y, w, den);
   }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) den += __shfl_xor_sync(0xffffffffu, den, o);
-  den += exp_rn(__fadd_rn(sink[h], -mx));
+  den += e_sink;
   __syncwarp();
+  UF_PROBE_MARK(probe, 3);
 
   float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
@@ -554,22 +675,20 @@ __global__ void __launch_bounds__(kMergeWarps * 32)
   o.z = detail::round_bf16(__fdiv_rn(r.z, den));
   o.w = detail::round_bf16(__fdiv_rn(r.w, den));
   // The inverse rope on the rotated channels [hd - rope_dim, hd): this float4 holds two whole
-  // pairs (the host checks (hd - rope_dim) % 4 == 0); rope_kernel's operations on them.
-  const int r0 = hd - rope.rope_dim;
-  if (rope.freqs && 4 * f >= r0) {
-    const int t = th / H, i = (4 * f - r0) / 2;
-    const int64_t pos = rope.positions ? rope.positions[t] : rope.p0 + t;
-    float c, s, pr[2];
-    ew::rope_cos_sin(pos, rope.freqs[i], true, &c, &s);
+  // pairs (the host checks (hd - rope_dim) % 4 == 0); rope_kernel's operations on them, with the
+  // (cos, sin) computed before the wait.
+  if (rot) {
+    const float2 cs0 = rcs[0][lane], cs1 = rcs[1][lane];
+    float pr[2];
     pr[0] = o.x, pr[1] = o.y;
-    ew::rope_pair(pr, c, s);
+    ew::rope_pair(pr, cs0.x, cs0.y);
     o.x = pr[0], o.y = pr[1];
-    ew::rope_cos_sin(pos, rope.freqs[i + 1], true, &c, &s);
     pr[0] = o.z, pr[1] = o.w;
-    ew::rope_pair(pr, c, s);
+    ew::rope_pair(pr, cs1.x, cs1.y);
     o.z = pr[0], o.w = pr[1];
   }
   reinterpret_cast<float4*>(out + int64_t(th) * hd)[f] = o;
+  UF_PROBE_MARK(probe, 4);
 }
 
 __global__ void __launch_bounds__(kThreads)
@@ -671,11 +790,11 @@ __global__ void __launch_bounds__(kThreads)
   for (int d = tid; d < hd; d += kThreads) o[d] = detail::round_bf16(__fdiv_rn(acc[d], sum));
 }
 
-template <int S>
+template <int S, int kH>
 void launch_pv(int T, int H, int hd, const float* const* window, int n_window, const int32_t* topk,
                int k, const float* ckv, const float* const* ckv_ref, float* scratch,
                cudaStream_t stream) {
-  const auto kernel = sparse_attn_pv_kernel<S>;
+  const auto kernel = sparse_attn_pv_kernel<S, kH>;
   static const bool configured = [&] {
     UF_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        int(pv_smem(S, kMaxHeadDim).total)));
@@ -684,8 +803,7 @@ void launch_pv(int T, int H, int hd, const float* const* window, int n_window, c
   }();
   (void)configured;
   const int n_slots = n_window + k;
-  const dim3 grid(unsigned((n_slots + S - 1) / S), unsigned(T),
-                  unsigned((H + kHeadGroup - 1) / kHeadGroup));
+  const dim3 grid(unsigned((n_slots + S - 1) / S), unsigned(T), unsigned((H + kH - 1) / kH));
   detail::launch_pdl(kernel, grid, dim3(kFastThreads), pv_smem(S, hd).total, stream, T, H, hd,
                      window, n_window, topk, k, ckv, ckv_ref, scratch);
 }
@@ -756,10 +874,12 @@ void sparse_attn(const float* q, int T, int H, int hd, const float* const* windo
     else
       launch_scores<8>(n16, q, T, H, hd, window, n_window, topk, k, ckv, ckv_ref, scale, rope,
                        scores, cmax, stream);
-    if (fast_chunk(n_slots) == 16)
-      launch_pv<16>(T, H, hd, window, n_window, topk, k, ckv, ckv_ref, split_scratch, stream);
-    else
-      launch_pv<32>(T, H, hd, window, n_window, topk, k, ckv, ckv_ref, split_scratch, stream);
+    // P.V CTAs of 4 heads on the same rule (1 row: 80 CTAs, not 40): each thread's P.V sums are
+    // half as many, each head's the same bits (its own p, slots and order either way).
+    const bool pv4 = int64_t(2) * nc * T * ((H + 7) / 8) <= sm_count();
+    const auto pv = fast_chunk(n_slots) == 16 ? (pv4 ? launch_pv<16, 4> : launch_pv<16, 8>)
+                                              : (pv4 ? launch_pv<32, 4> : launch_pv<32, 8>);
+    pv(T, H, hd, window, n_window, topk, k, ckv, ckv_ref, split_scratch, stream);
     const dim3 grid(unsigned((hd + kMergeCols - 1) / kMergeCols), unsigned(T * H));
     detail::launch_pdl(sparse_attn_merge_kernel, grid, dim3(kMergeWarps * 32),
                        size_t(kMergeWarps) * size_t(nc) * sizeof(float), stream,
