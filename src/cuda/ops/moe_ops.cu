@@ -567,7 +567,7 @@ __global__ void __launch_bounds__(kRouterWarps * 32, 2)
   const bool last = s_last;  // uniform over the block
   UF_PROBE_MARK(probe, 4);
   if (last) {
-    UF_PROBE_OPEN_IF(probe_last, kTagRouter2, threadIdx.x == 0);
+    UF_PROBE_OPEN_IF(probe_last, kTagRouterLast, threadIdx.x == 0);
     UF_PROBE_MARK(probe_last, 0);
     __threadfence();
     UF_PROBE_MARK(probe_last, 1);
