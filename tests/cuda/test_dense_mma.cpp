@@ -224,6 +224,9 @@ INSTANTIATE_TEST_SUITE_P(
         MmaCase{"head_like", WFormat::kBF16, 8200, 5120, 0, 0, 0, 0, false, false},
         // The TP8 rank's eighth of the head has 16160 rows (S = 1 or 2 by SM count): 1010 tiles.
         MmaCase{"head8_like", WFormat::kBF16, 1010 * 16, 1024, 0, 0, 0, 0, false, false},
+        // More tiles than the grid's warps (2500 tiles; 8 KB x + the warps' weight rings: 2 CTAs
+        // an SM, 264 CTAs on 132 SMs): warps run 2 tiles, the ring crossing tile boundaries.
+        MmaCase{"multi_tile_bf16", WFormat::kBF16, 40000, 512, 0, 0, 0, 2, true, false},
         // Router gate [384, 5120] BF16, fp32 scores: split K (S = 16 on 132 SMs).
         MmaCase{"router", WFormat::kBF16, 384, 5120, 0, 0, 0, 0, false, false, true},
         // wo_a of a TP8 rank: FP8 [1024, 4096] with 32x32 block scales, bf16 out, split K.

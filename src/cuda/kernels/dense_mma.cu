@@ -15,9 +15,27 @@
 //   x of the CTA's K range is staged once per CTA in shared memory as bf16, laid out as the
 //   fragments read it: [chunk][half][token][tg][8 values], so a warp's 16-byte reads cover 512
 //   contiguous bytes (conflict free). Staging checks that each value is bf16-exact (else NaN).
-//   Weight loads: 16-byte ld.global.nc (no L1 allocation), a group of 8 a thread (4 KB a warp)
-//   issued one group ahead of the mma work (register double buffer), across tile boundaries: a
-//   warp's tiles and chunks are one flat sequence.
+//   A warp's tiles and chunks are one flat sequence of steps (one chunk a step), loaded ahead
+//   across tile boundaries:
+//   BF16 (dense_mma_kernel<false, R>): a per-warp shared-memory ring of R stages (one chunk, 16
+//     rows x 128 bytes = 2 KB, a stage), filled by cp.async.cg (L2 only; one warp instruction
+//     copies 4 whole 128-byte row lines; rows >= n zero-filled), one commit group a step. Step s:
+//     wait until chunk s landed (cp.async.wait_group R - 2, then __syncwarp for the other lanes'
+//     pieces and to end every lane's reads of step s - 1's stage), issue chunk s + R - 1 into that
+//     stage, compute chunk s. So R - 1 chunks are always in flight while one computes; the first
+//     R - 1 go out before griddepcontrol.wait. Rows in a stage are 128 bytes with piece c of row
+//     r at slot c ^ 4 (r & 1): the fragment reads (lanes of rows g, g + 1 reading pieces tg or
+//     4 + tg) are bank-conflict free. R = 5 (UF_DENSE_RING_STAGES = 7 or 9 for experiments,
+//     lowered to fit 227 KB): the TP8 head slice [16160, 5120] runs 127 CTAs (one an SM) of
+//     80 KB x + 8 x 10 KB rings = 160 KB, 64 KB of weights in flight an SM at all times
+//     (before: 80 KB, x only, and FP8's register double buffer, 4 to 8 KB a warp).
+//     UF_DENSE_L2_PREFETCH = D (chunks, a multiple of 4; default 0 = off, an experiment): every 4th
+//     issue also bulk-prefetches the tile's chunks D .. D + 3 further on into L2 (16 lanes, 512
+//     bytes a row), more DRAM requests in flight without shared memory.
+//   FP8: 16-byte ld.global.nc (no L1 allocation), a group of 8 a thread (4 chunks, 4 KB a warp)
+//     issued one group ahead of the mma work (register double buffer).
+//   Either way each chunk is the same 4 mma (mma_chunk) on the same fragment values, acc from 0
+//   at each part start, parts folded in part order: the loads' path does not touch the sums.
 //
 // Configurations (host, run()), S = splits(n) from (tiles = ceil(n / 16), K, SM count) only:
 //   full K (S == 1, or any S with m > 8): CTAs of 8 warps, x [<= 8, K] staged once, each warp
@@ -68,6 +86,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 
 #include "cuda/cuda_check.h"
@@ -90,6 +109,42 @@ constexpr int kRows = kMaxDecodeRows;                   // token rows per mma (B
 // >= 4 chunks a tile: at most one tile ends inside a load group (kG <= 4 chunks), which the
 // epilogue stash relies on.
 constexpr int64_t kMinCols = 4 * kChunkK;
+// BF16 weight ring of dense_mma_kernel<false, R>: per warp R stages of one chunk (16 rows x 128
+// bytes), R - 1 chunks in flight while one computes. R = kRingStages, or 7 / 9 through
+// UF_DENSE_RING_STAGES (speed only: the same loads and arithmetic), lowered to fit kSmemOptin.
+constexpr int kRingStages = 5;
+constexpr int kRingStageBytes = 16 * kChunkK * 2;  // 2 KB
+constexpr size_t kSmemOptin = 227 * 1024;          // sm_90 / sm_100 per-CTA opt-in maximum
+
+int ring_stages(size_t x_bytes, int warps) {
+  static const int want = [] {
+    const char* e = std::getenv("UF_DENSE_RING_STAGES");
+    const int v = e ? std::atoi(e) : kRingStages;
+    return v >= 9 ? 9 : v >= 7 ? 7 : kRingStages;
+  }();
+  int r = want;
+  while (r > kRingStages && x_bytes + size_t(warps) * size_t(r) * kRingStageBytes > kSmemOptin)
+    r -= 2;
+  return r;
+}
+
+// BF16: the L2 prefetch distance in chunks ahead of the ring's cp.async: UF_DENSE_L2_PREFETCH
+// (rounded down to a multiple of 4, at most 64), default 0 (none). Speed only.
+int l2_prefetch_chunks() {
+  static const int v = [] {
+    const char* e = std::getenv("UF_DENSE_L2_PREFETCH");
+    const int c = e ? std::atoi(e) : 0;
+    return c <= 0 ? 0 : std::min(c, 64) / 4 * 4;
+  }();
+  return v;
+}
+
+// Dynamic shared memory of dense_mma_kernel: staged x (x_bytes: the CTA's K range x 8 rows bf16),
+// then (BF16) the warps' weight rings.
+size_t full_smem(size_t x_bytes, int warps, bool fp8) {
+  return x_bytes +
+         (fp8 ? 0 : size_t(warps) * size_t(ring_stages(x_bytes, warps)) * kRingStageBytes);
+}
 
 struct Args {
   const uint8_t* w;      // weight row r0 (row 0 of the call)
@@ -107,6 +162,7 @@ struct Args {
   int cta_parts;  // parts one CTA covers: S (full K) or 1 (split K, part = blockIdx.y)
   int splits;     // S
   int x_vec;      // x 16-byte aligned with x_stride % 4 == 0: float4 staging loads
+  int l2pf;       // BF16: L2 prefetch distance in chunks (a multiple of 4; 0: none)
   float* partials;
   int* counters;
 };
@@ -117,6 +173,18 @@ __device__ __forceinline__ uint4 ld_stream_u4(const void* p) {
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                : "l"(p));
   return v;
+}
+
+// 16 bytes global -> shared (L2 only); bytes = 0: the 16 bytes are zero-filled, nothing is read.
+__device__ __forceinline__ void cp_async16_zfill(uint32_t dst, const void* src, int bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes)
+               : "memory");
+}
+
+// A hint: bytes (a multiple of 16) of global memory from p into L2 (the bulk-copy unit; no
+// registers, no shared memory, nothing waits on it).
+__device__ __forceinline__ void prefetch_l2_bulk(const void* p, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
 }
 
 // d += A * B: A 16x16 bf16 (a0: row g, K lo; a1: row g+8, K lo; a2: row g, K hi; a3: row g+8,
@@ -235,8 +303,10 @@ __device__ __forceinline__ void chunk_x(uint4 (&xv)[2], const uint8_t* xs, int c
   xv[1] = *reinterpret_cast<const uint4*>(xp + kRows * 64);
 }
 
-template <bool kFp8>
+template <bool kFp8, int kStages>
 __global__ void __launch_bounds__(kFullWarps * 32, 2) dense_mma_kernel(const Args p) {
+  static_assert(kStages >= 3, "the ring needs a stage computing and two in flight");
+  constexpr int kRingWarpBytes = kStages * kRingStageBytes;
   extern __shared__ __align__(16) uint8_t xs[];
   pdl_trigger();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
@@ -255,10 +325,11 @@ __global__ void __launch_bounds__(kFullWarps * 32, 2) dense_mma_kernel(const Arg
   const int ntile = tile0 < p.tiles ? (p.tiles - 1 - tile0) / G + 1 : 0;
   const int steps = ntile * nck;
 
-  constexpr int kG = kFp8 ? 4 : 2;  // chunks per load group: 8 x 16-byte loads a thread
-  constexpr int kL = kFp8 ? 2 : 4;  // 16-byte loads per chunk
+  constexpr int kG = 4;             // FP8: chunks per register load group (8 x 16-byte loads)
+  constexpr int kL = kFp8 ? 2 : 4;  // 16-byte pieces a thread per chunk
 
   int lpos = 0, lt = tile0, lc = 0;  // load cursor
+  // FP8: the next kG chunks into registers.
   auto load_group = [&](uint4(&buf)[kG][kL], float(&sc)[kG][2]) {
 #pragma unroll
     for (int i = 0; i < kG; ++i) {
@@ -266,40 +337,69 @@ __global__ void __launch_bounds__(kFullWarps * 32, 2) dense_mma_kernel(const Arg
         const int ra = lt * 16 + g, rb = ra + 8;
         const bool va = ra < p.n, vb = rb < p.n;
         const uint4 z = make_uint4(0u, 0u, 0u, 0u);
-        if constexpr (kFp8) {
-          const int k = kbeg + lc * kChunkK + tg * 16;
-          const uint8_t* pa = p.w + int64_t(ra) * p.K + k;
-          buf[i][0] = va ? ld_stream_u4(pa) : z;
-          buf[i][1] = vb ? ld_stream_u4(pa + 8 * int64_t(p.K)) : z;
-          sc[i][0] = va ? fp8_scale(p, ra, k) : 1.f;
-          sc[i][1] = vb ? fp8_scale(p, rb, k) : 1.f;
-        } else {
-          // Halves at elements 8 tg and 32 + 8 tg: each load instruction reads 64 contiguous
-          // bytes of a row (whole sectors).
-          const int k = kbeg + lc * kChunkK + tg * 8;
-          const uint8_t* pa = p.w + (int64_t(ra) * p.K + k) * 2;
-          const uint8_t* pb = pa + 16 * int64_t(p.K);
-          buf[i][0] = va ? ld_stream_u4(pa) : z;
-          buf[i][1] = va ? ld_stream_u4(pa + 64) : z;
-          buf[i][2] = vb ? ld_stream_u4(pb) : z;
-          buf[i][3] = vb ? ld_stream_u4(pb + 64) : z;
-        }
+        const int k = kbeg + lc * kChunkK + tg * 16;
+        const uint8_t* pa = p.w + int64_t(ra) * p.K + k;
+        buf[i][0] = va ? ld_stream_u4(pa) : z;
+        buf[i][1] = vb ? ld_stream_u4(pa + 8 * int64_t(p.K)) : z;
+        sc[i][0] = va ? fp8_scale(p, ra, k) : 1.f;
+        sc[i][1] = vb ? fp8_scale(p, rb, k) : 1.f;
         ++lpos;
         if (++lc == nck) lc = 0, lt += G;
       }
     }
   };
 
-  // Weights do not depend on the previous kernel: the first group goes out before the PDL wait.
+  // BF16: the warp's ring (kStages stages of one chunk, 16 rows x 128 bytes, after x). Chunk
+  // row r's 16-byte piece c (elements 8 c .. 8 c + 7) sits at r * 128 + (c ^ 4 (r & 1)) * 16: the
+  // fragment reads (row g, piece tg or 4 + tg; 8 lanes = rows g, g + 1) hit distinct banks.
+  uint8_t* ring = xs + size_t(p.cta_parts) * size_t(p.kp) * 16 + size_t(warp) * kRingWarpBytes;
+  // The next chunk (lpos) into ring stage st, one commit group (empty once the chunks run out,
+  // so that every step commits exactly one group). One instruction copies 4 whole 128-byte row
+  // lines (lane: row 4 j + lane / 8, piece lane % 8); rows >= n are zero-filled.
+  const int lrow = lane >> 3, lpiece = lane & 7;  // the lane's row (+ 4 j) and piece
+  const int64_t row_bytes = int64_t(p.K) * 2;
+  const uint8_t* wlane = p.w + lrow * row_bytes + int64_t(kbeg) * 2 + lpiece * 16;
+  const uint32_t ring_lane =
+      uint32_t(__cvta_generic_to_shared(ring)) + lrow * 128 + ((lpiece ^ ((lrow & 1) << 2)) << 4);
+  auto ring_issue = [&](int st) {
+    if (lpos < steps) {
+      const uint8_t* src = wlane + int64_t(lt) * 16 * row_bytes + lc * (kChunkK * 2);
+      const int nv = p.n - lt * 16 - lrow;  // row 4 j + lrow is valid while 4 j < nv
+      // L2 prefetch (p.l2pf > 0): at every 4th chunk, lane r < 16 asks for row r's chunks
+      // lc + l2pf .. + 3 (512 bytes) of the same tile, ahead of their cp.async.
+      if (p.l2pf > 0 && (lc & 3) == 0 && lc + p.l2pf + 4 <= nck && lane < 16 &&
+          lt * 16 + lane < p.n)
+        prefetch_l2_bulk(p.w + (int64_t(lt * 16 + lane) * p.K + kbeg + (lc + p.l2pf) * kChunkK) * 2,
+                         4 * kChunkK * 2);
+      const uint32_t dst = ring_lane + st * kRingStageBytes;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const bool v = 4 * j < nv;
+        cp_async16_zfill(dst + j * 512, v ? src + 4 * j * row_bytes : p.w, v ? 16 : 0);
+      }
+      ++lpos;
+      if (++lc == nck) lc = 0, lt += G;
+    }
+    cp_async_commit();
+  };
+
+  // Weights do not depend on the previous kernel: they go out before the PDL wait (FP8: the
+  // first register group; BF16: the first kStages - 1 chunks).
   uint4 bufA[kG][kL], bufB[kG][kL];
   float scA[kG][2], scB[kG][2];
-  load_group(bufA, scA);
+  if constexpr (kFp8) {
+    load_group(bufA, scA);
+  } else {
+#pragma unroll
+    for (int st = 0; st < kStages - 1; ++st) ring_issue(st);
+  }
   pdl_wait();
 
   // Stage x[chunk rows, CTA K range] as bf16: item (token r, 8-group q) -> fragment layout.
-  // kStageBatch items a thread per round, all loads first (several L2 round trips in flight).
+  // kStageBatch items a thread per round, all loads first (several L2 round trips in flight;
+  // BF16: 8, three rounds for 8 rows of K = 5120 instead of five).
   {
-    constexpr int kStageBatch = 4;
+    constexpr int kStageBatch = kFp8 ? 4 : 8;
     const int nq = p.cta_parts * p.kp / 8, items = kRows * nq, nt = int(blockDim.x);
     for (int i0 = int(threadIdx.x); i0 < items; i0 += kStageBatch * nt) {
       float f[kStageBatch][8];
@@ -398,53 +498,36 @@ __global__ void __launch_bounds__(kFullWarps * 32, 2) dense_mma_kernel(const Arg
   bool first_part = true;
   float acc[4] = {0.f, 0.f, 0.f, 0.f}, tot[4] = {0.f, 0.f, 0.f, 0.f}, done[4];
   int done_tile = -1;
+  // One chunk (step cpos): 4 mma in the fixed fragment order into acc (mma_chunk), then the part
+  // and tile bookkeeping. buf: the thread's pieces (FP8: row g, row g + 8; BF16: row g at 8 tg
+  // and 32 + 8 tg, then row g + 8 the same), sa / sb: FP8 scales.
+  auto consume = [&](const uint4(&buf)[kL], float sa, float sb) {
+    uint4 xv[2];
+    chunk_x(xv, xs, cc, g, tg);
+    mma_chunk<kFp8>(acc, buf, sa, sb, xv);
+    ++cpos;
+    if (++pc == nckp) {  // a part is complete: fold it into the total, in part order
+      pc = 0;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        tot[e] = first_part ? acc[e] : __fadd_rn(tot[e], acc[e]);
+        acc[e] = 0.f;
+      }
+      first_part = false;
+    }
+    if (++cc == nck) {  // the tile's K range is complete: finished after the group / chunk
+#pragma unroll
+      for (int e = 0; e < 4; ++e) done[e] = tot[e];
+      done_tile = ct;
+      cc = 0;
+      ct += G;
+      first_part = true;
+    }
+  };
   auto compute_group = [&](const uint4(&buf)[kG][kL], const float(&sc)[kG][2]) {
 #pragma unroll
-    for (int i = 0; i < kG; ++i) {
-      if (cpos < steps) {
-        uint32_t wa[8], wb[8];
-        if constexpr (kFp8) {
-          const uint32_t ca[4] = {buf[i][0].x, buf[i][0].y, buf[i][0].z, buf[i][0].w};
-          const uint32_t cb[4] = {buf[i][1].x, buf[i][1].y, buf[i][1].z, buf[i][1].w};
-#pragma unroll
-          for (int e = 0; e < 8; ++e) {
-            wa[e] = e4m3x2_to_bf16x2(ca[e >> 1] >> (16 * (e & 1)), sc[i][0]);
-            wb[e] = e4m3x2_to_bf16x2(cb[e >> 1] >> (16 * (e & 1)), sc[i][1]);
-          }
-        } else {
-          wa[0] = buf[i][0].x, wa[1] = buf[i][0].y, wa[2] = buf[i][0].z, wa[3] = buf[i][0].w;
-          wa[4] = buf[i][1].x, wa[5] = buf[i][1].y, wa[6] = buf[i][1].z, wa[7] = buf[i][1].w;
-          wb[0] = buf[i][2].x, wb[1] = buf[i][2].y, wb[2] = buf[i][2].z, wb[3] = buf[i][2].w;
-          wb[4] = buf[i][3].x, wb[5] = buf[i][3].y, wb[6] = buf[i][3].z, wb[7] = buf[i][3].w;
-        }
-        const uint8_t* xp = xs + ((cc * 2 * kRows + g) * 4 + tg) * 16;
-        const uint4 x0 = *reinterpret_cast<const uint4*>(xp);
-        const uint4 x1 = *reinterpret_cast<const uint4*>(xp + kRows * 64);
-        const uint32_t xw[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-          mma_bf16(acc, wa[2 * j], wb[2 * j], wa[2 * j + 1], wb[2 * j + 1], xw[2 * j],
-                   xw[2 * j + 1]);
-        ++cpos;
-        if (++pc == nckp) {  // a part is complete: fold it into the total, in part order
-          pc = 0;
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            tot[e] = first_part ? acc[e] : __fadd_rn(tot[e], acc[e]);
-            acc[e] = 0.f;
-          }
-          first_part = false;
-        }
-        if (++cc == nck) {  // the tile's K range is complete: finished after the group
-#pragma unroll
-          for (int e = 0; e < 4; ++e) done[e] = tot[e];
-          done_tile = ct;
-          cc = 0;
-          ct += G;
-          first_part = true;
-        }
-      }
-    }
+    for (int i = 0; i < kG; ++i)
+      if (cpos < steps) consume(buf[i], sc[i][0], sc[i][1]);
     // Full K: at most one tile ends per group (nck >= kG): one copy of the store per group
     // instead of one per chunk. Split K: a warp has at most one tile; its epilogue runs after the
     // loop, when the weight buffers are dead (its batched partial loads need the registers).
@@ -454,12 +537,36 @@ __global__ void __launch_bounds__(kFullWarps * 32, 2) dense_mma_kernel(const Arg
     }
   };
 
-  while (cpos < steps) {  // warp-uniform
-    load_group(bufB, scB);
-    compute_group(bufA, scA);
-    if (cpos >= steps) break;
-    load_group(bufA, scA);
-    compute_group(bufB, scB);
+  if constexpr (kFp8) {
+    while (cpos < steps) {  // warp-uniform
+      load_group(bufB, scB);
+      compute_group(bufA, scA);
+      if (cpos >= steps) break;
+      load_group(bufA, scA);
+      compute_group(bufB, scB);
+    }
+  } else {
+    // Step s: chunk s has landed (this lane's pieces: the groups of steps > s may be pending;
+    // every lane's after the warp barrier, which also ends every lane's reads of step s - 1's
+    // stage); chunk s + kStages - 1 goes into that stage; then chunk s computes.
+    int st = 0;             // ring stage of step cpos
+    while (cpos < steps) {  // warp-uniform
+      cp_async_wait<kStages - 2>();
+      __syncwarp();
+      ring_issue(st == 0 ? kStages - 1 : st - 1);
+      const uint8_t* sp = ring + st * kRingStageBytes + g * 128;
+      const int c0 = (tg ^ ((g & 1) << 2)) << 4, c1 = c0 ^ 64;  // pieces tg, 4 + tg
+      const uint4 buf[kL] = {*reinterpret_cast<const uint4*>(sp + c0),
+                             *reinterpret_cast<const uint4*>(sp + c1),
+                             *reinterpret_cast<const uint4*>(sp + 8 * 128 + c0),
+                             *reinterpret_cast<const uint4*>(sp + 8 * 128 + c1)};
+      consume(buf, 1.f, 1.f);
+      if (full && done_tile >= 0) {
+        store(done_tile, done);
+        done_tile = -1;
+      }
+      st = st + 1 == kStages ? 0 : st + 1;
+    }
   }
   if (done_tile >= 0) finish_split(done_tile, done);
 }
@@ -966,11 +1073,28 @@ int split_count(int64_t tiles, int64_t cols, int sms) {
   return s;
 }
 
+// f(the full-K / split-K kernel of the format and ring depth R).
+template <typename F>
+void with_full_kernel(bool fp8, int R, F&& f) {
+  if (fp8)
+    f(dense_mma_kernel<true, kRingStages>);  // no ring (register loads)
+  else if (R == 9)
+    f(dense_mma_kernel<false, 9>);
+  else if (R == 7)
+    f(dense_mma_kernel<false, 7>);
+  else
+    f(dense_mma_kernel<false, kRingStages>);
+}
+
 template <bool kFp8>
 void setup_kernel() {
-  UF_CUDA_CHECK(cudaFuncSetAttribute(dense_mma_kernel<kFp8>,
-                                     cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem));
-  prefer_shared_carveout(dense_mma_kernel<kFp8>);
+  for (int R : {kRingStages, 7, 9})
+    with_full_kernel(kFp8, R, [&](auto kernel) {
+      const size_t most = kMaxSmem + (kFp8 ? 0 : size_t(kFullWarps) * size_t(R) * kRingStageBytes);
+      UF_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         int(std::min(most, kSmemOptin))));
+      prefer_shared_carveout(kernel);
+    });
   UF_CUDA_CHECK(cudaFuncSetAttribute(dense_mma_resident_kernel<kFp8>,
                                      cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      int(kResSmemBudget)));
@@ -1009,13 +1133,11 @@ DenseMma::DenseMma(const DeviceWeight& w, int sm_count, DenseMmaPath path, int r
   setup_kernel<false>();
   setup_kernel<true>();
   int occ = 0;
-  const size_t smem = size_t(cols_) * 16;
-  if (fp8_)
-    UF_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, dense_mma_kernel<true>,
-                                                                kFullWarps * 32, smem));
-  else
-    UF_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, dense_mma_kernel<false>,
-                                                                kFullWarps * 32, smem));
+  const size_t xb = size_t(cols_) * 16, smem = full_smem(xb, kFullWarps, fp8_);
+  with_full_kernel(fp8_, ring_stages(xb, kFullWarps), [&](auto kernel) {
+    UF_CUDA_CHECK(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernel, kFullWarps * 32, smem));
+  });
   ctas_per_sm_ = std::max(1, occ);
   // The split workspace for the largest split call over every row count n <= rows.
   const int64_t max_tiles = (rows_ + 15) / 16;
@@ -1076,6 +1198,7 @@ void DenseMma::run(const DeviceWeight& w, int64_t r0, int64_t n, const float* x,
   a.kp = int(cols_ / S);
   a.splits = S;
   a.x_vec = reinterpret_cast<uintptr_t>(x) % 16 == 0 && x_stride % 4 == 0 ? 1 : 0;
+  a.l2pf = fp8_ ? 0 : l2_prefetch_chunks();
   a.partials = partials_;
   a.counters = counters_;
   if (chunks == 1 && resident_) {  // decode rows: the resident kernel where the plan fits
@@ -1124,7 +1247,7 @@ void DenseMma::run(const DeviceWeight& w, int64_t r0, int64_t n, const float* x,
     return;
   }
   dim3 grid, block;
-  size_t smem;
+  size_t smem, xb;
   if (S > 1 && chunks == 1) {  // split K: one part per CTA
     require(size_t(S) * size_t(tiles) * 128 <= partial_floats_ && tiles <= counter_count_,
             "DenseMma::run: the split workspace is smaller than the call's %d x %lld tiles", S,
@@ -1132,19 +1255,19 @@ void DenseMma::run(const DeviceWeight& w, int64_t r0, int64_t n, const float* x,
     a.cta_parts = 1;
     grid = dim3(unsigned((tiles + kSplitWarps - 1) / kSplitWarps), unsigned(S), 1);
     block = dim3(kSplitWarps * 32);
-    smem = size_t(a.kp) * 16;
+    xb = size_t(a.kp) * 16;
+    smem = full_smem(xb, kSplitWarps, fp8_);
   } else {  // full K per CTA (the parts summed in the warp), one wave at most
     a.cta_parts = S;
     const int64_t ctas =
         std::min<int64_t>((tiles + kFullWarps - 1) / kFullWarps, int64_t(ctas_per_sm_) * sms_);
     grid = dim3(unsigned(ctas), 1, unsigned(chunks));
     block = dim3(kFullWarps * 32);
-    smem = size_t(cols_) * 16;
+    xb = size_t(cols_) * 16;
+    smem = full_smem(xb, kFullWarps, fp8_);
   }
-  if (fp8_)
-    launch_pdl(dense_mma_kernel<true>, grid, block, smem, stream, a);
-  else
-    launch_pdl(dense_mma_kernel<false>, grid, block, smem, stream, a);
+  with_full_kernel(fp8_, ring_stages(xb, int(block.x / 32)),
+                   [&](auto kernel) { launch_pdl(kernel, grid, block, smem, stream, a); });
 }
 
 }  // namespace uf::cuda
