@@ -74,7 +74,6 @@ struct BenchArgs {
   bool no_branches = false;
   bool no_candidate_lists = false;
   bool fold_moe_combine = false;
-  bool shared_after_w13 = false;
   bool shared_beside_router = false;
   bool floor_only = false;
   // Vocab slices of the head: 8 = rank 0's eighth (TP8 splits the head by vocab rows; the
@@ -287,7 +286,6 @@ int run_cuda(const BenchArgs& a, const ModelConfig& cfg, const std::vector<int>&
   opts.graph_branches = !a.no_branches;
   opts.fold_moe_combine = a.fold_moe_combine;
   uf::cuda::set_moe_shared_after_router(!a.shared_beside_router);
-  uf::cuda::set_moe_shared_after_w13(a.shared_after_w13);
   opts.candidate_lists = !a.no_candidate_lists;
   opts.head_slice_of = a.head_slices;
   out["cuda_graphs"] = opts.cuda_graphs;
@@ -564,8 +562,6 @@ void setup_bench(CLI::App& app, int& exit_code) {
                 "Start the forked shared expert with the router (before session 8), not after it");
   cmd->add_flag("--no-candidate-lists", a->no_candidate_lists,
                 "Reindex layers score every visible entry and mask (not the pool's list)");
-  cmd->add_flag("--shared-after-w13", a->shared_after_w13,
-                "Fork the shared expert after the persistent w13 kernel, not after the router");
   cmd->add_flag("--no-branches", a->no_branches,
                 "One stream: no side streams for the compressor, indexer and shared expert");
   cmd->add_flag("--floor-only", a->floor_only, "Print the floors (bytes per component); no GPU");

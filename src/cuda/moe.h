@@ -103,11 +103,6 @@ class MoeFp4 {
   // The unit kernels run for calls of up to this many rows (default 2, where they are faster),
   // the persistent ones above; bitwise the same outputs. Tests set 8 to cover both at every M.
   void set_unit_max_rows(int rows) { unit_max_rows_ = rows; }
-  // A hook the next expert launch calls once (then forgets): on the persistent path right after
-  // the w13 kernel is enqueued, on the unit path before the experts. DeviceMoe forks the shared
-  // expert there (set_moe_shared_fork): its GEMV CTAs, launched beside the router, took the
-  // registers a 512-thread w13 CTA needs on ~72 SMs, so those w13 CTAs started ~7 us late.
-  void set_after_w13(std::function<void()> f) const { after_w13_ = std::move(f); }
 
  private:
   // w13 + w2 (kernels 1, 2): w2 outputs of pair (t, k) to y[t * y_row_stride + k * dim],
@@ -121,7 +116,6 @@ class MoeFp4 {
                       int64_t y_row_stride, cudaStream_t stream) const;
   void combine(const float* y, const int* topk_idx, int m, int num_experts, const float* add,
                bool round_out, float* out, cudaStream_t stream) const;
-  mutable std::function<void()> after_w13_;
   int dim_, inter_, topk_, splits_, kb_per_split_;
   int sm_count_ = 0;
   bool w2_streamed_ = true;     // moe_w2_kernel fits; false: the per-tile w2 kernel (large inter)

@@ -85,7 +85,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <functional>
 
 #include "cuda/cuda_check.h"
 #include "cuda/kernels/common.cuh"
@@ -1290,10 +1289,7 @@ void MoeFp4::launch_experts(const Fp4ExpertsView& w, const QuantActView& x, cons
                             int64_t y_row_stride, cudaStream_t stream) const {
   const int P = x.m * topk_;
   const int groups = inter_ / 32;
-  std::function<void()> hook;
-  hook.swap(after_w13_);
   if (!legacy_ && x.m <= unit_max_rows_) {
-    if (hook) hook();
     W13Params a{w.w1,          w.w1_scale,   w.w3,     w.w3_scale, w.num_experts, dim_,
                 inter_,        x.codes,      x.scales, topk_idx,   topk_w,        P,
                 topk_,         swiglu_limit, nullptr,  nullptr,    nullptr,       nullptr,
@@ -1315,7 +1311,6 @@ void MoeFp4::launch_experts(const Fp4ExpertsView& w, const QuantActView& x, cons
               kb_per_split_, splits_,      nullptr};
   launch_pdl(moe_w13_kernel<kF16>, dim3(w13_grid), dim3(kW13Warps * 32), size_t(kW13Smem), stream,
              a);
-  if (hook) hook();
   W2Params b{w.w2,  w.w2_scale, w.num_experts, dim_, inter_,       topk_idx, topk_w, P,
              topk_, h_codes_,   h_scales_,     y,    y_row_stride, round_w2, nullptr};
   if (!w2_streamed_) {

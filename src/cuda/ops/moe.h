@@ -58,10 +58,6 @@ void set_moe_router_variant(int variant);
 // H200 (session 8) the later start made the step 340-470 us shorter (1 and 7 rows): the shared
 // expert's GEMVs no longer slow the router, which every routed expert waits for.
 void set_moe_shared_after_router(bool on);
-// With after_router: fork it later still, right after the persistent w13 kernel is enqueued (the
-// unit path, 1-2 rows, forks before its experts), so its GEMV CTAs do not hold the registers a
-// w13 CTA needs (bench --shared-after-w13). Default off until measured.
-void set_moe_shared_after_w13(bool on);
 void moe_router_run(int variant, const MoeShape& shape, const DeviceWeight& gate, const float* bias,
                     const float* x, int rows, float* scores, float* probs, int* counter,
                     int32_t* gate_i, float* gate_w, uint8_t* codes, float* xscales,

@@ -932,7 +932,6 @@ namespace {
 
 int g_router_variant = 0;           // set_moe_router_variant
 bool g_shared_after_router = true;  // set_moe_shared_after_router
-bool g_shared_after_w13 = false;    // set_moe_shared_after_w13
 
 // The decode chunk's one-launch router (rows <= kMaxDecodeRows): variant 0 moe_router2_kernel
 // where it serves (not softmax), else moe_router_kernel; 1 moe_router_kernel. false: neither
@@ -974,7 +973,6 @@ int score_func_of(const MoeShape& sh) {
 // Router hooks for tests and benchmarks (declared in ops/moe.h).
 void set_moe_router_variant(int variant) { g_router_variant = variant; }
 void set_moe_shared_after_router(bool on) { g_shared_after_router = on; }
-void set_moe_shared_after_w13(bool on) { g_shared_after_w13 = on; }
 
 void moe_router_run(int variant, const MoeShape& shape, const DeviceWeight& gate, const float* bias,
                     const float* x, int rows, float* scores, float* probs, int* counter,
@@ -1022,9 +1020,6 @@ void DeviceMoe::run_chunk(const float* x, int t0, int rows, Out mode, float* out
   const bool fork = !m.legacy && m.fork_shared;
   cudaStream_t ss = fork ? m.side : stream;
   const bool fork_late = fork && !pf && g_shared_after_router;
-  // set_moe_shared_after_w13: later still, right after the persistent w13 kernel is enqueued.
-  const bool fork_w13 = fork_late && g_shared_after_w13;
-  bool shared_enqueued = false;
   auto fork_here = [&] {
     UF_CUDA_CHECK(cudaEventRecord(m.fork, stream));
     UF_CUDA_CHECK(cudaStreamWaitEvent(ss, m.fork, 0));
@@ -1051,18 +1046,12 @@ void DeviceMoe::run_chunk(const float* x, int t0, int rows, Out mode, float* out
                                       size_t(D) * sizeof(float), size_t(D) * sizeof(float),
                                       size_t(rows), cudaMemcpyDeviceToDevice, ss));
     if (fork) UF_CUDA_CHECK(cudaEventRecord(m.join, ss));
-    shared_enqueued = true;
   };
   // Forked: on the side stream, joined before the combine. In line: after the
   // routed experts, right before the combine (MoeFp4::run_add's hook, or join() below), so that
   // its weights stream in behind theirs under PDL.
   const bool combine_adds = !pf && !m.legacy && mode != Out::kPartialSlots;
   auto join = [&] {
-    if (fork && !shared_enqueued) {  // a hook the experts did not call (never: a safety net)
-      m.moe->set_after_w13({});
-      fork_here();
-      shared_expert();
-    }
     if (fork)
       UF_CUDA_CHECK(cudaStreamWaitEvent(stream, m.join, 0));
     else
@@ -1075,12 +1064,7 @@ void DeviceMoe::run_chunk(const float* x, int t0, int rows, Out mode, float* out
       !pf && !m.legacy &&
       launch_router(g_router_variant, m.gate.weight(), m.func, m.s, m.bias, xc, rows, scores,
                     m.probs, m.router_counter, gi, gw, xcodes, xscales, stream);
-  if (fork_w13) {
-    m.moe->set_after_w13([&] {
-      fork_here();
-      shared_expert();
-    });
-  } else if (fork_late) {
+  if (fork_late) {
     fork_here();
     shared_expert();
   }
