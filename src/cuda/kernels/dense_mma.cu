@@ -25,13 +25,11 @@
 //     stage, compute chunk s. So R - 1 chunks are always in flight while one computes; the first
 //     R - 1 go out before griddepcontrol.wait. Rows in a stage are 128 bytes with piece c of row
 //     r at slot c ^ 4 (r & 1): the fragment reads (lanes of rows g, g + 1 reading pieces tg or
-//     4 + tg) are bank-conflict free. R = 5 (UF_DENSE_RING_STAGES = 7 or 9 for experiments,
-//     lowered to fit 227 KB): the TP8 head slice [16160, 5120] runs 127 CTAs (one an SM) of
-//     80 KB x + 8 x 10 KB rings = 160 KB, 64 KB of weights in flight an SM at all times
-//     (before: 80 KB, x only, and FP8's register double buffer, 4 to 8 KB a warp).
-//     UF_DENSE_L2_PREFETCH = D (chunks, a multiple of 4; default 0 = off, an experiment): every 4th
-//     issue also bulk-prefetches the tile's chunks D .. D + 3 further on into L2 (16 lanes, 512
-//     bytes a row), more DRAM requests in flight without shared memory.
+//     4 + tg) are bank-conflict free. R = 5: the TP8 head slice [16160, 5120] runs 127 CTAs (one
+//     an SM) of 80 KB x + 8 x 10 KB rings = 160 KB, 64 KB of weights in flight an SM at all
+//     times (before: 80 KB, x only, and the register double buffer, 4 to 8 KB a warp): 132 ->
+//     46 us in the 7-row step on the H200 (session 9). 9 stages (224 KB) and bulk L2 prefetches
+//     ahead of the ring were measured no faster in the step and were dropped.
 //   FP8: 16-byte ld.global.nc (no L1 allocation), a group of 8 a thread (4 chunks, 4 KB a warp)
 //     issued one group ahead of the mma work (register double buffer).
 //   Either way each chunk is the same 4 mma (mma_chunk) on the same fragment values, acc from 0
@@ -110,34 +108,12 @@ constexpr int kRows = kMaxDecodeRows;                   // token rows per mma (B
 // epilogue stash relies on.
 constexpr int64_t kMinCols = 4 * kChunkK;
 // BF16 weight ring of dense_mma_kernel<false, R>: per warp R stages of one chunk (16 rows x 128
-// bytes), R - 1 chunks in flight while one computes. R = kRingStages, or 7 / 9 through
-// UF_DENSE_RING_STAGES (speed only: the same loads and arithmetic), lowered to fit kSmemOptin.
+// bytes), R - 1 chunks in flight while one computes.
 constexpr int kRingStages = 5;
 constexpr int kRingStageBytes = 16 * kChunkK * 2;  // 2 KB
 constexpr size_t kSmemOptin = 227 * 1024;          // sm_90 / sm_100 per-CTA opt-in maximum
 
-int ring_stages(size_t x_bytes, int warps) {
-  static const int want = [] {
-    const char* e = std::getenv("UF_DENSE_RING_STAGES");
-    const int v = e ? std::atoi(e) : kRingStages;
-    return v >= 9 ? 9 : v >= 7 ? 7 : kRingStages;
-  }();
-  int r = want;
-  while (r > kRingStages && x_bytes + size_t(warps) * size_t(r) * kRingStageBytes > kSmemOptin)
-    r -= 2;
-  return r;
-}
-
-// BF16: the L2 prefetch distance in chunks ahead of the ring's cp.async: UF_DENSE_L2_PREFETCH
-// (rounded down to a multiple of 4, at most 64), default 0 (none). Speed only.
-int l2_prefetch_chunks() {
-  static const int v = [] {
-    const char* e = std::getenv("UF_DENSE_L2_PREFETCH");
-    const int c = e ? std::atoi(e) : 0;
-    return c <= 0 ? 0 : std::min(c, 64) / 4 * 4;
-  }();
-  return v;
-}
+int ring_stages(size_t, int) { return kRingStages; }
 
 // Dynamic shared memory of dense_mma_kernel: staged x (x_bytes: the CTA's K range x 8 rows bf16),
 // then (BF16) the warps' weight rings.
@@ -162,7 +138,6 @@ struct Args {
   int cta_parts;  // parts one CTA covers: S (full K) or 1 (split K, part = blockIdx.y)
   int splits;     // S
   int x_vec;      // x 16-byte aligned with x_stride % 4 == 0: float4 staging loads
-  int l2pf;       // BF16: L2 prefetch distance in chunks (a multiple of 4; 0: none)
   float* partials;
   int* counters;
 };
@@ -179,12 +154,6 @@ __device__ __forceinline__ uint4 ld_stream_u4(const void* p) {
 __device__ __forceinline__ void cp_async16_zfill(uint32_t dst, const void* src, int bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes)
                : "memory");
-}
-
-// A hint: bytes (a multiple of 16) of global memory from p into L2 (the bulk-copy unit; no
-// registers, no shared memory, nothing waits on it).
-__device__ __forceinline__ void prefetch_l2_bulk(const void* p, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
 }
 
 // d += A * B: A 16x16 bf16 (a0: row g, K lo; a1: row g+8, K lo; a2: row g, K hi; a3: row g+8,
@@ -365,12 +334,6 @@ __global__ void __launch_bounds__(kFullWarps * 32, 2) dense_mma_kernel(const Arg
     if (lpos < steps) {
       const uint8_t* src = wlane + int64_t(lt) * 16 * row_bytes + lc * (kChunkK * 2);
       const int nv = p.n - lt * 16 - lrow;  // row 4 j + lrow is valid while 4 j < nv
-      // L2 prefetch (p.l2pf > 0): at every 4th chunk, lane r < 16 asks for row r's chunks
-      // lc + l2pf .. + 3 (512 bytes) of the same tile, ahead of their cp.async.
-      if (p.l2pf > 0 && (lc & 3) == 0 && lc + p.l2pf + 4 <= nck && lane < 16 &&
-          lt * 16 + lane < p.n)
-        prefetch_l2_bulk(p.w + (int64_t(lt * 16 + lane) * p.K + kbeg + (lc + p.l2pf) * kChunkK) * 2,
-                         4 * kChunkK * 2);
       const uint32_t dst = ring_lane + st * kRingStageBytes;
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
@@ -1073,22 +1036,18 @@ int split_count(int64_t tiles, int64_t cols, int sms) {
   return s;
 }
 
-// f(the full-K / split-K kernel of the format and ring depth R).
+// f(the full-K / split-K kernel of the format).
 template <typename F>
-void with_full_kernel(bool fp8, int R, F&& f) {
+void with_full_kernel(bool fp8, int, F&& f) {
   if (fp8)
     f(dense_mma_kernel<true, kRingStages>);  // no ring (register loads)
-  else if (R == 9)
-    f(dense_mma_kernel<false, 9>);
-  else if (R == 7)
-    f(dense_mma_kernel<false, 7>);
   else
     f(dense_mma_kernel<false, kRingStages>);
 }
 
 template <bool kFp8>
 void setup_kernel() {
-  for (int R : {kRingStages, 7, 9})
+  for (int R : {kRingStages})
     with_full_kernel(kFp8, R, [&](auto kernel) {
       const size_t most = kMaxSmem + (kFp8 ? 0 : size_t(kFullWarps) * size_t(R) * kRingStageBytes);
       UF_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -1198,7 +1157,6 @@ void DenseMma::run(const DeviceWeight& w, int64_t r0, int64_t n, const float* x,
   a.kp = int(cols_ / S);
   a.splits = S;
   a.x_vec = reinterpret_cast<uintptr_t>(x) % 16 == 0 && x_stride % 4 == 0 ? 1 : 0;
-  a.l2pf = fp8_ ? 0 : l2_prefetch_chunks();
   a.partials = partials_;
   a.counters = counters_;
   if (chunks == 1 && resident_) {  // decode rows: the resident kernel where the plan fits
