@@ -255,12 +255,13 @@ __device__ __forceinline__ void route_row(const float* scores, const float* bias
     gi[k] = -1;
     gw[k] = 0.f;
     if (k < K) {
-      uint64_t best = mine;
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) {
-        const uint64_t other = __shfl_xor_sync(0xffffffffu, best, o);
-        best = other > best ? other : best;
-      }
+      // The warp's largest 64-bit key in two warp reductions (redux.sync) instead of a 5-step
+      // shuffle butterfly on 64-bit values: the largest high word, then the largest low word
+      // among the lanes holding it. The same key, so the same expert, ties included.
+      const uint32_t hi = uint32_t(mine >> 32);
+      const uint32_t best_hi = __reduce_max_sync(0xffffffffu, hi);
+      const uint32_t best_lo = __reduce_max_sync(0xffffffffu, hi == best_hi ? uint32_t(mine) : 0u);
+      const uint64_t best = (uint64_t(best_hi) << 32) | best_lo;
       const int e = best == 0 ? -1 : int(0xFFFFFFFFu - uint32_t(best));
       gi[k] = e;
       float w = 0.f;
