@@ -260,7 +260,10 @@ StubEngineConfig slow_stub(int step_delay_us) {
 TEST(ServerHttp, QueueFullGets429) {
   ServerConfig cfg;
   cfg.max_queue = 1;
-  StubEngineConfig stub = slow_stub(2000);
+  // ~1.5 s a request (300 tokens x 5 ms): the second request must be seen queued while the first
+  // still runs. At 150 x 2 ms a loaded 2-core CI machine once finished the first before the second
+  // was even accepted (the window was 0.3 s).
+  StubEngineConfig stub = slow_stub(5000);
   auto ts = start_test_server(cfg, &stub);
   ASSERT_TRUE(ts);
   std::vector<std::thread> bg;
@@ -268,7 +271,7 @@ TEST(ServerHttp, QueueFullGets429) {
   for (int i = 0; i < 2; ++i) {
     bg.emplace_back([&] {
       httplib::Client c("127.0.0.1", ts->port);
-      auto r = post(c, user_chat("long", {{"max_tokens", 150}}));
+      auto r = post(c, user_chat("long", {{"max_tokens", 300}}));
       if (r && r->status == 200) ++ok;
     });
     // One running, then one queued.
