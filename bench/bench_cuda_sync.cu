@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "cuda/cuda_check.h"
+#include "cuda/kernels/common.cuh"
 #include "cuda_bench_util.h"
 
 namespace {
@@ -38,10 +39,9 @@ namespace {
 constexpr int kSteps = 64;
 constexpr int kThreads = 256;
 
-__device__ __forceinline__ void wait_prev() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void trigger_next() {
-  asm volatile("griddepcontrol.launch_dependents;");
-}
+using uf::cuda::detail::pdl_trigger;
+using uf::cuda::detail::pdl_wait;
+
 __device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
   unsigned v;
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -56,14 +56,14 @@ __device__ __forceinline__ void st_release(unsigned* p, unsigned v) {
 
 __global__ void __launch_bounds__(kThreads)
     chain_kernel(const int* prev, int g_prev, int* cur, int early) {
-  if (early) trigger_next();
-  wait_prev();
+  if (early) pdl_trigger();
+  pdl_wait();
   if (threadIdx.x == 0) cur[blockIdx.x] = __ldcg(prev + (blockIdx.x + 1) % g_prev) + 1;
 }
 
 __global__ void __launch_bounds__(kThreads) partial_kernel(const int* prev, int* partials) {
-  trigger_next();
-  wait_prev();
+  pdl_trigger();
+  pdl_wait();
   if (threadIdx.x == 0) partials[blockIdx.x] = __ldcg(prev) + int(blockIdx.x);
 }
 
@@ -83,15 +83,15 @@ __device__ void block_sum_store(const int* partials, int g, int* out) {
 }
 
 __global__ void __launch_bounds__(kThreads) finish_kernel(const int* partials, int g, int* out) {
-  trigger_next();
-  wait_prev();
+  pdl_trigger();
+  pdl_wait();
   block_sum_store(partials, g, out);
 }
 
 __global__ void __launch_bounds__(kThreads)
     ticket_kernel(const int* prev, int* partials, unsigned* ticket, int* out) {
-  trigger_next();
-  wait_prev();
+  pdl_trigger();
+  pdl_wait();
   __shared__ bool last;
   if (threadIdx.x == 0) {
     partials[blockIdx.x] = __ldcg(prev) + int(blockIdx.x);

@@ -26,33 +26,31 @@ State& state() {
 
 const char* tag_name(uint32_t tag) {
   switch (tag) {
-    case 1:
+    case kTagGemvResident:
       return "fp8_gemv_resident";
-    case 2:
+    case kTagRouter2:
       return "moe_router2";
-    case 3:
+    case kTagMixPreNorm:
       return "hc_mix_pre_norm";
-    case 4:
+    case kTagAttnScores:
       return "sparse_attn_scores";
-    case 5:
-      return "row_chains_fast";
-    case 6:
+    case kTagDenseMmaResident:
       return "dense_mma_resident";
-    case 7:
+    case kTagMoeW13:
       return "moe_w13";
-    case 8:
+    case kTagMoeW2:
       return "moe_w2";
-    case 9:
+    case kTagMixFinish:
       return "hc_mix_finish";
-    case 10:
+    case kTagW13Unit:
       return "moe_w13_unit";
-    case 11:
+    case kTagW2Unit:
       return "moe_w2_unit";
-    case 12:
+    case kTagAttnPv:
       return "sparse_attn_pv";
-    case 13:
+    case kTagAttnMerge:
       return "sparse_attn_merge";
-    case 14:
+    case kTagRouterLast:
       return "moe_router2_last";
     default:
       return "?";

@@ -19,6 +19,23 @@ namespace uf::cuda::probe {
 
 constexpr int kMaxPoints = 12;
 
+// Tags: one per probed kernel (probe_text names them).
+enum Tag : uint32_t {
+  kTagGemvResident = 1,
+  kTagRouter2 = 2,
+  kTagMixPreNorm = 3,
+  kTagAttnScores = 4,
+  kTagDenseMmaResident = 6,
+  kTagMoeW13 = 7,
+  kTagMoeW2 = 8,
+  kTagMixFinish = 9,
+  kTagW13Unit = 10,
+  kTagW2Unit = 11,
+  kTagAttnPv = 12,
+  kTagAttnMerge = 13,
+  kTagRouterLast = 14,  // moe_router2's last CTA (the routing), its own record
+};
+
 struct Record {
   uint64_t t[kMaxPoints];  // %globaltimer at each point, 0 where the kernel took no stamp
   uint32_t tag;            // the kernel's probe tag (kernels/probe.cuh, kTag*)

@@ -8,29 +8,8 @@
 
 #include <cstdint>
 
+#include "cuda/kernels/common.cuh"
 #include "cuda/probe.h"
-
-namespace uf::cuda::probe {
-
-// Tags: one per probed kernel (probe_text names them).
-enum Tag : uint32_t {
-  kTagGemvResident = 1,
-  kTagRouter2 = 2,
-  kTagMixPreNorm = 3,
-  kTagAttnScores = 4,
-  kTagRowChains = 5,
-  kTagDenseMmaResident = 6,
-  kTagMoeW13 = 7,
-  kTagMoeW2 = 8,
-  kTagMixFinish = 9,
-  kTagW13Unit = 10,
-  kTagW2Unit = 11,
-  kTagAttnPv = 12,
-  kTagAttnMerge = 13,
-  kTagRouterLast = 14,  // moe_router2's last CTA (the routing), its own record
-};
-
-}  // namespace uf::cuda::probe
 
 #if defined(UF_PROBE) && UF_PROBE
 namespace {
@@ -45,11 +24,6 @@ void probe_attach_unit(void* records, unsigned* count, int capacity) {
 }
 [[maybe_unused]] const int g_probe_registered = uf::cuda::probe::register_unit(probe_attach_unit);
 
-__device__ __forceinline__ uint64_t probe_now() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
 __device__ __forceinline__ uf::cuda::probe::Record* probe_open(uint32_t tag, bool want) {
   if (!want || g_probe_records == nullptr) return nullptr;
   const unsigned i = atomicAdd(g_probe_count, 1u);
@@ -69,9 +43,9 @@ __device__ __forceinline__ uf::cuda::probe::Record* probe_open(uint32_t tag, boo
 // A record opened by the calling thread when `cond` holds (e.g. the CTA that finishes last).
 #define UF_PROBE_OPEN_IF(rec, tag, cond) \
   uf::cuda::probe::Record* rec = probe_open(uf::cuda::probe::tag, (cond))
-#define UF_PROBE_MARK(rec, point)           \
-  do {                                      \
-    if (rec) (rec)->t[point] = probe_now(); \
+#define UF_PROBE_MARK(rec, point)                                   \
+  do {                                                              \
+    if (rec) (rec)->t[point] = uf::cuda::detail::global_timer_ns(); \
   } while (0)
 #else
 #define UF_PROBE_OPEN(rec, tag) \

@@ -8,6 +8,7 @@
 #include <set>
 
 #include "cuda/cuda_check.h"
+#include "cuda/kernels/common.cuh"
 #include "cuda/ops/elementwise_common.cuh"
 #include "cuda/tp/p2p_allreduce.h"
 
@@ -43,11 +44,7 @@ __device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
-__device__ __forceinline__ unsigned long long global_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
+using uf::cuda::detail::global_timer_ns;
 
 __device__ __forceinline__ float4 add4(float4 a, float4 b) {
   return make_float4(__fadd_rn(a.x, b.x), __fadd_rn(a.y, b.y), __fadd_rn(a.z, b.z),
@@ -107,15 +104,15 @@ __device__ uint64_t exchange(const P2pArgs& a, const float* buf, size_t n, size_
   // a fast peer may have finished this call and signalled the next one already).
   if (tid < N && tid != r) {
     const uint64_t* f = a.flags[r] + size_t(tid) * size_t(G) + size_t(b);
-    const unsigned long long t0 = a.timeout_ns ? global_ns() : 0;
+    const unsigned long long t0 = a.timeout_ns ? global_timer_ns() : 0;
     unsigned spins = 0;
     uint64_t seen;
     while ((seen = ld_acquire_sys(f)) < e) {
-      if (a.timeout_ns && (++spins & 1023u) == 0 && global_ns() - t0 > a.timeout_ns) {
+      if (a.timeout_ns && (++spins & 1023u) == 0 && global_timer_ns() - t0 > a.timeout_ns) {
         printf(
             "PeerAllReduce: rank %d CTA %d timed out after %.1f s waiting for rank %d's epoch "
             "%llu (its flag holds %llu; n = %llu): a rank skipped or reordered a call?\n",
-            r, b, double(global_ns() - t0) * 1e-9, tid, (unsigned long long)e,
+            r, b, double(global_timer_ns() - t0) * 1e-9, tid, (unsigned long long)e,
             (unsigned long long)seen, (unsigned long long)n);
         __trap();
       }
@@ -215,8 +212,8 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 __global__ void delay_kernel(unsigned long long ns) {
-  const unsigned long long t0 = global_ns();
-  while (global_ns() - t0 < ns) {
+  const unsigned long long t0 = global_timer_ns();
+  while (global_timer_ns() - t0 < ns) {
   }
 }
 
