@@ -180,12 +180,39 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
 }
 
+// ---- Thread-block clusters (sm_90+) ----
+__device__ __forceinline__ uint32_t cluster_ctarank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ void cluster_barrier() {
+  asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
+}
+// Shared address `addr` (this CTA's window) in the window of cluster rank `cta`. A CTA's window is
+// contiguous: map once, then add offsets.
+__device__ __forceinline__ uint32_t cluster_map(uint32_t addr, uint32_t cta) {
+  uint32_t remote;
+  asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(cta));
+  return remote;
+}
+
 // Host: every decode kernel asks for the largest shared-memory carve-out, so that consecutive
 // kernels never make an SM drain to switch its L1 / shared-memory split.
 template <typename Kernel>
 void prefer_shared_carveout(Kernel kernel) {
   UF_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                      int(cudaSharedmemCarveoutMaxShared)));
+}
+
+// Raises a kernel's dynamic shared-memory limit, never lowers it: the attribute belongs to the
+// kernel, and an MoeFp4 of a smaller shape must not invalidate the launches of a larger one.
+template <typename Kernel>
+void raise_smem(Kernel kernel, int bytes) {
+  cudaFuncAttributes fa{};
+  UF_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
+  if (fa.maxDynamicSharedSizeBytes < bytes)
+    UF_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
 }
 
 // Host: launch with programmatic stream serialization (PDL) allowed.

@@ -432,21 +432,6 @@ struct ResParams {
   int warp_bytes;             // a warp's region: R x 16 rows + R x kResScaleSlots fp32 scales
 };
 
-__device__ __forceinline__ uint32_t cluster_ctarank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-__device__ __forceinline__ void cluster_barrier() {
-  asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
-}
-// Shared address `addr` (this CTA's window) in the window of cluster rank `cta`. A CTA's window is
-// contiguous: map once, then add offsets.
-__device__ __forceinline__ uint32_t cluster_map(uint32_t addr, uint32_t cta) {
-  uint32_t remote;
-  asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(cta));
-  return remote;
-}
 // fp32 at shared::cluster address `remote` when `pred`, else 0 (predicated: no branch).
 __device__ __forceinline__ float ld_cluster_f32_if(uint32_t remote, bool pred) {
   float v = 0.f;

@@ -36,12 +36,14 @@ namespace uf::cuda::detail {
 
 // A no-swizzle K-major shared-memory matrix descriptor: start address, LBO (the two K halves of a
 // 32-byte block), SBO (consecutive 8-row groups); all multiples of 16 bytes.
-__device__ __forceinline__ uint64_t matrix_desc(const void* smem, uint32_t lbo, uint32_t sbo) {
-  const uint32_t addr = uint32_t(__cvta_generic_to_shared(smem));
+__device__ __forceinline__ uint64_t matrix_desc_addr(uint32_t addr, uint32_t lbo, uint32_t sbo) {
   uint64_t d = uint64_t((addr & 0x3FFFFu) >> 4);
   d |= uint64_t((lbo & 0x3FFFFu) >> 4) << 16;
   d |= uint64_t((sbo & 0x3FFFFu) >> 4) << 32;
   return d;  // base offset 0, swizzle mode 0 (none)
+}
+__device__ __forceinline__ uint64_t matrix_desc(const void* smem, uint32_t lbo, uint32_t sbo) {
+  return matrix_desc_addr(uint32_t(__cvta_generic_to_shared(smem)), lbo, sbo);
 }
 
 __device__ __forceinline__ void fence_async_shared() {
@@ -64,6 +66,15 @@ __device__ __forceinline__ void wgmma_wait() {
 #if UF_HAVE_WGMMA
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 #endif
+}
+
+// Pins an accumulator's registers at this point of the instruction stream: the compiler sees
+// wgmma's outputs as ready when the (asynchronous) instruction is issued, so without this it may
+// move their reads above wgmma_wait or their writes below the next wgmma (CUTLASS's
+// warpgroup_fence_operand does the same).
+__device__ __forceinline__ void wgmma_fence_operand(float (&d)[4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
 // d (+)= A * B, A from registers. accumulate = false: d = A * B (C ignored).

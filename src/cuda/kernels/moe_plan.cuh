@@ -1,0 +1,92 @@
+#pragma once
+// The routing plan shared by the decode MoE kernels (moe_fp4.cu, moe_wgmma.cu): the P = M * topk
+// (row, expert) pairs reduced to the distinct experts, ranked by expert id (slot u); an expert's
+// rows (ascending row index) are the columns of the mma B operand, so an expert picked by several
+// rows is read once. Every CTA builds it into its own shared memory (no plan launch).
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace uf::cuda::detail {
+
+constexpr int kMaxPairs = 64;
+
+// The routing plan of one MoE call: the distinct experts of the P (row, expert) pairs ranked by
+// expert id, each with its columns (rows in ascending order).
+struct SlotPlan {
+  int expert;
+  int count;
+  int pair[8];  // pair index (row * topk + k) of each column
+  int tok[8];
+  float weight[8];
+};
+struct MoePlan {
+  int n_unique;
+  int pad[3];
+  SlotPlan slot[kMaxPairs];
+};
+constexpr int kPlanBytes = int((sizeof(MoePlan) + 127) / 128 * 128);
+
+__device__ __forceinline__ void moe_cp16(void* dst, const void* src) {
+  asm volatile(
+      "cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(uint32_t(__cvta_generic_to_shared(dst))),
+      "l"(src)
+      : "memory");
+}
+__device__ __forceinline__ void moe_cp8(void* dst, const void* src) {
+  asm volatile(
+      "cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(uint32_t(__cvta_generic_to_shared(dst))),
+      "l"(src)
+      : "memory");
+}
+__device__ __forceinline__ void moe_cp4(void* dst, const void* src) {
+  asm volatile(
+      "cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(uint32_t(__cvta_generic_to_shared(dst))),
+      "l"(src)
+      : "memory");
+}
+
+// Builds the plan in shared memory (every thread of the block calls it; blockDim >= kMaxPairs).
+// Thread i = pair i, O(P) each. topk reads through L2 (__ldcg): kernel 2 runs this before its
+// griddepcontrol.wait. Ends with a barrier.
+__device__ __forceinline__ void build_plan(const int* topk_idx, const float* topk_w, int P,
+                                           int topk, int E, MoePlan& plan) {
+  __shared__ int s_e[kMaxPairs], s_first[kMaxPairs];
+  const int i = threadIdx.x;
+  int e = -1;
+  float w = 0.f;
+  if (i < P) {  // both loads in flight together: one L2 round trip, not two
+    e = __ldcg(topk_idx + i);
+    w = __ldcg(topk_w + i);
+    if (e < 0 || e >= E) e = -1;  // invalid ids select nothing
+  }
+  if (i < kMaxPairs) s_e[i] = e;
+  __syncthreads();
+  int first = 0;
+  if (e >= 0) {
+    first = 1;
+    for (int j = 0; j < i; ++j) first &= s_e[j] != e;
+  }
+  if (i < kMaxPairs) s_first[i] = first;
+  const int n_unique = __syncthreads_count(first);
+  if (e >= 0) {
+    int rank = 0, col = 0, count = 0;
+    for (int j = 0; j < P; ++j) {
+      rank += (s_first[j] && s_e[j] < e) ? 1 : 0;
+      col += (j < i && s_e[j] == e) ? 1 : 0;
+      count += s_e[j] == e ? 1 : 0;
+    }
+    SlotPlan& sp = plan.slot[rank];
+    sp.pair[col] = i;
+    sp.tok[col] = i / topk;
+    sp.weight[col] = w;
+    if (first) {
+      sp.expert = e;
+      sp.count = count;
+    }
+  }
+  if (i == 0) plan.n_unique = n_unique;
+  __syncthreads();
+}
+
+}  // namespace uf::cuda::detail
