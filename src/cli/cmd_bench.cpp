@@ -22,8 +22,6 @@
 // --no-graphs sets CudaModelOptions::cuda_graphs = false (the verify spans then launch eagerly);
 // --no-branches clears CudaModelOptions::graph_branches (one stream, the launches in order);
 // --no-candidate-lists clears candidate_lists.
-// --moe-mma-sync runs the routed experts on MoeFp4's mma.sync kernels instead of its wgmma ones
-// (MoeFp4::set_default_wgmma(false); the default on sm_90 is wgmma).
 //
 // --floor-only prints the floors (bytes per component) without a GPU.
 #include <fmt/format.h>
@@ -76,7 +74,6 @@ struct BenchArgs {
   bool no_branches = false;
   bool no_candidate_lists = false;
   bool fold_moe_combine = false;
-  bool moe_mma_sync = false;
   bool shared_beside_router = false;
   bool floor_only = false;
   // Vocab slices of the head: 8 = rank 0's eighth (TP8 splits the head by vocab rows; the
@@ -289,8 +286,6 @@ int run_cuda(const BenchArgs& a, const ModelConfig& cfg, const std::vector<int>&
   opts.graph_branches = !a.no_branches;
   opts.fold_moe_combine = a.fold_moe_combine;
   uf::cuda::set_moe_shared_after_router(!a.shared_beside_router);
-  uf::cuda::MoeFp4::set_default_wgmma(!a.moe_mma_sync);
-  out["moe_kernels"] = a.moe_mma_sync ? "mma.sync" : "wgmma";
   opts.candidate_lists = !a.no_candidate_lists;
   opts.head_slice_of = a.head_slices;
   out["cuda_graphs"] = opts.cuda_graphs;
@@ -563,8 +558,6 @@ void setup_bench(CLI::App& app, int& exit_code) {
   cmd->add_flag("--fold-moe-combine", a->fold_moe_combine,
                 "Fold the MoE combine into the mHC expand (one GPU only: a TP rank combines before "
                 "its all-reduce, so the TP8 rank figure leaves it off)");
-  cmd->add_flag("--moe-mma-sync", a->moe_mma_sync,
-                "Routed experts on the mma.sync kernels (bitwise the prefill ones), not wgmma");
   cmd->add_flag("--shared-beside-router", a->shared_beside_router,
                 "Start the forked shared expert with the router (before session 8), not after it");
   cmd->add_flag("--no-candidate-lists", a->no_candidate_lists,

@@ -103,17 +103,6 @@ class MoeFp4 {
   // The unit kernels run for calls of up to this many rows (default 2, where they are faster),
   // the persistent ones above; bitwise the same outputs. Tests set 8 to cover both at every M.
   void set_unit_max_rows(int rows) { unit_max_rows_ = rows; }
-  // The routed experts on Hopper's native E4M3 wgmma (kernels/moe_wgmma.cu) instead of the
-  // mma.sync kernels above: default where the device and shape allow (wgmma_supported()). Every
-  // row count 1..8 then runs the same two kernels (spec == plain); the outputs are close to, not
-  // bitwise, the mma.sync kernels' (wgmma sums a block's 32 products at ~11-12 bits). set_legacy /
-  // set_f16 / set_unit_max_rows choose among the mma.sync kernels, which run with this off.
-  void set_wgmma(bool on) { wgmma_ = on && wgmma_ok_; }
-  bool wgmma() const { return wgmma_; }
-  bool wgmma_supported() const { return wgmma_ok_; }
-  // set_wgmma's value for MoeFp4 objects constructed from now on (process-wide; default true, as
-  // set_default_f16): for tests and benchmarks that build MoeFp4 inside other classes.
-  static void set_default_wgmma(bool on);
 
  private:
   // w13 + w2 (kernels 1, 2): w2 outputs of pair (t, k) to y[t * y_row_stride + k * dim],
@@ -133,12 +122,9 @@ class MoeFp4 {
   bool unit_ok_ = false;        // the unit kernels' shared memory fits (and splits <= 16)
   bool legacy_ = true;          // run the earlier persistent kernels
   bool f16_ = true;             // f16 HMMAs instead of the (emulated) e4m3 mma.sync
-  bool wgmma_ok_ = false;       // the wgmma kernels run this shape on this device
-  bool wgmma_ = false;          // set_wgmma
-  bool wgmma_units_ = false;    // session 10 A/B: the unit wgmma kernels (moe_wgmma.cu)
   int unit_max_rows_ = 2;       // the unit kernels up to this many rows
   int pre_b_max_ = 0;           // f16 persistent w2 with h pre-converted: dynamic smem limit
-  float* h_vals_ = nullptr;     // [8 * topk pairs][inter] bf16 values of h (unit, wgmma kernels)
+  float* h_vals_ = nullptr;     // [8 * topk pairs][inter] bf16 values of h (unit kernels)
   uint8_t* h_codes_ = nullptr;  // [8 * topk pairs][inter]
   float* h_scales_ = nullptr;   // [pairs][inter / 32]
   float* y_ = nullptr;          // [pairs][dim]

@@ -1,6 +1,5 @@
 #pragma once
-// Shared by the MoeFp4 decode tests (test_moe_decode_vs_prefill.cpp, test_moe_fp4_halfchunk.cpp,
-// test_moe_wgmma.cpp, test_ops_moe.cpp):
+// Shared by the MoeFp4 decode tests (test_moe_decode_vs_prefill.cpp, test_moe_fp4_halfchunk.cpp):
 // random MXFP4 experts filled on the device, random FP8 inputs and routing, one call through any
 // of the three entry points of MoeFp4 / MoeFp4Prefill, and a bitwise comparison with diagnostics.
 #include <gtest/gtest.h>
@@ -21,16 +20,6 @@ namespace uf::cuda::test {
 
 inline constexpr float kLimit = 10.0f;
 inline constexpr int kTopk = 6;
-
-// MoeFp4::set_default_wgmma for this scope, restored to the default (true) at its end: the
-// bitwise decode-vs-prefill tests run the mma.sync kernels (the wgmma ones are close, not
-// bitwise: test_moe_wgmma.cpp).
-struct WgmmaDefault {
-  explicit WgmmaDefault(bool on) { MoeFp4::set_default_wgmma(on); }
-  ~WgmmaDefault() { MoeFp4::set_default_wgmma(true); }
-  WgmmaDefault(const WgmmaDefault&) = delete;
-  WgmmaDefault& operator=(const WgmmaDefault&) = delete;
-};
 
 // Experts filled on the device (fast at 384 experts): FP4 bytes uniform, scales in a range that
 // puts gate / up around the clamp limit (as test_moe_fp4.cpp).

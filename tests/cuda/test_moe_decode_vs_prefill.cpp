@@ -6,9 +6,7 @@
 // repeated call is bitwise the same (counters reset; the order never depends on scheduling); and
 // row-count independence (row t of an M = 8 call equals the M = 1 call for that row). No
 // tolerance anywhere: any difference is a bug. The CPU reference comparison of the numerics is
-// test_moe_fp4.cpp / test_moe_partial.cpp. These are the mma.sync kernels (set_default_wgmma(false)
-// here); the wgmma ones, MoeFp4's default on sm_90, are close to them, not bitwise:
-// test_moe_wgmma.cpp.
+// test_moe_fp4.cpp / test_moe_partial.cpp.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -30,7 +28,6 @@ namespace {
 void compare_paths(int E, int dim, int inter, uint64_t seed, const std::vector<int>& ms) {
   std::mt19937 rng{uint32_t(seed)};
   const Experts x(E, dim, inter, seed);
-  const WgmmaDefault mma_sync_kernels(false);
   MoeFp4 moe(dim, inter, kTopk, device_sm_count());
   MoeFp4Prefill pre(dim, inter, kTopk, E, 8);
   MoeFp4 old(dim, inter, kTopk, device_sm_count());  // the persistent kernels
@@ -71,32 +68,29 @@ TEST(CudaMoeDecode, BitwiseEqualsPrefillRealDims) {
 }
 
 // Row t of an M = 8 call == the M = 1 call for row t (with its top-k list reversed: the order of
-// a row's experts must not matter either), for the mma.sync and the wgmma kernels.
+// a row's experts must not matter either).
 void row_independence(int E, int dim, int inter, uint64_t seed) {
   std::mt19937 rng{uint32_t(seed)};
   const Experts x(E, dim, inter, seed);
   MoeFp4 moe(dim, inter, kTopk, device_sm_count());
   const Inputs full = random_inputs(8, dim, E, rng);
-  for (const bool wgmma : {false, true})
-    for (Entry e : {Entry::kRun, Entry::kPartial}) {
-      moe.set_wgmma(wgmma);
-      const auto all = call(moe, e, x, full, 8);
-      for (int t = 0; t < 8; ++t) {
-        Inputs one;
-        one.codes.assign(full.codes.begin() + size_t(t) * dim,
-                         full.codes.begin() + size_t(t + 1) * dim);
-        one.scales.assign(full.scales.begin() + size_t(t) * dim / 32,
-                          full.scales.begin() + size_t(t + 1) * dim / 32);
-        one.idx.assign(full.idx.rbegin() + (7 - t) * kTopk, full.idx.rbegin() + (8 - t) * kTopk);
-        one.wts.assign(full.wts.rbegin() + (7 - t) * kTopk, full.wts.rbegin() + (8 - t) * kTopk);
-        const auto got = call(moe, e, x, one, 1);
-        const std::vector<float> want(all.begin() + size_t(t) * dim,
-                                      all.begin() + size_t(t + 1) * dim);
-        EXPECT_TRUE(bitwise_equal(want, got, dim))
-            << "row " << t << " of 8 vs alone, dim " << dim << " " << entry_name(e)
-            << (moe.wgmma() ? " (wgmma)" : " (mma.sync)");
-      }
+  for (Entry e : {Entry::kRun, Entry::kPartial}) {
+    const auto all = call(moe, e, x, full, 8);
+    for (int t = 0; t < 8; ++t) {
+      Inputs one;
+      one.codes.assign(full.codes.begin() + size_t(t) * dim,
+                       full.codes.begin() + size_t(t + 1) * dim);
+      one.scales.assign(full.scales.begin() + size_t(t) * dim / 32,
+                        full.scales.begin() + size_t(t + 1) * dim / 32);
+      one.idx.assign(full.idx.rbegin() + (7 - t) * kTopk, full.idx.rbegin() + (8 - t) * kTopk);
+      one.wts.assign(full.wts.rbegin() + (7 - t) * kTopk, full.wts.rbegin() + (8 - t) * kTopk);
+      const auto got = call(moe, e, x, one, 1);
+      const std::vector<float> want(all.begin() + size_t(t) * dim,
+                                    all.begin() + size_t(t + 1) * dim);
+      EXPECT_TRUE(bitwise_equal(want, got, dim))
+          << "row " << t << " of 8 vs alone, dim " << dim << " " << entry_name(e);
     }
+  }
 }
 
 TEST(CudaMoeDecode, RowIndependentOfOtherRows) {

@@ -159,43 +159,30 @@ TEST(CudaMoeFp4, MatchesCpuReference) {
     const Experts x = random_experts(s[0], s[1], s[2], rng);
     const DeviceExperts dx(x);
     MoeFp4 moe(x.dim, x.inter, topk, device_sm_count());
-    for (const bool wgmma : {false, true})
-      for (int m : {1, 4, 8}) {
-        moe.set_wgmma(wgmma);
-        if (wgmma && !moe.wgmma()) continue;  // not an sm_90 device
-        std::vector<uint8_t> codes;
-        std::vector<float> scales, wts;
-        std::vector<int> idx;
-        random_inputs(m, x.dim, x.E, topk, rng, codes, scales, idx, wts);
-        const auto got = gpu_moe(moe, dx, x, codes, scales, idx, wts, m);
-        const auto want = cpu_moe(x, codes, scales, idx, wts, m, topk);
-        double err2 = 0, ref2 = 0;
-        int exact = 0;
-        for (size_t i = 0; i < got.size(); ++i) {
-          ASSERT_TRUE(std::isfinite(got[i])) << "unwritten or NaN output " << i;
-          const double e = double(got[i]) - want[i];
-          err2 += e * e;
-          ref2 += double(want[i]) * want[i];
-          exact += bits_equal(got[i], want[i]);
-        }
-        const double rel = std::sqrt(err2 / ref2);
-        std::printf(
-            "moe_fp4 %s E=%d dim=%d inter=%d m=%d: |err|/|ref| = %.3g, bitwise equal %d/%zu\n",
-            wgmma ? "wgmma" : "mma.sync", x.E, x.dim, x.inter, m, rel, exact, got.size());
-        if (!wgmma) {
-          // Same fp32 operations in the same order; differences come only from expf (1 ulp) or a
-          // tensor-core partial that is not exact, flipping a bf16 or fp8 rounding now and then.
-          EXPECT_LE(rel, 1e-4);
-          EXPECT_GE(exact, int(0.99 * got.size()));
-        } else {
-          // wgmma keeps ~11-12 bits of a block's 32-product sum (test_wgmma_fp8.cpp), and the w13
-          // K split differs (4 cluster ranks, not 16-block splits): g / u move by ~1e-4 relative,
-          // which flips some bf16 roundings of g / u / h and through them some FP8 codes of h (one
-          // e4m3 step, 6%, of one of `inter` terms of a w2 output). Measured on the H200 in
-          // docs/perf.md (session 10); a wrong block, scale or K order moves outputs by O(1).
-          EXPECT_LE(rel, 1e-2);
-        }
+    for (int m : {1, 4, 8}) {
+      std::vector<uint8_t> codes;
+      std::vector<float> scales, wts;
+      std::vector<int> idx;
+      random_inputs(m, x.dim, x.E, topk, rng, codes, scales, idx, wts);
+      const auto got = gpu_moe(moe, dx, x, codes, scales, idx, wts, m);
+      const auto want = cpu_moe(x, codes, scales, idx, wts, m, topk);
+      double err2 = 0, ref2 = 0;
+      int exact = 0;
+      for (size_t i = 0; i < got.size(); ++i) {
+        ASSERT_TRUE(std::isfinite(got[i])) << "unwritten or NaN output " << i;
+        const double e = double(got[i]) - want[i];
+        err2 += e * e;
+        ref2 += double(want[i]) * want[i];
+        exact += bits_equal(got[i], want[i]);
       }
+      const double rel = std::sqrt(err2 / ref2);
+      std::printf("moe_fp4 E=%d dim=%d inter=%d m=%d: |err|/|ref| = %.3g, bitwise equal %d/%zu\n",
+                  x.E, x.dim, x.inter, m, rel, exact, got.size());
+      // Same fp32 operations in the same order; differences come only from expf (1 ulp) or a
+      // tensor-core partial that is not exact, flipping a bf16 or fp8 rounding now and then.
+      EXPECT_LE(rel, 1e-4);
+      EXPECT_GE(exact, int(0.99 * got.size()));
+    }
   }
 }
 
@@ -210,23 +197,19 @@ TEST(CudaMoeFp4, RowResultIndependentOfOtherRows) {
   std::vector<float> scales, wts;
   std::vector<int> idx;
   random_inputs(8, x.dim, x.E, topk, rng, codes, scales, idx, wts);
-  for (const bool wgmma : {false, true}) {
-    moe.set_wgmma(wgmma);
-    const auto full = gpu_moe(moe, dx, x, codes, scales, idx, wts, 8);
-    for (int t = 0; t < 8; ++t) {
-      std::vector<uint8_t> c1(codes.begin() + size_t(t) * x.dim,
-                              codes.begin() + size_t(t + 1) * x.dim);
-      std::vector<float> s1(scales.begin() + size_t(t) * x.dim / 32,
-                            scales.begin() + size_t(t + 1) * x.dim / 32);
-      std::vector<int> i1(idx.begin() + t * topk, idx.begin() + (t + 1) * topk);
-      std::vector<float> w1(wts.begin() + t * topk, wts.begin() + (t + 1) * topk);
-      std::reverse(i1.begin(), i1.end());  // the order of a row's top-k list must not matter
-      std::reverse(w1.begin(), w1.end());
-      const auto one = gpu_moe(moe, dx, x, c1, s1, i1, w1, 1);
-      for (int n = 0; n < x.dim; ++n)
-        ASSERT_TRUE(bits_equal(one[n], full[size_t(t) * x.dim + n]))
-            << "row " << t << " n " << n << (moe.wgmma() ? " (wgmma)" : " (mma.sync)");
-    }
+  const auto full = gpu_moe(moe, dx, x, codes, scales, idx, wts, 8);
+  for (int t = 0; t < 8; ++t) {
+    std::vector<uint8_t> c1(codes.begin() + size_t(t) * x.dim,
+                            codes.begin() + size_t(t + 1) * x.dim);
+    std::vector<float> s1(scales.begin() + size_t(t) * x.dim / 32,
+                          scales.begin() + size_t(t + 1) * x.dim / 32);
+    std::vector<int> i1(idx.begin() + t * topk, idx.begin() + (t + 1) * topk);
+    std::vector<float> w1(wts.begin() + t * topk, wts.begin() + (t + 1) * topk);
+    std::reverse(i1.begin(), i1.end());  // the order of a row's top-k list must not matter
+    std::reverse(w1.begin(), w1.end());
+    const auto one = gpu_moe(moe, dx, x, c1, s1, i1, w1, 1);
+    for (int n = 0; n < x.dim; ++n)
+      ASSERT_TRUE(bits_equal(one[n], full[size_t(t) * x.dim + n])) << "row " << t << " n " << n;
   }
 }
 

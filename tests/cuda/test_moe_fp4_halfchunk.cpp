@@ -8,8 +8,7 @@
 // a present one in the decode kernels, never stored). No tolerance: any difference is a bug.
 // Each kernel set runs with both mma paths (MoeFp4::set_f16: the f16 HMMAs that sm_90a emulates
 // the e4m3 mma with, or the e4m3 mma.sync itself), and the unit kernels at every M = 1..8
-// (set_unit_max_rows(8); by default they run up to 2 rows only). All with the wgmma kernels off
-// (set_default_wgmma(false)): those are close to these, not bitwise (test_moe_wgmma.cpp).
+// (set_unit_max_rows(8); by default they run up to 2 rows only).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -30,7 +29,6 @@ namespace {
 void compare_half_chunks(int E, int dim, int inter, uint64_t seed) {
   std::mt19937 rng{uint32_t(seed)};
   const Experts x(E, dim, inter, seed);
-  const WgmmaDefault mma_sync_kernels(false);
   MoeFp4 unit(dim, inter, kTopk, device_sm_count());
   MoeFp4 legacy(dim, inter, kTopk, device_sm_count());
   legacy.set_legacy(true);

@@ -19,7 +19,6 @@
 #include "cpu/moe.h"
 #include "cuda/ops/moe.h"
 #include "cuda_test_util.h"
-#include "moe_test_util.h"
 #include "ops_test_weights.h"
 
 namespace uf::cuda::test {
@@ -192,117 +191,109 @@ std::vector<float> sum_round(const std::vector<float>& a, const std::vector<floa
 class MoePartial : public ::testing::TestWithParam<PartialCase> {};
 
 // (a) one rank.
-// With MoeFp4's wgmma kernels (the default on sm_90) and its mma.sync kernels; spec == plain
-// against the 20-row call (MoeFp4Prefill) with the mma.sync kernels, which are bitwise it, and
-// against the 8-row call with the wgmma ones, which are close to it only (test_ops_moe.cpp).
 TEST_P(MoePartial, OneRankMatchesApply) {
   UF_REQUIRE_GPU();
   const PartialCase c = GetParam();
-  for (const bool wgmma : {false, true}) {
-    const WgmmaDefault kernels(wgmma);
-    const int spec_rows = wgmma ? 8 : 20;
-    std::mt19937 rng(9001);
-    auto hm = make_moe(c, rng);
-    const MoeShape shape{c.dim,        c.inter,     c.E,           c.K,
-                         c.score_func, c.gate_temp, c.route_scale, c.limit};
-    DeviceArena arena;
-    DeviceMoe moe(hm->w, shape, arena);
-    const int D = c.dim, K = c.K;
-    for (int T : {1, 3, 8, 20}) {
-      const std::vector<float> x = random_acts(T, D, rng);
-      DeviceBuffer<float> dx(x);
-      const MoeOut ref = run_moe(moe, Path::kApply, dx.get(), T, D, K);
-      const MoeOut part = run_moe(moe, Path::kPartial, dx.get(), T, D, K);
-      const MoeOut slots = run_moe(moe, Path::kSlots, dx.get(), T, D, K);
-      ASSERT_EQ(count_nan(ref.y), 0u) << c.name << " T=" << T << ": apply() output has NaN";
-      ASSERT_EQ(count_nan(part.y), 0u) << c.name << " T=" << T << ": apply_partial NaN/unwritten";
-      // Every slot is written (route_kernel only picks valid ids): a NaN is an unwritten slot.
-      const auto [first_nan_slot, nan_slots] = [&] {
-        long f = -1;
-        size_t n = 0;
-        for (size_t i = 0; i < slots.y.size(); ++i)
-          if (!std::isfinite(slots.y[i])) {
-            if (f < 0) f = long(i);
-            ++n;
-          }
-        return std::pair<long, size_t>{f, n};
-      }();
-      ASSERT_EQ(nan_slots, 0u) << c.name << " T=" << T << ": first NaN slot value at "
-                               << first_nan_slot << " (row " << first_nan_slot / ((K + 1) * D)
-                               << ", slot " << (first_nan_slot / D) % (K + 1) << ", col "
-                               << first_nan_slot % D << ")";
-      // Routing is the same code in all three paths.
-      ASSERT_EQ(bit_diff(part.gw, ref.gw).second, 0u) << c.name << " gate_w differs (partial)";
-      ASSERT_EQ(bit_diff(slots.gw, ref.gw).second, 0u) << c.name << " gate_w differs (slots)";
-      ASSERT_EQ(part.gi, ref.gi) << c.name << " gate_i differs (partial)";
-      ASSERT_EQ(slots.gi, ref.gi) << c.name << " gate_i differs (slots)";
-
-      // combine_experts of the slots: apply()'s roundings in apply()'s order: bitwise.
-      const std::vector<float> comb = combine(moe, slots.y, slots.gi, T, D);
-      const auto [first_c, n_c] = bit_diff(comb, ref.y);
-      EXPECT_EQ(n_c, 0u) << c.name << " T=" << T << ": combine_experts(slots) != apply() in " << n_c
-                         << " of " << comb.size() << "; first at " << first_c << ": "
-                         << (first_c >= 0 ? comb[size_t(first_c)] : 0.f) << " vs "
-                         << (first_c >= 0 ? ref.y[size_t(first_c)] : 0.f);
-
-      // apply_partial == sum of the unrounded slots, ascending expert id from 0, then + shared
-      // (fp32, the same order): bitwise. Also the rigorous bound against apply(): with
-      // M = sum |slot_e| + |shared|, S = apply's pre-rounding sum, A = apply_partial,
-      // |S - A| <= 2^-8 M (the dropped bf16 roundings, each <= 2^-8 |v|) + 2 (K+1) 2^-24 M (the
-      // two fp32 sums), and each final rounding adds <= 2^-8 |S| or 2^-8 |A| (both <= M (1 +
-      // 2^-7)): |bf16(A) - apply| <= 2^-8 M (3 + 2^-5) + (K+1) 2^-23 M.
-      std::vector<float> emul(size_t(T) * D), bound(size_t(T) * D);
-      for (int t = 0; t < T; ++t) {
-        std::vector<int> ks(static_cast<size_t>(K));
-        for (int k = 0; k < K; ++k) ks[size_t(k)] = k;
-        std::sort(ks.begin(), ks.end(), [&](int a, int b) {
-          return slots.gi[size_t(t * K + a)] < slots.gi[size_t(t * K + b)];
-        });
-        const float* row = &slots.y[size_t(t) * size_t(K + 1) * D];
-        for (int d = 0; d < D; ++d) {
-          float s = 0.f, m = 0.f;
-          for (int k : ks) {
-            s += row[size_t(k) * D + d];
-            m += std::fabs(row[size_t(k) * D + d]);
-          }
-          const float sh = row[size_t(K) * D + d];
-          emul[size_t(t) * D + d] = s + sh;
-          m += std::fabs(sh);
-          bound[size_t(t) * D + d] = m * (0x1p-8f * (3.f + 0x1p-5f) + float(K + 1) * 0x1p-23f);
+  std::mt19937 rng(9001);
+  auto hm = make_moe(c, rng);
+  const MoeShape shape{c.dim, c.inter, c.E, c.K, c.score_func, c.gate_temp, c.route_scale, c.limit};
+  DeviceArena arena;
+  DeviceMoe moe(hm->w, shape, arena);
+  const int D = c.dim, K = c.K;
+  for (int T : {1, 3, 8, 20}) {
+    const std::vector<float> x = random_acts(T, D, rng);
+    DeviceBuffer<float> dx(x);
+    const MoeOut ref = run_moe(moe, Path::kApply, dx.get(), T, D, K);
+    const MoeOut part = run_moe(moe, Path::kPartial, dx.get(), T, D, K);
+    const MoeOut slots = run_moe(moe, Path::kSlots, dx.get(), T, D, K);
+    ASSERT_EQ(count_nan(ref.y), 0u) << c.name << " T=" << T << ": apply() output has NaN";
+    ASSERT_EQ(count_nan(part.y), 0u) << c.name << " T=" << T << ": apply_partial NaN/unwritten";
+    // Every slot is written (route_kernel only picks valid ids): a NaN is an unwritten slot.
+    const auto [first_nan_slot, nan_slots] = [&] {
+      long f = -1;
+      size_t n = 0;
+      for (size_t i = 0; i < slots.y.size(); ++i)
+        if (!std::isfinite(slots.y[i])) {
+          if (f < 0) f = long(i);
+          ++n;
         }
+      return std::pair<long, size_t>{f, n};
+    }();
+    ASSERT_EQ(nan_slots, 0u) << c.name << " T=" << T << ": first NaN slot value at "
+                             << first_nan_slot << " (row " << first_nan_slot / ((K + 1) * D)
+                             << ", slot " << (first_nan_slot / D) % (K + 1) << ", col "
+                             << first_nan_slot % D << ")";
+    // Routing is the same code in all three paths.
+    ASSERT_EQ(bit_diff(part.gw, ref.gw).second, 0u) << c.name << " gate_w differs (partial)";
+    ASSERT_EQ(bit_diff(slots.gw, ref.gw).second, 0u) << c.name << " gate_w differs (slots)";
+    ASSERT_EQ(part.gi, ref.gi) << c.name << " gate_i differs (partial)";
+    ASSERT_EQ(slots.gi, ref.gi) << c.name << " gate_i differs (slots)";
+
+    // combine_experts of the slots: apply()'s roundings in apply()'s order: bitwise.
+    const std::vector<float> comb = combine(moe, slots.y, slots.gi, T, D);
+    const auto [first_c, n_c] = bit_diff(comb, ref.y);
+    EXPECT_EQ(n_c, 0u) << c.name << " T=" << T << ": combine_experts(slots) != apply() in " << n_c
+                       << " of " << comb.size() << "; first at " << first_c << ": "
+                       << (first_c >= 0 ? comb[size_t(first_c)] : 0.f) << " vs "
+                       << (first_c >= 0 ? ref.y[size_t(first_c)] : 0.f);
+
+    // apply_partial == sum of the unrounded slots, ascending expert id from 0, then + shared
+    // (fp32, the same order): bitwise. Also the rigorous bound against apply(): with
+    // M = sum |slot_e| + |shared|, S = apply's pre-rounding sum, A = apply_partial,
+    // |S - A| <= 2^-8 M (the dropped bf16 roundings, each <= 2^-8 |v|) + 2 (K+1) 2^-24 M (the
+    // two fp32 sums), and each final rounding adds <= 2^-8 |S| or 2^-8 |A| (both <= M (1 + 2^-7)):
+    // |bf16(A) - apply| <= 2^-8 M (3 + 2^-5) + (K+1) 2^-23 M.
+    std::vector<float> emul(size_t(T) * D), bound(size_t(T) * D);
+    for (int t = 0; t < T; ++t) {
+      std::vector<int> ks(static_cast<size_t>(K));
+      for (int k = 0; k < K; ++k) ks[size_t(k)] = k;
+      std::sort(ks.begin(), ks.end(), [&](int a, int b) {
+        return slots.gi[size_t(t * K + a)] < slots.gi[size_t(t * K + b)];
+      });
+      const float* row = &slots.y[size_t(t) * size_t(K + 1) * D];
+      for (int d = 0; d < D; ++d) {
+        float s = 0.f, m = 0.f;
+        for (int k : ks) {
+          s += row[size_t(k) * D + d];
+          m += std::fabs(row[size_t(k) * D + d]);
+        }
+        const float sh = row[size_t(K) * D + d];
+        emul[size_t(t) * D + d] = s + sh;
+        m += std::fabs(sh);
+        bound[size_t(t) * D + d] = m * (0x1p-8f * (3.f + 0x1p-5f) + float(K + 1) * 0x1p-23f);
       }
-      const auto [first_e, n_e] = bit_diff(part.y, emul);
-      EXPECT_EQ(n_e, 0u) << c.name << " T=" << T << ": apply_partial != fp32 sum of the slots in "
-                         << n_e << " values; first at " << first_e << ": "
-                         << (first_e >= 0 ? part.y[size_t(first_e)] : 0.f) << " vs "
-                         << (first_e >= 0 ? emul[size_t(first_e)] : 0.f);
-      const std::vector<float> rounded = round_all(part.y);
-      const Compare cmp(rounded, ref.y,
-                        [&](size_t i) { return std::fabs(rounded[i] - ref.y[i]) <= bound[i]; });
-      EXPECT_EQ(cmp.bad, 0u) << c.name << " T=" << T
-                             << " bf16(apply_partial) vs apply: " << cmp.report(rounded, ref.y)
-                             << " bound there "
-                             << (cmp.first_bad >= 0 ? bound[size_t(cmp.first_bad)] : 0.f);
-      std::printf(
-          "[moe_partial] %s T=%d one rank: combine(slots) vs apply bit-differences=%zu; "
-          "bf16(apply_partial) vs apply: %s\n",
-          c.name, T, n_c, cmp.report(rounded, ref.y).c_str());
+    }
+    const auto [first_e, n_e] = bit_diff(part.y, emul);
+    EXPECT_EQ(n_e, 0u) << c.name << " T=" << T << ": apply_partial != fp32 sum of the slots in "
+                       << n_e << " values; first at " << first_e << ": "
+                       << (first_e >= 0 ? part.y[size_t(first_e)] : 0.f) << " vs "
+                       << (first_e >= 0 ? emul[size_t(first_e)] : 0.f);
+    const std::vector<float> rounded = round_all(part.y);
+    const Compare cmp(rounded, ref.y,
+                      [&](size_t i) { return std::fabs(rounded[i] - ref.y[i]) <= bound[i]; });
+    EXPECT_EQ(cmp.bad, 0u) << c.name << " T=" << T
+                           << " bf16(apply_partial) vs apply: " << cmp.report(rounded, ref.y)
+                           << " bound there "
+                           << (cmp.first_bad >= 0 ? bound[size_t(cmp.first_bad)] : 0.f);
+    std::printf(
+        "[moe_partial] %s T=%d one rank: combine(slots) vs apply bit-differences=%zu; "
+        "bf16(apply_partial) vs apply: %s\n",
+        c.name, T, n_c, cmp.report(rounded, ref.y).c_str());
 
-      if (T == spec_rows) {  // spec == plain: each row alone gives the same bits on both paths
-        for (int r = 0; r < T; ++r) {
-          const float* xr = dx.get() + int64_t(r) * D;
-          const MoeOut p1 = run_moe(moe, Path::kPartial, xr, 1, D, K);
-          const MoeOut s1 = run_moe(moe, Path::kSlots, xr, 1, D, K);
-          for (int d = 0; d < D; ++d)
-            ASSERT_TRUE(bits_equal(p1.y[size_t(d)], part.y[size_t(r) * D + d]))
-                << c.name << " apply_partial row " << r << " d " << d << ": alone "
-                << p1.y[size_t(d)] << ", in a " << T << "-row call " << part.y[size_t(r) * D + d];
-          for (int i = 0; i < (K + 1) * D; ++i)
-            ASSERT_TRUE(bits_equal(s1.y[size_t(i)], slots.y[size_t(r) * (K + 1) * D + i]))
-                << c.name << " apply_partial_experts row " << r << " slot " << i / D << " d "
-                << i % D << ": alone " << s1.y[size_t(i)] << ", in a " << T << "-row call "
-                << slots.y[size_t(r) * (K + 1) * D + i];
-        }
+    if (T == 20) {  // spec == plain: each row alone gives the same bits on both partial paths
+      for (int r = 0; r < T; ++r) {
+        const float* xr = dx.get() + int64_t(r) * D;
+        const MoeOut p1 = run_moe(moe, Path::kPartial, xr, 1, D, K);
+        const MoeOut s1 = run_moe(moe, Path::kSlots, xr, 1, D, K);
+        for (int d = 0; d < D; ++d)
+          ASSERT_TRUE(bits_equal(p1.y[size_t(d)], part.y[size_t(r) * D + d]))
+              << c.name << " apply_partial row " << r << " d " << d << ": alone " << p1.y[size_t(d)]
+              << ", in a 20-row call " << part.y[size_t(r) * D + d];
+        for (int i = 0; i < (K + 1) * D; ++i)
+          ASSERT_TRUE(bits_equal(s1.y[size_t(i)], slots.y[size_t(r) * (K + 1) * D + i]))
+              << c.name << " apply_partial_experts row " << r << " slot " << i / D << " d " << i % D
+              << ": alone " << s1.y[size_t(i)] << ", in a 20-row call "
+              << slots.y[size_t(r) * (K + 1) * D + i];
       }
     }
   }

@@ -4,8 +4,6 @@
 // inter 288, 384 experts, top-6) and small shapes; routings random, skewed (every row on the
 // same experts: > 64 columns per expert) and with invalid ids. DeviceMoe also against the CPU
 // (test_ops_moe.cpp's bounds), apply / apply_partial / apply_partial_experts, outputs poisoned.
-// The decode path here is MoeFp4's mma.sync kernels (set_wgmma(false)): its wgmma kernels, the
-// default on sm_90, are close to these, not bitwise (test_moe_wgmma.cpp).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -22,7 +20,6 @@
 #include "cuda/moe.h"
 #include "cuda/ops/moe.h"
 #include "cuda_test_util.h"
-#include "moe_test_util.h"
 #include "ops_test_weights.h"
 
 namespace uf::cuda::test {
@@ -140,7 +137,6 @@ TEST_P(MoePrefillKernels, BitwiseTheChunkedDecodePath) {
   DevExperts ex(E, D, I, 77);
   constexpr int kMaxT = 512;
   MoeFp4 decode(D, I, K, 0);
-  decode.set_wgmma(false);  // the mma.sync kernels: bitwise MoeFp4Prefill (wgmma: close only)
   MoeFp4Prefill prefill(D, I, K, E, kMaxT);
   std::mt19937 rng(99);
   for (int T : {9, 64, 200, 512}) {
@@ -259,8 +255,6 @@ TEST_P(DeviceMoePrefill, BitwiseChunksAndMatchesCpu) {
   MoeShape shape{c.dim, c.inter, c.E, c.K, c.score_func, c.gate_temp, c.route_scale, c.limit};
   const cpu::MoeParams p{c.E, c.K, c.score_func, c.gate_temp, c.route_scale, c.limit, true};
   DeviceArena arena;
-  // The decode tail on MoeFp4's mma.sync kernels, bitwise MoeFp4Prefill (wgmma: close only).
-  const WgmmaDefault mma_sync_kernels(false);
   DeviceMoe moe(hm->w, shape, arena);  // max_prefill_rows 512
   shape.max_prefill_rows = 64;         // T = 200: chunks 64, 64, 64 and a decode tail of 8
   DeviceMoe moe64(hm->w, shape, arena);

@@ -156,7 +156,6 @@ void compare_f16(int E, int dim, int inter, uint64_t seed, const std::vector<int
   f16.set_f16(true);
   e4m3.set_f16(false);
   MoeFp4 decode(dim, inter, kTopk, device_sm_count());
-  decode.set_wgmma(false);  // the mma.sync kernels: bitwise MoeFp4Prefill (wgmma: close only)
   for (int m : ms) {
     Inputs in = random_inputs(m, dim, E, rng);
     make_routing(m, E, rng, in.idx, in.wts);

@@ -85,15 +85,12 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 
 #include "cuda/cuda_check.h"
 #include "cuda/kernels/common.cuh"
 #include "cuda/kernels/mma_f16.cuh"
 #include "cuda/kernels/moe_plan.cuh"
-#include "cuda/kernels/moe_wgmma.h"
 #include "cuda/kernels/probe.cuh"
-#include "cuda/kernels/wgmma.cuh"
 #include "cuda/moe.h"
 
 namespace uf::cuda {
@@ -474,220 +471,6 @@ __global__ void __maxnreg__(96) moe_w13_kernel(const W13Params p) {
     w13_advance(cur, S, groups);
   }
   cp_async_wait<0>();
-}
-
-// ---- Kernel 1 on wgmma (sm_90a; MoeFp4::set_wgmma) ----
-// moe_w13_kernel with warpgroup units: a unit is (slot u, group grp, split s), s fastest, and the
-// 4 warps of a warpgroup are its 4 tiles (warp w & 3 = tau), so one wgmma m64n8k32 (A = the 4
-// warps' 16 rows from registers, B = the slot's 8 columns from shared memory) is one K block of
-// all 4 tiles. Each warpgroup takes a contiguous range of units; each warp streams its own tile's
-// weights and scales through its ring as moe_w13_kernel does, plus a quarter of the chunk's B
-// (8 K blocks x 8 columns, cp.async 4-byte pieces, absent columns clamped onto a present one) into
-// the warpgroup's B ring. K order inside a block (A and B alike): fragment positions 4t..4t+3 hold
-// elements 8t..8t+3, 16+4t..16+4t+3 hold 8t+4..8t+7 (e2m1x8_to_e4m3_scaled's even / odd halves
-// interleaved back by two PRMT), so B's first 16-byte K half is the block's 4-byte words 0, 2, 4,
-// 6 and its second half words 1, 3, 5, 7. Per half chunk (4 K blocks): 4 wgmmas in one commit
-// group, then acc = fmaf(d * (sa * 2^6), sw, acc) in K order; the splits, partials, counters and
-// the group epilogue are moe_w13_kernel's. So the outputs differ from it only by the tensor
-// core's block sums (wgmma keeps ~11-12 bits of a block's 32 products, wgmma.cuh).
-constexpr int kW13BStageBytes = 8 * 256;  // one chunk's B: 8 x [K half][8 columns][16 B]
-constexpr int kW13WgBOff = kW13Smem;
-constexpr int kW13WgSmem = kW13WgBOff + (kW13Warps / 4) * kW13Stages * kW13BStageBytes;
-
-// The warpgroup's named barrier (id 1 + warpgroup; 0 is __syncthreads).
-__device__ __forceinline__ void warpgroup_sync(int wg) {
-  asm volatile("bar.sync %0, 128;" ::"r"(1 + wg) : "memory");
-}
-
-__global__ void __maxnreg__(96) moe_w13_wgmma_kernel(const W13Params p) {
-#if UF_HAVE_WGMMA
-  extern __shared__ __align__(128) uint8_t smem[];
-  MoePlan& plan = *reinterpret_cast<MoePlan*>(smem);
-  pdl_wait();
-  pdl_trigger();  // after the wait: kernel 2 reads topk_idx before its own wait
-  build_plan(p.topk_idx, p.topk_w, p.pairs, p.topk, p.E, plan);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int wg = warp >> 2, tau = warp & 3, wtid = threadIdx.x & 127;
-  const int S = p.splits, kbps = p.kb_per_split, nkb = p.dim / 32, groups = p.inter / 32;
-  const int n_units = plan.n_unique * groups * S;  // warpgroup units
-  const int WG = gridDim.x * (kW13Warps / 4), gwg = blockIdx.x * (kW13Warps / 4) + wg;
-  const int lo = int(int64_t(gwg) * n_units / WG), hi = int(int64_t(gwg + 1) * n_units / WG);
-  uint8_t* wsm = smem + kPlanBytes + warp * (kW13Stages * kW13StageBytes);
-  uint8_t* bsm = smem + kW13WgBOff + wg * (kW13Stages * kW13BStageBytes);
-  float* swf = reinterpret_cast<float*>(smem + kW13SwOff + warp * kW13SwBytes);
-  const size_t row_bytes = size_t(p.dim / 2);
-
-  // Producer: unit pn = (pu, pgrp, ps), chunk pc (8 K blocks) within it.
-  int pn = lo, pc = 0, issued = 0;
-  int ps = lo % S, pgq = lo / S;
-  const uint8_t* psrc = nullptr;   // weight piece (row lane / 8, column lane % 8) of chunk 0
-  const uint8_t* pssrc = nullptr;  // scale piece (row lane / 2, 4 bytes lane % 2) of chunk 0
-  const uint8_t* pxcol = nullptr;  // B: this thread's column word at chunk 0's K
-  int pnkb = 0;
-  auto enter = [&]() {
-    if (pn >= hi) return;
-    const int pu = pgq / groups, pgrp = pgq - pu * groups;
-    const SlotPlan& r = plan.slot[pu];
-    const int kb0 = ps * kbps;
-    pnkb = min(nkb, kb0 + kbps) - kb0;
-    const size_t row0 = size_t(r.expert) * p.inter + pgrp * 32 + (tau & 1) * 16;
-    psrc =
-        (tau >= 2 ? p.w3 : p.w1) + (row0 + (lane >> 3)) * row_bytes + size_t(kb0 + (lane & 7)) * 16;
-    pssrc = (tau >= 2 ? p.w3s : p.w1s) + (row0 + (lane >> 1)) * nkb + kb0 + (lane & 1) * 4;
-    // B piece q = i * 128 + wtid (i < 4): word q & 7 and column (q >> 3) & 7 of K block q >> 6.
-    const int c = min((wtid >> 3) & 7, r.count - 1);
-    pxcol = p.x + size_t(r.tok[c]) * p.dim + size_t(kb0) * 32 + (wtid & 7) * 4;
-  };
-  enter();
-  auto issue = [&]() {
-    if (pn < hi) {
-      const int nk = min(8, pnkb - pc * 8);  // 4 or 8 (K % 128 == 0)
-      uint8_t* dst = wsm + (issued % kW13Stages) * kW13StageBytes;
-      if ((lane & 7) < nk) {  // 16 rows x nk 16-byte pieces; a warp op = 4 rows x 128 B
-        uint8_t* d = dst + (lane >> 3) * kW13RowStride + (lane & 7) * 16;
-        const uint8_t* src = psrc + pc * 128;
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-          moe_cp16(d + i * 4 * kW13RowStride, src + size_t(i) * 4 * row_bytes);
-      }
-      if ((lane & 1) * 4 < nk)
-        moe_cp4(dst + kW13ScaleOff + (lane >> 1) * 8 + (lane & 1) * 4, pssrc + pc * 8);
-      // B: block j = q >> 6 of the chunk, column c, word w -> K half w & 1, bytes 4 (w >> 1).
-      uint8_t* bdst = bsm + (issued % kW13Stages) * kW13BStageBytes;
-      const int w = wtid & 7, c = (wtid >> 3) & 7;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int j = 2 * i + (wtid >> 6);
-        if (j < nk)
-          moe_cp4(bdst + j * 256 + (w & 1) * 128 + c * 16 + (w >> 1) * 4,
-                  pxcol + size_t(pc * 8 + j) * 32);
-      }
-      if ((pc + 1) * 8 >= pnkb) {
-        pc = 0;
-        ++pn;
-        if (++ps == S) {
-          ps = 0;
-          ++pgq;
-        }
-        enter();
-      } else {
-        ++pc;
-      }
-    }
-    ++issued;
-    cp_async_commit();
-  };
-  issue();
-  issue();  // kW13Stages - 1 chunks ahead
-
-  int consumed = 0, pending = 0;
-  int s = lo % S, gq = lo / S;
-  const uint32_t b_base = uint32_t(__cvta_generic_to_shared(bsm));
-  for (int n = lo; n < hi; ++n) {
-    const int u = gq / groups, grp = gq - u * groups;
-    const SlotPlan& r = plan.slot[u];
-    const int count = r.count;
-    const float* as0 = p.xs + size_t(r.tok[min(2 * t, count - 1)]) * nkb;
-    const float* as1 = p.xs + size_t(r.tok[min(2 * t + 1, count - 1)]) * nkb;
-    const int kbe = min(nkb, (s + 1) * kbps);
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int kb = s * kbps; kb < kbe; kb += 8) {
-      const bool full = kbe - kb >= 8;
-      float sa0[8], sa1[8];
-#pragma unroll
-      for (int uu = 0; uu < 8; ++uu) {
-        sa0[uu] = sa1[uu] = 0.f;
-        if (uu < 4 || full) {
-          sa0[uu] = __ldg(as0 + kb + uu) * kE2M1ToE4M3Rescale;
-          sa1[uu] = __ldg(as1 + kb + uu) * kE2M1ToE4M3Rescale;
-        }
-      }
-      cp_async_wait<kW13Stages - 2>();  // this chunk's pieces (the next one may be in flight)
-      fence_async_shared();             // cp.async's writes, before the async proxy reads B
-      warpgroup_sync(wg);  // every warp's pieces of this chunk; every warp done with chunk - 1
-      issue();             // into the stage chunk - 1 used
-      const int stage = consumed % kW13Stages;
-      const uint8_t* st = wsm + stage * kW13StageBytes;
-      ++consumed;
-      scales_to_f32(st + kW13ScaleOff, 8, 8, swf, kW13SwStride);
-      __syncwarp();
-      const uint64_t desc0 =
-          matrix_desc_addr(b_base + uint32_t(stage * kW13BStageBytes), 128u, 256u);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        if (h == 1 && !full) break;
-        uint32_t a[4][4];
-        float d[4][4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const uint8_t* wp = st + (h * 4 + j) * 16 + t * 4;
-          uint32_t lo0, hi0, lo1, hi1;
-          e2m1x8_to_e4m3_scaled(*reinterpret_cast<const uint32_t*>(wp + g * kW13RowStride), lo0,
-                                hi0);
-          e2m1x8_to_e4m3_scaled(*reinterpret_cast<const uint32_t*>(wp + (g + 8) * kW13RowStride),
-                                lo1, hi1);
-          a[j][0] = __byte_perm(lo0, hi0, 0x5140);  // row g, elements 8t..8t+3
-          a[j][2] = __byte_perm(lo0, hi0, 0x7362);  // row g, elements 8t+4..8t+7
-          a[j][1] = __byte_perm(lo1, hi1, 0x5140);
-          a[j][3] = __byte_perm(lo1, hi1, 0x7362);
-          d[j][0] = d[j][1] = d[j][2] = d[j][3] = 0.f;
-          wgmma_fence_operand(d[j]);
-        }
-        wgmma_fence();
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-          wgmma_e4m3_rs(d[j], a[j], desc0 + uint64_t(16 * (h * 4 + j)), false);
-        wgmma_commit();
-        wgmma_wait<0>();
-        const float4 x0 = *reinterpret_cast<const float4*>(swf + g * kW13SwStride + h * 4);
-        const float4 x1 = *reinterpret_cast<const float4*>(swf + (g + 8) * kW13SwStride + h * 4);
-        const float sw0[4] = {x0.x, x0.y, x0.z, x0.w}, sw1[4] = {x1.x, x1.y, x1.z, x1.w};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          wgmma_fence_operand(d[j]);
-          const int uu = h * 4 + j;
-          acc[0] = fmaf(d[j][0] * sa0[uu], sw0[j], acc[0]);
-          acc[1] = fmaf(d[j][1] * sa1[uu], sw0[j], acc[1]);
-          acc[2] = fmaf(d[j][2] * sa0[uu], sw1[j], acc[2]);
-          acc[3] = fmaf(d[j][3] * sa1[uu], sw1[j], acc[3]);
-        }
-      }
-      __syncwarp();
-    }
-    {  // [column][16 rows] of this warp's tile, valid columns only (moe_w13_kernel's layout)
-      float* part = p.partials + (size_t(gq * 4 + tau) * S + s) * 128;
-      if (2 * t < count) {
-        __stcg(part + (2 * t) * 16 + g, acc[0]);
-        __stcg(part + (2 * t) * 16 + g + 8, acc[2]);
-      }
-      if (2 * t + 1 < count) {
-        __stcg(part + (2 * t + 1) * 16 + g, acc[1]);
-        __stcg(part + (2 * t + 1) * 16 + g + 8, acc[3]);
-      }
-    }
-    ++pending;
-    if (n + 1 == hi || s == S - 1) {  // leaving group gq: publish this warp's units
-      __threadfence();
-      __syncwarp();
-      int old = 0;
-      if (lane == 0) old = atomicAdd(p.counters + gq, pending);
-      old = __shfl_sync(0xffffffffu, old, 0);
-      if (old + pending == 4 * S) {  // the group is complete: reduce it (uniform branch)
-        __threadfence();
-        w13_group_epilogue(p, r, gq, grp);
-        if (lane == 0) p.counters[gq] = 0;  // for the next call / graph replay
-      }
-      pending = 0;
-    }
-    if (++s == S) {
-      s = 0;
-      ++gq;
-    }
-  }
-  cp_async_wait<0>();
-#else
-  __trap();  // built without sm_90a features: MoeFp4 runs this on sm_90 devices only
-#endif
 }
 
 // ---- Kernel 2: w2 ----
@@ -1294,11 +1077,9 @@ void for_both_paths(Fn&& fn) {
 constexpr int kUnitMaxRowsFaster = 2;
 
 namespace {
-bool g_default_f16 = true;     // MoeFp4::set_default_f16
-bool g_default_wgmma = false;  // MoeFp4::set_default_wgmma (measured slower: perf.md)
+bool g_default_f16 = true;  // MoeFp4::set_default_f16
 }  // namespace
 void MoeFp4::set_default_f16(bool on) { g_default_f16 = on; }
-void MoeFp4::set_default_wgmma(bool on) { g_default_wgmma = on; }
 
 MoeFp4::MoeFp4(int dim, int inter, int topk, int sm_count)
     : dim_(dim), inter_(inter), topk_(topk), sm_count_(sm_count) {
@@ -1366,14 +1147,6 @@ MoeFp4::MoeFp4(int dim, int inter, int topk, int sm_count)
   });
   prefer_shared_carveout(moe_combine_kernel);
   prefer_shared_carveout(swiglu_quant_kernel);
-  wgmma_ok_ = moe_wgmma_supported(dim, inter) && kW13WgSmem <= optin;
-  if (wgmma_ok_) {
-    moe_wgmma_prepare(dim, inter);
-    raise_smem(moe_w13_wgmma_kernel, kW13WgSmem);
-    prefer_shared_carveout(moe_w13_wgmma_kernel);
-  }
-  wgmma_units_ = std::getenv("UF_MOE_WGMMA_UNIT") != nullptr;  // session 10 A/B: the unit kernels
-  wgmma_ = wgmma_ok_ && g_default_wgmma;
   const size_t groups = inter / 32;
   UF_CUDA_CHECK(cudaMalloc(&h_codes_, size_t(slots) * inter));
   UF_CUDA_CHECK(cudaMalloc(&h_scales_, sizeof(float) * slots * groups));
@@ -1416,11 +1189,6 @@ void MoeFp4::run_experts_impl(const Fp4ExpertsView& w, const QuantActView& x, co
   // The unit kernels win at few rows, the persistent ones from ~5 rows (H200, bench_cuda_moe,
   // routed experts, us: unit 23.7 / 31.1 / 52.3 / 95.0 / 106.3 against persistent 25.4 / 38.7 /
   // 63.2 / 88.9 / 102.9 at 1 / 2 / 4 / 7 / 8 rows). Bitwise the same outputs either way.
-  if (wgmma_ && wgmma_units_) {
-    moe_wgmma_experts(w, x, topk_idx, topk_w, topk_, swiglu_limit, h_vals_, round_w2, y,
-                      y_row_stride, stream);
-    return;
-  }
   if (f16_)
     launch_experts<true>(w, x, topk_idx, topk_w, swiglu_limit, round_w2, y, y_row_stride, stream);
   else
@@ -1433,7 +1201,7 @@ void MoeFp4::launch_experts(const Fp4ExpertsView& w, const QuantActView& x, cons
                             int64_t y_row_stride, cudaStream_t stream) const {
   const int P = x.m * topk_;
   const int groups = inter_ / 32;
-  if (!wgmma_ && !legacy_ && x.m <= unit_max_rows_) {
+  if (!legacy_ && x.m <= unit_max_rows_) {
     W13Params a{w.w1,          w.w1_scale,   w.w3,     w.w3_scale, w.num_experts, dim_,
                 inter_,        x.codes,      x.scales, topk_idx,   topk_w,        P,
                 topk_,         swiglu_limit, nullptr,  nullptr,    nullptr,       nullptr,
@@ -1453,15 +1221,8 @@ void MoeFp4::launch_experts(const Fp4ExpertsView& w, const QuantActView& x, cons
               inter_,        x.codes,      x.scales, topk_idx,   topk_w,        P,
               topk_,         swiglu_limit, h_codes_, h_scales_,  partials_,     counters_,
               kb_per_split_, splits_,      nullptr};
-  if (wgmma_) {  // warpgroup units: a quarter of the units
-    const int wg_grid = std::max(
-        1, std::min(sm_count_, (P * groups * splits_ + kW13Warps / 4 - 1) / (kW13Warps / 4)));
-    launch_pdl(moe_w13_wgmma_kernel, dim3(wg_grid), dim3(kW13Warps * 32), size_t(kW13WgSmem),
-               stream, a);
-  } else {
-    launch_pdl(moe_w13_kernel<kF16>, dim3(w13_grid), dim3(kW13Warps * 32), size_t(kW13Smem), stream,
-               a);
-  }
+  launch_pdl(moe_w13_kernel<kF16>, dim3(w13_grid), dim3(kW13Warps * 32), size_t(kW13Smem), stream,
+             a);
   W2Params b{w.w2,  w.w2_scale, w.num_experts, dim_, inter_,       topk_idx, topk_w, P,
              topk_, h_codes_,   h_scales_,     y,    y_row_stride, round_w2, nullptr};
   if (!w2_streamed_) {

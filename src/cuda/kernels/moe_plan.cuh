@@ -1,8 +1,9 @@
 #pragma once
-// The routing plan shared by the decode MoE kernels (moe_fp4.cu, moe_wgmma.cu): the P = M * topk
-// (row, expert) pairs reduced to the distinct experts, ranked by expert id (slot u); an expert's
-// rows (ascending row index) are the columns of the mma B operand, so an expert picked by several
-// rows is read once. Every CTA builds it into its own shared memory (no plan launch).
+// The routing plan of the decode MoE kernels (moe_fp4.cu): the P = M * topk (row, expert) pairs
+// reduced to the distinct experts, ranked by expert id (slot u); an expert's rows (ascending row
+// index) are the columns of the mma B operand, so an expert picked by several rows is read once.
+// Every CTA builds it into its own shared memory (no plan launch), and the cp.async helpers the
+// kernels stream weights with.
 #include <cuda_runtime.h>
 
 #include <cstdint>
