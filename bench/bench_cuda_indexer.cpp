@@ -8,7 +8,8 @@
 //
 // Bytes: index_scores reads the key bank once (width x 128 x 4) and writes T x width scores;
 // topk_select reads T x width scores; candidate_mask reads T x width scores and writes T x width
-// keep bytes. At 8k the whole bank fits in L2, so replays read it from there.
+// keep bytes. At 8k the whole bank fits in L2, so replays read it from there. index_scores runs
+// on the tensor cores (the default) and on the fp32 kernel (set_index_scores_mma(false)).
 
 #include <algorithm>
 #include <cstdio>
@@ -135,6 +136,9 @@ int main() {
     for (const int T : {1, 2, 4, 7, 8}) {
       if (width == 32768 && T != 1 && T != 7) continue;
       auto scores = [&] { index_scores(q, w, T, kHi, kHd, keys, vis, wid, width, score, s); };
+      set_index_scores_mma(false);  // the fp32 kernel (the CPU's order), for comparison
+      const double us_f = graph_us(s, scores);
+      set_index_scores_mma(true);
       const double us_s = graph_us(s, scores);
       scores();  // realistic scores (bf16, ties) for the selections
       const double us_t =
@@ -150,6 +154,7 @@ int main() {
       });
       const double sc_bytes = double(width) * kHd * 4 + double(T) * width * 4;
       row("index_scores", width, T, us_s, sc_bytes, 0);
+      row("  (fp32 kernel)", width, T, us_f, sc_bytes, 0);
       row("topk_select", width, T, us_t, double(T) * width * 4, leg_t);
       row("candidate_mask", width, T, us_m, double(T) * width * 5, leg_m);
     }

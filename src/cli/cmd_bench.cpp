@@ -22,6 +22,8 @@
 // --no-graphs sets CudaModelOptions::cuda_graphs = false (the verify spans then launch eagerly);
 // --no-branches clears CudaModelOptions::graph_branches (one stream, the launches in order);
 // --no-candidate-lists clears candidate_lists.
+// --index-scores-fp32 runs index_scores on its fp32 kernel instead of the tensor cores
+// (set_index_scores_mma(false)).
 //
 // --floor-only prints the floors (bytes per component) without a GPU.
 #include <fmt/format.h>
@@ -52,6 +54,7 @@
 #include "cuda/backend/cuda_model.h"
 #include "cuda/cuda_check.h"
 #include "cuda/device_fill.h"
+#include "cuda/ops/attention.h"
 #include "cuda/ops/moe.h"
 #include "cuda/probe.h"
 #include "cuda/trace/kernel_trace.h"
@@ -74,6 +77,7 @@ struct BenchArgs {
   bool no_branches = false;
   bool no_candidate_lists = false;
   bool fold_moe_combine = false;
+  bool index_scores_fp32 = false;
   bool shared_beside_router = false;
   bool floor_only = false;
   // Vocab slices of the head: 8 = rank 0's eighth (TP8 splits the head by vocab rows; the
@@ -286,6 +290,8 @@ int run_cuda(const BenchArgs& a, const ModelConfig& cfg, const std::vector<int>&
   opts.graph_branches = !a.no_branches;
   opts.fold_moe_combine = a.fold_moe_combine;
   uf::cuda::set_moe_shared_after_router(!a.shared_beside_router);
+  uf::cuda::set_index_scores_mma(!a.index_scores_fp32);
+  out["index_scores"] = a.index_scores_fp32 ? "fp32" : "tensor cores";
   opts.candidate_lists = !a.no_candidate_lists;
   opts.head_slice_of = a.head_slices;
   out["cuda_graphs"] = opts.cuda_graphs;
@@ -558,6 +564,9 @@ void setup_bench(CLI::App& app, int& exit_code) {
   cmd->add_flag("--fold-moe-combine", a->fold_moe_combine,
                 "Fold the MoE combine into the mHC expand (one GPU only: a TP rank combines before "
                 "its all-reduce, so the TP8 rank figure leaves it off)");
+  cmd->add_flag(
+      "--index-scores-fp32", a->index_scores_fp32,
+      "index_scores on the fp32 kernel (the CPU's summation order), not the tensor cores");
   cmd->add_flag("--shared-beside-router", a->shared_beside_router,
                 "Start the forked shared expert with the router (before session 8), not after it");
   cmd->add_flag("--no-candidate-lists", a->no_candidate_lists,

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/dtypes.h"
+#include "core/quant.h"
 #include "cuda/cuda_check.h"
 
 namespace uf::cuda::test {
@@ -87,6 +88,14 @@ inline std::vector<float> normal_bf16(size_t n, std::mt19937& rng, float sd) {
   std::normal_distribution<float> d(0.f, sd);
   std::vector<float> v(n);
   for (auto& x : v) x = core::round_bf16(d(rng));
+  return v;
+}
+
+// The indexer's operand class: FP4 E2M1 values with a UE8M0 scale per 32 (the model's index q and
+// keys, core::fake_quant_fp4_e8m0_scale), from `offset` on in whole blocks. index_scores' tensor-
+// core kernel is bitwise the CPU on these (ops/index_scores_mma.cu), not on arbitrary bf16 values.
+inline std::vector<float> fp4_qdq(std::vector<float> v, size_t offset = 0) {
+  core::fake_quant_fp4_e8m0_scale(v.data() + offset, (v.size() - offset) / 32 * 32, 32);
   return v;
 }
 

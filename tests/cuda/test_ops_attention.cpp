@@ -420,11 +420,14 @@ void check_index_scores(const IndexCase& c, uint32_t seed) {
   const int T = int(c.vis.size()), Hi = c.n_heads, hd = c.hd;
   const int max_width = *std::max_element(c.width.begin(), c.width.end()) + 3;
   const int max_vis = std::max(1, *std::max_element(c.vis.begin(), c.vis.end()));
-  const auto q = normal_bf16(size_t(T) * Hi * hd, rng, 1.f);
+  // The model's operands: FP4 QDQ q and keys (per 32; head dims that are not a multiple of 32
+  // keep plain bf16 values), on which both head_dim-128 kernels are bitwise the CPU.
+  auto operand = [&](std::vector<float> v) { return hd % 32 == 0 ? fp4_qdq(std::move(v)) : v; };
+  const auto q = operand(normal_bf16(size_t(T) * Hi * hd, rng, 1.f));
   const auto w = normal_bf16(size_t(T) * Hi, rng, 0.1f);  // negative weights included
   // Two key banks; row t reads bank t % 2 (rows of a call may read different layers' keys).
-  const auto bank0 = normal_bf16(size_t(max_vis) * hd, rng, 1.f);
-  const auto bank1 = normal_bf16(size_t(max_vis) * hd, rng, 1.f);
+  const auto bank0 = operand(normal_bf16(size_t(max_vis) * hd, rng, 1.f));
+  const auto bank1 = operand(normal_bf16(size_t(max_vis) * hd, rng, 1.f));
   DeviceBuffer<float> dq(q), dw(w), db0(bank0), db1(bank1);
   std::vector<const float*> kp(static_cast<size_t>(T));
   for (int t = 0; t < T; ++t) kp[size_t(t)] = t % 2 ? db1.get() : db0.get();

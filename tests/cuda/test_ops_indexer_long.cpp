@@ -53,19 +53,34 @@ void partial_row(const float* q, const float* w, int n_heads, int hd, const floa
   for (int i = nv; i < width; ++i) out[i] = -INFINITY;
 }
 
+// Both head_dim-128 kernels: the tensor-core one (the default) on the model's operand class (FP4
+// QDQ q and keys), the fp32 one on those and on arbitrary bf16 values; bitwise the CPU each.
+void check_scores_with(const ScoreCase& c, uint32_t seed, bool mma, bool qdq);
 void check_scores(const ScoreCase& c, uint32_t seed) {
-  SCOPED_TRACE(c.name);
+  check_scores_with(c, seed, true, true);
+  check_scores_with(c, seed, false, true);
+  check_scores_with(c, seed, false, false);
+  set_index_scores_mma(true);
+}
+
+void check_scores_with(const ScoreCase& c, uint32_t seed, bool mma, bool qdq) {
+  SCOPED_TRACE(::testing::Message() << c.name << (mma ? ", tensor cores" : ", fp32")
+                                    << (qdq ? ", FP4 QDQ operands" : ", bf16 operands"));
+  set_index_scores_mma(mma);
   constexpr int hd = 128;
   std::mt19937 rng(seed);
   const int T = int(c.vis.size()), Hi = c.n_heads;
   const int max_width = *std::max_element(c.width.begin(), c.width.end()) + 3;
   const int max_vis = std::max(1, *std::max_element(c.vis.begin(), c.vis.end()));
-  const auto q = normal_bf16(size_t(T) * Hi * hd, rng, 1.f);
+  auto operand = [&](std::vector<float> v, size_t offset) {
+    return qdq ? fp4_qdq(std::move(v), offset) : v;
+  };
+  const auto q = operand(normal_bf16(size_t(T) * Hi * hd, rng, 1.f), 0);
   const auto w = normal_bf16(size_t(T) * Hi, rng, 0.1f);  // negative weights included
   std::vector<std::vector<float>> banks;
   const int off = c.misaligned ? 1 : 0;
   for (int b = 0; b < c.banks; ++b)
-    banks.push_back(normal_bf16(size_t(max_vis) * hd + off, rng, 1.f));
+    banks.push_back(operand(normal_bf16(size_t(max_vis) * hd + off, rng, 1.f), size_t(off)));
   DeviceBuffer<float> dq(q), dw(w);
   std::vector<std::unique_ptr<DeviceBuffer<float>>> dbanks;
   for (const auto& b : banks) dbanks.push_back(std::make_unique<DeviceBuffer<float>>(b));
@@ -111,10 +126,10 @@ void check_scores(const ScoreCase& c, uint32_t seed) {
       }
     }
     std::printf(
-        "[index_scores long %s round_sum=%d] %d rows x %d heads, max width %d: %lld exact, "
-        "%lld bad, %lld NaN\n",
-        c.name, int(round_sum), T, Hi, max_width, (long long)n_exact, (long long)n_bad,
-        (long long)n_nan);
+        "[index_scores long %s, %s, %s round_sum=%d] %d rows x %d heads, max width %d: %lld "
+        "exact, %lld bad, %lld NaN\n",
+        c.name, mma ? "mma" : "fp32", qdq ? "qdq" : "bf16", int(round_sum), T, Hi, max_width,
+        (long long)n_exact, (long long)n_bad, (long long)n_nan);
     EXPECT_EQ(n_bad, 0);
     EXPECT_EQ(n_nan, 0);
 
@@ -467,9 +482,11 @@ void check_candidate_list(const ListCase& c, uint32_t seed) {
   const int T = int(c.vis.size());
   const int max_width = std::max(1, *std::max_element(c.width.begin(), c.width.end()));
   const int max_vis = std::max(1, *std::max_element(c.vis.begin(), c.vis.end()));
-  const auto q1 = normal_bf16(size_t(T) * Hi * hd, rng, 1.f), q2 = normal_bf16(q1.size(), rng, 1.f);
+  // The model's operand class (FP4 QDQ q and keys): bitwise the CPU with either scores kernel.
+  const auto q1 = fp4_qdq(normal_bf16(size_t(T) * Hi * hd, rng, 1.f));
+  const auto q2 = fp4_qdq(normal_bf16(q1.size(), rng, 1.f));
   const auto w1 = normal_bf16(size_t(T) * Hi, rng, 0.1f), w2 = normal_bf16(w1.size(), rng, 0.1f);
-  std::vector<float> bank = normal_bf16(size_t(max_vis) * hd, rng, 1.f);
+  std::vector<float> bank = fp4_qdq(normal_bf16(size_t(max_vis) * hd, rng, 1.f));
   if (c.distinct > 0) {
     std::uniform_int_distribution<int> pick(0, c.distinct - 1);
     for (int i = c.distinct; i < max_vis; ++i)
@@ -596,9 +613,9 @@ TEST(CudaIndexerLong, GraphCapture) {
   UF_REQUIRE_GPU();
   constexpr int T = 7, Hi = 4, hd = 128, k = 512, width = 65536, max_width = 65536;
   std::mt19937 rng(901);
-  const auto q = normal_bf16(size_t(T) * Hi * hd, rng, 1.f);
+  const auto q = fp4_qdq(normal_bf16(size_t(T) * Hi * hd, rng, 1.f));
   const auto w = normal_bf16(size_t(T) * Hi, rng, 0.1f);
-  const auto bank = normal_bf16(size_t(width) * hd, rng, 1.f);
+  const auto bank = fp4_qdq(normal_bf16(size_t(width) * hd, rng, 1.f));
   DeviceBuffer<float> dq(q), dw(w), dbank(bank);
   DeviceBuffer<const float*> dkeys(std::vector<const float*>(T, dbank.get()));
   std::vector<int32_t> vis(T), wid(T, width);

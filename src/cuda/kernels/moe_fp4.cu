@@ -208,8 +208,21 @@ __device__ __forceinline__ void w2_tile_k_loop(const uint8_t* w, int rs, const f
 }
 
 // ---- Kernel 1: w13 ----
-constexpr int kW13Warps = 16;
-constexpr int kW13Stages = 3;
+#ifndef UF_MOE_W13_WARPS  // benchmarks may override it (the outputs do not depend on it)
+#define UF_MOE_W13_WARPS 16
+#endif
+constexpr int kW13Warps = UF_MOE_W13_WARPS;
+static_assert(kW13Warps >= 2 && 16 % kW13Warps == 0, "w13 CTAs of 2, 4, 8 or 16 warps");
+constexpr int kW13CtasPerSm = 16 / kW13Warps;  // the grid: 16 warps an SM
+// Ring depths (chunks a warp has in flight); UF_MOE_W13_STAGES / UF_MOE_W2_STAGES override them
+// for benchmarks (the outputs do not depend on them).
+#ifndef UF_MOE_W13_STAGES
+#define UF_MOE_W13_STAGES 3
+#endif
+#ifndef UF_MOE_W2_STAGES
+#define UF_MOE_W2_STAGES 3
+#endif
+constexpr int kW13Stages = UF_MOE_W13_STAGES;
 constexpr int kW13RowStride = 144;  // 128 B of a row + 16: conflict-free 4-byte fragment reads
 constexpr int kW13ScaleOff = 16 * kW13RowStride;
 constexpr int kW13StageBytes = kW13ScaleOff + 16 * 8;
@@ -475,7 +488,7 @@ __global__ void __maxnreg__(96) moe_w13_kernel(const W13Params p) {
 
 // ---- Kernel 2: w2 ----
 constexpr int kW2Warps = 8;
-constexpr int kW2Stages = 3;
+constexpr int kW2Stages = UF_MOE_W2_STAGES;
 constexpr int kW2CtasPerSm = 2;
 
 struct W2Layout {
@@ -1074,7 +1087,10 @@ void for_both_paths(Fn&& fn) {
 // The unit kernels up to this many rows, the persistent ones above (bitwise the same). Session 7's
 // bench_cuda_moe on the H200 (routed experts, us, persistent / unit): 1 row 21.4 / 22.0, 2 rows
 // 31.6 / 29.1, 4 rows 46.8 / 53.5 (session 6, before both sets lost instructions: 4).
-constexpr int kUnitMaxRowsFaster = 2;
+#ifndef UF_MOE_UNIT_MAX_ROWS  // benchmarks may override it (bitwise the same outputs either way)
+#define UF_MOE_UNIT_MAX_ROWS 2
+#endif
+constexpr int kUnitMaxRowsFaster = UF_MOE_UNIT_MAX_ROWS;
 
 namespace {
 bool g_default_f16 = true;  // MoeFp4::set_default_f16
@@ -1216,7 +1232,8 @@ void MoeFp4::launch_experts(const Fp4ExpertsView& w, const QuantActView& x, cons
     return;
   }
   const int w13_units = P * groups * 4 * splits_;
-  const int w13_grid = std::max(1, std::min(sm_count_, (w13_units + kW13Warps - 1) / kW13Warps));
+  const int w13_grid =
+      std::max(1, std::min(kW13CtasPerSm * sm_count_, (w13_units + kW13Warps - 1) / kW13Warps));
   W13Params a{w.w1,          w.w1_scale,   w.w3,     w.w3_scale, w.num_experts, dim_,
               inter_,        x.codes,      x.scales, topk_idx,   topk_w,        P,
               topk_,         swiglu_limit, h_codes_, h_scales_,  partials_,     counters_,

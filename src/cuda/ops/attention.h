@@ -56,11 +56,17 @@ void sparse_attn_chunk_override(int slots);
 // w: [T, n_heads] (bf16 values), keys[t]: device pointer to row t's key bank [>= vis[t],
 // head_dim]; vis, width: device [T]. Bitwise equal to the CPU (same summation order, no FMA).
 // round_sum = false: the tensor-parallel partial (backend_kernels.h index_scores_partial): the
-// head sum is left unrounded. Limits: T <= 65535, head_dim <= 160. head_dim 128 runs near memory
-// bandwidth (keys in registers, shared by up to 8 rows of a CTA).
+// head sum is left unrounded. Limits: T <= 65535, head_dim <= 160. head_dim 128: the tensor-core
+// kernel (set_index_scores_mma below) or the fp32 one (keys in registers, shared by up to 8 rows).
 void index_scores(const float* q, const float* w, int T, int n_heads, int head_dim,
                   const float* const* keys, const int32_t* vis, const int32_t* width, int max_width,
                   float* score, cudaStream_t stream, bool round_sum = true);
+// index_scores' head_dim-128 kernel: true (default) = the tensor cores (bf16 mma.sync; bitwise
+// the CPU when every dot product is exact in fp32, as for the model's FP4 QDQ operands:
+// ops/index_scores_mma.cu), false = the fp32 kernel in the CPU's summation order (bitwise for any
+// bf16 operands). Process-wide, for tests and benchmarks; not thread-safe.
+void set_index_scores_mma(bool on);
+bool index_scores_mma_enabled();
 
 // Candidate-restricted layers, scored on the candidate pool only (not on every visible entry and
 // then masked): entry j of row t is entries[t * cap + j], j < n[t], ascending, the kept visible

@@ -47,6 +47,7 @@
 #include "cuda/cuda_check.h"
 #include "cuda/kernels/common.cuh"
 #include "cuda/ops/attention.h"
+#include "cuda/ops/index_scores_mma.h"
 
 namespace uf::cuda {
 namespace {
@@ -822,6 +823,9 @@ void index_scores(const float* q, const float* w, int T, int n_heads, int head_d
   if (T == 0 || max_width == 0) return;
   const size_t row_smem = size_t(n_heads) * (kFastHd + 1) * sizeof(float);
   const int64_t chunks = (int64_t(max_width) + kFastEnt - 1) / kFastEnt;
+  if (head_dim == kFastHd &&
+      index_scores_mma(q, w, T, n_heads, keys, vis, width, max_width, score, stream, round_sum))
+    return;
   if (head_dim == kFastHd && row_smem <= kFastSmem && chunks <= 65535) {
     // Rows per CTA: up to 8 (one key load serves them all), fewer when that would leave the
     // GPU short of CTAs (about 4 per SM at 132 SMs). The result of a row never depends on it.

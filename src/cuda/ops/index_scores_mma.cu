@@ -1,0 +1,231 @@
+// index_scores (ops/attention.h) for head_dim 128 on the tensor cores: every (entry, row, head)
+// dot product of 128 by bf16 mma.sync m16n8k16 with fp32 accumulation, then the CPU's epilogue
+// (bf16, relu, * w_h, bf16, summed over heads in order with __fadd_rn, bf16 unless partial).
+//
+// Why it is exact: the model's operands are FP4 QDQ values (ops/attention.h; an E2M1 value times
+// an E8M0 scale per 32): exact in bf16, and their products carry <= 4 significant bits. Within
+// one 32-block of a head's dot product all products are integer multiples of one power of two
+// (the two blocks' scales times 2^-2) below 2^13 of it, so a block's sum is exact in fp32, and
+// the 4 blocks' sums are exact together unless their scales span more than ~11 binades. An exact
+// sum does not depend on the order of its additions, so the tensor core's dot product is the
+// CPU's dot_f32 bit for bit. Operands that are not bf16 values (or sums that do not fit 24 bits)
+// would differ from the CPU's by its rounding order; the scalar kernel (indexer.cu) keeps the
+// CPU's order for those: set_index_scores_mma(false).
+//
+// Tiles: a CTA = 8 warps x 16 key entries (128 entries, kEntries) x the row group's columns
+// (column c = row r * n_heads + head h, up to kMaxCols = 64: rows per CTA = min(8, 64 /
+// n_heads)). A warp's 16 entries x 128 dims are loaded once from global memory as the mma A
+// operand (fp32 -> bf16x2, 32 registers); q (bf16, [column][128 + 8]: conflict-free B reads) and
+// w sit in shared memory. Per group of 4 column tiles: 8 k-steps x 4 mma; the dot products go
+// through the epilogue into the warp's term buffer [16][columns + 1]; then lane (entry, row) sums
+// its row's heads in order and stores. Rows of a CTA with different key banks run as separate
+// runs (decode: one bank). Entries at or past a row's visible count score -inf (not written past
+// its width), as the scalar kernel.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "cuda/cuda_check.h"
+#include "cuda/kernels/common.cuh"
+#include "cuda/ops/attention.h"
+#include "cuda/ops/index_scores_mma.h"
+
+namespace uf::cuda {
+namespace {
+
+constexpr int kHd = 128;
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * 32;
+constexpr int kEntries = kWarps * 16;
+constexpr int kMaxCols = 64;
+constexpr int kMaxRows = 8;
+constexpr int kQStride = kHd + 8;  // bf16 per q column in shared memory (272 B: 4 mod 32 words)
+
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                               uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Shared memory: q [kMaxCols][kQStride] bf16, w [kMaxCols] fp32, per warp terms [16][cols + 1].
+__host__ __device__ constexpr size_t smem_bytes(int cols) {
+  return size_t(kMaxCols) * kQStride * 2 + size_t(kMaxCols) * 4 +
+         size_t(kWarps) * 16 * size_t(cols + 1) * 4;
+}
+
+template <bool kRound>
+__global__ void __launch_bounds__(kThreads, 2)
+    index_scores_mma_kernel(const float* __restrict__ q, const float* __restrict__ w, int T,
+                            int n_heads, int rows, const float* const* keys,
+                            const int32_t* __restrict__ vis, const int32_t* __restrict__ width,
+                            int max_width, float* __restrict__ score) {
+  detail::pdl_wait();  // PDL: every input comes from an earlier kernel
+  detail::pdl_trigger();
+  extern __shared__ __align__(16) uint8_t smem[];
+  uint16_t* qs = reinterpret_cast<uint16_t*>(smem);
+  float* ws = reinterpret_cast<float*>(smem + size_t(kMaxCols) * kQStride * 2);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int t0 = blockIdx.x * rows, nr = min(rows, T - t0);
+  const int e0 = blockIdx.y * kEntries, ew = e0 + warp * 16;  // the warp's first entry
+  float* term = reinterpret_cast<float*>(ws + kMaxCols) + warp * 16 * (rows * n_heads + 1);
+
+  for (int r0 = 0; r0 < nr;) {
+    // A run: rows [r0, r1) of one key bank.
+    const float* bank = keys[t0 + r0];
+    int r1 = r0 + 1, nv_max = 0;
+    while (r1 < nr && keys[t0 + r1] == bank) ++r1;
+    for (int r = r0; r < r1; ++r) nv_max = max(nv_max, min(vis[t0 + r], width[t0 + r]));
+    const int cols = (r1 - r0) * n_heads, tiles = (cols + 7) / 8;
+    // The A operand first (its loads are the kernel's memory traffic; q is staged under them):
+    // entries ew + g (a[.][0], a[.][2]) and ew + g + 8 (a[.][1], a[.][3]). K order inside a k-step
+    // (A and B alike): fragment positions 2t, 2t + 1, 2t + 8, 2t + 9 hold dims 16 ks + 4t + 0..3,
+    // so a thread loads one float4 per entry and k-step (the staging below permutes q the same).
+    float4 x[8][2];
+    const bool live = ew < nv_max;  // uniform over the warp
+    if (live) {
+      const int ea = ew + g, eb = ew + g + 8;
+      const float* ka = bank + int64_t(ea) * kHd + 4 * t;
+      const float* kb = bank + int64_t(eb) * kHd + 4 * t;
+      const bool va = ea < nv_max, vb = eb < nv_max;
+      const bool al = (reinterpret_cast<uintptr_t>(bank) & 15u) == 0;
+#pragma unroll
+      for (int ks = 0; ks < 8; ++ks) {
+        x[ks][0] = x[ks][1] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (al) {
+          if (va) x[ks][0] = __ldg(reinterpret_cast<const float4*>(ka + 16 * ks));
+          if (vb) x[ks][1] = __ldg(reinterpret_cast<const float4*>(kb + 16 * ks));
+        } else {  // a bank not 16-byte aligned: scalar loads
+          if (va)
+            x[ks][0] = make_float4(__ldg(ka + 16 * ks), __ldg(ka + 16 * ks + 1),
+                                   __ldg(ka + 16 * ks + 2), __ldg(ka + 16 * ks + 3));
+          if (vb)
+            x[ks][1] = make_float4(__ldg(kb + 16 * ks), __ldg(kb + 16 * ks + 1),
+                                   __ldg(kb + 16 * ks + 2), __ldg(kb + 16 * ks + 3));
+        }
+      }
+    }
+    __syncthreads();  // the previous run's q / w / terms are read
+    // q as bf16 [column][position]: position p of k-step ks holds dim 16 ks + 4 ((p & 7) >> 1) +
+    // 2 (p >> 3) + (p & 1) (the A order above).
+    for (int xi = threadIdx.x; xi < tiles * 8 * (kHd / 2); xi += kThreads) {
+      const int c = xi / (kHd / 2), p = (xi - c * (kHd / 2)) * 2;
+      const int dim = (p & ~15) + 4 * ((p & 7) >> 1) + 2 * ((p >> 3) & 1);
+      uint32_t v = 0;
+      if (c < cols) {
+        const float* qc = q + (int64_t(t0 + r0) * n_heads + c) * kHd + dim;
+        v = pack_bf16x2(__ldg(qc), __ldg(qc + 1));
+      }
+      *reinterpret_cast<uint32_t*>(qs + c * kQStride + p) = v;
+    }
+    for (int xi = threadIdx.x; xi < cols; xi += kThreads)
+      ws[xi] = __ldg(w + int64_t(t0 + r0) * n_heads + xi);
+    __syncthreads();
+    if (!live) {  // nothing visible for this warp's entries: -inf where written
+      for (int i = lane; i < 16 * (r1 - r0); i += 32) {
+        const int e = ew + (i & 15), tr = t0 + r0 + (i >> 4);
+        if (e < width[tr]) score[int64_t(tr) * max_width + e] = -INFINITY;
+      }
+      r0 = r1;
+      continue;
+    }
+    uint32_t a[8][4];
+#pragma unroll
+    for (int ks = 0; ks < 8; ++ks) {
+      a[ks][0] = pack_bf16x2(x[ks][0].x, x[ks][0].y);
+      a[ks][1] = pack_bf16x2(x[ks][1].x, x[ks][1].y);
+      a[ks][2] = pack_bf16x2(x[ks][0].z, x[ks][0].w);
+      a[ks][3] = pack_bf16x2(x[ks][1].z, x[ks][1].w);
+    }
+    const int ts = cols + 1;  // term row stride
+    for (int n0 = 0; n0 < tiles; n0 += 4) {
+      float d[4][4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) d[j][0] = d[j][1] = d[j][2] = d[j][3] = 0.f;
+#pragma unroll
+      for (int ks = 0; ks < 8; ++ks) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          if (n0 + j < tiles) {
+            const uint16_t* qb = qs + ((n0 + j) * 8 + g) * kQStride + 16 * ks + 2 * t;
+            mma_bf16_16816(d[j], a[ks], *reinterpret_cast<const uint32_t*>(qb),
+                           *reinterpret_cast<const uint32_t*>(qb + 8));
+          }
+        }
+      }
+      // d[j]: entries g (0, 1) and g + 8 (2, 3) x columns (n0 + j) * 8 + 2t (+1).
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {
+          const int c = (n0 + j) * 8 + 2 * t + (v & 1), e = g + (v >> 1) * 8;
+          if (n0 + j < tiles && c < cols) {
+            const float dd = detail::round_bf16(d[j][v]);
+            const float rl = dd < 0.f ? 0.f : dd;  // std::max(d, 0.0f)
+            term[e * ts + c] = detail::round_bf16(__fmul_rn(rl, ws[c]));
+          }
+        }
+      }
+    }
+    __syncwarp();
+    for (int i = lane; i < 16 * (r1 - r0); i += 32) {
+      const int e = i & 15, r = i >> 4, tr = t0 + r0 + r, ent = ew + e;
+      const int wd = width[tr], nv = min(vis[tr], wd);
+      if (ent >= wd) continue;
+      float s = 0.f;
+      for (int h = 0; h < n_heads; ++h) s = __fadd_rn(s, term[e * ts + r * n_heads + h]);
+      score[int64_t(tr) * max_width + ent] =
+          ent < nv ? (kRound ? detail::round_bf16(s) : s) : -INFINITY;
+    }
+    r0 = r1;
+  }
+}
+
+bool g_index_scores_mma = true;
+
+}  // namespace
+
+void set_index_scores_mma(bool on) { g_index_scores_mma = on; }
+bool index_scores_mma_enabled() { return g_index_scores_mma; }
+
+bool index_scores_mma(const float* q, const float* w, int T, int n_heads, const float* const* keys,
+                      const int32_t* vis, const int32_t* width, int max_width, float* score,
+                      cudaStream_t stream, bool round_sum) {
+  if (!g_index_scores_mma || n_heads < 1 || n_heads > kMaxCols) return false;
+  const int64_t chunks = (int64_t(max_width) + kEntries - 1) / kEntries;
+  if (chunks > 65535) return false;
+  // Rows per CTA: as many as the columns allow (one key load serves them all), fewer when that
+  // would leave the GPU short of CTAs (about 4 per SM). A row's result never depends on it.
+  const int64_t want = std::max<int64_t>(1, (int64_t(T) * chunks) / 528);
+  const int rows = int(std::max<int64_t>(
+      1, std::min<int64_t>({int64_t(T), kMaxRows, int64_t(kMaxCols / n_heads), want})));
+  const size_t smem = smem_bytes(rows * n_heads);
+  static const bool raised = [] {  // the largest plan, once per process (thread-safe)
+    for (auto* k : {index_scores_mma_kernel<true>, index_scores_mma_kernel<false>})
+      UF_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         int(smem_bytes(kMaxCols))));
+    return true;
+  }();
+  (void)raised;
+  const dim3 grid(unsigned((T + rows - 1) / rows), unsigned(chunks));
+  if (round_sum)
+    detail::launch_pdl(index_scores_mma_kernel<true>, grid, dim3(kThreads), smem, stream, q, w, T,
+                       n_heads, rows, keys, vis, width, max_width, score);
+  else
+    detail::launch_pdl(index_scores_mma_kernel<false>, grid, dim3(kThreads), smem, stream, q, w, T,
+                       n_heads, rows, keys, vis, width, max_width, score);
+  UF_CUDA_CHECK(cudaGetLastError());
+  return true;
+}
+
+}  // namespace uf::cuda
