@@ -740,15 +740,8 @@ struct ResArgs {
   int x_bytes;          // staged x of the CTA's PC parts: PC x kp x 8 tokens x 2 bytes
 };
 
-__device__ __forceinline__ uint32_t cluster_rank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
-}
-// The two halves of cluster_sync, for work between them (the exit barrier's stores).
+// The two halves of cluster_barrier (common.cuh), for work between them (the exit barrier's
+// stores).
 __device__ __forceinline__ void cluster_arrive() {
   asm volatile("barrier.cluster.arrive.release;" ::: "memory");
 }
@@ -796,7 +789,7 @@ __global__ void __launch_bounds__(kResMaxWarps * 32, 2) dense_mma_resident_kerne
   constexpr int kEb = kFp8 ? 1 : 2;  // bytes a weight
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
   const int g = lane >> 2, tg = lane & 3;
-  const int rank = int(cluster_rank());
+  const int rank = int(cluster_ctarank());
   const int group = int(blockIdx.x) / p.cluster;
   const int tl = warp % p.tg, pl = warp / p.tg;  // the warp's tile and part within the CTA
   const int tile = group * p.tg + tl, part = rank * p.pc + pl;
@@ -905,7 +898,7 @@ __global__ void __launch_bounds__(kResMaxWarps * 32, 2) dense_mma_resident_kerne
           make_float4(acc[0], acc[1], acc[2], acc[3]);
   }
   UF_PROBE_MARK(probe, 3);
-  cluster_sync();  // every part of the cluster's tiles is in its CTA's stash
+  cluster_barrier();  // every part of the cluster's tiles is in its CTA's stash
   UF_PROBE_MARK(probe, 4);
 
   // Finish: output f = (tile tl2, fragment slot) of the cluster: the S parts (part s: rank s / PC,
