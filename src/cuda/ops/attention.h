@@ -66,7 +66,6 @@ void index_scores(const float* q, const float* w, int T, int n_heads, int head_d
 // ops/index_scores_mma.cu), false = the fp32 kernel in the CPU's summation order (bitwise for any
 // bf16 operands). Process-wide, for tests and benchmarks; not thread-safe.
 void set_index_scores_mma(bool on);
-bool index_scores_mma_enabled();
 
 // Candidate-restricted layers, scored on the candidate pool only (not on every visible entry and
 // then masked): entry j of row t is entries[t * cap + j], j < n[t], ascending, the kept visible

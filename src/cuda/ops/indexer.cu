@@ -10,7 +10,9 @@
 // in fp32, which it is for the indexer's operands (FP4 QDQ values: 2 significant bits times a
 // power of two; also any bf16 x bf16 product, 16 bits) unless it underflows below 2^-126
 // (scales near the e8m0 floor on both sides; the model's amax clamp keeps them >= 2^-126).
-// The 7-row step at 1M tokens is bound by these instructions (L20: 1M entries x 7 rows x 4 heads).
+// head_dim 128 runs on the tensor cores by default (ops/index_scores_mma.cu: exact for the
+// model's operands); the fp32 kernel below with set_index_scores_mma(false). In fp32 the 7-row
+// step at 1M tokens is bound by its instructions (L20: 1M entries x 7 rows x 4 heads).
 //  - head_dim 128 (the model's): two threads per key entry, 128 entries per CTA. Thread half j
 //    holds dot8 lanes 4j..4j+3, i.e. the floats 8u + 4j .. 8u + 4j + 3 of the key row: 16 float4
 //    loaded straight from global memory into registers (64 KB per CTA in flight) and reused for
