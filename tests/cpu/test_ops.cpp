@@ -202,6 +202,42 @@ TEST(CpuIndexer, ScoresAreBf16RoundedReluWeightedSums) {
   EXPECT_TRUE(std::isinf(score[2]) && score[2] < 0);
 }
 
+// The property the CUDA backend's tensor-core index scores rest on (ops/index_scores_mma.cu):
+// a head's dot product of 128 FP4 QDQ values (E2M1 times a power-of-two scale per 32, the model's
+// index q and keys) is exact in fp32 whatever the order of its additions while the products'
+// scales (q's block scale times k's) span at most 9 binades: a block's sum is an integer below
+// 2^13 in units of its scale / 4, so the whole sum needs at most 15 + span bits. Then dot_f32
+// (the CPU's lane order) equals the exact sum. Far past that span the fp32 sums round.
+TEST(CpuIndexer, Fp4QdqDotProductsAreExactInFp32) {
+  static const float kE2M1[8] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
+  std::mt19937 rng(77);
+  std::uniform_int_distribution<int> code(0, 15);
+  auto vec = [&](int spread) {  // 4 blocks of 32 E2M1 values, block b times 2^(0..spread)
+    std::uniform_int_distribution<int> sh(0, spread);
+    std::vector<float> v(128);
+    for (int b = 0; b < 4; ++b) {
+      const int e = sh(rng);
+      for (int i = 0; i < 32; ++i) {
+        const int c = code(rng);
+        v[size_t(b * 32 + i)] = std::ldexp((c & 8) ? -kE2M1[c & 7] : kE2M1[c & 7], e);
+      }
+    }
+    return v;
+  };
+  auto inexact = [&](int spread, int trials) {
+    int n = 0;
+    for (int k = 0; k < trials; ++k) {
+      const std::vector<float> q = vec(spread), key = vec(spread);
+      double exact = 0.0;  // every product and partial sum is exact in fp64 here
+      for (int i = 0; i < 128; ++i) exact += double(q[size_t(i)]) * double(key[size_t(i)]);
+      n += double(dot_f32(q.data(), key.data(), 128)) != exact;
+    }
+    return n;
+  };
+  EXPECT_EQ(inexact(4, 20000), 0) << "product scales within 8 binades: every fp32 dot is exact";
+  EXPECT_GT(inexact(20, 2000), 0) << "product scales up to 40 binades apart: some dots round";
+}
+
 TEST(CpuIndexer, CandidateBlocksPinTheNewestBlock) {
   // 10 positions in blocks of 4 (the last block holds 2); keep 1 block + the pinned newest.
   const std::vector<float> s = {9, 0, 0, 0, 1, 1, 1, 1, 0.5f, -INFINITY};

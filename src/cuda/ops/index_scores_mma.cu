@@ -5,11 +5,12 @@
 // Why it is exact: the model's operands are FP4 QDQ values (ops/attention.h; an E2M1 value times
 // an E8M0 scale per 32): exact in bf16, and their products carry <= 4 significant bits. Within
 // one 32-block of a head's dot product all products are integer multiples of one power of two
-// (the two blocks' scales times 2^-2) below 2^13 of it, so a block's sum is exact in fp32, and
-// the 4 blocks' sums are exact together unless their scales span more than ~11 binades. An exact
+// (the two blocks' scales times 2^-2) and their sum is below 2^13 of it, so the whole dot product
+// needs at most 15 + span bits, span = how many binades the 4 blocks' product scales cover: exact
+// in fp32 while span <= 9 (tests/cpu/test_ops.cpp Fp4QdqDotProductsAreExactInFp32). An exact
 // sum does not depend on the order of its additions, and the tensor core drops no bits of it (the
 // tests: 0 mismatches against the CPU over 1.2M scores of FP4 QDQ operands), so the dot product is
-// the CPU's dot_f32 bit for bit. Where a sum does not fit 24 bits (scales > ~11 binades apart, or
+// the CPU's dot_f32 bit for bit. Where a sum does not fit 24 bits (scales > 9 binades apart, or
 // operands that are not such values) the two can differ in the dot's last bit, which the bf16
 // rounding right after almost always absorbs; the fp32 kernel (indexer.cu) keeps the CPU's order
 // for any bf16 operands: set_index_scores_mma(false).
