@@ -191,6 +191,10 @@ TEST(CudaIndexerLong, IndexScoresMixedBanksAndGroups) {
   // 32 heads (one GPU): fewer rows per CTA (shared memory), misaligned banks (scalar loads).
   check_scores({"32 heads, misaligned", 32, {5000, 4999, 1}, {5000, 5000, 5000}, 2, true, true},
                605);
+  // 64 heads (the whole model's indexer on one GPU): one row per CTA and two passes of 4 column
+  // tiles in the tensor-core kernel; 96 heads: past its 64 columns, the fp32 kernel serves.
+  check_scores({"64 heads", 64, {3000, 2999, 2500}, {3000, 3000, 3000}, 1, false, true}, 606);
+  check_scores({"96 heads", 96, {700, 699}, {700, 700}, 1, false, true}, 607);
 }
 
 // ------------------------------------------------------------------------------------------
