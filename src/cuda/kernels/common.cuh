@@ -20,6 +20,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstring>
 
 #include "cuda/cuda_check.h"
 
@@ -53,6 +54,24 @@ __device__ __forceinline__ void mma_e4m3_16x8x32(float (&d)[4], const uint32_t (
       "{%8,%9}, {%10,%10,%10,%10};"
       : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.0f));
+}
+
+// d += A * B: A 16x16 bf16 (a0: row g, K lo; a1: row g+8, K lo; a2: row g, K hi; a3: row g+8,
+// K hi), B 16x8 bf16 (b0: K lo, b1: K hi; column g), fp32 accumulate.
+__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// The bits of a bf16x2 (low half = .x); with __floats2bfloat162_rn(lo, hi): two fp32 values as
+// an mma operand register.
+__device__ __forceinline__ uint32_t bf16x2_bits(__nv_bfloat162 v) {
+  uint32_t u;
+  memcpy(&u, &v, 4);
+  return u;
 }
 
 // Streaming weight loads: read once per step, so keep them out of L1.

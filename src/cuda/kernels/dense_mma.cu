@@ -156,22 +156,6 @@ __device__ __forceinline__ void cp_async16_zfill(uint32_t dst, const void* src, 
                : "memory");
 }
 
-// d += A * B: A 16x16 bf16 (a0: row g, K lo; a1: row g+8, K lo; a2: row g, K hi; a3: row g+8,
-// K hi), B 16x8 bf16 (b0: K lo, b1: K hi; column g), fp32 accumulate.
-__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                         uint32_t a3, uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ uint32_t bf16x2_bits(__nv_bfloat162 v) {
-  uint32_t u;
-  memcpy(&u, &v, 4);
-  return u;
-}
-
 // Two e4m3 codes (low byte = lower K) times scale s, as bf16x2: exact (see the header comment).
 __device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t two, float s) {
   const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(two & 0xffffu), __NV_E4M3);

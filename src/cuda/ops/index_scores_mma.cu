@@ -48,19 +48,9 @@ constexpr int kMaxCols = 64;
 constexpr int kMaxRows = 8;
 constexpr int kQStride = kHd + 8;  // bf16 per q column in shared memory (272 B: 4 mod 32 words)
 
+// Two fp32 values (exact in bf16 for the model's operands) as one bf16x2 operand register.
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-  uint32_t r;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-
-__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                               uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  return detail::bf16x2_bits(__floats2bfloat162_rn(lo, hi));
 }
 
 // Shared memory: q [kMaxCols][kQStride] bf16, w [kMaxCols] fp32, per warp terms [16][cols + 1].
@@ -163,8 +153,9 @@ __global__ void __launch_bounds__(kThreads, 2)
         for (int j = 0; j < 4; ++j) {
           if (n0 + j < tiles) {
             const uint16_t* qb = qs + ((n0 + j) * 8 + g) * kQStride + 16 * ks + 2 * t;
-            mma_bf16_16816(d[j], a[ks], *reinterpret_cast<const uint32_t*>(qb),
-                           *reinterpret_cast<const uint32_t*>(qb + 8));
+            detail::mma_bf16(d[j], a[ks][0], a[ks][1], a[ks][2], a[ks][3],
+                             *reinterpret_cast<const uint32_t*>(qb),
+                             *reinterpret_cast<const uint32_t*>(qb + 8));
           }
         }
       }
@@ -215,9 +206,8 @@ bool index_scores_mma(const float* q, const float* w, int T, int n_heads, const 
       1, std::min<int64_t>({int64_t(T), kMaxRows, int64_t(kMaxCols / n_heads), want})));
   const size_t smem = smem_bytes(rows * n_heads);
   static const bool raised = [] {  // the largest plan, once per process (thread-safe)
-    for (auto* k : {index_scores_mma_kernel<true>, index_scores_mma_kernel<false>})
-      UF_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         int(smem_bytes(kMaxCols))));
+    detail::raise_smem(index_scores_mma_kernel<true>, int(smem_bytes(kMaxCols)));
+    detail::raise_smem(index_scores_mma_kernel<false>, int(smem_bytes(kMaxCols)));
     return true;
   }();
   (void)raised;
