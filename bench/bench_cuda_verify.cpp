@@ -4,12 +4,14 @@
 //   peaked logits = normal * 3,
 //   zipf   logits = -1.1 log(rank + 1) + normal * 0.05 (real-looking; ranks shuffled),
 // each with the cluster kernels (new: a row over the CTAs of a thread-block cluster) and the
-// single-CTA ones (old: one 1024-thread block a row, the same radix top-p cut;
+// single-CTA ones (old: one 1024-thread block a row, the same top-p cut by mass;
 // set_single_cta_transform_for_bench). Figures: median replay
 // of a CUDA graph (events) of
 //   row    logits_to_probs_on_device on one row (latency of a row),
 //   rows15 logits_to_probs_on_device on 15 rows in one launch (a verify step with 7 drafts),
 //   draft5 sample_slot_on_device x 5 (a DSpark draft round, the slots one after another),
+//   verify verify_probs_on_device, block mode, 7 drafts on the 15 transformed rows (the
+//          verification kernel alone; random draft tokens: early rejections, residual draws),
 // in microseconds per call. The nucleus size printed is that of the first row.
 //
 //   bench_cuda_verify [--reps N] [--skip-old]
@@ -85,6 +87,17 @@ int main(int argc, char** argv) {
   UF_CUDA_CHECK(cudaMalloc(&d_u, kSlots * sizeof(float)));
   UF_CUDA_CHECK(cudaMalloc(&d_tok, 2 * kSlots * sizeof(int32_t)));
   UF_CUDA_CHECK(cudaMalloc(&d_params, sizeof(DeviceSamplingParams)));
+  int32_t* d_drafts = nullptr;
+  unsigned long long* d_seed_step = nullptr;
+  uf::sampling::VerifyResult* d_result = nullptr;
+  UF_CUDA_CHECK(cudaMalloc(&d_drafts, uf::sampling::kMaxDraft * sizeof(int32_t)));
+  UF_CUDA_CHECK(cudaMalloc(&d_seed_step, 2 * sizeof(unsigned long long)));
+  UF_CUDA_CHECK(cudaMalloc(&d_result, sizeof(uf::sampling::VerifyResult)));
+  const int32_t drafts_host[uf::sampling::kMaxDraft] = {11, 2024, 70000, 5, 129000, 333, 64000};
+  const unsigned long long seed_step_host[2] = {1234, 5};
+  UF_CUDA_CHECK(cudaMemcpy(d_drafts, drafts_host, sizeof(drafts_host), cudaMemcpyHostToDevice));
+  UF_CUDA_CHECK(
+      cudaMemcpy(d_seed_step, seed_step_host, sizeof(seed_step_host), cudaMemcpyHostToDevice));
   const float us_host[kSlots] = {0.1f, 0.3f, 0.5f, 0.7f, 0.9f};
   UF_CUDA_CHECK(cudaMemcpy(d_u, us_host, sizeof(us_host), cudaMemcpyHostToDevice));
 
@@ -94,9 +107,9 @@ int main(int argc, char** argv) {
   };
   const Cfg cfgs[] = {{1.0f, 0}, {0.95f, 0}, {0.5f, 0}, {0.95f, 50}, {0.5f, 50}};
   std::mt19937 rng(7);
-  std::printf("%-7s %-6s %-5s %8s | %10s %10s | %10s %10s | %10s %10s\n", "rows", "top_p", "top_k",
-              "nucleus", "row new", "row old", "rows15 new", "rows15 old", "draft5 new",
-              "draft5 old");
+  std::printf("%-7s %-6s %-5s %8s | %10s %10s | %10s %10s | %10s %10s | %8s\n", "rows", "top_p",
+              "top_k", "nucleus", "row new", "row old", "rows15 new", "rows15 old", "draft5 new",
+              "draft5 old", "verify");
   for (const char* kind : {"flat", "peaked", "zipf"}) {
     const std::vector<float> l = make_rows(kind, kRows, rng);
     for (const Cfg& c : cfgs) {
@@ -120,25 +133,40 @@ int main(int argc, char** argv) {
         t[old][2] = uf::bench::time_graph_us(s, reps, [&] {
           for (int i = 0; i < kSlots; ++i) {
             sample_slot_on_device(d_logits + size_t(i) * kVocab, nullptr, kVocab, d_params, d_u + i,
-                                  d_probs + size_t(i) * kVocab, plan.sort_scratch(), d_tok + i,
-                                  d_tok + kSlots + i, s);
+                                  d_probs + size_t(i) * kVocab, d_tok + i, d_tok + kSlots + i, s);
           }
         });
       }
       set_single_cta_transform_for_bench(false);
+      // The verification kernel on the 15 rows transformed as a verify step does (8 target, 7
+      // draft rows in the plan's buffers).
+      UF_CUDA_CHECK(
+          cudaMemcpy(d_logits, l.data(), l.size() * sizeof(float), cudaMemcpyHostToDevice));
+      constexpr int g = uf::sampling::kMaxDraft;
+      logits_to_probs_on_device(plan, d_logits, g + 1, kVocab, p, plan.target_probs(), s);
+      logits_to_probs_on_device(plan, d_logits + size_t(g + 1) * kVocab, g, kVocab, p,
+                                plan.draft_probs(), s);
+      const double t_verify = uf::bench::time_graph_us(s, reps, [&] {
+        verify_probs_on_device(uf::sampling::VerifyMode::kBlock, plan.target_probs(),
+                               plan.draft_probs(), d_drafts, g, kVocab, d_seed_step, nullptr,
+                               d_result, nullptr, s);
+      });
       logits_to_probs_on_device(plan, d_logits, 1, kVocab, p, d_probs, s);
       UF_CUDA_CHECK(cudaStreamSynchronize(s));
       std::vector<float> row(kVocab);
       UF_CUDA_CHECK(
           cudaMemcpy(row.data(), d_probs, kVocab * sizeof(float), cudaMemcpyDeviceToHost));
       const long nucleus = std::count_if(row.begin(), row.end(), [](float v) { return v > 0; });
-      std::printf("%-7s %-6.2f %-5d %8ld | %10.1f %10.1f | %10.1f %10.1f | %10.1f %10.1f\n", kind,
-                  double(c.top_p), c.top_k, nucleus, double(t[0][0]), double(t[1][0]),
-                  double(t[0][1]), double(t[1][1]), double(t[0][2]), double(t[1][2]));
+      std::printf("%-7s %-6.2f %-5d %8ld | %10.1f %10.1f | %10.1f %10.1f | %10.1f %10.1f | %8.1f\n",
+                  kind, double(c.top_p), c.top_k, nucleus, double(t[0][0]), double(t[1][0]),
+                  double(t[0][1]), double(t[1][1]), double(t[0][2]), double(t[1][2]), t_verify);
     }
   }
   cudaFree(d_logits);
   cudaFree(d_probs);
+  cudaFree(d_drafts);
+  cudaFree(d_seed_step);
+  cudaFree(d_result);
   cudaFree(d_u);
   cudaFree(d_tok);
   cudaFree(d_params);

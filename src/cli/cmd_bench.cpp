@@ -18,7 +18,8 @@
 // CudaModel::fast_forward (ring tags and entry counts of a real prefill, device state random).
 // --trace FILE traces one more call of each timed forward with CUPTI (cuda/trace/kernel_trace.h:
 // every kernel's device start / end inside the graph replay) and writes the per-kernel summary
-// and the raw records there; the table goes to stdout too.
+// and the raw records there; the table goes to stdout too. It also traces one device draft round
+// of each sampling mode.
 // --no-graphs sets CudaModelOptions::cuda_graphs = false (the verify spans then launch eagerly);
 // --no-branches clears CudaModelOptions::graph_branches (one stream, the launches in order);
 // --no-candidate-lists clears candidate_lists.
@@ -446,6 +447,15 @@ int run_cuda(const BenchArgs& a, const ModelConfig& cfg, const std::vector<int>&
           "DSpark draft on the device, {} ({} tokens): {:.1f} us median, {:.1f} min; x floor "
           "{:.2f}\n",
           name, drafted, dd.median_us, dd.min_us, dd.median_us / dfl);
+      if (trace) {
+        trace->start();
+        (void)model->draft_on_device(*s, anchor, sp, a.seed, ++step);
+        const auto recs = trace->stop();
+        const std::string table = uf::cuda::summarize_trace(recs, 24);
+        std::cout << fmt::format("trace of one device draft round, {}:\n{}", name, table);
+        trace_out << fmt::format("== draft {}\n{}", name, table)
+                  << uf::cuda::trace_records_text(recs);
+      }
       out[key] = {{"time", stats_json(dd)}, {"x_floor", dd.median_us / dfl}};
     }
   }

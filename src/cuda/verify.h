@@ -14,9 +14,8 @@
 //     in index order, then the pairwise tree stride 128..1, the shared-memory tree of a block);
 //   - inverse-CDF draws walk the lane sums then one chunk in index order on one thread;
 //   - the top-k cut is the k-th largest value (radix select over the float bits, exact); the
-//     top-p walk sums the survivors in descending value order, sequentially in fp32, as
-//     transform.cpp's top_p_cut does (the candidates are radix-sorted in the plan's scratch and
-//     walked by one warp; only values matter, equal values being interchangeable);
+//     top-p cut works on sampling/top_p_mass.h's integer masses, exact in any order: a radix
+//     select over the float bits weighted by mass (three 10-bit passes, no sort);
 //   - products that the CPU rounds before a subtraction (w * p(x) - q(x)) use __fmul_rn, so nvcc
 //     cannot contract them into an FMA;
 //   - the draws are make_verify_draws(seed, step) of sampling/rng.h (integer Philox, exact
@@ -35,26 +34,27 @@
 // cannot be resident) of a thread-block cluster, 1024 threads each: CTA r owns row_ops.h's lanes
 // [r 256/C, (r + 1) 256/C) (a contiguous slice, kept in shared memory), order-free reductions
 // through distributed shared memory, each lane's sum in one thread, the 256-lane tree in every
-// CTA (same bits), the top-p sort and walk on rank 0; a vocab whose slice exceeds 160 KiB falls
-// back to one 1024-thread block per row. Then one 256-thread block for the verification. No
-// allocation inside the calls (the plan owns the scratch); seed and step are read from device
-// memory at run time, so the calls are graph-capturable (one graph per (g, mode, params), as those
-// are launch arguments). Top-p speed: a whole-vocab nucleus (flat logits) is a few radix passes
-// plus a sequential walk of ~120k fp32 adds (a few hundred microseconds a row); typical nuclei
-// (1-4k) cost a few passes over the row. bench/bench_cuda_verify.cpp times the cluster kernels
-// against the single-CTA ones.
+// CTA (same bits), the top-p digit masses summed over the cluster and the digit chosen in every
+// CTA; a vocab whose slice exceeds 128 KiB falls back to one 1024-thread block per row. Then one
+// 256-thread block for the verification. No allocation inside the calls (the plan owns the
+// probability rows); seed and step are read from device memory at run time, so the calls are
+// graph-capturable (one graph per (g, mode, params), as those are launch arguments). Top-p costs
+// the same few passes whatever the nucleus (a flat row's ~120k tokens or a peaked row's few).
+// bench/bench_cuda_verify.cpp times the cluster kernels against the single-CTA ones.
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
 #include "sampling/rng.h"
+#include "sampling/top_p_mass.h"
 #include "sampling/transform.h"
 #include "sampling/verify.h"
 
 namespace uf::cuda {
 
-// Scratch for one verification at a time, sized once for max_vocab (the real vocab, 129280).
+// The probability rows of one verification at a time, sized once for max_vocab (the real vocab,
+// 129280; at most sampling::kTopPMaxVocab).
 class VerifyPlan {
  public:
   explicit VerifyPlan(int max_vocab);
@@ -67,18 +67,14 @@ class VerifyPlan {
   // ([kMaxDraft, V]), row-major with row stride V (the vocab of the call).
   float* target_probs() const { return probs_; }
   float* draft_probs() const { return probs_ + size_t(sampling::kMaxDraft + 1) * max_vocab_; }
-  float* sort_scratch() const { return sort_; }
-  int sort_stride() const { return sort_stride_; }
 
  private:
   int max_vocab_ = 0;
-  int sort_stride_ = 0;     // next power of two >= max_vocab
   float* probs_ = nullptr;  // (2 kMaxDraft + 1) rows of max_vocab
-  float* sort_ = nullptr;   // (2 kMaxDraft + 1) rows of sort_stride_
 };
 
 // probs[r] = sampling::logits_to_probs(logits[r]) for r < rows (row stride vocab for both).
-// rows <= 2 kMaxDraft + 1, vocab <= plan.max_vocab(); uses the plan's sort scratch.
+// rows <= 2 kMaxDraft + 1, vocab <= plan.max_vocab().
 void logits_to_probs_on_device(const VerifyPlan& plan, const float* logits, int rows, int vocab,
                                const sampling::SamplingParams& params, float* probs,
                                cudaStream_t stream);
@@ -123,11 +119,10 @@ DeviceSamplingParams device_sampling_params(const sampling::SamplingParams& p);
 //   *prev = *token, or 0 when it is -1 (the next slot's Markov gather stays in range).
 // Given bitwise-equal probs and the same u, the token is bitwise the CPU's (same fp operations in
 // the same order), so no CDF-boundary tolerance is needed; probs differ only where exp differs
-// (see above, ~2^-28 of arguments). sort_scratch: next_pow2(vocab) floats
-// (VerifyPlan::sort_scratch() row 0 will do).
+// (see above, ~2^-28 of arguments). vocab <= sampling::kTopPMaxVocab.
 void sample_slot_on_device(float* logits, const float* bias, int vocab,
                            const DeviceSamplingParams* params, const float* u, float* probs,
-                           float* sort_scratch, int32_t* token, int32_t* prev, cudaStream_t stream);
+                           int32_t* token, int32_t* prev, cudaStream_t stream);
 
 // DSpark confidence logits: conf[b] = dot8(proj, [x5[b] (dim), emb[b] (rank)]) for b < rows, in
 // cuda_dspark.cpp's dot8 order (8 interleaved partial sums, combined pairwise), no FMA: bitwise
@@ -136,7 +131,7 @@ void draft_confidence_on_device(const float* proj, const float* x5, const float*
                                 int dim, int rank, float* conf, cudaStream_t stream);
 
 // Bench/test hook: true makes the transforms launched afterwards use the single-CTA kernels (one
-// 1024-thread block a row, radix top-p cut) instead of the cluster ones; same results.
+// 1024-thread block a row) instead of the cluster ones; same results.
 // Process-wide, not thread-safe; default false.
 void set_single_cta_transform_for_bench(bool single);
 

@@ -6,29 +6,30 @@
 
 #include "core/error.h"
 #include "sampling/row_ops.h"
+#include "sampling/top_p_mass.h"
 
 namespace uf::sampling {
 namespace {
 
-// The top-p cut over the n survivor values in v[] (reordered): the smallest value whose strictly
-// larger survivors have mass < limit. Walks value groups in descending order, summing in that
-// order. Only the largest values are sorted (the top 1024, then 4x more while the walk runs out):
-// the sorted prefix equals that of a full sort, so the result is the same, ~10x faster.
-float top_p_cut(float* v, int64_t n, float limit) {
+// The top-p cut over the n survivor values in v[] (reordered): the largest value x such that the
+// survivors >= x have mass >= limit (top_p_mass.h's fixed point; integer sums, so the order of
+// summation does not matter). Walks value groups in descending order; only the largest values are
+// sorted (the top 1024, then 4x more while the walk runs out): the sorted prefix equals that of a
+// full sort, so the result is the same, ~10x faster. limit >= 1 and the mass of all n values
+// >= limit, so the walk always ends inside the row.
+float top_p_cut(float* v, int64_t n, uint64_t limit) {
   int64_t k = std::min<int64_t>(n, 1024);
   for (;;) {
     std::nth_element(v, v + (k - 1), v + n, std::greater<float>());
     std::sort(v, v + k, std::greater<float>());
-    float larger = 0.0f;  // mass strictly larger than the current value group
-    float cut = v[0];
+    uint64_t mass = 0;  // of the value groups walked so far
     int64_t i = 0;
-    while (i < k && larger < limit) {
+    while (i < k) {
       const float value = v[i];
-      cut = value;
-      while (i < k && v[i] == value) larger += v[i++];
+      while (i < k && v[i] == value) mass += top_p_mass(v[i++]);
+      if (mass >= limit) return value;
     }
-    // Done unless the walk used up the sorted prefix while still under the limit.
-    if (larger >= limit || k == n) return cut;
+    if (k == n) return v[n - 1];  // not reached (cannot happen: see above)
     k = std::min(n, 4 * k);
   }
 }
@@ -82,9 +83,15 @@ void logits_to_probs(const float* logits, int64_t vocab, const SamplingParams& p
       }
     }
     if (use_p) {
-      const float zk =
-          fixed_order_sum([&](int64_t x) { return probs[x] >= cut ? probs[x] : 0.0f; }, vocab);
-      cut = top_p_cut(scratch, n, params.top_p * zk);
+      UF_CHECK(vocab <= kTopPMaxVocab,
+               "top_p: a vocabulary of {} exceeds the {} entries "
+               "whose fixed-point mass fits in 64 bits",
+               vocab, kTopPMaxVocab);
+      uint64_t zk = 0;
+      for (int64_t x = 0; x < n; ++x) zk += top_p_mass(scratch[x]);
+      const uint64_t limit = top_p_limit(params.top_p, zk);
+      // No measurable mass (a row of NaN or zeros): the filter keeps the survivors as they are.
+      if (limit > 0) cut = top_p_cut(scratch, n, limit);
     }
     for (int64_t x = 0; x < vocab; ++x) {
       if (!(probs[x] >= cut)) probs[x] = 0.0f;

@@ -10,11 +10,12 @@
 //      are all kept, so more than k tokens may survive); top_k = 0 or >= vocab keeps everything.
 //   3. top_p < 1: over the top-k survivors with mass Z_k, keep x iff the mass of survivors with a
 //      strictly larger p is < top_p * Z_k (the most probable token always survives; ties at the
-//      boundary are all kept).
+//      boundary are all kept). Masses are top_p_mass.h's fixed point floor(p * 2^42), summed
+//      exactly in 64-bit integers, and top_p * Z_k is compared exactly (vocab <= 2^21).
 //   4. renormalise the survivors.
-// Both filters depend on probability values only, never on token order, so a GPU can find the
-// cut with a radix select over the float bits. Sums use the fixed order of row_ops.h, except the
-// top-p walk, which sums the survivors in descending-value order.
+// Both filters depend on probability values only, never on token order, and the top-p masses are
+// integers, so a GPU finds both cuts with radix selects over the float bits (histograms of counts
+// and of masses), with no sort. The renormalisation sums in the fixed order of row_ops.h.
 #include <cstdint>
 
 namespace uf::sampling {

@@ -537,13 +537,12 @@ TEST(CudaVerify, GraphReplayFollowsSeedStep) {
 }
 
 // ---- the top-p cut on hard rows
-// ------------------------------------------------------------------ The radix top-p cut
+// ------------------------------------------------------------------ The top-p cut by mass
 // (cuda/kernels/verify_select.cuh) against transform.cpp, bitwise, on the rows that stress it: flat
-// logits (a nucleus of ~95% of the vocab, several radix passes, the probs row as the sort's second
-// buffer), peaked and Zipf-like rows (typical nuclei), quantised rows (long runs of equal values:
-// the walk adds them one by one, as the CPU), a flat cluster under one dominant token (the key
-// range spans many binades: four radix passes) and an all-equal row (no pass). Exact-exp logits
-// (nudged) so that any difference is the cut's; no tolerance.
+// logits (a nucleus of ~95% of the vocab: most of a warp in one digit), peaked and Zipf-like rows
+// (typical nuclei; many distinct digits a warp), quantised rows (long runs of equal values), a
+// flat cluster under one dominant token (the cut's digits far below the top value's) and an
+// all-equal row. Exact-exp logits (nudged) so that any difference is the cut's; no tolerance.
 
 enum class RowKind { kFlat, kPeaked, kZipf, kTies, kOutlier, kEqual, kOneFinite };
 
@@ -700,44 +699,45 @@ TEST(CudaVerify, SingleCtaTopPCutMatchesCpu) {
                    true);
 }
 
-// The draft slot path (sample_slot_on_device) with a scratch of exactly next_pow2(vocab) floats,
-// the documented minimum: flat rows make the sort use the probs row as its second buffer.
+// The draft slot path (sample_slot_on_device) on flat and hard rows at the real vocab, both
+// kernels (the cluster one and the single-CTA fallback).
 TEST(CudaVerify, DraftSlotTopPMatchesCpuOnFlatRows) {
   UF_REQUIRE_GPU();
   const int V = kRealVocab;
-  int cap = 1;
-  while (cap < V) cap <<= 1;
   std::mt19937 rng(4242);
-  DeviceBuffer<float> d_logits{size_t(V)}, d_probs{size_t(V)}, d_scratch{size_t(cap)}, d_u{1};
+  DeviceBuffer<float> d_logits{size_t(V)}, d_probs{size_t(V)}, d_u{1};
   DeviceBuffer<DeviceSamplingParams> d_params(1);
   DeviceBuffer<int32_t> d_token(1), d_prev(1);
   std::vector<float> q(static_cast<size_t>(V)), scratch(static_cast<size_t>(V));
-  for (RowKind kind : {RowKind::kFlat, RowKind::kTies, RowKind::kOutlier, RowKind::kZipf}) {
-    for (float top_p : {0.95f, 0.5f}) {
-      SamplingParams prm{1.0f, top_p, 0};
-      std::vector<float> l = make_row(kind, V, rng);
-      nudge_for_exact_exp(l.data(), V, prm.temperature);
-      const float u = std::uniform_real_distribution<float>(0.0f, 1.0f)(rng);
-      std::vector<float> l_cpu = l;
-      const int32_t want =
-          sampling::sample_from_logits(l_cpu.data(), V, prm, u, q.data(), scratch.data());
-      d_logits.upload(l);
-      d_u.upload({u});
-      d_params.upload({device_sampling_params(prm)});
-      d_probs.poison();
-      d_scratch.poison();
-      d_token.poison();
-      sample_slot_on_device(d_logits.get(), nullptr, V, d_params.get(), d_u.get(), d_probs.get(),
-                            d_scratch.get(), d_token.get(), d_prev.get(), nullptr);
-      sync_and_check();
-      const RowDiff d = compare_rows(d_probs.download(), q);
-      const std::string where = std::string(kind_name(kind)) + " top_p " + std::to_string(top_p);
-      EXPECT_EQ(d.nan, 0u) << where << ": NaN in the device row";
-      EXPECT_EQ(d.bit_diffs, 0u) << where << ": first diff at " << d.first << ", "
-                                 << d.support_diffs << " support diffs";
-      EXPECT_EQ(d_token.download()[0], want) << where << ": token";
+  for (const bool single : {false, true})
+    for (RowKind kind : {RowKind::kFlat, RowKind::kTies, RowKind::kOutlier, RowKind::kZipf}) {
+      for (float top_p : {0.95f, 0.5f}) {
+        SamplingParams prm{1.0f, top_p, 0};
+        std::vector<float> l = make_row(kind, V, rng);
+        nudge_for_exact_exp(l.data(), V, prm.temperature);
+        const float u = std::uniform_real_distribution<float>(0.0f, 1.0f)(rng);
+        std::vector<float> l_cpu = l;
+        const int32_t want =
+            sampling::sample_from_logits(l_cpu.data(), V, prm, u, q.data(), scratch.data());
+        d_logits.upload(l);
+        d_u.upload({u});
+        d_params.upload({device_sampling_params(prm)});
+        d_probs.poison();
+        d_token.poison();
+        set_single_cta_transform_for_bench(single);
+        sample_slot_on_device(d_logits.get(), nullptr, V, d_params.get(), d_u.get(), d_probs.get(),
+                              d_token.get(), d_prev.get(), nullptr);
+        set_single_cta_transform_for_bench(false);
+        sync_and_check();
+        const RowDiff d = compare_rows(d_probs.download(), q);
+        const std::string where = std::string(kind_name(kind)) + " top_p " + std::to_string(top_p) +
+                                  (single ? " single-cta" : "");
+        EXPECT_EQ(d.nan, 0u) << where << ": NaN in the device row";
+        EXPECT_EQ(d.bit_diffs, 0u) << where << ": first diff at " << d.first << ", "
+                                   << d.support_diffs << " support diffs";
+        EXPECT_EQ(d_token.download()[0], want) << where << ": token";
+      }
     }
-  }
 }
 
 // ------------------------------------------------------------------ The cluster transform
@@ -793,10 +793,7 @@ TEST(CudaVerify, ClusterDraftSlotMatchesCpuAtSplitEdges) {
   UF_REQUIRE_GPU();
   std::mt19937 rng(777);
   for (int V : {1, 7, 255, 257, 4097, kRealVocab}) {
-    int cap = 1;
-    while (cap < V) cap <<= 1;
-    DeviceBuffer<float> d_logits{size_t(V)}, d_bias{size_t(V)}, d_probs{size_t(V)},
-        d_scratch{size_t(cap)}, d_u{1};
+    DeviceBuffer<float> d_logits{size_t(V)}, d_bias{size_t(V)}, d_probs{size_t(V)}, d_u{1};
     DeviceBuffer<DeviceSamplingParams> d_params(1);
     DeviceBuffer<int32_t> d_token(1), d_prev(1);
     std::vector<float> q(static_cast<size_t>(V)), scratch(static_cast<size_t>(V)),
@@ -828,12 +825,10 @@ TEST(CudaVerify, ClusterDraftSlotMatchesCpuAtSplitEdges) {
           d_u.upload({u});
           d_params.upload({device_sampling_params(prm)});
           d_probs.poison();
-          d_scratch.poison();
           d_token.poison();
           d_prev.poison();
           sample_slot_on_device(d_logits.get(), d_bias.get(), V, d_params.get(), d_u.get(),
-                                d_probs.get(), d_scratch.get(), d_token.get(), d_prev.get(),
-                                nullptr);
+                                d_probs.get(), d_token.get(), d_prev.get(), nullptr);
           sync_and_check();
           const std::string where = "V=" + std::to_string(V) + " " + kind_name(kind) + " " +
                                     params_name(prm) + " u=" + std::to_string(u);
@@ -851,19 +846,22 @@ TEST(CudaVerify, ClusterDraftSlotMatchesCpuAtSplitEdges) {
         }
       }
     }
-    // All-NaN logits: no positive weight, token -1, prev 0 (the rows themselves are NaN).
-    d_logits.upload(std::vector<float>(size_t(V), NAN));
+    // All-NaN logits: no positive weight, token -1, prev 0 (the rows themselves are NaN); with
+    // top-p the row has no measurable mass, so the filter leaves it as it is.
     DeviceBuffer<float> d_nobias{size_t(V)};
     d_nobias.upload(std::vector<float>(size_t(V), 0.0f));
     d_u.upload({0.5f});
-    d_params.upload({device_sampling_params(SamplingParams{1.0f, 1.0f, 0})});
-    d_token.poison();
-    d_prev.poison();
-    sample_slot_on_device(d_logits.get(), d_nobias.get(), V, d_params.get(), d_u.get(),
-                          d_probs.get(), d_scratch.get(), d_token.get(), d_prev.get(), nullptr);
-    sync_and_check();
-    EXPECT_EQ(d_token.download()[0], -1) << "V=" << V << " all-NaN row: token";
-    EXPECT_EQ(d_prev.download()[0], 0) << "V=" << V << " all-NaN row: prev";
+    for (const float top_p : {1.0f, 0.9f}) {
+      d_logits.upload(std::vector<float>(size_t(V), NAN));
+      d_params.upload({device_sampling_params(SamplingParams{1.0f, top_p, 0})});
+      d_token.poison();
+      d_prev.poison();
+      sample_slot_on_device(d_logits.get(), d_nobias.get(), V, d_params.get(), d_u.get(),
+                            d_probs.get(), d_token.get(), d_prev.get(), nullptr);
+      sync_and_check();
+      EXPECT_EQ(d_token.download()[0], -1) << "V=" << V << " all-NaN row, top_p " << top_p;
+      EXPECT_EQ(d_prev.download()[0], 0) << "V=" << V << " all-NaN row, top_p " << top_p;
+    }
   }
 }
 

@@ -2,6 +2,7 @@
 // for the tie and boundary rules, and float32 against the float64 reference on random rows.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <vector>
@@ -9,6 +10,7 @@
 #include "core/error.h"
 #include "sampling/reference.h"
 #include "sampling/sampler.h"
+#include "sampling/top_p_mass.h"
 #include "sampling/transform.h"
 
 using namespace uf::sampling;
@@ -182,4 +184,113 @@ TEST(Transform, TopPBeyondTheFirstSortedPrefix) {
       EXPECT_GT(kept, 1024) << "the case must exercise prefix growth";
     }
   }
+}
+
+// top_p_limit(top_p, z) = ceil(top_p * z) exactly: checked by 128-bit integer arithmetic on the
+// decomposition top_p = m 2^-e (from frexp, independent of the function's bit handling), over
+// normal, tiny and subnormal top_p and z up to 2^63 - 1.
+TEST(TopPMass, LimitIsTheExactCeiling) {
+  std::mt19937_64 rng(31);
+  std::vector<float> tops = {
+      1.0f, 0.5f, 0.95f, 0.999f, 1e-3f, 1e-20f, 1e-38f, 1e-45f, std::nextafter(1.0f, 0.0f)};
+  for (int i = 0; i < 300; ++i)
+    tops.push_back(std::ldexp(float((rng() >> 40) | 1u), -24 - int(rng() % 100)));
+  std::vector<uint64_t> zs = {1, 2, 3, (uint64_t(1) << 42), (uint64_t(1) << 63) - 1};
+  for (int i = 0; i < 300; ++i) zs.push_back(rng() >> (1 + rng() % 62));
+  for (float t : tops) {
+    if (!(t > 0.0f && t <= 1.0f)) continue;
+    int ex = 0;
+    const double mant = std::frexp(double(t), &ex);  // t = mant 2^ex, mant in [0.5, 1)
+    const auto m = static_cast<unsigned __int128>(std::ldexp(mant, 53));  // t = m 2^(ex - 53)
+    const int e = 53 - ex;                                                // t = m 2^-e, e > 0
+    for (uint64_t z : zs) {
+      const uint64_t got = top_p_limit(t, z);
+      const unsigned __int128 prod = m * z;  // < 2^116
+      // got = ceil(prod / 2^e): (got - 1) 2^e < prod <= got 2^e, tested where the shifts fit.
+      if (e < 64) {
+        const unsigned __int128 hi = static_cast<unsigned __int128>(got) << e;
+        ASSERT_GE(hi, prod) << t << " " << z;
+        if (got > 0)
+          ASSERT_LT(hi - (static_cast<unsigned __int128>(1) << e), prod) << t << " " << z;
+        if (got == 0) ASSERT_EQ(z, 0u);
+      } else {
+        const unsigned __int128 q = e >= 128 ? 0 : prod >> e;
+        const bool rem =
+            e >= 128 ? prod != 0 : (prod & ((static_cast<unsigned __int128>(1) << e) - 1)) != 0;
+        ASSERT_EQ(got, uint64_t(q) + (rem ? 1 : 0)) << t << " " << z;
+      }
+    }
+  }
+  EXPECT_EQ(top_p_limit(0.5f, 0), 0u);
+  EXPECT_EQ(top_p_limit(1.0f, 12345), 12345u);
+  EXPECT_EQ(top_p_mass(1.0f), uint64_t(1) << kTopPMassBits);
+  EXPECT_EQ(top_p_mass(0.0f), 0u);
+  EXPECT_EQ(top_p_mass(std::nanf("")), 0u);
+}
+
+// The top-p filter against its definition read literally, with exact integers: keep x iff the
+// top-k survivors strictly more probable than x have mass < top_p * Z_k, i.e. mass * 2^e < m Z_k
+// (top_p = m 2^-e), by an O(n^2) scan. Rows with heavy ties (few distinct values), flat rows and
+// rows whose smallest values have no measurable mass.
+TEST(TopPMass, TransformKeepsExactlyTheDefinedSet) {
+  std::mt19937_64 rng(77);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (int rep = 0; rep < 60; ++rep) {
+    const int64_t v = 1 + int64_t(rng() % 400);
+    std::vector<float> l(static_cast<size_t>(v));
+    const int kind = rep % 4;
+    for (float& x : l) {
+      if (kind == 0) x = 3.0f * normal(rng);                                 // peaked
+      if (kind == 1) x = 0.01f * normal(rng);                                // flat
+      if (kind == 2) x = -0.25f * float(rng() % 5);                          // ties: five levels
+      if (kind == 3) x = rng() % 8 == 0 ? 0.0f : -40.0f * float(rng() % 3);  // masses below 2^-42
+    }
+    for (const SamplingParams s : {SamplingParams{1.0f, 0.9f, 0}, SamplingParams{0.7f, 0.5f, 0},
+                                   SamplingParams{1.0f, 0.3f, 7}, SamplingParams{1.5f, 0.999f, 0},
+                                   SamplingParams{1.0f, 1e-6f, 0}}) {
+      const auto got = transform(l, s);
+      // The transform's own p (same exp), then the definition.
+      std::vector<float> p(static_cast<size_t>(v));
+      float mx = l[0];
+      for (float x : l) mx = std::max(mx, x);
+      for (int64_t x = 0; x < v; ++x)
+        p[size_t(x)] = float(std::exp(double((l[size_t(x)] - mx) / s.temperature)));
+      std::vector<bool> survives(static_cast<size_t>(v), true);
+      if (s.top_k > 0 && s.top_k < v) {
+        for (int64_t x = 0; x < v; ++x) {
+          int64_t larger = 0;
+          for (int64_t y = 0; y < v; ++y) larger += p[size_t(y)] > p[size_t(x)];
+          survives[size_t(x)] = larger < s.top_k;
+        }
+      }
+      unsigned __int128 zk = 0;
+      for (int64_t x = 0; x < v; ++x) zk += survives[size_t(x)] ? top_p_mass(p[size_t(x)]) : 0;
+      int ex = 0;
+      const double mant = std::frexp(double(s.top_p), &ex);
+      const auto m = static_cast<unsigned __int128>(std::ldexp(mant, 53));
+      const int e = 53 - ex;  // <= 73 for these top_p: larger << e stays below 2^128
+      for (int64_t x = 0; x < v; ++x) {
+        unsigned __int128 larger = 0;
+        for (int64_t y = 0; y < v; ++y)
+          if (survives[size_t(y)] && p[size_t(y)] > p[size_t(x)])
+            larger += top_p_mass(p[size_t(y)]);
+        const bool keep = survives[size_t(x)] && (larger << e) < m * zk;
+        ASSERT_EQ(got[size_t(x)] > 0.0f, keep && p[size_t(x)] > 0.0f)
+            << "rep " << rep << " kind " << kind << " x " << x << " top_p " << s.top_p << " top_k "
+            << s.top_k;
+      }
+    }
+  }
+}
+
+// A vocabulary past the masses' 64-bit bound is refused with a clear error when top-p is on
+// (and accepted without it).
+TEST(TopPMass, VocabularyPastTheBoundIsRefused) {
+  const int64_t v = kTopPMaxVocab + 1;
+  const size_t n = static_cast<size_t>(v);
+  std::vector<float> l(n, 0.0f), probs(n), scratch(n);
+  EXPECT_THROW(logits_to_probs(l.data(), v, {1.0f, 0.9f, 0}, probs.data(), scratch.data()),
+               uf::core::Error);
+  logits_to_probs(l.data(), v, {1.0f, 1.0f, 0}, probs.data(), scratch.data());
+  EXPECT_FLOAT_EQ(probs[0], 1.0f / float(v));
 }

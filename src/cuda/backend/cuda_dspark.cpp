@@ -322,8 +322,7 @@ void CudaModel::device_draft_program(const SpanBlock& b, const DraftInputs& in) 
                stream_);
     LS.markov_head.apply(emb, 1, draft_bias_, stream_);  // as draft(): one row per slot
     sample_slot_on_device(logits_ + int64_t(i) * V, draft_bias_, V, params, u + i,
-                          draft_q_ + int64_t(i) * V, verify_plan_->sort_scratch(), tokens + i,
-                          draft_prev_ + i, stream_);
+                          draft_q_ + int64_t(i) * V, tokens + i, draft_prev_ + i, stream_);
   }
   draft_confidence_on_device(conf_proj_dev_, x_, draft_emb_, B, D, Rk, conf, stream_);
 }

@@ -122,23 +122,44 @@ __global__ void __launch_bounds__(kLanes)
   }
 }
 
-// cuda_dspark.cpp's dot8 (cpu::dot_f32's order) of proj with [x5_b, emb_b]: thread j < 8 sums
-// the elements i = j (mod 8) of the full groups of 8 in index order, then tail element
-// n8 + j; thread 0 combines ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)). Explicit _rn
-// operations: no FMA contraction (the host build has none either).
-__global__ void draft_confidence_kernel(const float* proj, const float* x5, const float* emb, int D,
-                                        int R, float* conf) {
+// cuda_dspark.cpp's dot8 (cpu::dot_f32's order) of proj with [x5_b, emb_b]: partial j < 8 sums
+// the elements i = j (mod 8) of the full groups of 8 in index order, then tail element n8 + j;
+// thread 0 combines ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)). Explicit _rn operations:
+// no FMA contraction (the host build has none either). Warp j runs partial j: its lanes load and
+// multiply kBatch x 32 consecutive terms at once, then every lane adds them to the same running
+// sum in index order by shuffles, so the serial chain is the adds alone. (One thread a partial,
+// each term's loads on the chain, took 146 us at the model's 4096 + 256.)
+constexpr int kConfBatch = 4;
+__global__ void __launch_bounds__(256)
+    draft_confidence_kernel(const float* proj, const float* x5, const float* emb, int D, int R,
+                            float* conf) {
   __shared__ float part[8];
-  const int b = blockIdx.x, j = threadIdx.x, n = D + R, n8 = n / 8 * 8;
+  const int b = blockIdx.x, j = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int n = D + R, n8 = n / 8 * 8, terms = n8 / 8;  // partial j's full-group terms
   const float* xr = x5 + size_t(b) * D;
   const float* er = emb + size_t(b) * R;
   auto cat = [&](int i) { return i < D ? xr[i] : er[i - D]; };
   float s = 0.0f;
-  for (int i = j; i < n8; i += 8) s = __fadd_rn(s, __fmul_rn(proj[i], cat(i)));
+  for (int m0 = 0; m0 < terms; m0 += 32 * kConfBatch) {
+    float pr[kConfBatch];
+#pragma unroll
+    for (int q = 0; q < kConfBatch; ++q) {
+      const int m = m0 + 32 * q + lane, i = j + 8 * m;
+      pr[q] = m < terms ? __fmul_rn(proj[i], cat(i)) : 0.0f;
+    }
+#pragma unroll
+    for (int q = 0; q < kConfBatch; ++q) {
+#pragma unroll
+      for (int k = 0; k < 32; ++k) {
+        const float t = __shfl_sync(0xffffffffu, pr[q], k);
+        if (m0 + 32 * q + k < terms) s = __fadd_rn(s, t);
+      }
+    }
+  }
   if (n8 + j < n) s = __fadd_rn(s, __fmul_rn(proj[n8 + j], cat(n8 + j)));
-  part[j] = s;
+  if (lane == 0) part[j] = s;
   __syncthreads();
-  if (j == 0) {
+  if (threadIdx.x == 0) {
     conf[b] = __fadd_rn(__fadd_rn(__fadd_rn(part[0], part[1]), __fadd_rn(part[2], part[3])),
                         __fadd_rn(__fadd_rn(part[4], part[5]), __fadd_rn(part[6], part[7])));
   }
@@ -146,19 +167,15 @@ __global__ void draft_confidence_kernel(const float* proj, const float* x5, cons
 
 }  // namespace
 
-VerifyPlan::VerifyPlan(int max_vocab)
-    : max_vocab_(max_vocab), sort_stride_(verify_detail::next_pow2(max_vocab)) {
-  require(max_vocab >= 1 && max_vocab <= (1 << 30), "VerifyPlan: max_vocab = %d is out of range",
-          max_vocab);
+VerifyPlan::VerifyPlan(int max_vocab) : max_vocab_(max_vocab) {
+  require(max_vocab >= 1 && max_vocab <= sampling::kTopPMaxVocab,
+          "VerifyPlan: max_vocab = %d is out of range 1..%lld (the top-p masses' bound)", max_vocab,
+          (long long)sampling::kTopPMaxVocab);
   UF_CUDA_CHECK(cudaMalloc(&probs_, size_t(kMaxRows) * max_vocab_ * sizeof(float)));
-  UF_CUDA_CHECK(cudaMalloc(&sort_, size_t(kMaxRows) * sort_stride_ * sizeof(float)));
   (void)cluster_size();  // the kernels' attributes, ahead of any graph capture
 }
 
-VerifyPlan::~VerifyPlan() {
-  cudaFree(probs_);
-  cudaFree(sort_);
-}
+VerifyPlan::~VerifyPlan() { cudaFree(probs_); }
 
 void logits_to_probs_on_device(const VerifyPlan& plan, const float* logits, int rows, int vocab,
                                const sampling::SamplingParams& params, float* probs,
@@ -167,14 +184,12 @@ void logits_to_probs_on_device(const VerifyPlan& plan, const float* logits, int 
           "logits_to_probs_on_device: rows = %d must be in 0..%d and vocab = %d in 1..%d", rows,
           kMaxRows, vocab, plan.max_vocab());
   if (rows == 0) return;
-  const int c = transform_cluster(vocab, rows, params.top_p < 1.0f);
+  const int c = transform_cluster(vocab);
   if (c == 16 || c == 8) {
-    launch_cluster_transform(c, logits, rows, vocab, params, probs, plan.sort_scratch(),
-                             plan.sort_stride(), stream);
+    launch_cluster_transform(c, logits, rows, vocab, params, probs, stream);
     return;
   }
-  launch_single_transform(logits, rows, vocab, params, probs, plan.sort_scratch(),
-                          plan.sort_stride(), stream);
+  launch_single_transform(logits, rows, vocab, params, probs, stream);
 }
 
 void verify_probs_on_device(sampling::VerifyMode mode, const float* target, const float* draft,
@@ -201,8 +216,7 @@ void verify_on_device(const VerifyPlan& plan, sampling::VerifyMode mode, const f
           "verify_on_device: g = %d must be in 0..%d and vocab = %d in 1..%d", g, kMaxDraft, vocab,
           plan.max_vocab());
   require(seed_step != nullptr, "verify_on_device: seed_step (device {seed, step}) is null");
-  // Two launches (target rows, draft rows): they live in separate caller buffers. Both reuse the
-  // sort scratch from row 0, which is safe because launches on one stream run in order.
+  // Two launches (target rows, draft rows): they live in separate caller buffers.
   logits_to_probs_on_device(plan, target_logits, g + 1, vocab, params, plan.target_probs(), stream);
   if (g > 0) {
     logits_to_probs_on_device(plan, draft_logits, g, vocab, params, plan.draft_probs(), stream);
@@ -221,26 +235,24 @@ DeviceSamplingParams device_sampling_params(const sampling::SamplingParams& p) {
 
 void sample_slot_on_device(float* logits, const float* bias, int vocab,
                            const DeviceSamplingParams* params, const float* u, float* probs,
-                           float* sort_scratch, int32_t* token, int32_t* prev,
-                           cudaStream_t stream) {
-  require(vocab >= 1 && logits != nullptr && params != nullptr && u != nullptr &&
-              probs != nullptr && sort_scratch != nullptr && token != nullptr && prev != nullptr,
+                           int32_t* token, int32_t* prev, cudaStream_t stream) {
+  require(vocab >= 1 && vocab <= sampling::kTopPMaxVocab && logits != nullptr &&
+              params != nullptr && u != nullptr && probs != nullptr && token != nullptr &&
+              prev != nullptr,
           "sample_slot_on_device: vocab = %d, or a null buffer", vocab);
-  const int c = transform_cluster(vocab, 1, false);  // one row: always within a wave
+  const int c = transform_cluster(vocab);
   if (c == 16 || c == 8) {
-    launch_cluster_draft_slot(c, logits, bias, vocab, params, u, probs, sort_scratch, token, prev,
-                              stream);
+    launch_cluster_draft_slot(c, logits, bias, vocab, params, u, probs, token, prev, stream);
     return;
   }
-  launch_single_draft_slot(logits, bias, vocab, params, u, probs, sort_scratch, token, prev,
-                           stream);
+  launch_single_draft_slot(logits, bias, vocab, params, u, probs, token, prev, stream);
 }
 
 void draft_confidence_on_device(const float* proj, const float* x5, const float* emb, int rows,
                                 int dim, int rank, float* conf, cudaStream_t stream) {
   require(rows >= 1 && dim >= 0 && rank >= 0 && dim + rank >= 1,
           "draft_confidence_on_device: rows = %d, dim = %d, rank = %d", rows, dim, rank);
-  draft_confidence_kernel<<<rows, 8, 0, stream>>>(proj, x5, emb, dim, rank, conf);
+  draft_confidence_kernel<<<rows, 256, 0, stream>>>(proj, x5, emb, dim, rank, conf);
   UF_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -1,7 +1,7 @@
 // The transform of src/cuda/verify.h over a thread-block cluster (the default): a row over the
 // kC = 16 (or 8) CTAs of a cluster; verify_transform.cu's single-CTA kernels stay as the fallback
-// for vocabularies whose slice does not fit in shared memory, for many-row top-p launches
-// (transform_cluster below), and for the benchmark's comparison.
+// for vocabularies whose slice does not fit in shared memory (transform_cluster below) and for the
+// benchmark's comparison.
 //
 // CTA r of the cluster owns lanes [r kC', (r + 1) kC') of row_ops.h (kC' = 256 / kC), i.e. the
 // contiguous elements [r kC' chunk, (r + 1) kC' chunk) of the row, and keeps them in shared
@@ -9,10 +9,9 @@
 // steps (max, argmax, counts, radix histograms, min / max bits) combine the CTAs' partials
 // through distributed shared memory in any order; each lane's serial sum stays in one thread of
 // the CTA owning it, and every CTA gathers the 256 lane sums and runs the same pairwise tree
-// (same bits everywhere, no broadcast needed). The top-p candidates are compacted by every CTA
-// into the scratch (a counter in rank 0's shared memory); rank 0 alone sorts and walks them, as
-// the single-CTA code does (verify_select.cuh's steps). The probs row in global memory is written
-// only at the end, so the sort may use it as its second buffer without a recompute.
+// (same bits everywhere, no broadcast needed). The top-p cut is verify_select.cuh's radix select
+// weighted by integer mass, each CTA's digit masses summed over the cluster (exact in any order)
+// and the digit chosen by every CTA alike.
 
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
@@ -38,18 +37,12 @@ struct ClusterShared {
   float lane_all[kLanes];                  // the gathered lane sums
   int last_all[kLanes];
   float tree[kLanes];
-  int hist[2][256];  // radix select: this CTA's digit counts (double-buffered by pass)
+  int hist[2][256];  // top-k: this CTA's digit counts (double-buffered by pass)
   int hist_all[256];
+  unsigned long long mass[2][kBins];  // top-p: this CTA's digit masses (likewise)
+  unsigned long long zk;              // top-p: this CTA's survivor mass
   ArgMax am;
   float fmax;
-  int count;         // survivors of top-k in this CTA
-  int ccount[2];     // rank 0: top-p candidates compacted (per attempt)
-  unsigned umin[2];  // rank 0: smallest candidate bits (per attempt)
-  unsigned umax;     // this CTA's largest survivor bits
-  unsigned t;        // rank 0: the candidate threshold
-  unsigned top;      // rank 0: the largest survivor bits of the row
-  float cut;         // rank 0: the walk's result
-  int done;
   int sel_digit;
   int sel_before;
 };
@@ -96,7 +89,7 @@ __device__ float cluster_lane_total(const Weight& weight, int vocab, int rank, i
 // The k-th largest bits of the row (verify_select.cuh's radix select, the histograms summed over
 // the cluster). e: this CTA's slice of len values.
 template <int kC>
-__device__ uint32_t cluster_kth_largest_bits(const float* e, int len, int k,
+__device__ uint32_t cluster_kth_largest_bits(const float* e, int len, int k, WarpHists wh,
                                              ClusterShared<kC>& sh) {
   cg::cluster_group cluster = cg::this_cluster();
   const int tid = threadIdx.x, nt = blockDim.x;
@@ -104,7 +97,7 @@ __device__ uint32_t cluster_kth_largest_bits(const float* e, int len, int k,
   int kk = k;
   int buf = 0;
   for (int shift = 24; shift >= 0; shift -= 8, buf ^= 1) {
-    digit_histogram(e, len, prefix, shift, sh.hist[buf]);
+    digit_histogram(e, len, prefix, shift, wh, sh.hist[buf]);
     // The other buffer was last read before this barrier's previous instance: safe to reuse
     // next pass.
     cluster.sync();
@@ -119,69 +112,53 @@ __device__ uint32_t cluster_kth_largest_bits(const float* e, int len, int k,
   return prefix;
 }
 
-// The top-p cut over the cluster (verify_select.cuh's steps): the coarse histogram and the
-// compaction by every CTA (counters in rank 0's shared memory, one set per attempt), the sort
-// and the walk by rank 0. p: the global probs row (free: only the sort's second buffer).
+// The survivors' (e >= kcut) mass over the cluster (exact, any order); the same in every thread.
 template <int kC>
-__device__ float cluster_top_p_cut(const float* e, int len, int rank, float* p, float kcut, int n,
-                                   float limit, float* s, int cap, ClusterShared<kC>& sh,
-                                   SortShared& ss) {
+__device__ unsigned long long cluster_survivor_mass(const float* e, int len, float kcut,
+                                                    ClusterShared<kC>& sh, SelectShared& ss) {
+  const unsigned long long mine = block_sum_u64(survivor_mass(e, len, kcut), ss);
+  if (threadIdx.x == 0) sh.zk = mine;
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();
+  const int lane = threadIdx.x & 31;
+  return warp_sum_u64(lane < kC ? *cluster.map_shared_rank(&sh.zk, lane) : 0ull);
+}
+
+// The top-p cut over the cluster: verify_select.cuh's top_p_cut_mass with each pass's digit
+// masses summed over the CTAs (every CTA gathers them and chooses the same digit). e: this CTA's
+// slice of len values.
+template <int kC>
+__device__ float cluster_top_p_cut(const float* e, int len, float kcut, unsigned long long limit,
+                                   WarpHists wh, ClusterShared<kC>& sh, SelectShared& ss) {
   cg::cluster_group cluster = cg::this_cluster();
   const int tid = threadIdx.x, nt = blockDim.x;
-  const uint32_t kbits = __float_as_uint(kcut);
-  coarse_histogram(e, len, kcut, ss, &sh.umax, [&] {
-    sh.ccount[0] = sh.ccount[1] = 0;
-    sh.umin[0] = sh.umin[1] = 0xFFFFFFFFu;
-  });
-  cluster.sync();  // A: every CTA's histogram and umax are ready; rank 0's counters are zeroed
-  // The candidate threshold, by rank 0 (others' ss.coarse is only read until barrier B).
-  if (rank == 0) {
-    for (int i = tid; i < kCoarseBins; i += nt) {
-      int h = ss.coarse[i];
-      for (int r = 1; r < kC; ++r) h += cluster.map_shared_rank(&ss.coarse[0], r)[i];
-      ss.coarse[i] = h;
-    }
-    if (tid == 0) {
-      unsigned u = 0;
-      for (int r = 0; r < kC; ++r) u = max(u, *cluster.map_shared_rank(&sh.umax, r));
-      sh.top = u;
+  uint32_t prefix = 0;
+  unsigned long long target = limit;
+  for (int pass = 0, buf = 0; pass < kMassPasses; ++pass, buf ^= 1) {
+    mass_histogram(e, len, kcut, prefix, pass, wh, sh.mass[buf]);
+    // The other buffer was last read before this barrier's previous instance: safe to reuse
+    // next pass.
+    cluster.sync();
+    for (int i = tid; i < kBins; i += nt) {
+      unsigned long long m = 0;
+      for (int r = 0; r < kC; ++r) m += cluster.map_shared_rank(&sh.mass[buf][0], r)[i];
+      ss.mass[i] = m;
     }
     __syncthreads();
-    if (tid < 32) candidate_threshold(ss, limit, kbits, &sh.top, &sh.t);
+    select_mass_digit(ss.mass, mass_shift(pass), ss, prefix, target);
   }
-  cluster.sync();  // B: the threshold is in rank 0
-  uint32_t t = *cluster.map_shared_rank(&sh.t, 0);
-  int* counter = cluster.map_shared_rank(&sh.ccount[0], 0);
-  unsigned* umin = cluster.map_shared_rank(&sh.umin[0], 0);
-  for (int attempt = 0;; ++attempt) {
-    const bool final = t == kbits;
-    compact_candidates(e, len, kcut, t, s, &counter[attempt], &umin[attempt]);
-    cluster.sync();  // C: the candidates are in s (release / acquire at cluster scope)
-    if (rank == 0) {
-      (void)sort_and_walk(s, sh.ccount[attempt], cap, p, sh.top, sh.umin[attempt], n, kcut, limit,
-                          final, ss);
-      __syncthreads();
-      if (tid == 0) {
-        sh.cut = ss.cut;
-        sh.done = ss.done;
-      }
-    }
-    cluster.sync();  // D: the walk's result is in rank 0
-    const float cut = *cluster.map_shared_rank(&sh.cut, 0);
-    const int done = *cluster.map_shared_rank(&sh.done, 0);
-    if (done || attempt == 1) return cut;
-    t = kbits;  // take every survivor
-  }
+  return __uint_as_float(prefix);
 }
 
 // transform_row (verify_transform.cu) over the cluster of the calling CTA. e: this CTA's slice
-// in shared memory (kCL * ceil(vocab / 256) floats). bias (may be null): added to the logits,
-// which are written back (the draft slot). Writes p[] for this CTA's slice and leaves the final
-// values in e. Returns the greedy argmax when temperature == 0, else -1.
+// in shared memory (kCL * ceil(vocab / 256) floats); wh: the per-warp histograms
+// (kWarpHistBytes). bias (may be null): added to the logits, which are written back (the draft
+// slot). Writes p[] for this CTA's slice and leaves the final values in e. Returns the greedy
+// argmax when temperature == 0, else -1.
 template <int kC>
 __device__ int cluster_transform_row(float* l, const float* bias, int vocab, float temperature,
-                                     float top_p, int top_k, float* p, float* s, int cap, float* e,
-                                     ClusterShared<kC>& sh, SortShared& ss, ArgMax* s_warp) {
+                                     float top_p, int top_k, float* p, float* e, WarpHists wh,
+                                     ClusterShared<kC>& sh, SelectShared& ss, ArgMax* s_warp) {
   cg::cluster_group cluster = cg::this_cluster();
   const int tid = threadIdx.x, nt = blockDim.x;
   const int rank = int(cluster.block_rank());
@@ -234,28 +211,11 @@ __device__ int cluster_transform_row(float* l, const float* bias, int vocab, flo
   const bool use_p = top_p < 1.0f;
   if (use_k || use_p) {
     float cut = 0.0f;
-    int n = vocab;
-    if (use_k) {
-      cut = __uint_as_float(cluster_kth_largest_bits<kC>(e, len, top_k, sh));
-      if (use_p) {
-        const uint32_t cb = __float_as_uint(cut);
-        int c = 0;
-        for (int i = tid; i < len; i += nt) c += __float_as_uint(e[i]) >= cb ? 1 : 0;
-        c = __reduce_add_sync(0xffffffffu, c);
-        if (tid == 0) sh.count = 0;
-        __syncthreads();
-        if ((tid & 31) == 0) atomicAdd(&sh.count, c);
-        cluster.sync();
-        n = __reduce_add_sync(0xffffffffu,
-                              (tid & 31) < kC ? *cluster.map_shared_rank(&sh.count, tid & 31) : 0);
-      }
-    }
+    if (use_k) cut = __uint_as_float(cluster_kth_largest_bits<kC>(e, len, top_k, wh, sh));
     if (use_p) {
-      const float kcut = cut;
-      const float zk = cluster_lane_total<kC>([=](int i) { return e[i] >= kcut ? e[i] : 0.0f; },
-                                              vocab, rank, lo, 0, sh);
-      const float limit = __fmul_rn(top_p, zk);
-      cut = cluster_top_p_cut<kC>(e, len, rank, p, kcut, n, limit, s, cap, sh, ss);
+      const unsigned long long limit =
+          sampling::top_p_limit(top_p, cluster_survivor_mass<kC>(e, len, cut, sh, ss));
+      if (limit > 0) cut = cluster_top_p_cut<kC>(e, len, cut, limit, wh, sh, ss);
     }
     for (int i = tid; i < len; i += nt) {
       if (!(e[i] >= cut)) e[i] = 0.0f;
@@ -274,15 +234,15 @@ __device__ int cluster_transform_row(float* l, const float* bias, int vocab, flo
 template <int kC>
 __global__ void __launch_bounds__(kTransformThreads)
     cluster_transform_kernel(const float* logits, int vocab, float temperature, float top_p,
-                             int top_k, float* probs, float* sort_scratch, int sort_stride) {
+                             int top_k, float* probs) {
   __shared__ ClusterShared<kC> sh;
-  __shared__ SortShared ss;
+  __shared__ SelectShared ss;
   __shared__ ArgMax s_warp[32];
-  extern __shared__ float e_slice[];
+  extern __shared__ unsigned long long dyn[];  // kWarpHistBytes of per-warp bins, then the slice
+  float* e_slice = reinterpret_cast<float*>(reinterpret_cast<char*>(dyn) + kWarpHistBytes);
   const size_t row = blockIdx.x / kC;
   cluster_transform_row<kC>(const_cast<float*>(logits) + row * vocab, nullptr, vocab, temperature,
-                            top_p, top_k, probs + row * vocab, sort_scratch + row * sort_stride,
-                            sort_stride, e_slice, sh, ss, s_warp);
+                            top_p, top_k, probs + row * vocab, e_slice, dyn, sh, ss, s_warp);
   cg::this_cluster().sync();  // no CTA leaves while others read its shared memory
 }
 
@@ -293,19 +253,19 @@ template <int kC>
 __global__ void __launch_bounds__(kTransformThreads)
     cluster_draft_slot_kernel(float* logits, const float* bias, int vocab,
                               const DeviceSamplingParams* params, const float* u, float* probs,
-                              float* sort_scratch, int cap, int32_t* token, int32_t* prev) {
+                              int32_t* token, int32_t* prev) {
   __shared__ ClusterShared<kC> sh;
-  __shared__ SortShared ss;
+  __shared__ SelectShared ss;
   __shared__ ArgMax s_warp[32];
   __shared__ int s_pick;
-  extern __shared__ float e_slice[];
+  extern __shared__ unsigned long long dyn[];  // kWarpHistBytes of per-warp bins, then the slice
+  float* e_slice = reinterpret_cast<float*>(reinterpret_cast<char*>(dyn) + kWarpHistBytes);
   constexpr int kCL = ClusterShared<kC>::kCL;
   cg::cluster_group cluster = cg::this_cluster();
   const int rank = int(cluster.block_rank());
   const DeviceSamplingParams prm = *params;
-  const int best =
-      cluster_transform_row<kC>(logits, bias, vocab, prm.temperature, prm.top_p, prm.top_k, probs,
-                                sort_scratch, cap, e_slice, sh, ss, s_warp);
+  const int best = cluster_transform_row<kC>(logits, bias, vocab, prm.temperature, prm.top_p,
+                                             prm.top_k, probs, e_slice, dyn, sh, ss, s_warp);
   __syncthreads();
   const int lo = slice_begin<kC>(vocab, rank);
   int writer = 0;  // the rank that writes the token
@@ -313,18 +273,20 @@ __global__ void __launch_bounds__(kTransformThreads)
   if (prm.temperature != 0.0f) {
     const float total =
         cluster_lane_total<kC>([=](int i) { return e_slice[i]; }, vocab, rank, lo, 2, sh);
-    if (threadIdx.x == 0) {
+    if (threadIdx.x < 32) {
       // row_ops.h's inverse_cdf_pick over the gathered lane sums (block_inverse_cdf_pick's walk)
       int32_t pick = -1;
       if (total > 0.0f) {
         int in_lane;
-        pick = cdf_pick(
+        pick = warp_cdf_pick(
             sh.lane_all, sh.last_all, [&](int x) { return e_slice[x - lo]; }, vocab,
             __fmul_rn(*u, total), &in_lane, [&](int lane) { return lane / kCL == rank; });
         if (in_lane >= 0) writer = in_lane / kCL;
       }
-      s_pick = pick;
-      sh.sel_digit = writer;
+      if (threadIdx.x == 0) {
+        s_pick = pick;
+        sh.sel_digit = writer;
+      }
     }
     __syncthreads();
     t = s_pick;
@@ -337,8 +299,9 @@ __global__ void __launch_bounds__(kTransformThreads)
 bool g_single_cta = false;  // set_single_cta_transform_for_bench
 
 // The cluster kernels keep a row's slice (kLanes / kC lanes of ceil(vocab / 256) values) in
-// dynamic shared memory; beyond this the single-CTA kernels run.
-constexpr int kMaxSliceBytes = 160 * 1024;
+// dynamic shared memory after the per-warp histograms; beyond this the single-CTA kernels run.
+constexpr int kMaxSliceBytes = 128 * 1024;
+constexpr int kMaxClusterSmem = kMaxSliceBytes + int(kWarpHistBytes);
 constexpr int kMaxDevices = 64;
 int g_cluster_size[kMaxDevices] = {};  // per device: 16 or 8 once set up, 0 before
 
@@ -346,12 +309,15 @@ size_t slice_bytes(int cluster, int vocab) {
   return size_t(kLanes / cluster) * size_t((vocab + kLanes - 1) / kLanes) * sizeof(float);
 }
 
+// A launch's dynamic shared memory: the per-warp histograms and the slice.
+size_t cluster_smem(int cluster, int vocab) { return kWarpHistBytes + slice_bytes(cluster, vocab); }
+
 template <int kC>
 void set_cluster_attributes() {
   for (const void* k : {reinterpret_cast<const void*>(cluster_transform_kernel<kC>),
                         reinterpret_cast<const void*>(cluster_draft_slot_kernel<kC>)}) {
     UF_CUDA_CHECK(
-        cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSliceBytes));
+        cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxClusterSmem));
     if (kC > 8)
       UF_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
   }
@@ -394,8 +360,9 @@ int cluster_size() {
   if (g_cluster_size[dev] != 0) return g_cluster_size[dev];
   set_cluster_attributes<8>();
   set_cluster_attributes<16>();
+  set_single_transform_attributes();
   cudaLaunchAttribute attr[1];
-  const cudaLaunchConfig_t cfg = cluster_config(16, 1, kMaxSliceBytes, nullptr, attr);
+  const cudaLaunchConfig_t cfg = cluster_config(16, 1, kMaxClusterSmem, nullptr, attr);
   int clusters = 0;
   const cudaError_t err =
       cudaOccupancyMaxActiveClusters(&clusters, cluster_transform_kernel<16>, &cfg);
@@ -407,38 +374,29 @@ int cluster_size() {
   return g_cluster_size[dev];
 }
 
-// A top-p cut sorts and walks on one CTA of each cluster while the others wait, so when the
-// clusters take more than one wave of SMs the single-CTA kernels win (H200, bench_cuda_verify,
-// 15 rows of 129280 at top-p 0.95: 4.6 ms in clusters of 16, 1.8 ms single); without a cut, or
-// within a wave, the clusters win (1 row, top-p 0.95: 1.56 against 1.80 ms; 15 rows, no cut: 48
-// against 111 us).
-int transform_cluster(int vocab, int rows, bool top_p_cut) {
+// The clusters win over the single-CTA kernels for every row count (H200, bench_cuda_verify, 15
+// rows of 129280: 48 against 111 us without a cut; the top-p cut is a few passes over each CTA's
+// slice either way), so they run wherever a slice fits.
+int transform_cluster(int vocab) {
   if (g_single_cta) return 0;
   const int c = cluster_size();
-  if (slice_bytes(c, vocab) > size_t(kMaxSliceBytes)) return 0;
-  int dev = 0, sms = 0;
-  UF_CUDA_CHECK(cudaGetDevice(&dev));
-  UF_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  if (top_p_cut && rows * c > sms) return 0;
-  return c;
+  return slice_bytes(c, vocab) > size_t(kMaxSliceBytes) ? 0 : c;
 }
 
 void launch_cluster_transform(int cluster, const float* logits, int rows, int vocab,
                               const sampling::SamplingParams& params, float* probs,
-                              float* sort_scratch, int sort_stride, cudaStream_t stream) {
+                              cudaStream_t stream) {
   const auto kernel = cluster == 16 ? cluster_transform_kernel<16> : cluster_transform_kernel<8>;
-  launch_cluster(kernel, cluster, rows, slice_bytes(cluster, vocab), stream, logits, vocab,
-                 params.temperature, params.top_p, int(params.top_k), probs, sort_scratch,
-                 sort_stride);
+  launch_cluster(kernel, cluster, rows, cluster_smem(cluster, vocab), stream, logits, vocab,
+                 params.temperature, params.top_p, int(params.top_k), probs);
 }
 
 void launch_cluster_draft_slot(int cluster, float* logits, const float* bias, int vocab,
                                const DeviceSamplingParams* params, const float* u, float* probs,
-                               float* sort_scratch, int32_t* token, int32_t* prev,
-                               cudaStream_t stream) {
+                               int32_t* token, int32_t* prev, cudaStream_t stream) {
   const auto kernel = cluster == 16 ? cluster_draft_slot_kernel<16> : cluster_draft_slot_kernel<8>;
-  launch_cluster(kernel, cluster, 1, slice_bytes(cluster, vocab), stream, logits, bias, vocab,
-                 params, u, probs, sort_scratch, next_pow2(vocab), token, prev);
+  launch_cluster(kernel, cluster, 1, cluster_smem(cluster, vocab), stream, logits, bias, vocab,
+                 params, u, probs, token, prev);
 }
 
 }  // namespace uf::cuda::verify_detail

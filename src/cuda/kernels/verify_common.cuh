@@ -4,7 +4,7 @@
 // verification (verify.cu) share, and the host launchers the transform files give verify.cu.
 //   - row_ops.h's lanes on the device: each lane's serial chunk sum on one thread (lane_sums),
 //     the pairwise tree stride 128..1 in shared memory (tree_total), the inverse-CDF walk over
-//     the lane sums then inside one chunk on one thread (cdf_pick);
+//     the lane sums then inside one chunk, one fp32 chain run by a warp (warp_cdf_pick);
 //   - block argmax / max (order-free), the exp of the transform (exp_rounded).
 // All float arithmetic that the CPU does in a fixed order uses the explicit _rn intrinsics, so
 // that no FMA contraction or fast-math flag can change a rounding.
@@ -26,13 +26,6 @@ using sampling::kMaxDraft;
 constexpr int kTransformThreads = 1024;
 constexpr int kMaxRows = 2 * kMaxDraft + 1;
 static_assert(kLanes == 256, "the device lanes mirror row_ops.h's 256 lanes");
-
-// The sort scratch of a row: next_pow2(vocab) floats (VerifyPlan::sort_stride()).
-__host__ __device__ __forceinline__ int next_pow2(int n) {
-  int p = 1;
-  while (p < n) p <<= 1;
-  return p;
-}
 
 // ---- row_ops.h's lanes -----------------------------------------------------------------------
 
@@ -73,41 +66,61 @@ __device__ __forceinline__ float chunk_sum(const Weight& weight, Index begin, In
   return s;
 }
 
-// row_ops.h's inverse_cdf_pick on one thread, given the lane sums of weight over [0, n) (a row
-// of n; lane_last[lane]: the lane's last positive index) and target = u x total: walks the lane
-// sums, then inside the chunk of the lane where the running sum reaches target (*in_lane, -1 if
-// none). Returns the index at which the sum reaches target, else (rounding fell short) the last
-// positive index seen, -1 if none. The walk inside the chunk runs only where walk_here(lane)
-// (the cluster walks in the CTA that holds the chunk; the index is then only valid there).
+// row_ops.h's inverse_cdf_pick on one warp (all 32 lanes call; the result in every lane), given
+// the lane sums of weight over [0, n) (a row of n; lane_last[lane]: the lane's last positive
+// index) and target = u x total: walks the lane sums, then inside the chunk of the lane where the
+// running sum reaches target (*in_lane, -1 if none). Returns the index at which the sum reaches
+// target, else (rounding fell short) the last positive index seen, -1 if none. The walk inside
+// the chunk runs only where walk_here(lane) (the cluster walks in the CTA that holds the chunk;
+// the index is then only valid there). The same fp32 chain as the one-thread walk: the warp loads
+// 32 values at once (coalesced) and every lane adds them to the same running sum in order by
+// shuffles, so only the adds are serial (one thread loading each weight on the chain took tens of
+// microseconds on a 129280 row in global memory).
 template <typename Index, typename Weight, typename Here>
-__device__ __forceinline__ int32_t cdf_pick(const float* lane_sum, const int* lane_last,
-                                            const Weight& weight, Index n, float target,
-                                            int* in_lane, const Here& walk_here) {
+__device__ __forceinline__ int32_t warp_cdf_pick(const float* lane_sum, const int* lane_last,
+                                                 const Weight& weight, Index n, float target,
+                                                 int* in_lane, const Here& walk_here) {
+  const int lane = threadIdx.x & 31;
   const Index chunk = (n + kLanes - 1) / kLanes;
   float running = 0.0f;
   int32_t last_positive = -1;
-  *in_lane = -1;
-  for (int lane = 0; lane < kLanes; ++lane) {
-    const float s = lane_sum[lane];
-    if (!(s > 0.0f)) continue;
-    const Index begin = lane * chunk;
-    const Index end = begin + chunk < n ? begin + chunk : n;
-    if (__fadd_rn(running, s) >= target) {
-      *in_lane = lane;
-      if (walk_here(lane)) {
-        float r = running;
-        for (Index x = begin; x < end; ++x) {
-          const float w = weight(x);
-          if (!(w > 0.0f)) continue;
-          r = __fadd_rn(r, w);
-          last_positive = int32_t(x);
-          if (r >= target) break;
+  int hit = -1;
+  for (int c = 0; c < kLanes && hit < 0; c += 32) {
+    const float sv = lane_sum[c + lane];
+    const int lv = lane_last[c + lane];
+#pragma unroll 8
+    for (int k = 0; k < 32; ++k) {
+      const float s = __shfl_sync(0xffffffffu, sv, k);
+      const int l = __shfl_sync(0xffffffffu, lv, k);
+      if (hit < 0 && s > 0.0f) {
+        const float nxt = __fadd_rn(running, s);
+        if (nxt >= target) {
+          hit = c + k;
+        } else {
+          running = nxt;
+          last_positive = l;
         }
       }
-      break;  // the walk reached the target, or rounding fell short: the last positive seen
     }
-    running = __fadd_rn(running, s);
-    last_positive = lane_last[lane];
+  }
+  *in_lane = hit;
+  if (hit >= 0 && walk_here(hit)) {
+    const Index begin = Index(hit) * chunk;
+    const Index end = begin + chunk < n ? begin + chunk : n;
+    float r = running;
+    bool done = false;
+    for (Index x0 = begin; x0 < end && !done; x0 += 32) {
+      const float wv = x0 + lane < end ? weight(x0 + lane) : 0.0f;
+#pragma unroll 8
+      for (int k = 0; k < 32; ++k) {
+        const float w = __shfl_sync(0xffffffffu, wv, k);
+        if (!done && w > 0.0f) {  // past end w = 0: skipped
+          r = __fadd_rn(r, w);
+          last_positive = int32_t(x0 + k);
+          done = r >= target;
+        }
+      }
+    }
   }
   return last_positive;
 }
@@ -147,14 +160,14 @@ __device__ float lane_sums(const Weight& weight, int64_t n, float* s_lane, float
 template <typename Weight>
 __device__ int32_t block_inverse_cdf_pick(const Weight& weight, int64_t n, float u, SharedRow& sh) {
   const float total = lane_sums(weight, n, sh.lane, sh.tree, sh.last);
-  if (threadIdx.x == 0) {
+  if (threadIdx.x < 32) {
     int32_t pick = -1;
     if (total > 0.0f) {
       int in_lane;
-      pick = cdf_pick(sh.lane, sh.last, weight, n, __fmul_rn(u, total), &in_lane,
-                      [](int) { return true; });
+      pick = warp_cdf_pick(sh.lane, sh.last, weight, n, __fmul_rn(u, total), &in_lane,
+                           [](int) { return true; });
     }
-    sh.pick = pick;
+    if (threadIdx.x == 0) sh.pick = pick;
   }
   __syncthreads();
   return sh.pick;
@@ -212,24 +225,24 @@ __device__ __forceinline__ ArgMax block_argmax(ArgMax a, ArgMax* s_warp) {
 // verify_cluster.cu. The cluster size of the current device (16, or 8 where a cluster of 16
 // cannot be resident), its kernels' attributes set on the first call: host queries only.
 int cluster_size();
-// The cluster size to use for `rows` rows of this vocab, or 0 for the single-CTA kernels.
-int transform_cluster(int vocab, int rows, bool top_p_cut);
+// The cluster size to use for rows of this vocab, or 0 for the single-CTA kernels.
+int transform_cluster(int vocab);
 // cluster_transform_kernel / cluster_draft_slot_kernel with `cluster` = transform_cluster(...).
 void launch_cluster_transform(int cluster, const float* logits, int rows, int vocab,
                               const sampling::SamplingParams& params, float* probs,
-                              float* sort_scratch, int sort_stride, cudaStream_t stream);
+                              cudaStream_t stream);
 void launch_cluster_draft_slot(int cluster, float* logits, const float* bias, int vocab,
                                const DeviceSamplingParams* params, const float* u, float* probs,
-                               float* sort_scratch, int32_t* token, int32_t* prev,
-                               cudaStream_t stream);
+                               int32_t* token, int32_t* prev, cudaStream_t stream);
 
-// verify_transform.cu: transform_kernel / draft_slot_kernel (one 1024-thread block a row).
+// verify_transform.cu: transform_kernel / draft_slot_kernel (one 1024-thread block a row);
+// their attributes (dynamic shared memory), set with the cluster kernels' by cluster_size().
+void set_single_transform_attributes();
 void launch_single_transform(const float* logits, int rows, int vocab,
                              const sampling::SamplingParams& params, float* probs,
-                             float* sort_scratch, int sort_stride, cudaStream_t stream);
+                             cudaStream_t stream);
 void launch_single_draft_slot(float* logits, const float* bias, int vocab,
                               const DeviceSamplingParams* params, const float* u, float* probs,
-                              float* sort_scratch, int32_t* token, int32_t* prev,
-                              cudaStream_t stream);
+                              int32_t* token, int32_t* prev, cudaStream_t stream);
 
 }  // namespace uf::cuda::verify_detail
