@@ -147,7 +147,7 @@ int main(int argc, char** argv) {
       logits_to_probs_on_device(plan, d_logits + size_t(g + 1) * kVocab, g, kVocab, p,
                                 plan.draft_probs(), s);
       const double t_verify = uf::bench::time_graph_us(s, reps, [&] {
-        verify_probs_on_device(uf::sampling::VerifyMode::kBlock, plan.target_probs(),
+        verify_probs_on_device(plan, uf::sampling::VerifyMode::kBlock, plan.target_probs(),
                                plan.draft_probs(), d_drafts, g, kVocab, d_seed_step, nullptr,
                                d_result, nullptr, s);
       });

@@ -67,10 +67,16 @@ class VerifyPlan {
   // ([kMaxDraft, V]), row-major with row stride V (the vocab of the call).
   float* target_probs() const { return probs_; }
   float* draft_probs() const { return probs_ + size_t(sampling::kMaxDraft + 1) * max_vocab_; }
+  // Block verification's scratch (verify_probs_on_device): (kMaxDraft + 1) rows of 256 lane sums
+  // and of each lane's last positive index.
+  float* lane_sums() const { return lane_sum_; }
+  int* lane_last() const { return lane_last_; }
 
  private:
   int max_vocab_ = 0;
-  float* probs_ = nullptr;  // (2 kMaxDraft + 1) rows of max_vocab
+  float* probs_ = nullptr;     // (2 kMaxDraft + 1) rows of max_vocab
+  float* lane_sum_ = nullptr;  // block verification: (kMaxDraft + 1) rows x 256 lane sums
+  int* lane_last_ = nullptr;   // and each lane's last positive index
 };
 
 // probs[r] = sampling::logits_to_probs(logits[r]) for r < rows (row stride vocab for both).
@@ -83,9 +89,11 @@ void logits_to_probs_on_device(const VerifyPlan& plan, const float* logits, int 
 // target [(g + 1), vocab], draft [g, vocab] (may be null when g = 0), tokens [g] (X_1..X_g).
 // Draws: `draws` (device) when not null, else make_verify_draws(seed_step[0], seed_step[1]).
 // out (device): the same VerifyResult as the CPU (accepted, extra_token, diagnostics).
-// draws_used (device, optional) receives the draws the kernel used.
-void verify_probs_on_device(sampling::VerifyMode mode, const float* target, const float* draft,
-                            const int32_t* tokens, int g, int vocab,
+// draws_used (device, optional) receives the draws the kernel used. Block mode first sums the
+// rows the verification reads (the residual of each draft row, the last target row) on many
+// warps into the plan's lane buffers (one verification at a time per plan), in the CPU's order.
+void verify_probs_on_device(const VerifyPlan& plan, sampling::VerifyMode mode, const float* target,
+                            const float* draft, const int32_t* tokens, int g, int vocab,
                             const unsigned long long* seed_step, const sampling::VerifyDraws* draws,
                             sampling::VerifyResult* out, sampling::VerifyDraws* draws_used,
                             cudaStream_t stream);

@@ -304,11 +304,12 @@ TEST(CudaVerify, DrawsMatchCpuStreams) {
   DeviceBuffer<VerifyResult> out(1);
   DeviceBuffer<VerifyDraws> used(1);
   DeviceBuffer<unsigned long long> ss(2);
+  const VerifyPlan plan(2);
   for (uint64_t seed : {0ull, 1ull, 0xDEADBEEFCAFEBABEull, ~0ull}) {
     for (uint64_t step : {0ull, 1ull, 5ull, (1ull << 32) | 7ull, ~0ull}) {
       ss.upload({seed, step});
       used.poison();
-      verify_probs_on_device(VerifyMode::kBlock, dp.get(), nullptr, nullptr, 0, 2, ss.get(),
+      verify_probs_on_device(plan, VerifyMode::kBlock, dp.get(), nullptr, nullptr, 0, 2, ss.get(),
                              nullptr, out.get(), used.get(), nullptr);
       sync_and_check();
       const VerifyDraws d = used.download()[0];
@@ -340,7 +341,8 @@ VerifyResult device_verify_explicit(VerifyMode mode, const std::vector<float>& p
   DeviceBuffer<VerifyDraws> dd(std::vector<VerifyDraws>{d});
   DeviceBuffer<VerifyResult> out(1);
   out.poison();
-  verify_probs_on_device(mode, dp.get(), q.empty() ? nullptr : dq.get(),
+  const VerifyPlan plan(vocab);
+  verify_probs_on_device(plan, mode, dp.get(), q.empty() ? nullptr : dq.get(),
                          x.empty() ? nullptr : dx.get(), int(x.size()), vocab, nullptr, dd.get(),
                          out.get(), nullptr, nullptr);
   sync_and_check();

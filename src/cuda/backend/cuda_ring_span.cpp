@@ -510,8 +510,9 @@ sampling::VerifyResult CudaModel::verify_on_device(sampling::VerifyMode mode,
       cudaMemcpyAsync(verify_seed_, seed_step, sizeof(seed_step), cudaMemcpyHostToDevice, stream_));
   logits_to_probs_on_device(*verify_plan_, logits_, rows, V, params, verify_plan_->target_probs(),
                             stream_);
-  verify_probs_on_device(mode, verify_plan_->target_probs(), g > 0 ? q : nullptr, verify_tokens_, g,
-                         V, verify_seed_, nullptr, verify_out_, nullptr, stream_);
+  verify_probs_on_device(*verify_plan_, mode, verify_plan_->target_probs(), g > 0 ? q : nullptr,
+                         verify_tokens_, g, V, verify_seed_, nullptr, verify_out_, nullptr,
+                         stream_);
   sampling::VerifyResult out;
   UF_CUDA_CHECK(cudaMemcpyAsync(&out, verify_out_, sizeof(out), cudaMemcpyDeviceToHost, stream_));
   sync();

@@ -47,17 +47,86 @@ __device__ float residual_mass(const float* p, const float* q, float scale, int6
   return lane_sums(Residual{p, q, scale}, v, sh.lane, sh.tree, nullptr);
 }
 
+// A draw from the residual max(scale p - q, 0) (lanes: its lane sums computed ahead, else
+// summed here), else (no positive residual) from p.
 __device__ int32_t sample_residual(const float* p, const float* q, float scale, int64_t v, float u,
-                                   SharedRow& sh) {
-  const int32_t y = block_inverse_cdf_pick(Residual{p, q, scale}, v, u, sh);
+                                   const float* lane_sum, const int* lane_last, SharedRow& sh) {
+  const Residual residual{p, q, scale};
+  const int32_t y = lane_sum != nullptr
+                        ? pick_from_lanes(residual, v, u, load_lanes(lane_sum, lane_last, sh), sh)
+                        : block_inverse_cdf_pick(residual, v, u, sh);
   if (y >= 0) return y;
   return block_inverse_cdf_pick(Plain{p}, v, u, sh);
+}
+
+// Block verification's row sums ahead of the verification (verify_lanes_kernel): the lane sums
+// and last positive indices of row r's weight, r = 0 .. g: the residual max(w_r p_r - q_r, 0) for
+// r < g (w_0 = 1: the draws that reject at r sample from it, and rows 1 .. g-1 give the
+// thresholds' masses), the plain p_g for r = g (all drafts accepted). One warp a (row, lane):
+// the lane's chunk in index order, 32 weights loaded at once (coalesced) and added by every lane
+// to one running sum through shuffles, so only the adds are serial: the fp32 chain of
+// chunk_sum, bitwise. (The verification block summed these rows itself, 256 threads each loading
+// its chunk's weights one by one: ~300 us a step at the real vocab, g = 7.)
+constexpr int kLaneWarps = 8;  // warps (row, lane pairs) a CTA
+constexpr int kLaneDepth = 8;  // batches of 32 weights loaded before their adds
+
+__global__ void __launch_bounds__(32 * kLaneWarps)
+    verify_lanes_kernel(const float* p, const float* q, const int32_t* tokens, int g, int vocab,
+                        float* lane_sum, int* lane_last) {
+  const int item = blockIdx.x * kLaneWarps + int(threadIdx.x >> 5);  // row * kLanes + lane
+  const int row = item / kLanes, ln = item % kLanes, lane = threadIdx.x & 31;
+  if (row > g) return;  // the warp's whole: item is warp-uniform
+  const int64_t v = vocab;
+  // w_row = next_weight over drafts 1..row (verify_kernel's chain): lane i - 1 loads draft i's
+  // p and q, then the chain runs on shuffles.
+  float pi = 0.0f, qi = 0.0f;
+  if (lane < row && row < g) {
+    const int32_t x = tokens[lane];
+    pi = p[lane * v + x];
+    qi = q[lane * v + x];
+  }
+  float w = 1.0f;
+  for (int i = 1; i <= row && row < g; ++i)
+    w = next_weight(w, __shfl_sync(0xffffffffu, pi, i - 1), __shfl_sync(0xffffffffu, qi, i - 1));
+  const Residual residual{p + row * v, row < g ? q + row * v : nullptr, w};
+  const Plain plain{p + row * v};
+  const bool is_plain = row == g;
+  const int64_t chunk = (v + kLanes - 1) / kLanes;
+  const int64_t begin = ln * chunk, end = begin + chunk < v ? begin + chunk : v;
+  float sum = 0.0f;
+  int last = -1;
+  for (int64_t x0 = begin; x0 < end; x0 += 32 * kLaneDepth) {
+    float wv[kLaneDepth];
+#pragma unroll
+    for (int d = 0; d < kLaneDepth; ++d) {
+      const int64_t x = x0 + 32 * d + lane;
+      wv[d] = x < end ? (is_plain ? plain(x) : residual(x)) : 0.0f;
+    }
+#pragma unroll
+    for (int d = 0; d < kLaneDepth; ++d) {
+      const int64_t xb = x0 + 32 * d;
+      if (xb >= end) break;  // warp-uniform
+      const unsigned pos = __ballot_sync(0xffffffffu, wv[d] > 0.0f);
+      if (pos != 0) last = int(xb) + 31 - __clz(int(pos));
+      const int n = end - xb < 32 ? int(end - xb) : 32;
+#pragma unroll 8
+      for (int k = 0; k < 32; ++k) {
+        const float t = __shfl_sync(0xffffffffu, wv[d], k);
+        if (k < n) sum = __fadd_rn(sum, t);
+      }
+    }
+  }
+  if (lane == 0) {
+    lane_sum[item] = sum;
+    lane_last[item] = last;
+  }
 }
 
 __global__ void __launch_bounds__(kLanes)
     verify_kernel(bool block_mode, const float* p, const float* q, const int32_t* tokens, int g,
                   int vocab, const unsigned long long* seed_step, const VerifyDraws* draws_in,
-                  VerifyResult* out, VerifyDraws* draws_used) {
+                  const float* lane_sum, const int* lane_last, VerifyResult* out,
+                  VerifyDraws* draws_used) {
   __shared__ SharedRow sh;
   const VerifyDraws d =
       draws_in != nullptr ? *draws_in : sampling::make_verify_draws(seed_step[0], seed_step[1]);
@@ -87,14 +156,14 @@ __global__ void __launch_bounds__(kLanes)
     }
     if (tau < g) {
       resid[tau] = residual_mass(p + tau * v, q + tau * v, 1.0f, v, sh);
-      extra = sample_residual(p + tau * v, q + tau * v, 1.0f, v, d.u_extra, sh);
+      extra = sample_residual(p + tau * v, q + tau * v, 1.0f, v, d.u_extra, nullptr, nullptr, sh);
     } else {
       extra = block_inverse_cdf_pick(Plain{p + g * v}, v, d.u_extra, sh);
     }
-  } else {
+  } else {  // block mode: row r's lane sums at lane_sum + r kLanes (verify_lanes_kernel)
     for (int i = 1; i <= g; ++i) {
       if (i < g) {
-        const float z = residual_mass(p + i * v, q + i * v, weight[i], v, sh);
+        const float z = load_lanes(lane_sum + i * kLanes, lane_last + i * kLanes, sh);
         const float den = __fadd_rn(z, __fsub_rn(1.0f, weight[i]));
         resid[i] = z;
         threshold[i] = den > 0.0f ? __fdiv_rn(z, den) : 1.0f;
@@ -104,10 +173,13 @@ __global__ void __launch_bounds__(kLanes)
       if (d.eta[i - 1] <= threshold[i]) tau = i;  // no break: tau is the last such i
     }
     if (tau < g) {
-      if (tau == 0) resid[0] = residual_mass(p, q, 1.0f, v, sh);
-      extra = sample_residual(p + tau * v, q + tau * v, weight[tau], v, d.u_extra, sh);
+      if (tau == 0) resid[0] = load_lanes(lane_sum, lane_last, sh);
+      extra = sample_residual(p + tau * v, q + tau * v, weight[tau], v, d.u_extra,
+                              lane_sum + tau * kLanes, lane_last + tau * kLanes, sh);
     } else {
-      extra = block_inverse_cdf_pick(Plain{p + g * v}, v, d.u_extra, sh);
+      const Plain plain{p + g * v};
+      extra = pick_from_lanes(plain, v, d.u_extra,
+                              load_lanes(lane_sum + g * kLanes, lane_last + g * kLanes, sh), sh);
     }
   }
   if (threadIdx.x == 0) {
@@ -172,10 +244,16 @@ VerifyPlan::VerifyPlan(int max_vocab) : max_vocab_(max_vocab) {
           "VerifyPlan: max_vocab = %d is out of range 1..%lld (the top-p masses' bound)", max_vocab,
           (long long)sampling::kTopPMaxVocab);
   UF_CUDA_CHECK(cudaMalloc(&probs_, size_t(kMaxRows) * max_vocab_ * sizeof(float)));
+  UF_CUDA_CHECK(cudaMalloc(&lane_sum_, size_t(kMaxDraft + 1) * kLanes * sizeof(float)));
+  UF_CUDA_CHECK(cudaMalloc(&lane_last_, size_t(kMaxDraft + 1) * kLanes * sizeof(int)));
   (void)cluster_size();  // the kernels' attributes, ahead of any graph capture
 }
 
-VerifyPlan::~VerifyPlan() { cudaFree(probs_); }
+VerifyPlan::~VerifyPlan() {
+  cudaFree(probs_);
+  cudaFree(lane_sum_);
+  cudaFree(lane_last_);
+}
 
 void logits_to_probs_on_device(const VerifyPlan& plan, const float* logits, int rows, int vocab,
                                const sampling::SamplingParams& params, float* probs,
@@ -192,8 +270,8 @@ void logits_to_probs_on_device(const VerifyPlan& plan, const float* logits, int 
   launch_single_transform(logits, rows, vocab, params, probs, stream);
 }
 
-void verify_probs_on_device(sampling::VerifyMode mode, const float* target, const float* draft,
-                            const int32_t* tokens, int g, int vocab,
+void verify_probs_on_device(const VerifyPlan& plan, sampling::VerifyMode mode, const float* target,
+                            const float* draft, const int32_t* tokens, int g, int vocab,
                             const unsigned long long* seed_step, const VerifyDraws* draws,
                             VerifyResult* out, VerifyDraws* draws_used, cudaStream_t stream) {
   require(g >= 0 && g <= kMaxDraft && vocab >= 1,
@@ -203,8 +281,16 @@ void verify_probs_on_device(sampling::VerifyMode mode, const float* target, cons
           "verify_probs_on_device: needs either explicit draws or {seed, step}");
   require(g == 0 || (draft != nullptr && tokens != nullptr),
           "verify_probs_on_device: g = %d drafts need draft rows and tokens", g);
-  verify_kernel<<<1, kLanes, 0, stream>>>(mode == sampling::VerifyMode::kBlock, target, draft,
-                                          tokens, g, vocab, seed_step, draws, out, draws_used);
+  const bool block = mode == sampling::VerifyMode::kBlock;
+  if (block) {  // the rows' lane sums on (g + 1) x kLanes warps
+    const int ctas = ((g + 1) * kLanes + kLaneWarps - 1) / kLaneWarps;
+    verify_lanes_kernel<<<ctas, 32 * kLaneWarps, 0, stream>>>(target, draft, tokens, g, vocab,
+                                                              plan.lane_sums(), plan.lane_last());
+    UF_CUDA_CHECK(cudaGetLastError());
+  }
+  verify_kernel<<<1, kLanes, 0, stream>>>(block, target, draft, tokens, g, vocab, seed_step, draws,
+                                          block ? plan.lane_sums() : nullptr,
+                                          block ? plan.lane_last() : nullptr, out, draws_used);
   UF_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -221,8 +307,8 @@ void verify_on_device(const VerifyPlan& plan, sampling::VerifyMode mode, const f
   if (g > 0) {
     logits_to_probs_on_device(plan, draft_logits, g, vocab, params, plan.draft_probs(), stream);
   }
-  verify_probs_on_device(mode, plan.target_probs(), plan.draft_probs(), tokens, g, vocab, seed_step,
-                         nullptr, out, nullptr, stream);
+  verify_probs_on_device(plan, mode, plan.target_probs(), plan.draft_probs(), tokens, g, vocab,
+                         seed_step, nullptr, out, nullptr, stream);
 }
 
 DeviceSamplingParams device_sampling_params(const sampling::SamplingParams& p) {

@@ -156,10 +156,11 @@ __device__ float lane_sums(const Weight& weight, int64_t n, float* s_lane, float
   return tree_total(s_tree);
 }
 
-// row_ops.h's inverse_cdf_pick by one block; the result in every thread.
+// row_ops.h's inverse_cdf_pick by one block once the lane sums of weight are in sh.lane /
+// sh.last and their tree total is `total`; the result in every thread.
 template <typename Weight>
-__device__ int32_t block_inverse_cdf_pick(const Weight& weight, int64_t n, float u, SharedRow& sh) {
-  const float total = lane_sums(weight, n, sh.lane, sh.tree, sh.last);
+__device__ int32_t pick_from_lanes(const Weight& weight, int64_t n, float u, float total,
+                                   SharedRow& sh) {
   if (threadIdx.x < 32) {
     int32_t pick = -1;
     if (total > 0.0f) {
@@ -171,6 +172,27 @@ __device__ int32_t block_inverse_cdf_pick(const Weight& weight, int64_t n, float
   }
   __syncthreads();
   return sh.pick;
+}
+
+// row_ops.h's inverse_cdf_pick by one block; the result in every thread.
+template <typename Weight>
+__device__ int32_t block_inverse_cdf_pick(const Weight& weight, int64_t n, float u, SharedRow& sh) {
+  const float total = lane_sums(weight, n, sh.lane, sh.tree, sh.last);
+  return pick_from_lanes(weight, n, u, total, sh);
+}
+
+// Lane sums computed ahead (sum[kLanes], last[kLanes]) into sh.lane / sh.last, and their tree
+// total (lane_sums' result for the same row), in every thread. Whole block.
+__device__ __forceinline__ float load_lanes(const float* sum, const int* last, SharedRow& sh) {
+  __syncthreads();  // the shared arrays may still be read from a previous call
+  const int tid = threadIdx.x;
+  if (tid < kLanes) {
+    sh.lane[tid] = sum[tid];
+    sh.tree[tid] = sum[tid];
+    sh.last[tid] = last[tid];
+  }
+  __syncthreads();
+  return tree_total(sh.tree);
 }
 
 struct Plain {
