@@ -40,7 +40,6 @@ struct ClusterShared {
   int hist[2][256];  // top-k: this CTA's digit counts (double-buffered by pass)
   int hist_all[256];
   unsigned long long mass[2][kBins];  // top-p: this CTA's digit masses (likewise)
-  unsigned long long zk;              // top-p: this CTA's survivor mass
   ArgMax am;
   float fmax;
   int sel_digit;
@@ -112,28 +111,16 @@ __device__ uint32_t cluster_kth_largest_bits(const float* e, int len, int k, War
   return prefix;
 }
 
-// The survivors' (e >= kcut) mass over the cluster (exact, any order); the same in every thread.
-template <int kC>
-__device__ unsigned long long cluster_survivor_mass(const float* e, int len, float kcut,
-                                                    ClusterShared<kC>& sh, SelectShared& ss) {
-  const unsigned long long mine = block_sum_u64(survivor_mass(e, len, kcut), ss);
-  if (threadIdx.x == 0) sh.zk = mine;
-  cg::cluster_group cluster = cg::this_cluster();
-  cluster.sync();
-  const int lane = threadIdx.x & 31;
-  return warp_sum_u64(lane < kC ? *cluster.map_shared_rank(&sh.zk, lane) : 0ull);
-}
-
 // The top-p cut over the cluster: verify_select.cuh's top_p_cut_mass with each pass's digit
-// masses summed over the CTAs (every CTA gathers them and chooses the same digit). e: this CTA's
-// slice of len values.
+// masses summed over the CTAs (every CTA gathers them and chooses the same digit; pass 0's give
+// the limit). e: this CTA's slice of len values.
 template <int kC>
-__device__ float cluster_top_p_cut(const float* e, int len, float kcut, unsigned long long limit,
-                                   WarpHists wh, ClusterShared<kC>& sh, SelectShared& ss) {
+__device__ float cluster_top_p_cut(const float* e, int len, float kcut, float top_p, WarpHists wh,
+                                   ClusterShared<kC>& sh, SelectShared& ss) {
   cg::cluster_group cluster = cg::this_cluster();
   const int tid = threadIdx.x, nt = blockDim.x;
   uint32_t prefix = 0;
-  unsigned long long target = limit;
+  unsigned long long target = 0;
   for (int pass = 0, buf = 0; pass < kMassPasses; ++pass, buf ^= 1) {
     mass_histogram(e, len, kcut, prefix, pass, wh, sh.mass[buf]);
     // The other buffer was last read before this barrier's previous instance: safe to reuse
@@ -145,6 +132,7 @@ __device__ float cluster_top_p_cut(const float* e, int len, float kcut, unsigned
       ss.mass[i] = m;
     }
     __syncthreads();
+    if (pass == 0 && (target = mass_limit(ss.mass, top_p, ss)) == 0) return kcut;
     select_mass_digit(ss.mass, mass_shift(pass), ss, prefix, target);
   }
   return __uint_as_float(prefix);
@@ -212,11 +200,7 @@ __device__ int cluster_transform_row(float* l, const float* bias, int vocab, flo
   if (use_k || use_p) {
     float cut = 0.0f;
     if (use_k) cut = __uint_as_float(cluster_kth_largest_bits<kC>(e, len, top_k, wh, sh));
-    if (use_p) {
-      const unsigned long long limit =
-          sampling::top_p_limit(top_p, cluster_survivor_mass<kC>(e, len, cut, sh, ss));
-      if (limit > 0) cut = cluster_top_p_cut<kC>(e, len, cut, limit, wh, sh, ss);
-    }
+    if (use_p) cut = cluster_top_p_cut<kC>(e, len, cut, top_p, wh, sh, ss);
     for (int i = tid; i < len; i += nt) {
       if (!(e[i] >= cut)) e[i] = 0.0f;
     }

@@ -107,17 +107,26 @@ __device__ __forceinline__ int32_t warp_cdf_pick(const float* lane_sum, const in
   if (hit >= 0 && walk_here(hit)) {
     const Index begin = Index(hit) * chunk;
     const Index end = begin + chunk < n ? begin + chunk : n;
+    constexpr int kDepth = 4;  // batches of 32 weights loaded before their adds
     float r = running;
     bool done = false;
-    for (Index x0 = begin; x0 < end && !done; x0 += 32) {
-      const float wv = x0 + lane < end ? weight(x0 + lane) : 0.0f;
+    for (Index x0 = begin; x0 < end && !done; x0 += 32 * kDepth) {
+      float wv[kDepth];
+#pragma unroll
+      for (int d = 0; d < kDepth; ++d) {
+        const Index x = x0 + 32 * d + lane;
+        wv[d] = x < end ? weight(x) : 0.0f;
+      }
+#pragma unroll
+      for (int d = 0; d < kDepth; ++d) {
 #pragma unroll 8
-      for (int k = 0; k < 32; ++k) {
-        const float w = __shfl_sync(0xffffffffu, wv, k);
-        if (!done && w > 0.0f) {  // past end w = 0: skipped
-          r = __fadd_rn(r, w);
-          last_positive = int32_t(x0 + k);
-          done = r >= target;
+        for (int k = 0; k < 32; ++k) {
+          const float w = __shfl_sync(0xffffffffu, wv[d], k);
+          if (!done && w > 0.0f) {  // past end w = 0: skipped
+            r = __fadd_rn(r, w);
+            last_positive = int32_t(x0 + 32 * d + k);
+            done = r >= target;
+          }
         }
       }
     }

@@ -53,7 +53,7 @@ using WarpHists = unsigned long long*;
 struct SelectShared {
   int hist[kBins];                 // top-k: the row's digit counts
   unsigned long long mass[kBins];  // top-p: the row's digit masses
-  unsigned long long total;        // block_sum_u64
+  unsigned long long limit;        // mass_limit
   unsigned long long mass_before;  // select_mass_digit: the mass above the chosen digit
   int sel_digit;
   int sel_before;
@@ -166,28 +166,6 @@ __device__ __forceinline__ unsigned long long warp_sum_u64(unsigned long long v)
   return v;
 }
 
-// The sum of v over the block (exact, any order); the total in every thread. Whole block.
-__device__ __forceinline__ unsigned long long block_sum_u64(unsigned long long v,
-                                                            SelectShared& ss) {
-  __syncthreads();  // ss.total may still be read from a previous call
-  if (threadIdx.x == 0) ss.total = 0;
-  __syncthreads();
-  v = warp_sum_u64(v);
-  if ((threadIdx.x & 31) == 0) atomicAdd(&ss.total, v);
-  __syncthreads();
-  return ss.total;
-}
-
-// This thread's share of the survivors' (v >= kcut) mass over v[0..len).
-__device__ __forceinline__ unsigned long long survivor_mass(const float* v, int len, float kcut) {
-  unsigned long long s = 0;
-  for (int x = threadIdx.x; x < len; x += blockDim.x) {
-    const float v_x = v[x];
-    if (v_x >= kcut) s += sampling::top_p_mass(v_x);
-  }
-  return s;
-}
-
 // mine[d] += w over the lanes with `valid` (mine: this warp's bins), one leader per distinct digit
 // of the warp (a flat row puts most of a warp in one or two digits). w <= 2^42: its low 22 and
 // high 21 bits are summed separately, so 32 lanes fit in the 32-bit warp reductions. All 32 lanes
@@ -268,16 +246,33 @@ __device__ __forceinline__ void select_mass_digit(const unsigned long long* h, i
   target -= ss.mass_before;
 }
 
-// The top-p cut of one row held by this block (v[0..len) = the whole row): the bits of the
-// largest survivor value whose survivors >= it have mass >= limit (limit >= 1). Whole block.
-__device__ __forceinline__ float top_p_cut_mass(const float* v, int len, float kcut,
-                                                unsigned long long limit, WarpHists wh,
-                                                SelectShared& ss) {
+// ceil(top_p Z) for the survivors' total mass Z, the sum of the first pass's digit masses h
+// (every survivor has bits < 2^30, so pass 0 holds them all and no pass of its own is needed); 0
+// when the row has no measurable mass. The same in every thread (whole block).
+__device__ __forceinline__ unsigned long long mass_limit(const unsigned long long* h, float top_p,
+                                                         SelectShared& ss) {
+  if (threadIdx.x < 32) {
+    unsigned long long z = 0;
+    for (int i = threadIdx.x; i < kBins; i += 32) z += h[i];
+    z = warp_sum_u64(z);
+    if (threadIdx.x == 0) ss.limit = sampling::top_p_limit(top_p, z);
+  }
+  __syncthreads();
+  return ss.limit;
+}
+
+// The top-p cut of one row held by this block (v[0..len) = the whole row, survivors v >= kcut):
+// the bits of the largest survivor value whose survivors >= it have mass >= ceil(top_p Z); kcut
+// when the row has no measurable mass (the filter then keeps the survivors as they are). Whole
+// block.
+__device__ __forceinline__ float top_p_cut_mass(const float* v, int len, float kcut, float top_p,
+                                                WarpHists wh, SelectShared& ss) {
   uint32_t prefix = 0;
-  unsigned long long target = limit;
+  unsigned long long target = 0;
   for (int pass = 0; pass < kMassPasses; ++pass) {
     mass_histogram(v, len, kcut, prefix, pass, wh, ss.mass);
     __syncthreads();
+    if (pass == 0 && (target = mass_limit(ss.mass, top_p, ss)) == 0) return kcut;
     select_mass_digit(ss.mass, mass_shift(pass), ss, prefix, target);
   }
   return __uint_as_float(prefix);

@@ -4,10 +4,9 @@
 // verify_cluster.cu), and the benchmark's comparison (set_single_cta_transform_for_bench).
 //
 // transform_kernel: max (order-free), e = exp((l - m) / T) in double rounded to float; top-k: the
-// k-th largest value by radix select over the float bits (counts only, exact); top-p: the
-// survivors' integer mass (exact in any order) and verify_select.cuh's radix select weighted by
-// mass; then the fixed-order sums of row_ops.h on threads 0..255 (lane = thread) and the
-// normalisation.
+// k-th largest value by radix select over the float bits (counts only, exact); top-p:
+// verify_select.cuh's radix select weighted by integer mass (exact in any order); then the
+// fixed-order sums of row_ops.h on threads 0..255 (lane = thread) and the normalisation.
 // draft_slot_kernel: the same transform of one draft slot's logits, then the token.
 
 #include <cuda_runtime.h>
@@ -74,11 +73,7 @@ __device__ int transform_row(const float* l, int vocab, float temperature, float
   float cut = 0.0f;  // survivors are the x with p[x] >= cut
   if (use_k || use_p) {
     if (use_k) cut = __uint_as_float(kth_largest_bits_radix(p, vocab, top_k, wh, ss));
-    if (use_p) {
-      const unsigned long long limit =
-          sampling::top_p_limit(top_p, block_sum_u64(survivor_mass(p, vocab, cut), ss));
-      if (limit > 0) cut = top_p_cut_mass(p, vocab, cut, limit, wh, ss);
-    }
+    if (use_p) cut = top_p_cut_mass(p, vocab, cut, top_p, wh, ss);
     for (int x = tid; x < vocab; x += nt) {
       if (!(p[x] >= cut)) p[x] = 0.0f;
     }
