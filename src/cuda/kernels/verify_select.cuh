@@ -11,10 +11,11 @@
 // (the largest t with count(bits >= t) >= k).
 //
 // Histograms: each warp counts into its own 256 bins (the caller's WarpHists, 64 KiB of shared
-// memory), lanes with the same digit combined first (one leader per digit adds, so no atomics:
-// the warp owns its bins), then the block sums the 32 warps' bins. Shared atomics on one hot bin
-// (a flat row puts most values in one digit) serialised the 32 warps: the 64-bit mass adds cost
-// ~30 us a pass on a cluster's slice and ~370 us on one CTA's whole row.
+// memory), then the block sums the 32 warps' bins. A warp whose lanes share one digit (a flat
+// row's first passes) adds its total once; otherwise each lane adds with a shared atomic that
+// only its own warp contends for. Shared atomics on bins shared by the 32 warps serialised on a
+// flat row's hot bin (the 64-bit mass adds cost ~30 us a pass on a cluster's slice, ~370 us on
+// one CTA's whole row); a leader per distinct digit, one after another, ~12 us a pass.
 //
 // top-p: the cut of transform.cpp's top_p_cut, the largest survivor value v whose survivors
 // >= v have mass >= limit (sampling/top_p_mass.h: integer masses floor(p 2^42), limit =
@@ -126,9 +127,19 @@ __device__ __forceinline__ void digit_histogram(const float* v, int len, uint32_
       const uint32_t b = sel_bits(val[u]);
       const bool in = x0 + u * nt + tid < len && (b & high_mask) == prefix;
       const int d = in ? int((b >> shift) & 255u) : -1;
-      const unsigned peers = __match_any_sync(0xffffffffu, d);
-      if (d >= 0 && lane == __ffs(peers) - 1) mine[d] += __popc(peers);
-      __syncwarp();  // the next leader of this digit reads the sum
+      // As warp_mass_add: one add when the warp's digits agree, else a shared atomic a lane on
+      // the warp's own bins.
+      const unsigned act = __ballot_sync(0xffffffffu, d >= 0);
+      if (act != 0) {
+        const int first = __ffs(act) - 1;
+        const int d0 = __shfl_sync(0xffffffffu, d, first);
+        if (__ballot_sync(0xffffffffu, d >= 0 && d != d0) == 0) {
+          if (lane == first) mine[d0] += __popc(act);
+        } else if (d >= 0) {
+          atomicAdd(&mine[d], 1);
+        }
+      }
+      __syncwarp();  // the warp's next update of these bins follows this one
     }
   }
   __syncthreads();
@@ -166,25 +177,27 @@ __device__ __forceinline__ unsigned long long warp_sum_u64(unsigned long long v)
   return v;
 }
 
-// mine[d] += w over the lanes with `valid` (mine: this warp's bins), one leader per distinct digit
-// of the warp (a flat row puts most of a warp in one or two digits). w <= 2^42: its low 22 and
-// high 21 bits are summed separately, so 32 lanes fit in the 32-bit warp reductions. All 32 lanes
-// must call.
+// mine[d] += w over the lanes with `valid` (mine: this warp's bins; exact in any order). When
+// every valid lane has the same digit (a flat row's first passes) one leader adds the warp's sum
+// (w <= 2^42: its low 22 and high 21 bits are summed separately, so 32 lanes fit in the 32-bit
+// warp reductions); otherwise (the later passes spread a warp over many digits) each lane adds
+// its own with a shared atomic on the warp's bins, contended only by its own warp. (A leader per
+// distinct digit, one after another, took ~12 us a pass in the cluster.) All 32 lanes must call.
 __device__ __forceinline__ void warp_mass_add(unsigned long long* mine, bool valid, int d,
                                               unsigned long long w) {
-  unsigned pending = __ballot_sync(0xffffffffu, valid);
-  while (pending != 0) {
-    const int leader = __ffs(pending) - 1;
-    const int dl = __shfl_sync(0xffffffffu, d, leader);
-    const bool in = valid && d == dl;
-    const unsigned lo = __reduce_add_sync(0xffffffffu, in ? unsigned(w & 0x3FFFFFu) : 0u);
-    const unsigned hi = __reduce_add_sync(0xffffffffu, in ? unsigned(w >> 22) : 0u);
-    if (int(threadIdx.x & 31) == leader) {
-      mine[dl] += (static_cast<unsigned long long>(hi) << 22) + lo;
-    }
-    __syncwarp();  // the next leader of this digit reads the sum
-    pending &= ~__ballot_sync(0xffffffffu, in);
+  const unsigned act = __ballot_sync(0xffffffffu, valid);
+  if (act == 0) return;
+  const int first = __ffs(act) - 1;
+  const int d0 = __shfl_sync(0xffffffffu, d, first);
+  if (__ballot_sync(0xffffffffu, valid && d != d0) == 0) {
+    const unsigned lo = __reduce_add_sync(0xffffffffu, valid ? unsigned(w & 0x3FFFFFu) : 0u);
+    const unsigned hi = __reduce_add_sync(0xffffffffu, valid ? unsigned(w >> 22) : 0u);
+    if (int(threadIdx.x & 31) == first)
+      mine[d0] += (static_cast<unsigned long long>(hi) << 22) + lo;
+  } else if (valid) {
+    atomicAdd(&mine[d], w);
   }
+  __syncwarp();  // the warp's next update of these bins follows this one
 }
 
 // Mass pass `pass` over v[0..len) (whole block): h (kBins) = the masses of the survivors (v >=
