@@ -20,13 +20,12 @@
 // top-p: the cut of transform.cpp's top_p_cut, the largest survivor value v whose survivors
 // >= v have mass >= limit (sampling/top_p_mass.h: integer masses floor(p 2^42), limit =
 // ceil(top_p Z_k)). Integer sums are exact in any order, so this is a radix select weighted by
-// mass: 3 passes of 10-bit digits over the bits (p <= 1 has bits < 2^30), each a histogram of the
-// survivors' masses by digit among those matching the prefix chosen so far (mass_histogram), then
-// the first digit from the top at which the running mass reaches what is left of the limit
-// (select_mass_digit). The digits are 8, 8, 8 and 6 bits from bit 29 down (p <= 1 has bits
-// < 2^30). Four passes over the row whatever the nucleus (the sort + sequential fp32 walk of
-// sessions 6-10 took ~1.2 ms on a flat row of 129280; the bisection + bitonic sort before it
-// 32 ms).
+// mass: 4 passes with digits of 8, 8, 8 and 6 bits from bit 29 down (p <= 1 has bits < 2^30),
+// each a histogram of the survivors' masses by digit among those matching the prefix chosen so
+// far (mass_histogram), then the first digit from the top at which the running mass reaches what
+// is left of the limit (select_mass_digit); the first pass's masses also give Z_k (mass_limit).
+// The same passes whatever the nucleus (the sort + sequential fp32 walk of sessions 6-10 took
+// ~1.2 ms on a flat row of 129280; the bisection + bitonic sort before it 32 ms).
 
 #include <cuda_runtime.h>
 
@@ -95,6 +94,37 @@ __device__ int warp_first_from_top(int nb, const W& w, T target, T* before) {
   return bin;
 }
 
+// The sum of w over the lanes with `valid`, in every lane: 32-bit counts directly; masses (w <=
+// 2^42) as their low 22 and high 21 bits, so 32 lanes fit in the 32-bit warp reductions.
+__device__ __forceinline__ int warp_total(bool valid, int w) {
+  return int(__reduce_add_sync(0xffffffffu, valid ? unsigned(w) : 0u));
+}
+__device__ __forceinline__ unsigned long long warp_total(bool valid, unsigned long long w) {
+  const unsigned lo = __reduce_add_sync(0xffffffffu, valid ? unsigned(w & 0x3FFFFFu) : 0u);
+  const unsigned hi = __reduce_add_sync(0xffffffffu, valid ? unsigned(w >> 22) : 0u);
+  return (static_cast<unsigned long long>(hi) << 22) + lo;
+}
+
+// mine[d] += w over the lanes with `valid` (mine: this warp's bins; exact in any order). When
+// every valid lane has the same digit (a flat row's first passes) one lane adds the warp's total;
+// otherwise (later passes spread a warp over many digits) each lane adds its own with a shared
+// atomic on the warp's bins, contended only by its own warp. All 32 lanes must call.
+template <typename T>
+__device__ __forceinline__ void warp_bin_add(T* mine, bool valid, int d, T w) {
+  const unsigned act = __ballot_sync(0xffffffffu, valid);
+  if (act != 0) {
+    const int first = __ffs(act) - 1;
+    const int d0 = __shfl_sync(0xffffffffu, d, first);
+    if (__ballot_sync(0xffffffffu, valid && d != d0) == 0) {
+      const T total = warp_total(valid, w);
+      if (int(threadIdx.x & 31) == first) mine[d0] += total;
+    } else if (valid) {
+      atomicAdd(&mine[d], w);
+    }
+  }
+  __syncwarp();  // the warp's next update of these bins follows this one
+}
+
 // ---- top-k: radix select ------------------------------------------------------------------------
 
 // Clamped bits: NaN counts as +inf, as the bisection over [0, 0x7F800000] did.
@@ -126,20 +156,7 @@ __device__ __forceinline__ void digit_histogram(const float* v, int len, uint32_
     for (int u = 0; u < kLoadsInFlight; ++u) {
       const uint32_t b = sel_bits(val[u]);
       const bool in = x0 + u * nt + tid < len && (b & high_mask) == prefix;
-      const int d = in ? int((b >> shift) & 255u) : -1;
-      // As warp_mass_add: one add when the warp's digits agree, else a shared atomic a lane on
-      // the warp's own bins.
-      const unsigned act = __ballot_sync(0xffffffffu, d >= 0);
-      if (act != 0) {
-        const int first = __ffs(act) - 1;
-        const int d0 = __shfl_sync(0xffffffffu, d, first);
-        if (__ballot_sync(0xffffffffu, d >= 0 && d != d0) == 0) {
-          if (lane == first) mine[d0] += __popc(act);
-        } else if (d >= 0) {
-          atomicAdd(&mine[d], 1);
-        }
-      }
-      __syncwarp();  // the warp's next update of these bins follows this one
+      warp_bin_add(mine, in, int((b >> shift) & 255u), 1);
     }
   }
   __syncthreads();
@@ -169,35 +186,11 @@ __device__ __forceinline__ void select_digit(const int* hist, int shift, int* se
   kk -= *sel_before;
 }
 
-// ---- top-p: a radix select weighted by mass
-// ------------------------------------------------------
+// ---- top-p: a radix select weighted by mass -----------------------------------------------------
 
 __device__ __forceinline__ unsigned long long warp_sum_u64(unsigned long long v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
-}
-
-// mine[d] += w over the lanes with `valid` (mine: this warp's bins; exact in any order). When
-// every valid lane has the same digit (a flat row's first passes) one leader adds the warp's sum
-// (w <= 2^42: its low 22 and high 21 bits are summed separately, so 32 lanes fit in the 32-bit
-// warp reductions); otherwise (the later passes spread a warp over many digits) each lane adds
-// its own with a shared atomic on the warp's bins, contended only by its own warp. (A leader per
-// distinct digit, one after another, took ~12 us a pass in the cluster.) All 32 lanes must call.
-__device__ __forceinline__ void warp_mass_add(unsigned long long* mine, bool valid, int d,
-                                              unsigned long long w) {
-  const unsigned act = __ballot_sync(0xffffffffu, valid);
-  if (act == 0) return;
-  const int first = __ffs(act) - 1;
-  const int d0 = __shfl_sync(0xffffffffu, d, first);
-  if (__ballot_sync(0xffffffffu, valid && d != d0) == 0) {
-    const unsigned lo = __reduce_add_sync(0xffffffffu, valid ? unsigned(w & 0x3FFFFFu) : 0u);
-    const unsigned hi = __reduce_add_sync(0xffffffffu, valid ? unsigned(w >> 22) : 0u);
-    if (int(threadIdx.x & 31) == first)
-      mine[d0] += (static_cast<unsigned long long>(hi) << 22) + lo;
-  } else if (valid) {
-    atomicAdd(&mine[d], w);
-  }
-  __syncwarp();  // the warp's next update of these bins follows this one
 }
 
 // Mass pass `pass` over v[0..len) (whole block): h (kBins) = the masses of the survivors (v >=
@@ -226,7 +219,7 @@ __device__ __forceinline__ void mass_histogram(const float* v, int len, float kc
       const uint32_t b = __float_as_uint(val[u]);
       const bool in = val[u] >= kcut && (b & high_mask) == prefix;
       const unsigned long long w = in ? sampling::top_p_mass(val[u]) : 0ull;
-      warp_mass_add(mine, w != 0, int((b >> shift) & digit_mask), w);
+      warp_bin_add(mine, w != 0, int((b >> shift) & digit_mask), w);
     }
   }
   __syncthreads();
