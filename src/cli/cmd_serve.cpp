@@ -18,6 +18,7 @@
 #include "core/log.h"
 #include "server/http_server.h"
 #include "server/model_engine.h"
+#include "server/sampling_defaults.h"
 #include "server/stub_setup.h"
 
 namespace {
@@ -25,6 +26,9 @@ namespace {
 struct ServeOptions {
   std::string model;
   std::string tokenizer;  // default: <model>/tokenizer.json
+  // The sampling defaults: "auto" (<model>/generation_config.json when there is one), "none"
+  // (OpenAI's), or a generation_config.json path.
+  std::string generation_config = "auto";
   std::string backend = "cpu";
   int tp = 1;  // tensor-parallel GPUs (--backend cuda)
   bool no_cuda_graphs = false;
@@ -141,6 +145,21 @@ std::shared_ptr<uf::server::GenerationEngine> make_engine(
   return engine;
 }
 
+// --generation-config: the model's sampling defaults for the parameters a request leaves out.
+void set_sampling_defaults(ServeOptions& o) {
+  std::string path = o.generation_config;
+  if (path == "none") {
+    path.clear();
+  } else if (path == "auto") {
+    const auto candidate = std::filesystem::path(o.model) / "generation_config.json";
+    path = !o.model.empty() && std::filesystem::exists(candidate) ? candidate.string() : "";
+  }
+  if (!path.empty()) o.server.parser.default_sampling = uf::server::load_sampling_defaults(path);
+  spdlog::info("sampling defaults for omitted parameters: {} ({})",
+               uf::server::describe_sampling(o.server.parser.default_sampling),
+               path.empty() ? std::string("OpenAI's") : path);
+}
+
 int run_serve(ServeOptions o) {
   UF_CHECK(o.backend == "cpu" || o.backend == "cuda", "--backend must be cpu or cuda, got '{}'",
            o.backend);
@@ -149,6 +168,7 @@ int run_serve(ServeOptions o) {
     o.tokenizer = (std::filesystem::path(o.model) / "tokenizer.json").string();
   }
   UF_CHECK(std::filesystem::exists(o.tokenizer), "tokenizer file {} does not exist", o.tokenizer);
+  set_sampling_defaults(o);
 
   // Signals go to a dedicated thread (sigwait), never interrupting server threads.
   sigset_t stop_signals;
@@ -242,6 +262,11 @@ void setup_serve(CLI::App& app, int& exit_code) {
       ->check(CLI::Range(0, 4096));
   cmd->add_option("--served-model-name", s.served_model_name,
                   "Model id in /v1/models and responses (default: the engine's name)");
+  cmd->add_option("--generation-config", opts->generation_config,
+                  "Sampling defaults (temperature, top_p, top_k) for what a request leaves out: "
+                  "auto (<model>/generation_config.json if present), none (OpenAI's: 1, 1, off), "
+                  "or a generation_config.json path")
+      ->capture_default_str();
   cmd->add_flag("--no-cuda-graphs", opts->no_cuda_graphs,
                 "--backend cuda: launch every kernel of a step instead of replaying a CUDA graph");
   cmd->add_flag("--no-device-verify", opts->no_device_verify,

@@ -216,7 +216,7 @@ void HttpServer::handle_completion(const httplib::Request& http_req, httplib::Re
                          "'; send application/json.",
                      "", "unsupported_media_type");
     }
-    ctx->req = parse_request(http_req.body, ep, config_.parser_limits);
+    ctx->req = parse_request(http_req.body, ep, config_.parser);
     const std::string session = http_req.get_header_value("X-Session-ID");
     if (ctx->req.has_assistant_turn && session.empty()) {
       throw invalid_request(

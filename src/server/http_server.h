@@ -36,7 +36,7 @@ struct ServerConfig {
   int http_threads = 0;           // 0: max_queue + 16 (every queued request holds one)
   std::string served_model_name;  // empty: the engine's model_name()
   std::string system_fingerprint = "uf-0.1";
-  ParserLimits parser_limits;
+  ParserOptions parser;  // request limits and the sampling defaults
 };
 
 class HttpServer {

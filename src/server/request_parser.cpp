@@ -133,7 +133,7 @@ void check_neutral(const json& body) {
   }
 }
 
-void parse_common(const json& body, ParsedRequest& out, const ParserLimits& limits) {
+void parse_common(const json& body, ParsedRequest& out, const ParserOptions& limits) {
   if (const json* m = field(body, "model")) {
     if (!m->is_string()) wrong_type("model", *m, "a string");
     out.model = m->get<std::string>();
@@ -178,6 +178,9 @@ void parse_common(const json& body, ParsedRequest& out, const ParserLimits& limi
       }
     }
   }
+  out.sampling.temperature = limits.default_sampling.temperature;
+  out.sampling.top_p = limits.default_sampling.top_p;
+  out.sampling.top_k = limits.default_sampling.top_k;
   if (auto t = get_number(body, "temperature", 0.0, 2.0)) out.sampling.temperature = *t;
   if (auto p = get_number(body, "top_p", 0.0, 1.0, /*lo_open=*/true)) out.sampling.top_p = *p;
   if (auto k = get_int(body, "top_k", -1, 1 << 20)) out.sampling.top_k = *k < 0 ? 0 : int(*k);
@@ -185,7 +188,7 @@ void parse_common(const json& body, ParsedRequest& out, const ParserLimits& limi
   check_neutral(body);
 }
 
-std::optional<int> parse_max_tokens(const json& body, const ParserLimits& limits) {
+std::optional<int> parse_max_tokens(const json& body, const ParserOptions& limits) {
   auto mct = get_int(body, "max_completion_tokens", 1, limits.max_tokens_limit);
   auto mt = get_int(body, "max_tokens", 1, limits.max_tokens_limit);
   if (mct) return int(*mct);
@@ -382,7 +385,7 @@ void parse_thinking(const json& body) {
 
 }  // namespace
 
-ParsedRequest parse_request(std::string_view text, Endpoint endpoint, const ParserLimits& limits) {
+ParsedRequest parse_request(std::string_view text, Endpoint endpoint, const ParserOptions& limits) {
   json body = json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (body.is_discarded()) {
     throw invalid_request(

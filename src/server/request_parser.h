@@ -34,15 +34,18 @@ struct ParsedRequest {
   bool has_assistant_turn = false;  // multi-turn: needs X-Session-ID
 };
 
-struct ParserLimits {
+struct ParserOptions {
   size_t max_stop_strings = 16;
   size_t max_stop_bytes = 256;
   int max_tokens_limit = 1 << 24;
+  // What a request gets for the sampling parameters it leaves out (sampling_defaults.h: the
+  // model's generation_config.json, else OpenAI's); its seed is never used.
+  SamplingParams default_sampling;
 };
 
 // Parses the request body text. Throws ApiError (400) on malformed JSON, wrong types, out-of-range
 // values, empty messages and unsupported or unknown parameters.
 ParsedRequest parse_request(std::string_view body, Endpoint endpoint,
-                            const ParserLimits& limits = {});
+                            const ParserOptions& options = {});
 
 }  // namespace uf::server

@@ -62,6 +62,30 @@ TEST(ServerRequestParser, NullMeansUnset) {
   EXPECT_TRUE(r.stop.empty());
 }
 
+// Parameters a request leaves out (or sends as null) take the server's defaults (the model's
+// generation_config.json); those it sends win; the seed is never defaulted.
+TEST(ServerRequestParser, OmittedSamplingTakesTheServerDefaults) {
+  ParserOptions options;
+  options.default_sampling.temperature = 0.6;
+  options.default_sampling.top_p = 0.95;
+  options.default_sampling.top_k = 20;
+  options.default_sampling.seed = 99;
+  auto d = parse_request(with(R"("temperature":null)"), Endpoint::kChat, options);
+  EXPECT_DOUBLE_EQ(d.sampling.temperature, 0.6);
+  EXPECT_DOUBLE_EQ(d.sampling.top_p, 0.95);
+  EXPECT_EQ(d.sampling.top_k, 20);
+  EXPECT_FALSE(d.sampling.seed);
+  auto r = parse_request(with(R"("temperature":0,"top_p":1,"top_k":-1)"), Endpoint::kChat, options);
+  EXPECT_DOUBLE_EQ(r.sampling.temperature, 0.0);
+  EXPECT_DOUBLE_EQ(r.sampling.top_p, 1.0);
+  EXPECT_EQ(r.sampling.top_k, 0);
+  // Without server defaults: OpenAI's.
+  auto o = parse_request(with(R"("stream":false)"), Endpoint::kChat);
+  EXPECT_DOUBLE_EQ(o.sampling.temperature, 1.0);
+  EXPECT_DOUBLE_EQ(o.sampling.top_p, 1.0);
+  EXPECT_EQ(o.sampling.top_k, 0);
+}
+
 TEST(ServerRequestParser, RejectsMalformedJson) {
   auto o = chat("{\"messages\": [");
   EXPECT_EQ(o.status, 400);
