@@ -198,7 +198,7 @@ __global__ void __launch_bounds__(kLanes)
 // the elements i = j (mod 8) of the full groups of 8 in index order, then tail element n8 + j;
 // thread 0 combines ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)). Explicit _rn operations:
 // no FMA contraction (the host build has none either). Warp j runs partial j: its lanes load and
-// multiply kBatch x 32 consecutive terms at once, then every lane adds them to the same running
+// multiply kConfBatch x 32 consecutive terms at once, then every lane adds them to the same running
 // sum in index order by shuffles, so the serial chain is the adds alone. (One thread a partial,
 // each term's loads on the chain, took 146 us at the model's 4096 + 256.)
 constexpr int kConfBatch = 4;
