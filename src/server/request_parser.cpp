@@ -133,7 +133,7 @@ void check_neutral(const json& body) {
   }
 }
 
-void parse_common(const json& body, ParsedRequest& out, const ParserOptions& limits) {
+void parse_common(const json& body, ParsedRequest& out, const ParserOptions& options) {
   if (const json* m = field(body, "model")) {
     if (!m->is_string()) wrong_type("model", *m, "a string");
     out.model = m->get<std::string>();
@@ -165,22 +165,22 @@ void parse_common(const json& body, ParsedRequest& out, const ParserOptions& lim
     } else {
       wrong_type("stop", *s, "a string or an array of strings");
     }
-    if (out.stop.size() > limits.max_stop_strings) {
+    if (out.stop.size() > options.max_stop_strings) {
       throw invalid_request(
-          fmt::format("'stop' may hold at most {} strings.", limits.max_stop_strings), "stop",
+          fmt::format("'stop' may hold at most {} strings.", options.max_stop_strings), "stop",
           "invalid_value");
     }
     for (const auto& st : out.stop) {
-      if (st.empty() || st.size() > limits.max_stop_bytes) {
+      if (st.empty() || st.size() > options.max_stop_bytes) {
         throw invalid_request(
-            fmt::format("Every 'stop' string must have 1 to {} bytes.", limits.max_stop_bytes),
+            fmt::format("Every 'stop' string must have 1 to {} bytes.", options.max_stop_bytes),
             "stop", "invalid_value");
       }
     }
   }
-  out.sampling.temperature = limits.default_sampling.temperature;
-  out.sampling.top_p = limits.default_sampling.top_p;
-  out.sampling.top_k = limits.default_sampling.top_k;
+  out.sampling.temperature = options.default_sampling.temperature;
+  out.sampling.top_p = options.default_sampling.top_p;
+  out.sampling.top_k = options.default_sampling.top_k;
   if (auto t = get_number(body, "temperature", 0.0, 2.0)) out.sampling.temperature = *t;
   if (auto p = get_number(body, "top_p", 0.0, 1.0, /*lo_open=*/true)) out.sampling.top_p = *p;
   if (auto k = get_int(body, "top_k", -1, 1 << 20)) out.sampling.top_k = *k < 0 ? 0 : int(*k);
@@ -188,9 +188,9 @@ void parse_common(const json& body, ParsedRequest& out, const ParserOptions& lim
   check_neutral(body);
 }
 
-std::optional<int> parse_max_tokens(const json& body, const ParserOptions& limits) {
-  auto mct = get_int(body, "max_completion_tokens", 1, limits.max_tokens_limit);
-  auto mt = get_int(body, "max_tokens", 1, limits.max_tokens_limit);
+std::optional<int> parse_max_tokens(const json& body, const ParserOptions& options) {
+  auto mct = get_int(body, "max_completion_tokens", 1, options.max_tokens_limit);
+  auto mt = get_int(body, "max_tokens", 1, options.max_tokens_limit);
   if (mct) return int(*mct);
   if (mt) return int(*mt);
   return std::nullopt;
@@ -385,7 +385,8 @@ void parse_thinking(const json& body) {
 
 }  // namespace
 
-ParsedRequest parse_request(std::string_view text, Endpoint endpoint, const ParserOptions& limits) {
+ParsedRequest parse_request(std::string_view text, Endpoint endpoint,
+                            const ParserOptions& options) {
   json body = json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (body.is_discarded()) {
     throw invalid_request(
@@ -424,8 +425,8 @@ ParsedRequest parse_request(std::string_view text, Endpoint endpoint, const Pars
                               "presence_penalty",
                               "frequency_penalty",
                               "logit_bias"});
-    parse_common(body, out, limits);
-    out.max_tokens = parse_max_tokens(body, limits);
+    parse_common(body, out, options);
+    out.max_tokens = parse_max_tokens(body, options);
     parse_messages(body, out);
     parse_tools(body, out);
     parse_thinking(body);
@@ -445,8 +446,8 @@ ParsedRequest parse_request(std::string_view text, Endpoint endpoint, const Pars
         body, {"model", "prompt", "max_tokens", "stop", "stream", "stream_options", "temperature",
                "top_p", "top_k", "seed", "n", "best_of", "logprobs", "echo", "suffix",
                "presence_penalty", "frequency_penalty", "logit_bias"});
-    parse_common(body, out, limits);
-    if (auto mt = get_int(body, "max_tokens", 1, limits.max_tokens_limit)) {
+    parse_common(body, out, options);
+    if (auto mt = get_int(body, "max_tokens", 1, options.max_tokens_limit)) {
       out.max_tokens = int(*mt);
     } else {
       out.max_tokens = 16;  // OpenAI's documented default for completions
