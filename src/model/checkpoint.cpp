@@ -10,9 +10,9 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <set>
-#include <sstream>
 
 #include "core/error.h"
+#include "core/json_file.h"
 
 namespace uf::model {
 
@@ -275,16 +275,7 @@ Checkpoint Checkpoint::open(const std::filesystem::path& path) {
     ck.dir_ = path;
     index_path = path / kIndexName;
     if (fs::exists(index_path)) {
-      std::ifstream in(index_path, std::ios::binary);
-      UF_CHECK(in, "cannot read {}", index_path.string());
-      std::stringstream ss;
-      ss << in.rdbuf();
-      json idx;
-      try {
-        idx = json::parse(ss.str());
-      } catch (const json::exception& e) {
-        fail("{} is not valid JSON: {}", index_path.string(), e.what());
-      }
+      json idx = core::read_json_file(index_path, "the checkpoint index");
       UF_CHECK(idx.is_object() && idx.contains("weight_map") && idx["weight_map"].is_object(),
                "{}: missing the 'weight_map' object", index_path.string());
       for (auto it = idx["weight_map"].begin(); it != idx["weight_map"].end(); ++it) {

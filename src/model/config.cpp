@@ -2,11 +2,11 @@
 
 #include <algorithm>
 #include <cmath>
-#include <fstream>
 #include <set>
 #include <sstream>
 
 #include "core/error.h"
+#include "core/json_file.h"
 #include "model/engram_primes.h"
 
 namespace uf::model {
@@ -241,18 +241,6 @@ json to_json(const ModelConfig& c, bool hf) {
 
 std::string show(const json& v) { return v.dump(); }
 
-json read_json_file(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  UF_CHECK(in, "cannot open config file {}", path.string());
-  std::stringstream ss;
-  ss << in.rdbuf();
-  try {
-    return json::parse(ss.str());
-  } catch (const json::parse_error& e) {
-    fail("{} is not valid JSON: {}", path.string(), e.what());
-  }
-}
-
 bool contains(const std::vector<int>& v, int x) {
   return std::find(v.begin(), v.end(), x) != v.end();
 }
@@ -323,8 +311,9 @@ ModelConfig ModelConfig::load(const std::filesystem::path& model_dir) {
   UF_CHECK(has_hf || has_flat, "{}: neither config.json nor inference/config.json exists",
            model_dir.string());
   std::optional<Parsed> hf, flat;
-  if (has_hf) hf = parse(read_json_file(hf_path), true, hf_path.string());
-  if (has_flat) flat = parse(read_json_file(flat_path), false, flat_path.string());
+  if (has_hf) hf = parse(core::read_json_file(hf_path, "the config file"), true, hf_path.string());
+  if (has_flat)
+    flat = parse(core::read_json_file(flat_path, "the config file"), false, flat_path.string());
   ModelConfig c;
   if (hf && flat) {
     // Field by field: a value both files carry must agree; a value only one carries is taken.

@@ -3,10 +3,10 @@
 #include <cmath>
 #include <fstream>
 #include <map>
-#include <sstream>
 
 #include "core/dtypes.h"
 #include "core/error.h"
+#include "core/json_file.h"
 #include "core/quant.h"
 #include "model/checkpoint.h"
 #include "model/engram_primes.h"
@@ -376,16 +376,7 @@ nlohmann::json make_v41_tokenizer_json(const nlohmann::json& v3, int vocab_size)
 
 void write_v41_tokenizer(const fs::path& v3_tokenizer_json, const fs::path& out_file,
                          int vocab_size) {
-  std::ifstream in(v3_tokenizer_json, std::ios::binary);
-  UF_CHECK(in, "cannot read the base tokenizer {}", v3_tokenizer_json.string());
-  std::stringstream ss;
-  ss << in.rdbuf();
-  json v3;
-  try {
-    v3 = json::parse(ss.str());
-  } catch (const json::exception& e) {
-    core::fail("{} is not valid JSON: {}", v3_tokenizer_json.string(), e.what());
-  }
+  const json v3 = core::read_json_file(v3_tokenizer_json, "the base tokenizer");
   write_text(out_file, make_v41_tokenizer_json(v3, vocab_size).dump(2) + "\n");
 }
 

@@ -4,12 +4,11 @@
 
 #include <algorithm>
 #include <cmath>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <optional>
-#include <sstream>
 
 #include "core/error.h"
+#include "core/json_file.h"
 
 namespace uf::server {
 
@@ -34,16 +33,7 @@ std::optional<double> number_at(const json& cfg, const char* key, double lo, dou
 }  // namespace
 
 SamplingParams load_sampling_defaults(const std::string& path) {
-  std::ifstream in(path);
-  UF_CHECK(bool(in), "cannot read the generation config {}", path);
-  std::stringstream text;
-  text << in.rdbuf();
-  json cfg;
-  try {
-    cfg = json::parse(text.str());
-  } catch (const json::exception& e) {
-    core::fail("{} is not valid JSON: {}", path, e.what());
-  }
+  const json cfg = core::read_json_file(path, "the generation config");
   UF_CHECK(cfg.is_object(), "{}: expected a JSON object, got {}", path, cfg.type_name());
   SamplingParams p;
   if (auto t = number_at(cfg, "temperature", 0.0, 2.0, false, path)) p.temperature = *t;
