@@ -140,7 +140,6 @@ struct SharedRow {
   float tree[kLanes];
   int last[kLanes];
   int pick;
-  int count;
 };
 
 // Lane sums of row_ops.h's chunk_sums (threads 0..255) and the pairwise tree; returns the tree
