@@ -43,6 +43,8 @@
 #include <string>
 #include <vector>
 
+#include "cli/bench_tp_model.h"
+#include "cli/cmd_bench_common.h"
 #include "cli/command_registry.h"
 #include "core/error.h"
 #include "model/config.h"
@@ -84,6 +86,12 @@ struct BenchArgs {
   // Vocab slices of the head: 8 = rank 0's eighth (TP8 splits the head by vocab rows; the
   // logits' all-gather is bench-tp's), 1 = the whole head on the rank.
   int head_slices = 8;
+  // --synthetic tpN only (bench_tp_model.h): more contexts in one load, and the prefill.
+  std::string contexts;
+  std::string prefill_contexts;
+  std::string prefill_tokens = "131072,1000000";
+  int chunk = 512;
+  int prefill_iters = 2;
   std::string json_file;
   std::string trace_file;
   uint64_t seed = 1;
@@ -113,7 +121,8 @@ std::vector<int> parse_rows(const std::string& s) {
 // The bench's model: rank 0 of TP8 of the released config, Engram tables shrunk.
 ModelConfig bench_config(const BenchArgs& a) {
   UF_CHECK(a.synthetic == "tp8-rank",
-           "bench: --synthetic '{}' is not known (the only synthetic model is tp8-rank)",
+           "bench: --synthetic '{}' is not known (tp8-rank: one rank's slice on one GPU; tp2, "
+           "tp4, tp8: the whole model over 2, 4, 8 GPUs)",
            a.synthetic);
   const auto full = ModelConfig::deepseek_v41_flash();
   return uf::model::with_engram_rows(uf::model::rank_slice_config(full, 8), a.engram_rows);
@@ -172,86 +181,9 @@ void print_components(const std::vector<StepFloor>& floors, double bw_gbs, int b
 
 using Clock = std::chrono::steady_clock;
 
-struct Stats {
-  double median_us = 0, min_us = 0, mean_us = 0;
-  std::vector<double> samples;
-};
-
-template <typename F>
-Stats time_calls(int warmup, int iters, F&& f) {
-  for (int i = 0; i < warmup; ++i) f();
-  Stats s;
-  for (int i = 0; i < iters; ++i) {
-    const auto t0 = Clock::now();
-    f();
-    s.samples.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
-  }
-  auto v = s.samples;
-  std::sort(v.begin(), v.end());
-  s.median_us = v[v.size() / 2];
-  s.min_us = v.front();
-  for (double x : v) s.mean_us += x / double(v.size());
-  return s;
-}
-
-json stats_json(const Stats& s) {
-  return {{"median_us", s.median_us},
-          {"min_us", s.min_us},
-          {"mean_us", s.mean_us},
-          {"samples_us", s.samples}};
-}
-
-struct Bandwidth {
-  double memcpy_gbs = 0, copy_kernel_gbs = 0;
-  double best() const { return std::max(memcpy_gbs, copy_kernel_gbs); }
-};
-
-// Read + write bytes per second of a 2 GiB device-to-device copy (median of 10 after 2 warm-ups),
-// by cudaMemcpyAsync and by the 16-byte vector copy kernel.
-Bandwidth measure_bandwidth(int device) {
-  UF_CUDA_CHECK(cudaSetDevice(device));
-  const size_t n = size_t(2) << 30;
-  void *src = nullptr, *dst = nullptr;
-  UF_CUDA_CHECK(cudaMalloc(&src, n));
-  UF_CUDA_CHECK(cudaMalloc(&dst, n));
-  cudaStream_t s;
-  UF_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  uf::cuda::fill_random_bytes(static_cast<uint8_t*>(src), n, 99, 0, 255, s);
-  cudaEvent_t a, b;
-  UF_CUDA_CHECK(cudaEventCreate(&a));
-  UF_CUDA_CHECK(cudaEventCreate(&b));
-  auto gbs = [&](auto&& body) {
-    std::vector<float> t;
-    for (int i = 0; i < 12; ++i) {
-      UF_CUDA_CHECK(cudaEventRecord(a, s));
-      body();
-      UF_CUDA_CHECK(cudaEventRecord(b, s));
-      UF_CUDA_CHECK(cudaEventSynchronize(b));
-      float ms = 0;
-      UF_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
-      if (i >= 2) t.push_back(ms);
-    }
-    std::sort(t.begin(), t.end());
-    return 2.0 * double(n) / (double(t[t.size() / 2]) * 1e-3) / 1e9;
-  };
-  Bandwidth bw;
-  bw.memcpy_gbs =
-      gbs([&] { UF_CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice, s)); });
-  bw.copy_kernel_gbs = gbs([&] { uf::cuda::device_copy(dst, src, n, s); });
-  UF_CUDA_CHECK(cudaEventDestroy(a));
-  UF_CUDA_CHECK(cudaEventDestroy(b));
-  UF_CUDA_CHECK(cudaStreamDestroy(s));
-  UF_CUDA_CHECK(cudaFree(src));
-  UF_CUDA_CHECK(cudaFree(dst));
-  return bw;
-}
-
-double device_used_gb(int device) {
-  UF_CUDA_CHECK(cudaSetDevice(device));
-  size_t free_b = 0, total_b = 0;
-  UF_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
-  return double(total_b - free_b) * 1e-9;
-}
+using uf::cli::bench::Stats;
+using uf::cli::bench::stats_json;
+using uf::cli::bench::time_calls;
 
 int run_cuda(const BenchArgs& a, const ModelConfig& cfg, const std::vector<int>& rows, json& out) {
   int n_dev = 0;
@@ -271,7 +203,7 @@ int run_cuda(const BenchArgs& a, const ModelConfig& cfg, const std::vector<int>&
                    {"memory_bytes", prop.totalGlobalMem}};
 
   spdlog::info("bench: measuring the device copy bandwidth (2 GiB buffers)");
-  const Bandwidth bw = measure_bandwidth(a.device);
+  const auto bw = uf::cli::bench::measure_bandwidth(a.device);
   std::cout << fmt::format(
       "copy bandwidth (read + write): cudaMemcpy D2D {:.0f} GB/s, copy kernel {:.0f} GB/s; floor "
       "uses {:.0f} GB/s\n",
@@ -298,7 +230,7 @@ int run_cuda(const BenchArgs& a, const ModelConfig& cfg, const std::vector<int>&
   out["cuda_graphs"] = opts.cuda_graphs;
   out["head_slices"] = a.head_slices;
   UF_CUDA_CHECK(cudaSetDevice(a.device));
-  const double used0 = device_used_gb(a.device);
+  const double used0 = uf::cli::bench::device_used_gb(a.device);
   {
     size_t free_b = 0, total_b = 0;
     UF_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
@@ -315,13 +247,13 @@ int run_cuda(const BenchArgs& a, const ModelConfig& cfg, const std::vector<int>&
   auto model = std::make_unique<uf::cuda::CudaModel>(
       cfg, ck, uf::model::synthetic_engram_token_map(cfg), opts);
   const double load_s = std::chrono::duration<double>(Clock::now() - t_load).count();
-  const double used_model = device_used_gb(a.device);
+  const double used_model = uf::cli::bench::device_used_gb(a.device);
   std::cout << fmt::format("model loaded in {:.1f} s: {:.2f} GB of device memory in use\n", load_s,
                            used_model);
 
   const int64_t cap = a.context + 64;
   auto s = model->new_session(cap);
-  const double used_session = device_used_gb(a.device);
+  const double used_session = uf::cli::bench::device_used_gb(a.device);
   std::cout << fmt::format("session of capacity {}: {:.2f} GB in use\n", cap, used_session);
   spdlog::info("bench: fast_forward to {} committed tokens", a.context);
   model->fast_forward(*s, a.context, a.seed);
@@ -330,7 +262,7 @@ int run_cuda(const BenchArgs& a, const ModelConfig& cfg, const std::vector<int>&
   out["memory_gb"] = {{"before_load", used0},
                       {"after_load", used_model},
                       {"after_session", used_session},
-                      {"after_fast_forward", device_used_gb(a.device)}};
+                      {"after_fast_forward", uf::cli::bench::device_used_gb(a.device)}};
   out["load_seconds"] = load_s;
 
   const int V = cfg.vocab_size;
@@ -476,12 +408,44 @@ int run_cuda(const BenchArgs& a, const ModelConfig& cfg, const std::vector<int>&
 
 #endif  // UF_HAVE_CUDA
 
-void write_json(const std::string& file, const json& out) {
-  if (file.empty()) return;
-  std::ofstream f(file);
-  UF_CHECK(f.good(), "bench: cannot write --json file {}", file);
-  f << out.dump(2) << "\n";
-  spdlog::info("bench: wrote {}", file);
+using uf::cli::bench::write_json;
+
+// `--synthetic tpN`: the whole model over N GPUs (cmd_bench_tp_model.cpp).
+int run_tp_model(const BenchArgs& a, int tp, const std::vector<int>& rows) {
+  namespace bench = uf::cli::bench;
+  UF_CHECK(!a.floor_only && !a.no_branches && !a.no_candidate_lists && !a.fold_moe_combine &&
+               !a.index_scores_fp32 && !a.shared_beside_router,
+           "bench: --synthetic tp{} takes --rows, --context(s), --iters, --warmup, --engram-rows, "
+           "--no-graphs, the prefill options, --json, --trace and --seed only",
+           tp);
+  bench::TpModelArgs t;
+  t.tp = tp;
+  t.rows = rows;
+  t.contexts = a.contexts.empty() ? std::vector<int64_t>{a.context}
+                                  : bench::parse_list<int64_t>(a.contexts, "--contexts");
+  t.iters = a.iters;
+  t.warmup = a.warmup;
+  t.engram_rows = a.engram_rows;
+  if (!a.prefill_contexts.empty())
+    t.prefill_contexts = bench::parse_list<int64_t>(a.prefill_contexts, "--prefill-contexts");
+  t.prefill_tokens = bench::parse_list<int64_t>(a.prefill_tokens, "--prefill-tokens");
+  UF_CHECK(a.chunk >= 1 && a.prefill_iters >= 1, "bench: --chunk {} / --prefill-iters {} < 1",
+           a.chunk, a.prefill_iters);
+  t.chunk = a.chunk;
+  t.prefill_iters = a.prefill_iters;
+  t.trace_file = a.trace_file;
+  t.seed = a.seed;
+  t.no_graphs = a.no_graphs;
+  json out = {{"iters", a.iters}, {"warmup", a.warmup}, {"seed", a.seed}};
+  try {
+    bench::run_tp_model_bench(t, out);
+  } catch (const std::exception& e) {
+    out["error"] = e.what();  // keep what was measured before the failure
+    write_json(a.json_file, out);
+    throw;
+  }
+  write_json(a.json_file, out);
+  return 0;
 }
 
 int run_bench(const BenchArgs& a) {
@@ -490,6 +454,11 @@ int run_bench(const BenchArgs& a) {
   UF_CHECK(a.context >= 1, "bench: --context {} must be at least 1", a.context);
   UF_CHECK(a.iters >= 1 && a.warmup >= 0, "bench: --iters {} / --warmup {} must be >= 1 / >= 0",
            a.iters, a.warmup);
+  if (const int tp = uf::cli::bench::tp_model_ranks(a.synthetic); tp > 0)
+    return run_tp_model(a, tp, rows);
+  UF_CHECK(a.contexts.empty() && a.prefill_contexts.empty(),
+           "bench: --contexts and --prefill-contexts are options of --synthetic tp2 / tp4 / tp8 "
+           "(tp8-rank: one --context a run; bench-prefill times its prefill)");
   const ModelConfig cfg = bench_config(a);
   uint64_t bytes = 0;
   for (const auto& e : uf::model::tensor_contract(cfg)) bytes += e.nbytes();
@@ -561,7 +530,8 @@ void setup_bench(CLI::App& app, int& exit_code) {
       "bench", "Time a decode step (verify rows, DSpark draft) against its memory floor");
   auto a = std::make_shared<BenchArgs>();
   cmd->add_option("--synthetic", a->synthetic,
-                  "Synthetic model: tp8-rank (rank 0 of TP8 of DeepSeek-V4.1-Flash, one GPU)")
+                  "Synthetic model: tp8-rank (rank 0 of TP8 of DeepSeek-V4.1-Flash, one GPU), or "
+                  "tp2 / tp4 / tp8 (the whole model over 2 / 4 / 8 GPUs, collectives included)")
       ->required();
   cmd->add_option("--rows", a->rows, "Verify rows per step to time, comma-separated (1..8)");
   cmd->add_option("--context", a->context, "Committed tokens in the session before the step");
@@ -588,6 +558,14 @@ void setup_bench(CLI::App& app, int& exit_code) {
                   "Vocab slices of the head the rank computes: 8 = rank 0's eighth (TP8's split "
                   "head), 1 = the whole head")
       ->check(CLI::Range(1, 64));
+  cmd->add_option("--contexts", a->contexts,
+                  "tpN: contexts to time in one load, comma-separated (default: --context)");
+  cmd->add_option("--prefill-contexts", a->prefill_contexts,
+                  "tpN: time one prefill chunk at these contexts, comma-separated (default: none)");
+  cmd->add_option("--prefill-tokens", a->prefill_tokens,
+                  "tpN: prompt lengths to project from the prefill chunks");
+  cmd->add_option("--chunk", a->chunk, "tpN: prefill rows per chunk");
+  cmd->add_option("--prefill-iters", a->prefill_iters, "tpN: timed prefill chunks per context");
   cmd->add_option("--json", a->json_file, "Write every figure to this JSON file");
   cmd->add_option("--trace", a->trace_file,
                   "Trace one more forward per row count (CUPTI kernel timeline) into this file");

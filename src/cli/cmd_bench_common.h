@@ -17,6 +17,13 @@
 #include "model/config.h"
 #include "model/synthetic.h"
 
+#ifdef UF_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include "cuda/cuda_check.h"
+#include "cuda/device_fill.h"
+#endif
+
 namespace uf::cli::bench {
 
 using Clock = std::chrono::steady_clock;
@@ -105,5 +112,62 @@ inline nlohmann::json read_json(const std::string& file, const char* what) {
     core::fail("bench: {} {} is not JSON: {}", what, file, e.what());
   }
 }
+
+#ifdef UF_HAVE_CUDA
+
+struct Bandwidth {
+  double memcpy_gbs = 0, copy_kernel_gbs = 0;
+  double best() const { return std::max(memcpy_gbs, copy_kernel_gbs); }
+};
+
+// Read + write bytes per second of a 2 GiB device-to-device copy (median of 10 after 2 warm-ups),
+// by cudaMemcpyAsync and by the 16-byte vector copy kernel: the floors' bandwidth.
+inline Bandwidth measure_bandwidth(int device) {
+  UF_CUDA_CHECK(cudaSetDevice(device));
+  const size_t n = size_t(2) << 30;
+  void *src = nullptr, *dst = nullptr;
+  UF_CUDA_CHECK(cudaMalloc(&src, n));
+  UF_CUDA_CHECK(cudaMalloc(&dst, n));
+  cudaStream_t s;
+  UF_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  cuda::fill_random_bytes(static_cast<uint8_t*>(src), n, 99, 0, 255, s);
+  cudaEvent_t a, b;
+  UF_CUDA_CHECK(cudaEventCreate(&a));
+  UF_CUDA_CHECK(cudaEventCreate(&b));
+  auto gbs = [&](auto&& body) {
+    std::vector<float> t;
+    for (int i = 0; i < 12; ++i) {
+      UF_CUDA_CHECK(cudaEventRecord(a, s));
+      body();
+      UF_CUDA_CHECK(cudaEventRecord(b, s));
+      UF_CUDA_CHECK(cudaEventSynchronize(b));
+      float ms = 0;
+      UF_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+      if (i >= 2) t.push_back(ms);
+    }
+    std::sort(t.begin(), t.end());
+    return 2.0 * double(n) / (double(t[t.size() / 2]) * 1e-3) / 1e9;
+  };
+  Bandwidth bw;
+  bw.memcpy_gbs =
+      gbs([&] { UF_CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice, s)); });
+  bw.copy_kernel_gbs = gbs([&] { cuda::device_copy(dst, src, n, s); });
+  UF_CUDA_CHECK(cudaEventDestroy(a));
+  UF_CUDA_CHECK(cudaEventDestroy(b));
+  UF_CUDA_CHECK(cudaStreamDestroy(s));
+  UF_CUDA_CHECK(cudaFree(src));
+  UF_CUDA_CHECK(cudaFree(dst));
+  return bw;
+}
+
+// Device memory in use (total - free), GB.
+inline double device_used_gb(int device) {
+  UF_CUDA_CHECK(cudaSetDevice(device));
+  size_t free_b = 0, total_b = 0;
+  UF_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+  return double(total_b - free_b) * 1e-9;
+}
+
+#endif  // UF_HAVE_CUDA
 
 }  // namespace uf::cli::bench

@@ -508,6 +508,23 @@ TEST(CudaOpsAttention, IndexScoresReal) {
                      202);
 }
 
+// Kernel attributes (the shared-memory limit above 48 KB) belong to a device's context: the
+// attention and index-score kernels must be configured on EVERY device a process launches them on
+// (a tensor-parallel rank on GPU 1 after GPU 0), not once per process. Needs two GPUs.
+TEST(CudaOpsAttention, RealShapesOnEveryDevice) {
+  UF_REQUIRE_GPU();
+  int n = 0;
+  ASSERT_EQ(cudaGetDeviceCount(&n), cudaSuccess);
+  if (n < 2) GTEST_SKIP() << "one GPU: the per-device configuration needs two to be tested";
+  for (int d = 0; d < n; ++d) {
+    SCOPED_TRACE("device " + std::to_string(d));
+    ASSERT_EQ(cudaSetDevice(d), cudaSuccess);
+    check_sparse_attn({"real-tp8", 7, 8, 512, 128, 512, 2000}, 180 + uint32_t(d), true);
+    check_index_scores({"real", 32, 128, {3000, 129}, {3000, 2600}}, 190 + uint32_t(d));
+  }
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+}
+
 // ------------------------------------------------------------------------------------------
 // topk_select and candidate_mask: score rows of several kinds.
 

@@ -282,8 +282,12 @@ static std::unique_ptr<tp::PeerAllReduce> make_peer_all_reduce(const model::Mode
 
 CudaBackend::CudaBackend(const std::filesystem::path& model_dir,
                          std::vector<int64_t> engram_token_map, CudaModelOptions opts)
-    : ckpt_(model::Checkpoint::open(model_dir)) {
-  auto cfg = model::ModelConfig::load(model_dir);
+    : CudaBackend(model::ModelConfig::load(model_dir), model::Checkpoint::open(model_dir),
+                  std::move(engram_token_map), opts) {}
+
+CudaBackend::CudaBackend(model::ModelConfig cfg, model::Checkpoint ckpt,
+                         std::vector<int64_t> engram_token_map, CudaModelOptions opts)
+    : ckpt_(std::move(ckpt)) {
   const int n = opts.tp;
   UF_CHECK(n >= 1, "CUDA backend: --tp {} must be at least 1", n);
   if (n == 1) {
@@ -319,6 +323,10 @@ CudaBackend::CudaBackend(const std::filesystem::path& model_dir,
   });
   // All ranks at once: the captures' first replays run the collectives. The device draft's
   // buffers are rank 0's (its graph is captured at first use, with the peers' draft graphs).
+  // A phase of its own: every constructor (allocations, uploads, the staging's cudaFreeHost) has
+  // returned before any rank starts a collective (tp::TpGroup::host_barrier says why).
+  workers_->run([&](int r) { models_[size_t(r)]->connect_collectives(); });
+  spdlog::info("TP {}: every rank loaded; capturing the decode graphs on all ranks", n);
   workers_->run([&](int r) {
     models_[size_t(r)]->capture_step_graphs();
     if (r == 0) models_[0]->prepare_device_draft();

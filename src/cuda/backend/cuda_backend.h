@@ -46,6 +46,11 @@ class CudaBackend : public engine::Backend {
   // fewer GPUs are visible, or when NCCL cannot be loaded.
   CudaBackend(const std::filesystem::path& model_dir, std::vector<int64_t> engram_token_map,
               CudaModelOptions opts = {});
+  // The same from a config and a checkpoint in memory (`bench --synthetic tpN`: the released
+  // model's shapes with synthetic weights, model/synthetic.h). The checkpoint's views must stay
+  // valid for the backend's lifetime.
+  CudaBackend(model::ModelConfig cfg, model::Checkpoint ckpt, std::vector<int64_t> engram_token_map,
+              CudaModelOptions opts = {});
   ~CudaBackend() override;
 
   const model::ModelConfig& config() const override { return models_[0]->config(); }

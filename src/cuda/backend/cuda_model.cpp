@@ -292,15 +292,17 @@ CudaModel::CudaModel(model::ModelConfig cfg, const model::Checkpoint& ckpt,
       *w = model::Weight{};  // no dangling views
     shard_bytes_.clear();
     shard_bytes_.shrink_to_fit();
-    // NCCL connects the ranks at the first collective of each kind, which allocates and so must
-    // not happen inside a graph capture (capture_step_graphs): run each kind the programs use
-    // once here, eagerly (every rank constructs at the same time).
-    const size_t n = size_t(tp_) * 64;
-    UF_CUDA_CHECK(cudaMemsetAsync(x_, 0, n * sizeof(float), stream_));
-    group_->all_reduce_sum_rank(rank_, x_, n, tp::CommDType::kF32, stream_);
-    group_->all_gather_rank(rank_, x_, y_, 64, tp::CommDType::kF32, stream_);
-    sync();
   }
+}
+
+void CudaModel::connect_collectives() {
+  if (tp_ == 1) return;
+  UF_CUDA_CHECK(cudaSetDevice(opts_.device));
+  const size_t n = size_t(tp_) * 64;
+  UF_CUDA_CHECK(cudaMemsetAsync(x_, 0, n * sizeof(float), stream_));
+  group_->all_reduce_sum_rank(rank_, x_, n, tp::CommDType::kF32, stream_);
+  group_->all_gather_rank(rank_, x_, y_, 64, tp::CommDType::kF32, stream_);
+  sync();
 }
 
 CudaModel::~CudaModel() {

@@ -236,6 +236,12 @@ class CudaModel {
   // scratch session, before serving: a capture on stream_ while another thread used the legacy
   // default stream would fail, so none should happen once requests run. No-op without graphs.
   void capture_step_graphs();
+  // TP: NCCL connects the ranks at the first collective of each kind, which allocates and so must
+  // not happen inside a graph capture: this runs each kind the programs use once, eagerly. Every
+  // rank calls it at once, AFTER every rank's constructor has returned (a constructor frees its
+  // pinned upload staging, which waits for every peer device: tp::TpGroup::host_barrier says
+  // why). No-op at tp = 1.
+  void connect_collectives();
 
  private:
   struct Span;

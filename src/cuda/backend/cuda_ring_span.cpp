@@ -26,6 +26,7 @@
 #include "cuda/backend/cuda_model.h"
 #include "cuda/backend/model_internal.h"
 #include "cuda/cuda_check.h"
+#include "cuda/tp/nccl_comm.h"
 #include "cuda/device_fill.h"
 #include "cuda/ops/attention.h"
 
@@ -526,6 +527,9 @@ void CudaModel::capture_step_graphs() {
   const auto t0 = std::chrono::steady_clock::now();
   const int M = opts_.max_rows;
   auto s = new_session(int64_t(M) * (M + 1) + 2);
+  // Every rank's session is allocated before any rank's first collective (host_barrier: an
+  // allocation phase must not overlap a peer's collective).
+  if (group_) group_->host_barrier();
   const std::vector<int32_t> toks(size_t(M), 0);
   std::vector<float> logits(size_t(M) * size_t(cfg_.vocab_size));
   for (int T = 1; T <= M; ++T)  // CudaBackend::decode_rows' keys

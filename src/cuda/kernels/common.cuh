@@ -21,6 +21,8 @@
 
 #include <cstdint>
 #include <cstring>
+#include <mutex>
+#include <utility>
 
 #include "cuda/cuda_check.h"
 
@@ -223,6 +225,27 @@ void prefer_shared_carveout(Kernel kernel) {
   UF_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                      int(cudaSharedmemCarveoutMaxShared)));
 }
+
+// Host: "configure this kernel once" for attributes (cudaFuncSetAttribute), which belong to the
+// CURRENT device's context: once per device, not per process. A process-wide once configures only
+// the first GPU to get there, and a tensor-parallel rank on any other GPU then launches with the
+// 48 KB default and fails (cudaErrorInvalidValue; seen at TP 4 with the real head_dim). Use:
+//   static PerDeviceOnce once;
+//   once([&] { raise_smem(kernel, bytes); });
+class PerDeviceOnce {
+ public:
+  static constexpr int kMaxDevices = 64;
+  template <typename F>
+  void operator()(F&& configure) {
+    int dev = 0;
+    UF_CUDA_CHECK(cudaGetDevice(&dev));
+    require(dev >= 0 && dev < kMaxDevices, "PerDeviceOnce: device %d beyond %d", dev, kMaxDevices);
+    std::call_once(flags_[dev], std::forward<F>(configure));
+  }
+
+ private:
+  std::once_flag flags_[kMaxDevices];
+};
 
 // Raises a kernel's dynamic shared-memory limit, never lowers it: the attribute belongs to the
 // kernel, and an MoeFp4 of a smaller shape must not invalidate the launches of a larger one.

@@ -795,13 +795,12 @@ void launch_pv(int T, int H, int hd, const float* const* window, int n_window, c
                int k, const float* ckv, const float* const* ckv_ref, float* scratch,
                cudaStream_t stream) {
   const auto kernel = sparse_attn_pv_kernel<S, kH>;
-  static const bool configured = [&] {
+  static detail::PerDeviceOnce once;
+  once([&] {
     UF_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        int(pv_smem(S, kMaxHeadDim).total)));
     detail::prefer_shared_carveout(kernel);
-    return true;
-  }();
-  (void)configured;
+  });
   const int n_slots = n_window + k;
   const dim3 grid(unsigned((n_slots + S - 1) / S), unsigned(T), unsigned((H + kH - 1) / kH));
   detail::launch_pdl(kernel, grid, dim3(kFastThreads), pv_smem(S, hd).total, stream, T, H, hd,
@@ -814,13 +813,12 @@ void launch_scores(unsigned n16, const float* q, int T, int H, int hd, const flo
                    const float* const* ckv_ref, float scale, const AttnRope& rope, float* scores,
                    float* cmax, cudaStream_t stream) {
   const auto kernel = sparse_attn_scores_kernel<kHeads>;
-  static const bool configured = [&] {
+  static detail::PerDeviceOnce once;
+  once([&] {
     UF_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        int(score_smem_bytes<kHeads>(kMaxHeadDim))));
     detail::prefer_shared_carveout(kernel);
-    return true;
-  }();
-  (void)configured;
+  });
   const dim3 grid(n16, unsigned(T), unsigned((H + kHeads - 1) / kHeads));
   detail::launch_pdl(kernel, grid, dim3(kScoreThreads), score_smem_bytes<kHeads>(hd), stream, q, T,
                      H, hd, window, n_window, topk, k, ckv, ckv_ref, scale, rope, scores, cmax);

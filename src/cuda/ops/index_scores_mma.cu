@@ -205,12 +205,11 @@ bool index_scores_mma(const float* q, const float* w, int T, int n_heads, const 
   const int rows = int(std::max<int64_t>(
       1, std::min<int64_t>({int64_t(T), kMaxRows, int64_t(kMaxCols / n_heads), want})));
   const size_t smem = smem_bytes(rows * n_heads);
-  static const bool raised = [] {  // the largest plan, once per process (thread-safe)
+  static detail::PerDeviceOnce once;
+  once([] {  // the largest plan, once per device (thread-safe)
     detail::raise_smem(index_scores_mma_kernel<true>, int(smem_bytes(kMaxCols)));
     detail::raise_smem(index_scores_mma_kernel<false>, int(smem_bytes(kMaxCols)));
-    return true;
-  }();
-  (void)raised;
+  });
   const dim3 grid(unsigned((T + rows - 1) / rows), unsigned(chunks));
   if (round_sum)
     detail::launch_pdl(index_scores_mma_kernel<true>, grid, dim3(kThreads), smem, stream, q, w, T,

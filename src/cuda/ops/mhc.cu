@@ -991,11 +991,8 @@ void launch_rows_kernel(dim3 grid, const HcShape& p, const float* x, const float
                         const DeviceWeight& fn, float* partial, const MoeSlots& moe,
                         cudaStream_t stream) {
   const auto kernel = hc_post_mixes_rows_kernel<HC, kPost, G, kMoe>;
-  static const bool configured = [&] {
-    detail::prefer_shared_carveout(kernel);
-    return true;
-  }();
-  (void)configured;
+  static detail::PerDeviceOnce once;
+  once([&] { detail::prefer_shared_carveout(kernel); });
   detail::launch_pdl(kernel, grid, dim3(HC * 32 * G), 0, stream, p, x, R, post, comb, T, out, fn,
                      partial, moe);
 }

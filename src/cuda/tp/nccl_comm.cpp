@@ -196,6 +196,7 @@ std::unique_ptr<TpGroup> TpGroup::create(int n, std::vector<int> devices) {
   }
   std::unique_ptr<TpGroup> g(new TpGroup());
   g->devices_ = devices;
+  g->barrier_ = std::make_unique<std::barrier<>>(n);
   if (n == 1) return g;
   g->lib_ = &nccl();
   DeviceGuard guard;
@@ -204,6 +205,8 @@ std::unique_ptr<TpGroup> TpGroup::create(int n, std::vector<int> devices) {
   spdlog::info("TpGroup: {} ranks on NCCL {} (NVLS off)", n, nccl_version_string(*g->lib_));
   return g;
 }
+
+void TpGroup::host_barrier() { barrier_->arrive_and_wait(); }
 
 TpGroup::~TpGroup() {
   p2p_.reset();

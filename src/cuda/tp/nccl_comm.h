@@ -12,6 +12,7 @@
 
 #include <cuda_runtime.h>
 
+#include <barrier>
 #include <memory>
 #include <string>
 #include <vector>
@@ -83,6 +84,13 @@ class TpGroup {
   void attach_peer_all_reduce(std::unique_ptr<PeerAllReduce> p);
   PeerAllReduce* peer_all_reduce() const { return p2p_.get(); }
 
+  // Host barrier of the ranks' threads: returns once every rank has called it (n = 1: at once).
+  // Why: freeing device or pinned memory (cudaFree, cudaFreeHost, a graph's destruction) waits for
+  // the work of every device that maps it, peers included, so a rank that frees while a peer's
+  // collective waits for this rank's next call deadlocks both. A rank allocates and frees in a
+  // phase of its own, and crosses this barrier before its first collective.
+  void host_barrier();
+
  private:
   TpGroup() = default;
   cudaStream_t stream_of(const std::vector<cudaStream_t>& streams, int rank) const;
@@ -93,6 +101,7 @@ class TpGroup {
   std::vector<ncclComm*> comms_;  // empty for n = 1
   const NcclLib* lib_ = nullptr;
   std::unique_ptr<PeerAllReduce> p2p_;
+  std::unique_ptr<std::barrier<>> barrier_;
 };
 
 }  // namespace uf::cuda::tp

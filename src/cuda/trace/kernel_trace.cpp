@@ -83,6 +83,7 @@ void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, siz
     r.start_ns = k->start;
     r.end_ns = k->end;
     r.stream = k->streamId;
+    r.device = k->deviceId;
     r.grid = k->gridX * k->gridY * k->gridZ;
     r.block = k->blockX * k->blockY * k->blockZ;
     r.graph_node = k->graphNodeId;

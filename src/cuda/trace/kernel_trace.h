@@ -26,6 +26,7 @@ struct KernelRecord {
   std::string name;  // demangled where CUPTI gives a mangled name, without the argument list
   uint64_t start_ns = 0, end_ns = 0;
   uint32_t stream = 0;
+  uint32_t device = 0;      // CUDA device ordinal (a TP process traces every rank's GPU at once)
   int grid = 0, block = 0;  // CTAs (x*y*z) and threads per CTA
   uint64_t graph_node = 0;  // 0 outside a graph
 };

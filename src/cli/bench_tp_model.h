@@ -1,0 +1,34 @@
+#pragma once
+// `ultrafast bench --synthetic tpN` (cmd_bench_tp_model.cpp): the released model sharded over N
+// GPUs of this machine, every collective run for real. cmd_bench.cpp parses the options and calls
+// run_tp_model_bench; the one-GPU rank slice (`--synthetic tp8-rank`) stays in cmd_bench.cpp.
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+namespace uf::cli::bench {
+
+// "tp2" / "tp4" / "tp8" -> 2 / 4 / 8; 0 for any other name.
+int tp_model_ranks(const std::string& synthetic);
+
+struct TpModelArgs {
+  int tp = 8;
+  std::vector<int> rows;          // verify rows per step (1..8)
+  std::vector<int64_t> contexts;  // committed tokens before the step
+  int iters = 20, warmup = 3;     // per step measurement
+  int64_t engram_rows = int64_t(1) << 22;
+  std::vector<int64_t> prefill_contexts;  // empty: no prefill measurement
+  std::vector<int64_t> prefill_tokens;    // prompt lengths to project
+  int chunk = 512;                        // prefill rows per chunk
+  int prefill_iters = 2;                  // after one warm-up, per context
+  std::string trace_file;                 // also write the traced step's records here
+  uint64_t seed = 1;
+  bool no_graphs = false;
+};
+
+// Builds, loads and times; every figure goes into `out` as well as to stdout. Throws
+// uf::core::Error when fewer than tp GPUs are visible or a rank does not fit its device.
+void run_tp_model_bench(const TpModelArgs& a, nlohmann::json& out);
+
+}  // namespace uf::cli::bench
