@@ -18,8 +18,11 @@
 //    size the step uses (T x 5120 fp32 for T = 1..8, the index-score rows, the draft's), plus the
 //    NCCL all-reduce (fp32 and bf16) for reference, and the one-shot peer-to-peer all-reduce +
 //    bf16 rounding (cuda/tp/p2p_allreduce.h, the backend's default where the GPUs have peer
-//    access, with the backend's capacity). The projection uses the P2P column when it was
-//    measured (--no-p2p: the gather + sum column, the path without peer access). Measured on fewer
+//    access, with the backend's capacity), timed two ways: launched back to back from one thread
+//    (each call pays N host launches: an upper bound) and as the step runs it, 32 calls a CUDA
+//    graph per rank (the 'graph' column), with and without its low-latency protocol. The
+//    projection uses the P2P graph column when it was measured (--no-p2p: the gather + sum
+//    column, the path without peer access). Measured on fewer
 //    than 8 GPUs, a ring over 8 ranks takes more steps: the projection is then marked a lower
 //    bound;
 //  - neither: no projection; the inputs and the break-even per-call time (the time per
@@ -109,6 +112,8 @@ StepFigures read_step(const std::string& file, int rows) {
 
 #ifdef UF_HAVE_CUDA
 
+constexpr int kGraphCalls = 32;  // P2P sums per captured graph (p2p_graph_us)
+
 struct Measured {
   int gpus = 0;
   std::vector<CommSample> gather_sum;  // the TP8 path without peer access (all-gather + sum)
@@ -133,6 +138,47 @@ double per_call_us(int warmup, int iters, const std::vector<int>& devs,
   for (int i = 0; i < iters; ++i) f();
   sync_all();
   return bench::us_since(t0) / iters;
+}
+
+// Per-call device time of the P2P sum (bf16 rounding in the kernel) as the decode step runs it:
+// each rank's `calls` back-to-back sums captured in one CUDA graph on its stream, every rank's
+// graph replayed `reps` times (after one warm-up replay). The per-call host launch cost, which a
+// loop of launches from one thread pays N times a call, is not in the figure (the step's graph
+// pays it once).
+double p2p_graph_us(uf::cuda::tp::PeerAllReduce& p2p, const std::vector<int>& devs,
+                    const std::vector<cudaStream_t>& st, const std::vector<float*>& buf,
+                    size_t count, int calls, int reps) {
+  const size_t n = devs.size();
+  std::vector<cudaGraphExec_t> exec(n, nullptr);
+  for (size_t r = 0; r < n; ++r) {
+    UF_CUDA_CHECK(cudaSetDevice(devs[r]));
+    cudaGraph_t g = nullptr;
+    UF_CUDA_CHECK(cudaStreamBeginCapture(st[r], cudaStreamCaptureModeThreadLocal));
+    for (int c = 0; c < calls; ++c) p2p.sum_rank(int(r), buf[r], count, st[r], true);
+    UF_CUDA_CHECK(cudaStreamEndCapture(st[r], &g));
+    UF_CUDA_CHECK(cudaGraphInstantiate(&exec[r], g, 0));
+    UF_CUDA_CHECK(cudaGraphDestroy(g));
+  }
+  auto replay = [&] {
+    for (size_t r = 0; r < n; ++r) {
+      UF_CUDA_CHECK(cudaSetDevice(devs[r]));
+      UF_CUDA_CHECK(cudaGraphLaunch(exec[r], st[r]));
+    }
+  };
+  auto sync_all = [&] {
+    for (size_t r = 0; r < n; ++r) {
+      UF_CUDA_CHECK(cudaSetDevice(devs[r]));
+      UF_CUDA_CHECK(cudaStreamSynchronize(st[r]));
+    }
+  };
+  replay();
+  sync_all();
+  const auto t0 = bench::Clock::now();
+  for (int i = 0; i < reps; ++i) replay();
+  sync_all();
+  const double us = bench::us_since(t0) / (double(reps) * calls);
+  for (auto e : exec) UF_CUDA_CHECK(cudaGraphExecDestroy(e));
+  return us;
 }
 
 Measured measure_collectives(const TpArgs& a, const std::vector<double>& sizes_bytes) {
@@ -170,17 +216,24 @@ Measured measure_collectives(const TpArgs& a, const std::vector<double>& sizes_b
     UF_CUDA_CHECK(cudaMalloc(&out[size_t(r)], max_elems * 4));
     UF_CUDA_CHECK(cudaMemset(send[size_t(r)], 0, max_elems * 4));
   }
-  // The backend's P2P all-reduce (cuda_backend.cpp: at least 1 Mi floats a kernel).
-  std::unique_ptr<uf::cuda::tp::PeerAllReduce> p2p;
+  // The backend's P2P all-reduce (cuda_backend.cpp: at least 1 Mi floats a kernel), and the same
+  // without its low-latency protocol (every size on push + flag).
+  std::unique_ptr<uf::cuda::tp::PeerAllReduce> p2p, p2p_flag;
   std::string why;
-  if (!uf::cuda::tp::PeerAllReduce::supported(devs, &why))
+  if (!uf::cuda::tp::PeerAllReduce::supported(devs, &why)) {
     std::cout << "P2P all-reduce: not measured (" << why << ")\n";
-  else
+  } else {
     p2p = std::make_unique<uf::cuda::tp::PeerAllReduce>(devs, size_t(1) << 20);
+    p2p_flag = std::make_unique<uf::cuda::tp::PeerAllReduce>(
+        devs, size_t(1) << 20, uf::cuda::tp::PeerAllReduce::kDefaultCtas, 0.0, 0);
+  }
   std::cout << fmt::format(
-      "\n{:>14} {:>14} {:>14} {:>14} {:>14}   (us per call, {} GPUs; bf16: the same count, half "
-      "the bytes; p2p: one-shot P2P sum, bf16 rounding in the kernel)\n",
-      "f32 bytes/rank", "gather+sum", "allreduce f32", "allreduce bf16", "p2p+round", n);
+      "\n{:>14} {:>14} {:>14} {:>14} {:>14} {:>14} {:>14}   (us per call, {} GPUs; bf16: the same "
+      "count, half the bytes; p2p: one-shot P2P sum + bf16 rounding, 'launched': back-to-back "
+      "launches from one thread, 'graph': {} calls a CUDA graph per rank, low-latency protocol up "
+      "to {} floats, 'push+flag': without it)\n",
+      "f32 bytes/rank", "gather+sum", "allreduce f32", "allreduce bf16", "p2p launched",
+      "p2p graph", "push+flag", n, kGraphCalls, p2p ? p2p->low_latency_elems() : size_t(0));
   for (double b : sizes_bytes) {
     const size_t count = size_t(b / 4);
     const int iters = b > 16e6 ? std::max(5, a.iters / 10) : a.iters;
@@ -212,17 +265,28 @@ Measured measure_collectives(const TpArgs& a, const std::vector<double>& sizes_b
           p2p->sum_rank(r, send[size_t(r)], count, st[size_t(r)], /*round_bf16=*/true);
         }
       });
-    std::cout << fmt::format("{:>14.0f} {:>14.1f} {:>14.1f} {:>14.1f} {:>14}\n", b, gs, ar32, ar16,
-                             pp >= 0 ? fmt::format("{:.1f}", pp) : std::string("-"));
+    double pg = -1, pf = -1;
+    if (p2p) {
+      const int reps = b > 4e6 ? 3 : 20;
+      pg = p2p_graph_us(*p2p, devs, st, send, count, kGraphCalls, reps);
+      pf = p2p_graph_us(*p2p_flag, devs, st, send, count, kGraphCalls, reps);
+    }
+    auto cell = [](double v) { return v >= 0 ? fmt::format("{:.1f}", v) : std::string("-"); };
+    std::cout << fmt::format("{:>14.0f} {:>14.1f} {:>14.1f} {:>14.1f} {:>14} {:>14} {:>14}\n", b,
+                             gs, ar32, ar16, cell(pp), cell(pg), cell(pf));
     m.gather_sum.push_back({b, gs});
-    if (pp >= 0) m.p2p.push_back({b, pp});
+    if (pg >= 0) m.p2p.push_back({b, pg});
+    auto opt = [](double v) { return v >= 0 ? json(v) : json(nullptr); };
     m.table.push_back({{"bytes", b},
                        {"gather_sum_us", gs},
                        {"allreduce_f32_us", ar32},
                        {"allreduce_bf16_same_count_us", ar16},
-                       {"p2p_round_us", pp >= 0 ? json(pp) : json(nullptr)}});
+                       {"p2p_round_launched_us", opt(pp)},
+                       {"p2p_round_graph_us", opt(pg)},
+                       {"p2p_round_push_flag_graph_us", opt(pf)}});
   }
   p2p.reset();
+  p2p_flag.reset();
   for (int r = 0; r < n; ++r) {
     UF_CUDA_CHECK(cudaSetDevice(devs[size_t(r)]));
     UF_CUDA_CHECK(cudaFree(send[size_t(r)]));

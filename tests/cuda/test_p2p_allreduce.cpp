@@ -6,7 +6,8 @@
 //      1, 31, 5120, 8 x 5120, 57799 floats, some calls with rank-dependent buffer alignment (the
 //      partition must not depend on it), with a capacity that fits them and with one that splits
 //      the large ones into several kernels; every third call with the bf16 rounding in the kernel
-//      (want: core::round_bf16 of the host sum);
+//      (want: core::round_bf16 of the host sum); on the low-latency protocol, on push + flag, and
+//      on both interleaved (a limit between the sizes);
 //  (b) under CUDA graphs: 3 calls captured once per rank (the second rounded), replayed 50 times
 //      with fresh inputs;
 //  (c) race stress: before each call one rank (rotating) is delayed by a spin kernel of 0..60 us,
@@ -153,8 +154,11 @@ void check_result(const std::string& what, int rank, size_t k, const Call& c,
 // checked after one sync); call k has size kSizes[k % 5], and every 7th call puts odd ranks'
 // buffers one float off 16-byte alignment. delay_us > 0: before call k, rank k % N first runs a
 // spin kernel of (k * 37) % (delay_us + 1) us.
-void run_back_to_back(int ranks, size_t cap, int calls, int delay_us, const std::string& what) {
-  PeerAllReduce p2p(first_devices(ranks), cap, PeerAllReduce::kDefaultCtas, kTimeoutS);
+// ll: the low-latency protocol's limit (0: every call on push + flag; the default: every size here
+// at capacity 1 << 16; 8192: the two protocols interleaved).
+void run_back_to_back(int ranks, size_t cap, int calls, int delay_us, const std::string& what,
+                      size_t ll = PeerAllReduce::kDefaultLowLatencyElems) {
+  PeerAllReduce p2p(first_devices(ranks), cap, PeerAllReduce::kDefaultCtas, kTimeoutS, ll);
   std::mt19937 rng(1234u + unsigned(ranks) * 7u + unsigned(cap));
   std::vector<Call> cs;
   std::vector<size_t> offset;  // start of call k in each rank's buffer (before misalignment)
@@ -190,9 +194,9 @@ void run_back_to_back(int ranks, size_t cap, int calls, int delay_us, const std:
     const auto all = buf.download();
     for (int k = 0; k < calls; ++k) {
       const auto* p = all.data() + offset[size_t(k)] + shift(r, k);
-      check_result(
-          what + " (" + std::to_string(ranks) + " ranks, capacity " + std::to_string(cap) + ")", r,
-          size_t(k), cs[size_t(k)], std::vector<float>(p, p + cs[size_t(k)].n));
+      check_result(what + " (" + std::to_string(ranks) + " ranks, capacity " + std::to_string(cap) +
+                       ", low-latency limit " + std::to_string(ll) + ")",
+                   r, size_t(k), cs[size_t(k)], std::vector<float>(p, p + cs[size_t(k)].n));
     }
   });
 }
@@ -201,10 +205,13 @@ TEST(PeerAllReduce, BackToBackCallsEqualRankOrderSum) {
   UF_REQUIRE_TWO_GPUS();
   for (int n : rank_counts()) {
     SCOPED_TRACE("ranks " + std::to_string(n));
-    // One kernel per call (the capacity holds the largest size).
+    // One kernel per call (the capacity holds the largest size): low latency, push + flag, both.
     run_back_to_back(n, 1 << 16, 200, 0, "one kernel per call");
+    run_back_to_back(n, 1 << 16, 200, 0, "one kernel per call, push + flag", 0);
+    run_back_to_back(n, 1 << 16, 200, 0, "one kernel per call, both protocols", 8192);
     // The large sizes split into kernels of 16384 floats (3 and 4 kernels).
     run_back_to_back(n, 16384, 200, 0, "chunked calls");
+    run_back_to_back(n, 16384, 200, 0, "chunked calls, push + flag", 0);
   }
 }
 
@@ -213,6 +220,7 @@ TEST(PeerAllReduce, DelayedRankRaceStress) {
   for (int n : rank_counts()) {
     SCOPED_TRACE("ranks " + std::to_string(n));
     run_back_to_back(n, 1 << 16, 200, 60, "one rank delayed");
+    run_back_to_back(n, 1 << 16, 200, 60, "one rank delayed, both protocols", 8192);
     run_back_to_back(n, 16384, 100, 60, "one rank delayed, chunked");
   }
 }

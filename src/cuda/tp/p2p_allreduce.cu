@@ -19,6 +19,9 @@ struct P2pArgs {
   float* recv[PeerAllReduce::kMaxRanks];      // rank q's [2][N][cap] staging (device q)
   uint64_t* flags[PeerAllReduce::kMaxRanks];  // rank q's [N][G] flags (device q)
   uint64_t* epoch;                            // this rank's [G] counters
+  uint4* ll[PeerAllReduce::kMaxRanks];        // rank q's [2][N][ll_lines] low-latency lines
+  uint64_t* ll_epoch;                         // this rank's [G] low-latency call counters
+  size_t ll_lines;
   int rank, n_ranks;
   size_t cap;
   unsigned long long timeout_ns;
@@ -178,6 +181,84 @@ __global__ void __launch_bounds__(kThreads) p2p_sum_kernel(P2pArgs a, float* buf
   }
 }
 
+// ---- The low-latency protocol (p2p_allreduce.h): lines {v0, e32, v1, e32} ----
+
+__device__ __forceinline__ void st_volatile_line(uint4* p, uint4 v) {
+  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y),
+               "r"(v.z), "r"(v.w)
+               : "memory");
+}
+__device__ __forceinline__ uint4 ld_volatile_line(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
+}
+
+// One call on rank r: every thread pushes its lines (grid-stride over the n / 2 pairs) into every
+// peer's slot, then, for the same lines, polls the peers' lines of this epoch in its own memory and
+// stores the rank-order sum. A thread only ever reads back the buf elements it pushed itself, so
+// no barrier is needed after the epoch's.
+template <bool kRound>
+__global__ void __launch_bounds__(kThreads) p2p_sum_ll_kernel(P2pArgs a, float* buf, size_t n) {
+  __shared__ uint32_t s_epoch;
+  const int b = int(blockIdx.x), N = a.n_ranks, r = a.rank;
+  if (threadIdx.x == 0) {
+    const uint64_t e = a.ll_epoch[b] + 1;
+    a.ll_epoch[b] = e;
+    s_epoch = uint32_t(e);
+  }
+  __syncthreads();
+  const uint32_t e = s_epoch;
+  const size_t lines = (n + 1) / 2, slot = size_t(e & 1) * size_t(N) * a.ll_lines;
+  const size_t first = size_t(b) * kThreads + threadIdx.x, stride = size_t(gridDim.x) * kThreads;
+  for (size_t l = first; l < lines; l += stride) {
+    const size_t i = 2 * l;
+    const float v1 = i + 1 < n ? buf[i + 1] : 0.0f;
+    const uint4 line = make_uint4(__float_as_uint(buf[i]), e, __float_as_uint(v1), e);
+    for (int q = 0; q < N; ++q)
+      if (q != r) st_volatile_line(a.ll[q] + slot + size_t(r) * a.ll_lines + l, line);
+  }
+  const uint4* mine = a.ll[r] + slot;
+  for (size_t l = first; l < lines; l += stride) {
+    const size_t i = 2 * l;
+    const float o0 = buf[i], o1 = i + 1 < n ? buf[i + 1] : 0.0f;
+    float s0 = 0.0f, s1 = 0.0f;
+    for (int q = 0; q < N; ++q) {
+      float x0 = o0, x1 = o1;
+      if (q != r) {
+        const uint4* p = mine + size_t(q) * a.ll_lines + l;
+        const unsigned long long t0 = a.timeout_ns ? global_timer_ns() : 0;
+        unsigned spins = 0;
+        uint4 v;
+        while ((v = ld_volatile_line(p)).y != e || v.w != e) {
+          if (a.timeout_ns && (++spins & 1023u) == 0 && global_timer_ns() - t0 > a.timeout_ns) {
+            printf(
+                "PeerAllReduce (low latency): rank %d CTA %d timed out after %.1f s waiting for "
+                "rank %d's epoch %u at line %llu (it holds %u / %u; n = %llu): a rank skipped or "
+                "reordered a call?\n",
+                r, b, double(global_timer_ns() - t0) * 1e-9, q, e, (unsigned long long)l, v.y, v.w,
+                (unsigned long long)n);
+            __trap();
+          }
+        }
+        x0 = __uint_as_float(v.x);
+        x1 = __uint_as_float(v.z);
+      }
+      s0 = q == 0 ? x0 : __fadd_rn(s0, x0);
+      s1 = q == 0 ? x1 : __fadd_rn(s1, x1);
+    }
+    if (kRound) {
+      s0 = ew::round_bf16(s0);
+      s1 = ew::round_bf16(s1);
+    }
+    buf[i] = s0;
+    if (i + 1 < n) buf[i + 1] = s1;
+  }
+}
+
 // Gather: src [n / width, width] of every rank -> dst[t * stride + q * width + j] (rank q's block
 // of row t). The exchange is the sum's; step 5 copies each rank's run of the CTA's units (own from
 // src) into its columns. kVec: width, stride, src and dst allow float4 everywhere.
@@ -254,10 +335,12 @@ bool PeerAllReduce::supported(const std::vector<int>& devices, std::string* why)
 size_t PeerAllReduce::bytes_per_rank() const {
   const size_t N = devices_.size(), G = size_t(ctas_);
   return align_up(2 * N * cap_ * sizeof(float), kAlign) +
-         align_up(N * G * sizeof(uint64_t), kAlign) + G * sizeof(uint64_t);
+         align_up(N * G * sizeof(uint64_t), kAlign) + align_up(G * sizeof(uint64_t), kAlign) +
+         align_up(2 * N * ll_lines_ * sizeof(uint4), kAlign) + G * sizeof(uint64_t);
 }
 
-PeerAllReduce::PeerAllReduce(std::vector<int> devices, size_t max_elems, int ctas, double timeout_s)
+PeerAllReduce::PeerAllReduce(std::vector<int> devices, size_t max_elems, int ctas, double timeout_s,
+                             size_t low_latency_elems)
     : devices_(std::move(devices)) {
   const int N = int(devices_.size());
   require(N >= 2 && N <= kMaxRanks, "PeerAllReduce: %d ranks; need 2..%d", N, kMaxRanks);
@@ -268,6 +351,7 @@ PeerAllReduce::PeerAllReduce(std::vector<int> devices, size_t max_elems, int cta
   for (int d : devices_)
     require(seen.insert(d).second, "PeerAllReduce: device %d is given twice", d);
   cap_ = align_up(max_elems, 4);
+  ll_lines_ = (low_latency_elems + 1) / 2;
   ctas_ = ctas;
   timeout_ns_ = (unsigned long long)(timeout_s * 1e9);
   std::string why;
@@ -306,6 +390,10 @@ PeerAllReduce::PeerAllReduce(std::vector<int> devices, size_t max_elems, int cta
       flags_.push_back(reinterpret_cast<uint64_t*>(base));
       base += align_up(size_t(N) * size_t(ctas_) * sizeof(uint64_t), kAlign);
       epochs_.push_back(reinterpret_cast<uint64_t*>(base));
+      base += align_up(size_t(ctas_) * sizeof(uint64_t), kAlign);
+      ll_.push_back(base);
+      base += align_up(2 * size_t(N) * ll_lines_ * sizeof(uint4), kAlign);
+      ll_epochs_.push_back(reinterpret_cast<uint64_t*>(base));
     }
     for (int d : devices_) {
       UF_CUDA_CHECK(cudaSetDevice(d));
@@ -335,6 +423,9 @@ detail::P2pArgs PeerAllReduce::args(int rank) const {
     a.flags[q] = flags_[size_t(q)];
   }
   a.epoch = epochs_[size_t(rank)];
+  for (int q = 0; q < size(); ++q) a.ll[q] = static_cast<uint4*>(ll_[size_t(q)]);
+  a.ll_epoch = ll_epochs_[size_t(rank)];
+  a.ll_lines = ll_lines_;
   a.rank = rank;
   a.n_ranks = size();
   a.cap = cap_;
@@ -356,7 +447,11 @@ void PeerAllReduce::sum_rank(int rank, float* buf, size_t n, cudaStream_t stream
   for (size_t off = 0; off < n; off += cap_) {
     const size_t m = min_sz(cap_, n - off);
     const dim3 grid{unsigned(ctas_)};
-    if (vec && round_bf16)
+    if (m <= 2 * ll_lines_ && round_bf16)
+      p2p_sum_ll_kernel<true><<<grid, kThreads, 0, stream>>>(a, buf + off, m);
+    else if (m <= 2 * ll_lines_)
+      p2p_sum_ll_kernel<false><<<grid, kThreads, 0, stream>>>(a, buf + off, m);
+    else if (vec && round_bf16)
       p2p_sum_kernel<true, true><<<grid, kThreads, 0, stream>>>(a, buf + off, m);
     else if (vec)
       p2p_sum_kernel<true, false><<<grid, kThreads, 0, stream>>>(a, buf + off, m);

@@ -38,6 +38,18 @@
 //
 // A spin that exceeds the timeout (0 = wait forever, like NCCL) prints which rank, CTA, peer,
 // epoch and flag value it waited for and traps (the stream then reports an error).
+//
+// Small sums (n <= low_latency_elems) take the LOW-LATENCY protocol instead (NCCL's "LL" idea):
+// rank s stores each pair of values into peer q's ll[q][e & 1][s] as ONE 16-byte line {v0, e32,
+// v1, e32} (e32 = the call's epoch, low 32 bits). Each 8-byte half is single-copy atomic, so a
+// reader polling the line (ld.volatile) that sees e32 in both halves holds both values: no fence,
+// no flag, no barrier; a call costs one NVLink store latency instead of a store, a system fence
+// and a flag round trip. The price is twice the bytes, hence the size limit. Epochs: every CTA
+// of the fixed grid counts every LL call, so all of a rank's CTAs hold the same count and a line
+// holds e32 only if written by this call (a line last written k LL calls ago holds e32 - 2j for
+// some j >= 1, equal to e32 only after 2^31 reuses without a write: not a case in practice).
+// Slot reuse: the push + flag argument above, applied to the subsequence of LL calls (each rank's
+// calls are stream ordered). Sums are bitwise the same under both protocols (same rank order).
 
 #include <cuda_runtime.h>
 
@@ -57,6 +69,9 @@ class PeerAllReduce {
  public:
   static constexpr int kMaxRanks = 8;
   static constexpr int kDefaultCtas = 16;
+  // Sums of up to this many floats take the low-latency protocol: a decode step's T x dim sums
+  // (<= 8 x 5120) and the index scores of contexts up to ~32k tokens; 16 MB a GPU at 8 ranks.
+  static constexpr size_t kDefaultLowLatencyElems = size_t(1) << 16;
 
   // True when every ordered pair of `devices` has peer access (cudaDeviceCanAccessPeer); else
   // false with `why` naming the first pair that has none.
@@ -66,8 +81,10 @@ class PeerAllReduce {
   // more per call are split). Throws uf::core::Error naming the pair when a device cannot access
   // a peer, on 2 > devices > kMaxRanks, or when ctas exceeds a device's SM count.
   // Synchronous (allocation and zeroing done on return).
+  // low_latency_elems: sums (of one kernel) up to this many floats take the low-latency protocol
+  // (rounded up to even; 0 = never).
   PeerAllReduce(std::vector<int> devices, size_t max_elems, int ctas = kDefaultCtas,
-                double timeout_s = 0);
+                double timeout_s = 0, size_t low_latency_elems = kDefaultLowLatencyElems);
   ~PeerAllReduce();
   PeerAllReduce(const PeerAllReduce&) = delete;
   PeerAllReduce& operator=(const PeerAllReduce&) = delete;
@@ -75,6 +92,7 @@ class PeerAllReduce {
   int size() const { return int(devices_.size()); }
   int device(int rank) const { return devices_.at(size_t(rank)); }
   size_t max_elems() const { return cap_; }
+  size_t low_latency_elems() const { return 2 * ll_lines_; }
   int ctas() const { return ctas_; }
   size_t bytes_per_rank() const;
 
@@ -101,10 +119,13 @@ class PeerAllReduce {
   size_t cap_ = 0;
   int ctas_ = 0;
   unsigned long long timeout_ns_ = 0;
-  std::vector<float*> recv_;        // per rank: [2][N][cap]
-  std::vector<uint64_t*> flags_;    // per rank: [N][ctas]
-  std::vector<uint64_t*> epochs_;   // per rank: [ctas]
-  std::vector<void*> allocations_;  // per rank: one cudaMalloc holding the three
+  std::vector<float*> recv_;          // per rank: [2][N][cap]
+  std::vector<uint64_t*> flags_;      // per rank: [N][ctas]
+  std::vector<uint64_t*> epochs_;     // per rank: [ctas]
+  size_t ll_lines_ = 0;               // low-latency capacity, 16-byte lines (2 floats each)
+  std::vector<void*> ll_;             // per rank: [2][N][ll_lines_] lines (uint4)
+  std::vector<uint64_t*> ll_epochs_;  // per rank: [ctas]
+  std::vector<void*> allocations_;    // per rank: one cudaMalloc holding the three
 };
 
 // For tests and benches: a one-thread kernel on `stream` (of the current device) that spins for
