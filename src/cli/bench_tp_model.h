@@ -14,6 +14,11 @@ int tp_model_ranks(const std::string& synthetic);
 
 struct TpModelArgs {
   int tp = 8;
+  // 1: the released model over tp GPUs. K > 1: the model is one TP K rank's slice
+  // (model::rank_slice_config), split over tp GPUs, so that each GPU holds the shapes of a
+  // TP (K x tp) rank: `--synthetic tp2 --slice-of 4` runs two TP8-shaped ranks on 2 GPUs (the
+  // released model at TP 2 does not fit an H200), collectives included, at 2 ranks' latency.
+  int slice_of = 1;
   std::vector<int> rows;          // verify rows per step (1..8)
   std::vector<int64_t> contexts;  // committed tokens before the step
   int iters = 20, warmup = 3;     // per step measurement

@@ -92,6 +92,7 @@ struct BenchArgs {
   std::string prefill_tokens = "131072,1000000";
   int chunk = 512;
   int prefill_iters = 2;
+  int slice_of = 1;
   std::string json_file;
   std::string trace_file;
   uint64_t seed = 1;
@@ -420,6 +421,7 @@ int run_tp_model(const BenchArgs& a, int tp, const std::vector<int>& rows) {
            tp);
   bench::TpModelArgs t;
   t.tp = tp;
+  t.slice_of = a.slice_of;
   t.rows = rows;
   t.contexts = a.contexts.empty() ? std::vector<int64_t>{a.context}
                                   : bench::parse_list<int64_t>(a.contexts, "--contexts");
@@ -456,9 +458,9 @@ int run_bench(const BenchArgs& a) {
            a.iters, a.warmup);
   if (const int tp = uf::cli::bench::tp_model_ranks(a.synthetic); tp > 0)
     return run_tp_model(a, tp, rows);
-  UF_CHECK(a.contexts.empty() && a.prefill_contexts.empty(),
-           "bench: --contexts and --prefill-contexts are options of --synthetic tp2 / tp4 / tp8 "
-           "(tp8-rank: one --context a run; bench-prefill times its prefill)");
+  UF_CHECK(a.contexts.empty() && a.prefill_contexts.empty() && a.slice_of == 1,
+           "bench: --contexts, --prefill-contexts and --slice-of are options of --synthetic tp2 / "
+           "tp4 / tp8 (tp8-rank: one --context a run; bench-prefill times its prefill)");
   const ModelConfig cfg = bench_config(a);
   uint64_t bytes = 0;
   for (const auto& e : uf::model::tensor_contract(cfg)) bytes += e.nbytes();
@@ -566,6 +568,10 @@ void setup_bench(CLI::App& app, int& exit_code) {
                   "tpN: prompt lengths to project from the prefill chunks");
   cmd->add_option("--chunk", a->chunk, "tpN: prefill rows per chunk");
   cmd->add_option("--prefill-iters", a->prefill_iters, "tpN: timed prefill chunks per context");
+  cmd->add_option(
+      "--slice-of", a->slice_of,
+      "tpN: split one TP K rank's slice over the N GPUs instead of the whole model (each "
+      "GPU then holds a TP K*N rank's shapes: tp2 --slice-of 4 = two TP8 ranks)");
   cmd->add_option("--json", a->json_file, "Write every figure to this JSON file");
   cmd->add_option("--trace", a->trace_file,
                   "Trace one more forward per row count (CUPTI kernel timeline) into this file");

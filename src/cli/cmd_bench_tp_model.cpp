@@ -131,16 +131,25 @@ void run_tp_model_bench(const TpModelArgs& a, json& out) {
            "(`--synthetic tp8-rank` times one rank's slice on one GPU)",
            N, N, e == cudaSuccess ? n_dev : 0);
   for (int64_t c : a.contexts) UF_CHECK(c >= 1, "bench: context {} must be at least 1", c);
-  const auto cfg = model::with_engram_rows(model::ModelConfig::deepseek_v41_flash(), a.engram_rows);
+  UF_CHECK(a.slice_of >= 1, "bench: --slice-of {} must be at least 1", a.slice_of);
+  const auto released = model::ModelConfig::deepseek_v41_flash();
+  const auto cfg = model::with_engram_rows(
+      a.slice_of > 1 ? model::rank_slice_config(released, a.slice_of) : released, a.engram_rows);
   const auto slice = model::rank_slice_config(cfg, N);  // the split must be valid
   uint64_t all_bytes = 0, rank_bytes = 0;
   for (const auto& t : model::tensor_contract(cfg)) all_bytes += t.nbytes();
   for (const auto& t : model::tensor_contract(slice)) rank_bytes += t.nbytes();
+  const std::string what =
+      a.slice_of > 1
+          ? fmt::format("one TP{} rank's slice of DeepSeek-V4.1-Flash (ranks shaped like TP{}'s)",
+                        a.slice_of, a.slice_of * N)
+          : std::string("DeepSeek-V4.1-Flash");
   std::cout << fmt::format(
-      "synthetic tp{}: DeepSeek-V4.1-Flash on {} GPUs, {:.1f} GB of weights in all; a rank holds "
-      "{:.1f} GB (its slice, the head counted whole; it keeps 1/{} of the head)\n",
-      N, N, double(all_bytes) * 1e-9, double(rank_bytes) * 1e-9, N);
+      "synthetic tp{}: {} on {} GPUs, {:.1f} GB of weights in all; a rank holds {:.1f} GB (its "
+      "slice, the head counted whole; it keeps 1/{} of the head)\n",
+      N, what, N, double(all_bytes) * 1e-9, double(rank_bytes) * 1e-9, N);
   out["model"] = fmt::format("synthetic tp{}", N);
+  out["slice_of"] = a.slice_of;
   out["tp"] = N;
   out["weight_bytes"] = all_bytes;
   out["rank_slice_bytes"] = rank_bytes;
@@ -310,6 +319,21 @@ void run_tp_model_bench(const TpModelArgs& a, json& out) {
         const double upt = st.median_us / C;
         std::cout << fmt::format("{:>9} {:>11.2f} {:>12.2f} {:>12.0f}\n", c, st.median_us * 1e-3,
                                  upt, 1e6 / upt);
+        if (!a.trace_file.empty()) {  // one more chunk traced: where a TP chunk's time goes
+          auto s = session_at(*be, c, c + C + 64, a.seed);
+          cuda::KernelTrace trace;
+          trace.start();
+          be->prefill(*s, toks, po, logits);
+          const auto recs = trace.stop();
+          std::ofstream f(a.trace_file, std::ios::app);
+          for (int r = 0; r < N; ++r) {
+            std::vector<cuda::KernelRecord> mine;
+            for (const auto& k : recs)
+              if (int(k.device) == r) mine.push_back(k);
+            f << fmt::format("== prefill chunk of {} rows at context {}, rank {}\n{}", C, c, r,
+                             cuda::summarize_trace(mine, 30));
+          }
+        }
         pts.push_back({c, upt});
         jp.push_back({{"context", c}, {"chunk", stats_json(st)}, {"us_per_token", upt}});
       } catch (const std::exception& ex) {

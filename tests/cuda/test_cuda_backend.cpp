@@ -98,6 +98,37 @@ TEST_F(CudaBackendTest, VerifyRowsEqualPlainDecodeBitwise) {
   }
 }
 
+// Eager spans (prefill chunks of more than max_rows rows) lay their index scores out as narrow as
+// their widest row, graph steps at the session scratch's width: a session's capacity (which sets
+// that width) must not change a logit. Prefill in 16-row chunks (the first in the prefill layout,
+// the others eager ring spans) on a 64-token session, then on a 8192-token one (the scratch widens
+// for both), all rows' logits, then three decode steps on each.
+TEST_F(CudaBackendTest, SessionCapacityDoesNotChangeLogits) {
+  engine::PrefillOptions o;
+  o.all_logits = true;
+  o.chunk = 16;
+  ASSERT_GT(o.chunk, be_->max_rows());
+  const size_t n = prompt_.size() * size_t(V_);
+  std::vector<float> narrow(n, NAN), wide(n, NAN);
+  auto a = be_->new_session(64);
+  be_->prefill(*a, prompt_, o, narrow);
+  auto b = be_->new_session(8192);
+  be_->prefill(*b, prompt_, o, wide);
+  const Cmp c = compare(wide.data(), narrow.data(), n);
+  EXPECT_EQ(c.first_diff, -1) << "prefill: " << c.str();
+  EXPECT_EQ(c.nan, 0u);
+  std::vector<float> la(static_cast<size_t>(V_)), lb(static_cast<size_t>(V_));
+  for (int i = 0; i < 3; ++i) {
+    const std::span<const int32_t> tok(&next_[size_t(i)], 1);
+    be_->decode_rows(*a, tok, la);
+    be_->decode_rows(*b, tok, lb);
+    be_->commit(*a, 1);
+    be_->commit(*b, 1);
+    const Cmp d = compare(lb.data(), la.data(), size_t(V_));
+    EXPECT_EQ(d.first_diff, -1) << "decode step " << i << ": " << d.str();
+  }
+}
+
 TEST_F(CudaBackendTest, MatchesCpuBackend) {
   cpu::CpuBackend cpu_be(tiny_a_dir(), map_);
   std::vector<float> gl, cl;

@@ -843,10 +843,18 @@ void CudaModel::index_queries(int l, const float* x, const float* qr, int T, int
   row_chains(c, 2, nullptr, stream_);
 }
 
+int CudaModel::score_stride(int64_t widest) const {
+  // Whole 16-byte groups where the scratch allows (the row starts stay as aligned as with the
+  // full width whenever index_width_ is a multiple of 4).
+  return int(std::min<int64_t>(index_width_, std::max<int64_t>(4, (widest + 3) / 4 * 4)));
+}
+
 void CudaModel::index_select(int l, int T, const float* const* keys, const int32_t* vis,
-                             const int32_t* width) {
+                             const int32_t* width, int stride) {
   const auto& role = cfg_.role(l);
-  const int Hi = Hi_, ihd = cfg_.index_head_dim, stride = int(index_width_);
+  const int Hi = Hi_, ihd = cfg_.index_head_dim;
+  UF_CHECK(stride >= 1 && stride <= index_width_,
+           "index_select: score stride {} outside 1..{} (the scratch width)", stride, index_width_);
   if (role.candidate_restricted && cfg_.candidate_source_layer >= 0 && cand_listed_) {
     // The pool's entries only (EntryList): the same scores and selection as scoring every
     // visible entry and masking the rest, at the pool's size instead of the context's.
@@ -913,7 +921,9 @@ void CudaModel::indexer(Span& sp, int l, const float* x, const float* qr) {
   to_device(vis_, vis);
   to_device(width_, width);
   to_device(key_ptrs_, keys);
-  index_select(l, T, key_ptrs_, vis_, width_);
+  int widest = 0;
+  for (int w : width) widest = std::max(widest, w);
+  index_select(l, T, key_ptrs_, vis_, width_, score_stride(widest));
   if (role.candidate_source)
     for (int t = 0; t < T; ++t) sp.cand_width[size_t(t)] = width[size_t(t)];
   sp.topk_valid[size_t(l)] = 1;

@@ -322,11 +322,17 @@ class CudaModel {
   //     `keys` [n, index_head_dim] (index sources) and RoPE'd FP4 latents, in place.
   //   index_queries: the indexer's FP4 queries iq_ and bf16 head weights iw_ of T rows.
   //   index_select: scores against keys[t] (vis / width per row, device), candidate pool, top-k.
+  //     stride: the score rows' stride for this call, >= every row's width and <= index_width_.
+  //     Graph-captured steps use index_width_ (fixed per graph); eager spans (prefill chunks) the
+  //     span's widest row (score_stride), so that a TP rank's all-reduce of the scores moves the
+  //     live columns, not the session's capacity (512 rows x 250k columns at a 1M capacity).
   void finish_entries(int l, float* lat, int n, float* keys, int64_t p0, int64_t stride,
                       const int64_t* pos);
   void index_queries(int l, const float* x, const float* qr, int T, int64_t p0, const int64_t* pos);
   void index_select(int l, int T, const float* const* keys, const int32_t* vis,
-                    const int32_t* width);
+                    const int32_t* width, int stride);
+  // The score stride of an eager span whose widest index row has `widest` entries.
+  int score_stride(int64_t widest) const;
   void head(const float* X, const float* pre_mix, int row0, int n, float* logits_dev);
   int last_emitter(int64_t p) const;
   // Rows t < T at positions p0 + t, or at pos[t] (device) when pos is given (span programs).
@@ -438,6 +444,7 @@ class CudaModel {
   std::vector<int32_t*> topk_;              // [layer] [tmax, index_topk] (index sources)
   // Index scores and the candidate pool: [tmax, index_width_] (grown with session capacity).
   int64_t index_width_ = 0;
+  int span_score_stride_ = 0;  // ring spans: index_select's stride (index_width_ or narrower)
   float* score_ = nullptr;
   uint8_t* keep_ = nullptr;
   void* index_ws_ = nullptr;  // candidate_mask / topk_select workspace (sized with score_)

@@ -26,9 +26,9 @@
 #include "cuda/backend/cuda_model.h"
 #include "cuda/backend/model_internal.h"
 #include "cuda/cuda_check.h"
-#include "cuda/tp/nccl_comm.h"
 #include "cuda/device_fill.h"
 #include "cuda/ops/attention.h"
+#include "cuda/tp/nccl_comm.h"
 
 namespace uf::cuda {
 
@@ -196,6 +196,7 @@ void CudaModel::plan_ring_span(Span& sp, const SpanBlock& b, std::span<const int
                      sp.cand_width[size_t(t)], v);
           b.at<int32_t>(h, L.vis)[t] = v;
           b.at<int32_t>(h, L.width)[t] = v;
+          sp.widest_index_row = std::max<int64_t>(sp.widest_index_row, v);
           b.at<const float*>(h, L.keys)[t] = owner.ikeys;
           if (role.candidate_source) sp.cand_width[size_t(t)] = v;
         }
@@ -315,7 +316,7 @@ void CudaModel::attention_program(const SpanBlock& b, int l, const float* x, flo
     index_queries(l, x, qr_, T, 0, pos);
     if (kv_branch) join(0);  // this layer's new index keys
     index_select(l, T, b.at<const float*>(block_dev_, L.keys), b.at<int32_t>(block_dev_, L.vis),
-                 b.at<int32_t>(block_dev_, L.width));
+                 b.at<int32_t>(block_dev_, L.width), span_score_stride_);
     unfork();
   }
   op.wq_b.apply(qr_, T, q_, stream_);
@@ -452,10 +453,15 @@ void CudaModel::forward_ring(CudaSession& s, std::span<const int32_t> tokens, bo
   // A split head is a collective: every rank runs it.
   const bool head_rows = logits || split_head_ || keep_logits;
   auto program = [&] { ring_program(b, all_logits, head_rows); };
-  if (T <= opts_.max_rows)
+  if (T <= opts_.max_rows) {
+    span_score_stride_ = int(index_width_);  // a graph's sizes are fixed at its capture
     launch_program(T * 4 + (all_logits ? 2 : 0) + (head_rows ? 1 : 0), program);
-  else
-    program();  // long prefill chunks: one graph per chunk length would not be reused
+  } else {
+    // Long prefill chunks (one graph per chunk length would not be reused): eager, so the score
+    // rows can be as narrow as the span's widest.
+    span_score_stride_ = score_stride(sp.widest_index_row);
+    program();
+  }
   last_launch_host_us_ =
       std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - entered).count();
   const size_t MH = size_t(n_taps()) * size_t(cfg_.dim);

@@ -57,6 +57,7 @@ struct CudaModel::Span {
   std::vector<int64_t> hash;        // [T, n_engram_layers * n_cols] (host; uploaded per span)
   std::vector<uint8_t> topk_valid;  // [layer] its indexer produced top-k rows in this span
   std::vector<int64_t> cand_width;  // [row] width of the candidate pool (0 = none)
+  int64_t widest_index_row = 0;     // the most index scores a row of this span has
   std::vector<uint8_t> emits_any;   // [layer]
   std::vector<int> pub_start;       // [row]
   std::vector<uint8_t> kv_done;     // [layer]
