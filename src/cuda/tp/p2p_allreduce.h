@@ -9,6 +9,8 @@
 //   recv[q] : [2 slots][N source ranks][cap floats]   rank s pushes its input into recv[q][.][s]
 //   flags[q]: [N source ranks][G CTAs] uint64         rank s's CTA b stores its epoch there
 //   epoch[q]: [G] uint64                              rank q's CTA b counts its own calls
+//   ll[q]   : [2 slots][N source ranks][ll lines] of 16 bytes   the low-latency protocol's lines
+//   ll_epoch[q]: [G] uint64                           its call counts (below)
 // Protocol of one call on rank r (kernel of G CTAs; CTA b owns the same element range [lo_b,
 // hi_b) on every rank, because every rank calls with the same n, and it only ever waits for the
 // CTAs b of the other ranks: no CTA waits for another CTA of its own grid, so no co-residency
