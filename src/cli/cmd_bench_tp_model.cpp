@@ -17,8 +17,8 @@
 //    rank 0 (draft_on_device + decode_rows + verify_last_rows), for each T whose T - 1 drafts the
 //    round produced;
 //  - one traced forward of the largest T (CUPTI, every GPU): per rank the collective kernels'
-//    count and device time (a collective kernel's time includes its wait for the slowest rank),
-//    beside the count the backend's code implies (model::tp_verify_collectives).
+//    count and advance (the time the chain waited for them, their wait for the slowest rank
+//    included), beside the count the backend's code implies (model::tp_verify_collectives).
 // Floors: the ranks run at once and each reads its own slice (model::rank_slice_config(cfg, N),
 // the head split N ways), so a step's floor is one rank's bytes over the copy bandwidth measured
 // on device 0.
@@ -91,27 +91,37 @@ bool is_collective(const std::string& kernel) {
   return kernel.find("p2p_") != std::string::npos || kernel.find("nccl") != std::string::npos;
 }
 
-// The traced forward's records of each rank (rank r = device r): span, collective kernels.
+// The traced forward's records of each rank (rank r = device r): span, and the collective kernels'
+// count and advance (trace summary's measure: in order of end time, how far each kernel moved the
+// latest end forward; a collective's duration would include the time it sat resident under PDL
+// waiting for the kernel before it). A collective's advance includes its wait for the other ranks.
 json collective_table(const std::vector<cuda::KernelRecord>& recs, int tp, int expected) {
   json ranks = json::array();
   std::cout << fmt::format("{:>4} {:>9} {:>8} {:>12} {:>10}\n", "rank", "span us", "calls",
-                           "device us", "us / call");
+                           "advance us", "us / call");
   for (int r = 0; r < tp; ++r) {
-    uint64_t t0 = UINT64_MAX, t1 = 0, coll_ns = 0;
+    std::vector<const cuda::KernelRecord*> mine;
+    for (const auto& k : recs)
+      if (int(k.device) == r) mine.push_back(&k);
+    std::sort(mine.begin(), mine.end(),
+              [](const auto* a, const auto* b) { return a->end_ns < b->end_ns; });
+    uint64_t t0 = UINT64_MAX, last = 0, adv_ns = 0;
+    for (const auto* k : mine) t0 = std::min(t0, k->start_ns);
+    last = t0;
     int calls = 0;
-    for (const auto& k : recs) {
-      if (int(k.device) != r) continue;
-      t0 = std::min(t0, k.start_ns);
-      t1 = std::max(t1, k.end_ns);
-      if (is_collective(k.name)) {
+    for (const auto* k : mine) {
+      const uint64_t adv = k->end_ns > last ? k->end_ns - last : 0;
+      last = std::max(last, k->end_ns);
+      if (is_collective(k->name)) {
         ++calls;
-        coll_ns += k.end_ns - k.start_ns;
+        adv_ns += adv;
       }
     }
-    const double span = t1 > t0 ? double(t1 - t0) * 1e-3 : 0, dev = double(coll_ns) * 1e-3;
-    std::cout << fmt::format("{:>4} {:>9.1f} {:>8} {:>12.1f} {:>10.2f}\n", r, span, calls, dev,
-                             calls ? dev / calls : 0.0);
-    ranks.push_back({{"rank", r}, {"span_us", span}, {"calls", calls}, {"collective_us", dev}});
+    const double span = mine.empty() ? 0 : double(last - t0) * 1e-3, adv = double(adv_ns) * 1e-3;
+    std::cout << fmt::format("{:>4} {:>9.1f} {:>8} {:>12.1f} {:>10.2f}\n", r, span, calls, adv,
+                             calls ? adv / calls : 0.0);
+    ranks.push_back(
+        {{"rank", r}, {"span_us", span}, {"calls", calls}, {"collective_advance_us", adv}});
   }
   std::cout << fmt::format("(the backend's code implies {} collective calls per forward)\n",
                            expected);

@@ -48,6 +48,8 @@ __device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
 }
 
 using uf::cuda::detail::global_timer_ns;
+using uf::cuda::detail::launch_pdl;
+using uf::cuda::detail::pdl_wait;
 
 __device__ __forceinline__ float4 add4(float4 a, float4 b) {
   return make_float4(__fadd_rn(a.x, b.x), __fadd_rn(a.y, b.y), __fadd_rn(a.z, b.z),
@@ -62,6 +64,7 @@ __device__ uint64_t exchange(const P2pArgs& a, const float* buf, size_t n, size_
   __shared__ uint64_t s_epoch;
   const int b = int(blockIdx.x), G = int(gridDim.x), tid = int(threadIdx.x);
   const int N = a.n_ranks, r = a.rank;
+  pdl_wait();  // launched with PDL allowed: nothing before the previous kernel has completed
   // 1. This CTA's epoch (only this rank's CTA b ever touches epoch[b]; calls are stream ordered).
   if (tid == 0) {
     const uint64_t e = a.epoch[b] + 1;
@@ -205,6 +208,7 @@ template <bool kRound>
 __global__ void __launch_bounds__(kThreads) p2p_sum_ll_kernel(P2pArgs a, float* buf, size_t n) {
   __shared__ uint32_t s_epoch;
   const int b = int(blockIdx.x), N = a.n_ranks, r = a.rank;
+  pdl_wait();  // as exchange()
   if (threadIdx.x == 0) {
     const uint64_t e = a.ll_epoch[b] + 1;
     a.ll_epoch[b] = e;
@@ -448,17 +452,17 @@ void PeerAllReduce::sum_rank(int rank, float* buf, size_t n, cudaStream_t stream
     const size_t m = min_sz(cap_, n - off);
     const dim3 grid{unsigned(ctas_)};
     if (m <= 2 * ll_lines_ && round_bf16)
-      p2p_sum_ll_kernel<true><<<grid, kThreads, 0, stream>>>(a, buf + off, m);
+      launch_pdl(p2p_sum_ll_kernel<true>, grid, dim3(kThreads), 0, stream, a, buf + off, m);
     else if (m <= 2 * ll_lines_)
-      p2p_sum_ll_kernel<false><<<grid, kThreads, 0, stream>>>(a, buf + off, m);
+      launch_pdl(p2p_sum_ll_kernel<false>, grid, dim3(kThreads), 0, stream, a, buf + off, m);
     else if (vec && round_bf16)
-      p2p_sum_kernel<true, true><<<grid, kThreads, 0, stream>>>(a, buf + off, m);
+      launch_pdl(p2p_sum_kernel<true, true>, grid, dim3(kThreads), 0, stream, a, buf + off, m);
     else if (vec)
-      p2p_sum_kernel<true, false><<<grid, kThreads, 0, stream>>>(a, buf + off, m);
+      launch_pdl(p2p_sum_kernel<true, false>, grid, dim3(kThreads), 0, stream, a, buf + off, m);
     else if (round_bf16)
-      p2p_sum_kernel<false, true><<<grid, kThreads, 0, stream>>>(a, buf + off, m);
+      launch_pdl(p2p_sum_kernel<false, true>, grid, dim3(kThreads), 0, stream, a, buf + off, m);
     else
-      p2p_sum_kernel<false, false><<<grid, kThreads, 0, stream>>>(a, buf + off, m);
+      launch_pdl(p2p_sum_kernel<false, false>, grid, dim3(kThreads), 0, stream, a, buf + off, m);
     UF_CUDA_CHECK(cudaGetLastError());
   }
 }
@@ -488,11 +492,11 @@ void PeerAllReduce::gather_rank(int rank, const float* src, size_t rows, size_t 
     const float* s = src + t0 * width;
     float* d = dst + t0 * dst_stride;
     if (vec)
-      p2p_gather_kernel<true>
-          <<<ctas_, kThreads, 0, stream>>>(a, s, m * width, width, d, dst_stride);
+      launch_pdl(p2p_gather_kernel<true>, dim3(unsigned(ctas_)), dim3(kThreads), 0, stream, a, s,
+                 m * width, width, d, dst_stride);
     else
-      p2p_gather_kernel<false>
-          <<<ctas_, kThreads, 0, stream>>>(a, s, m * width, width, d, dst_stride);
+      launch_pdl(p2p_gather_kernel<false>, dim3(unsigned(ctas_)), dim3(kThreads), 0, stream, a, s,
+                 m * width, width, d, dst_stride);
     UF_CUDA_CHECK(cudaGetLastError());
   }
 }

@@ -33,8 +33,12 @@
 // after its call k - 2 (the last reader of slot k & 1) has completed. So a rank at call k can
 // overlap its peers' call k - 1 (slot (k - 1) & 1: the other slot) but never call k - 2. The
 // flags are monotonic per (source, CTA), so they need no reset and no slot.
-// The rule this needs, as for NCCL: every rank makes the same sequence of calls (same n), each
-// rank's calls on one stream (or otherwise ordered), and no programmatic dependent launch.
+// The rule this needs, as for NCCL: every rank makes the same sequence of calls (same n), and
+// each rank's calls on one stream (or otherwise ordered). The kernels are launched with
+// programmatic dependent launch allowed: a call's CTAs may become resident while the kernel
+// before it runs, but do nothing before griddepcontrol.wait returns (that kernel, the previous
+// call included, has completed), so "starts" above means "passes its wait"; they never trigger
+// their dependents early, so the kernel after a call starts once the call has completed.
 // Sums larger than the capacity run as several calls of at most cap elements (the sum is
 // elementwise, so the result is the same).
 //
