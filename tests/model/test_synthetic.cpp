@@ -9,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/dtypes.h"
@@ -67,6 +68,24 @@ TEST(RankSlice, Tp8OfTheReleasedModelHasOneRanksDims) {
   for (size_t l = 0; l < s.roles.size(); ++l) EXPECT_EQ(s.roles[l].mode, full.roles[l].mode);
   // tp = 1 is the identity.
   EXPECT_EQ(rank_slice_config(full, 1).n_heads, full.n_heads);
+}
+
+// `bench --synthetic tp2 --slice-of 4` splits one TP4 rank's slice over 2 GPUs and calls each a
+// TP8-shaped rank: every tensor of the slice of a slice must have a TP8 slice's name, dtype and
+// shape (the same for 2 x 4 and 4 x 2, and for 2 x 2 against TP4).
+TEST(RankSlice, SliceOfASliceHasTheFinerSlicesShapes) {
+  const auto full = ModelConfig::deepseek_v41_flash();
+  for (const auto& [outer, inner] : std::vector<std::pair<int, int>>{{4, 2}, {2, 4}, {2, 2}}) {
+    SCOPED_TRACE(std::to_string(outer) + " x " + std::to_string(inner));
+    const auto twice = tensor_contract(rank_slice_config(rank_slice_config(full, outer), inner));
+    const auto once = tensor_contract(rank_slice_config(full, outer * inner));
+    ASSERT_EQ(twice.size(), once.size());
+    for (size_t i = 0; i < once.size(); ++i) {
+      EXPECT_EQ(twice[i].name, once[i].name);
+      EXPECT_EQ(twice[i].dtype, once[i].dtype) << once[i].name;
+      EXPECT_EQ(twice[i].shape, once[i].shape) << once[i].name;
+    }
+  }
 }
 
 TEST(RankSlice, ConfigsThatDoNotSplitFailNamingTheField) {
