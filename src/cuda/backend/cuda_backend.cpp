@@ -273,8 +273,9 @@ static std::unique_ptr<tp::PeerAllReduce> make_peer_all_reduce(const model::Mode
       std::max(size_t(1) << 20, size_t(std::max(opts.max_rows, 1)) * size_t(cfg.dim));
   const char* t = std::getenv("UF_P2P_TIMEOUT_S");
   const double timeout_s = t && *t ? std::atof(t) : 0.0;
-  auto p2p =
-      std::make_unique<tp::PeerAllReduce>(devices, cap, tp::PeerAllReduce::kDefaultCtas, timeout_s);
+  const char* c = std::getenv("UF_P2P_CTAS");  // for measurements; PeerAllReduce checks the range
+  const int ctas = c && *c ? std::atoi(c) : tp::PeerAllReduce::kDefaultCtas;
+  auto p2p = std::make_unique<tp::PeerAllReduce>(devices, cap, ctas, timeout_s);
   spdlog::info("TP sums: one-shot peer-to-peer all-reduce over {} GPUs ({} CTAs, {:.1f} MiB a GPU)",
                devices.size(), p2p->ctas(), double(p2p->bytes_per_rank()) / (1 << 20));
   return p2p;

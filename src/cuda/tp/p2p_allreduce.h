@@ -74,6 +74,10 @@ struct P2pArgs;  // p2p_allreduce.cu
 class PeerAllReduce {
  public:
   static constexpr int kMaxRanks = 8;
+  // CTAs a kernel (the backend reads UF_P2P_CTAS to try others). Untested idea: the push + flag
+  // sums of long rows (index scores at 1M: ~220 us a call on 2 GPUs; prefill chunks' 10 MB: 40 us)
+  // may be bound by how many SMs store over NVLink at once, and small sums, on the low-latency
+  // protocol, would not mind more idle CTAs.
   static constexpr int kDefaultCtas = 16;
   // Sums of up to this many floats take the low-latency protocol: a decode step's T x dim sums
   // (<= 8 x 5120) and the index scores of contexts up to ~32k tokens; 16 MB a GPU at 8 ranks.
