@@ -289,7 +289,7 @@ void run_tp_model_bench(const TpModelArgs& a, json& out) {
         UF_CHECK(f.good(), "bench: cannot write the trace file {}", a.trace_file);
         f << fmt::format("== context {}, {} rows, rank 0\n{}", ctx, t_max,
                          cuda::summarize_trace(r0, 40))
-          << cuda::trace_records_text(recs);
+          << cuda::trace_records_text(r0);
       }
     }
     return jc;
