@@ -3,14 +3,12 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <condition_variable>
 #include <cstdlib>
 #include <exception>
-#include <mutex>
-#include <thread>
 
 #include "core/error.h"
 #include "core/log.h"
+#include "cuda/backend/rank_workers.h"
 #include "cuda/cuda_check.h"
 #include "cuda/tp/nccl_comm.h"
 #include "cuda/tp/p2p_allreduce.h"
@@ -22,74 +20,6 @@ namespace {
 // CpuBackend's magic: the byte format is the same.
 constexpr uint32_t kSnapshotMagic = 0x55464331;  // "UFC1"
 }  // namespace
-
-// One persistent thread per TP rank, bound to its device once. run(f) runs f(rank) on every
-// worker at once and returns when all are done, rethrowing the lowest rank's error.
-class RankWorkers {
- public:
-  explicit RankWorkers(std::vector<int> devices) : errors_(devices.size()) {
-    for (size_t r = 0; r < devices.size(); ++r)
-      threads_.emplace_back([this, r, d = devices[r]] { loop(int(r), d); });
-  }
-  ~RankWorkers() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    for (auto& t : threads_) t.join();
-  }
-  void run(const std::function<void(int)>& f) {
-    // One step at a time: two callers must not interleave their collectives.
-    std::lock_guard<std::mutex> call(call_mu_);
-    std::unique_lock<std::mutex> lock(mu_);
-    job_ = &f;
-    pending_ = int(threads_.size());
-    for (auto& e : errors_) e = nullptr;
-    ++gen_;
-    cv_.notify_all();
-    done_.wait(lock, [&] { return pending_ == 0; });
-    job_ = nullptr;
-    for (auto& e : errors_)
-      if (e) std::rethrow_exception(e);
-  }
-
- private:
-  void loop(int rank, int device) {
-    const cudaError_t set = cudaSetDevice(device);
-    uint64_t seen = 0;
-    for (;;) {
-      const std::function<void(int)>* job;
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [&] { return stop_ || gen_ != seen; });
-        if (stop_) return;
-        seen = gen_;
-        job = job_;
-      }
-      std::exception_ptr err;
-      try {
-        UF_CHECK(set == cudaSuccess, "TP worker of rank {}: cudaSetDevice({}) failed: {}", rank,
-                 device, cudaGetErrorString(set));
-        (*job)(rank);
-      } catch (...) {
-        err = std::current_exception();
-      }
-      std::lock_guard<std::mutex> lock(mu_);
-      errors_[size_t(rank)] = err;
-      if (--pending_ == 0) done_.notify_all();
-    }
-  }
-
-  std::mutex call_mu_, mu_;
-  std::condition_variable cv_, done_;
-  const std::function<void(int)>* job_ = nullptr;
-  uint64_t gen_ = 0;
-  int pending_ = 0;
-  bool stop_ = false;
-  std::vector<std::exception_ptr> errors_;
-  std::vector<std::thread> threads_;
-};
 
 CudaTpSession::~CudaTpSession() {
   // Free each rank's buffers with its device current.
@@ -313,7 +243,12 @@ CudaBackend::CudaBackend(model::ModelConfig cfg, model::Checkpoint ckpt,
   for (int r = 0; r < n; ++r) devices.push_back(group_->device(r));
   if (opts.tp_p2p_allreduce && !opts.tp_ordered_sum)
     group_->attach_peer_all_reduce(make_peer_all_reduce(cfg, opts, devices));
-  workers_ = std::make_unique<RankWorkers>(devices);
+  workers_ = std::make_unique<RankWorkers>(n, [devices](int rank) {
+    const int d = devices[size_t(rank)];
+    const cudaError_t set = cudaSetDevice(d);
+    UF_CHECK(set == cudaSuccess, "TP worker of rank {}: cudaSetDevice({}) failed: {}", rank, d,
+             cudaGetErrorString(set));
+  });
   models_.resize(size_t(n));
   // Each rank builds (shards, uploads) on its own thread and device.
   workers_->run([&](int r) {
