@@ -1,5 +1,6 @@
 // `ultrafast bench --synthetic tp8-rank`: the decode step of one rank of an 8-GPU tensor-parallel
-// server, on ONE GPU, against its memory floor.
+// server, on ONE GPU, against its memory floor. (`--synthetic tp2 / tp4 / tp8`: the whole model
+// over that many GPUs, collectives included: cmd_bench_tp_model.cpp.)
 //
 // Builds the weights rank 0 of a TP8 server holds for the released DeepSeek-V4.1-Flash
 // (model/synthetic.h: rank_slice_config, real dimensions, random values in the checkpoint
