@@ -206,17 +206,19 @@ __device__ __forceinline__ uint4 ld_volatile_line(const uint4* p) {
 // no barrier is needed after the epoch's.
 template <bool kRound>
 __global__ void __launch_bounds__(kThreads) p2p_sum_ll_kernel(P2pArgs a, float* buf, size_t n) {
-  __shared__ uint32_t s_epoch;
+  __shared__ uint32_t s_epoch, s_slot;
   const int b = int(blockIdx.x), N = a.n_ranks, r = a.rank;
   pdl_wait();  // as exchange()
   if (threadIdx.x == 0) {
     const uint64_t e = a.ll_epoch[b] + 1;
     a.ll_epoch[b] = e;
-    s_epoch = uint32_t(e);
+    // 1 .. 2^32 - 1, never 0: a line never written holds 0 and must never pass for this call's.
+    s_epoch = uint32_t(e % 0xFFFFFFFFull) + 1u;
+    s_slot = uint32_t(e & 1);  // the 64-bit count's parity: consecutive calls alternate, always
   }
   __syncthreads();
   const uint32_t e = s_epoch;
-  const size_t lines = (n + 1) / 2, slot = size_t(e & 1) * size_t(N) * a.ll_lines;
+  const size_t lines = (n + 1) / 2, slot = size_t(s_slot) * size_t(N) * a.ll_lines;
   const size_t first = size_t(b) * kThreads + threadIdx.x, stride = size_t(gridDim.x) * kThreads;
   for (size_t l = first; l < lines; l += stride) {
     const size_t i = 2 * l;

@@ -46,16 +46,17 @@
 // epoch and flag value it waited for and traps (the stream then reports an error).
 //
 // Small sums (n <= low_latency_elems) take the LOW-LATENCY protocol instead (NCCL's "LL" idea):
-// rank s stores each pair of values into peer q's ll[q][e & 1][s] as ONE 16-byte line {v0, e32,
-// v1, e32} (e32 = the call's epoch, low 32 bits). Each 8-byte half is single-copy atomic, so a
-// reader polling the line (ld.volatile) that sees e32 in both halves holds both values: no fence,
-// no flag, no barrier; a call costs one NVLink store latency instead of a store, a system fence
-// and a flag round trip. The price is twice the bytes, hence the size limit. Epochs: every CTA
-// of the fixed grid counts every LL call, so all of a rank's CTAs hold the same count and a line
-// holds e32 only if written by this call (a line last written k LL calls ago holds e32 - 2j for
-// some j >= 1, equal to e32 only after 2^31 reuses without a write: not a case in practice).
-// Slot reuse: the push + flag argument above, applied to the subsequence of LL calls (each rank's
-// calls are stream ordered). Sums are bitwise the same under both protocols (same rank order).
+// rank s stores each pair of values into peer q's ll[q][e & 1][s] (e: the rank's 64-bit count of
+// its LL calls) as ONE 16-byte line {v0, e32, v1, e32}, e32 = e mod (2^32 - 1) + 1 (never the 0 of
+// a line never written). Each 8-byte half is single-copy atomic, so a reader polling the line
+// (ld.volatile) that sees e32 in both halves holds both values: no fence, no flag, no barrier; a
+// call costs one NVLink store latency instead of a store, a system fence and a flag round trip.
+// The price is twice the bytes, hence the size limit. Every CTA of the fixed grid counts every
+// LL call, so all of a rank's CTAs hold the same count, and a line holds e32 only if written by
+// this call: a line of slot e & 1 last written earlier holds the e32 of a call 2j calls back,
+// j >= 1, equal only if 2j is a multiple of 2^32 - 1 (not a case in practice). Slot reuse: the
+// push + flag argument above, applied to the subsequence of LL calls (each rank's calls are
+// stream ordered). Sums are bitwise the same under both protocols (same rank order).
 
 #include <cuda_runtime.h>
 
