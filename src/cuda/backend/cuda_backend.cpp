@@ -189,8 +189,10 @@ void restore_rank(CudaModel& m, CudaSession& sess, std::span<const uint8_t> byte
 // The one-shot P2P sum (cuda/tp/p2p_allreduce.h) where every pair of GPUs has peer access, else
 // NCCL (logged). Its per-kernel capacity: a decode step's [max_rows, dim] partials in one kernel,
 // and at least 1 Mi floats (4 MiB a source rank and slot) so that index-score rows and prefill
-// chunks take few kernels. UF_P2P_TIMEOUT_S (debugging): a rank that waits longer for a peer
-// prints what it waited for and traps instead of hanging.
+// chunks take few kernels. A rank that waits longer than UF_P2P_TIMEOUT_S (default 300 s; 0 =
+// forever) for a peer prints what it waited for and traps: the error then stops the call, where a
+// dead or diverged rank would otherwise hang the server without a word. The ranks run the same
+// work in lockstep, so a legitimate wait is milliseconds.
 static std::unique_ptr<tp::PeerAllReduce> make_peer_all_reduce(const model::ModelConfig& cfg,
                                                                const CudaModelOptions& opts,
                                                                const std::vector<int>& devices) {
@@ -202,7 +204,7 @@ static std::unique_ptr<tp::PeerAllReduce> make_peer_all_reduce(const model::Mode
   const size_t cap =
       std::max(size_t(1) << 20, size_t(std::max(opts.max_rows, 1)) * size_t(cfg.dim));
   const char* t = std::getenv("UF_P2P_TIMEOUT_S");
-  const double timeout_s = t && *t ? std::atof(t) : 0.0;
+  const double timeout_s = t && *t ? std::atof(t) : 300.0;
   const char* c = std::getenv("UF_P2P_CTAS");  // for measurements; PeerAllReduce checks the range
   const int ctas = c && *c ? std::atoi(c) : tp::PeerAllReduce::kDefaultCtas;
   auto p2p = std::make_unique<tp::PeerAllReduce>(devices, cap, ctas, timeout_s);
