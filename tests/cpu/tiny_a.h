@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "model/checkpoint.h"
+#include "model/config.h"
 
 namespace uf::testing {
 
@@ -25,6 +26,18 @@ inline std::vector<int64_t> tiny_a_golden_i64(const std::string& name) {
   auto g = model::Checkpoint::open(tiny_a_dir() / "golden" / "reference.safetensors");
   auto s = g.get(name).as<int64_t>();
   return {s.begin(), s.end()};
+}
+
+// tiny-a's config with every tensor-parallel split divisible by 8 (8 heads, 8 output groups, 8
+// index heads, an expert width of 8 x 32): tiny-a's own 2 output groups stop at TP 2. For
+// synthetic weights (model/synthetic.h): the fixture's checkpoint has tiny-a's shapes.
+inline model::ModelConfig tiny_a_config_divisible_by_8() {
+  auto c = model::ModelConfig::load(tiny_a_dir());
+  c.n_heads = 8;
+  c.o_groups = 8;
+  c.index_n_heads = 8;
+  c.moe_inter_dim = 8 * 32;
+  return c;
 }
 
 }  // namespace uf::testing

@@ -35,15 +35,6 @@ int gpu_count() {
   return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
 }
 
-model::ModelConfig divisible_by_8() {
-  auto c = model::ModelConfig::load(uf::testing::tiny_a_dir());
-  c.n_heads = 8;
-  c.o_groups = 8;
-  c.index_n_heads = 8;
-  c.moe_inter_dim = 8 * 32;
-  return c;
-}
-
 std::unique_ptr<CudaBackend> backend(const model::ModelConfig& c, int tp) {
   CudaModelOptions o;
   o.tp = tp;
@@ -55,7 +46,7 @@ TEST(CudaBackendTpN, EveryDegreeAgreesWithTp1) {
   UF_REQUIRE_GPU();
   const int gpus = gpu_count();
   if (gpus < 2) GTEST_SKIP() << "TP needs 2 GPUs, " << gpus << " visible";
-  const auto cfg = divisible_by_8();
+  const auto cfg = uf::testing::tiny_a_config_divisible_by_8();
   const int V = cfg.vocab_size;
   std::vector<int32_t> prompt(40);
   for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = int32_t(3 + (i * 37) % size_t(V - 3));

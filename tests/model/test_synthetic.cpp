@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "../cpu/tiny_a.h"
 #include "core/dtypes.h"
 #include "core/error.h"
 #include "cpu/model.h"
@@ -26,10 +27,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-fs::path tiny_a_dir() {
-  const char* env = std::getenv("UF_SHARED_DIR");
-  return fs::path(env && *env ? env : UF_SHARED_DIR) / "fixtures" / "tiny-a";
-}
+using uf::testing::tiny_a_dir;
 
 TpOptions backend_options() {
   // The CUDA backend's sharding (cuda/backend/cuda_model.h backend_tp_options()): only heads,
@@ -282,6 +280,18 @@ TEST(Synthetic, CpuBackendRunsOnTheTinyTp2Slice) {
   EXPECT_EQ(c.n_heads, 2);
   EXPECT_EQ(c.moe_inter_dim, 64);
   run_cpu(c);
+}
+
+// The config of the GPU test at every TP degree (tests/cuda/test_cuda_backend_tpn.cpp) runs on the
+// CPU, whole and as a TP 8 rank's slice.
+TEST(Synthetic, CpuBackendRunsOnTheTinyConfigDivisibleBy8) {
+  const auto c = uf::testing::tiny_a_config_divisible_by_8();
+  run_cpu(c);
+  const auto s = rank_slice_config(c, 8);
+  EXPECT_EQ(s.n_heads, 1);
+  EXPECT_EQ(s.o_groups, 1);
+  EXPECT_EQ(s.moe_inter_dim, 32);
+  run_cpu(s);
 }
 
 TEST(StepFloor, ExpectedDistinctExperts) {
