@@ -77,9 +77,7 @@ std::vector<int32_t> random_tokens(std::mt19937_64& rng, int n, int vocab) {
 std::unique_ptr<engine::SessionState> session_at(cuda::CudaBackend& be, int64_t context,
                                                  int64_t cap, uint64_t seed) {
   auto s = be.new_session(cap);
-  if (context > 0)
-    for (int r = 0; r < be.tp(); ++r)
-      be.model(r).fast_forward(cuda::CudaBackend::rank_session(*s, r), context, seed);
+  if (context > 0) be.fast_forward(*s, context, seed);
   return s;
 }
 

@@ -411,6 +411,10 @@ engine::DraftBlock CudaBackend::draft_on_device(engine::SessionState& st, int32_
   return out;
 }
 
+void CudaBackend::fast_forward(engine::SessionState& st, int64_t len, uint64_t seed) {
+  each_rank(st, [&](int, CudaModel& m, CudaSession& s) { m.fast_forward(s, len, seed); });
+}
+
 void CudaBackend::commit(engine::SessionState& st, int n) {
   each_rank(st, [&](int, CudaModel& m, CudaSession& s) { commit_rank(m, s, n); });
 }

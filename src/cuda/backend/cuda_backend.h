@@ -83,6 +83,10 @@ class CudaBackend : public engine::Backend {
   void restore(engine::SessionState& s, std::span<const uint8_t> bytes) const override;
 
   int tp() const { return int(models_.size()); }
+  // Benchmarks: every rank's session brought to `len` committed tokens without running the model
+  // (CudaModel::fast_forward with the same seed on every rank, so every rank holds the same state),
+  // the ranks in parallel.
+  void fast_forward(engine::SessionState& s, int64_t len, uint64_t seed);
   // Rank r's own state in the snapshot format (tests: every rank must hold the same bytes).
   std::vector<uint8_t> snapshot_of_rank(const engine::SessionState& s, int rank) const;
   CudaModel& model(int rank = 0) { return *models_.at(size_t(rank)); }
