@@ -227,7 +227,7 @@ void run_tp_model_bench(const TpModelArgs& a, json& out) {
         "\ncontext {}: DSpark draft round on the device ({} tokens, temperature 1): {:.1f} us "
         "median, floor {:.1f} us\n{:>2} {:>9} {:>9} {:>9} {:>9} {:>7} {:>9}\n",
         ctx, drafted, dr.median_us, dfl, "T", "forward", "min", "kept", "floor", "x floor",
-        "served");
+        "served = draft + forward + verify (medians of each)");
     json jrows = json::array();
     for (int T : a.rows) {
       const auto toks = random_tokens(rng, T, V);
@@ -245,20 +245,34 @@ void run_tp_model_bench(const TpModelArgs& a, json& out) {
       std::string served_txt = "-";
       if (T >= 2 && size_t(T - 1) <= drafted) {
         std::vector<int32_t> step_rows(static_cast<size_t>(T));
+        std::vector<double> parts[3];  // draft, forward, verification: where a step goes
         const Stats sv = time_calls(a.warmup, a.iters, [&] {
           ++step;
+          const auto t0 = Clock::now();
           const auto b = be->draft_on_device(*s, anchor, sp, a.seed, step);
           UF_CHECK(b.tokens.size() >= size_t(T - 1), "bench: a draft round gave {} tokens, not {}",
                    b.tokens.size(), T - 1);
           step_rows[0] = anchor;
           std::copy_n(b.tokens.begin(), T - 1, step_rows.begin() + 1);
+          const auto t1 = Clock::now();
           be->decode_rows(*s, step_rows, std::span<float>());
+          const auto t2 = Clock::now();
           (void)be->verify_last_rows(*s, sampling::VerifyMode::kBlock, sp, {},
                                      std::span<const int32_t>(step_rows.data() + 1, size_t(T - 1)),
                                      a.seed, step);
+          const auto us = [](auto d) {
+            return std::chrono::duration<double, std::micro>(d).count();
+          };
+          parts[0].push_back(us(t1 - t0));
+          parts[1].push_back(us(t2 - t1));
+          parts[2].push_back(us(Clock::now() - t2));
         });
-        served_txt = fmt::format("{:.1f}", sv.median_us);
+        const Stats pd = stats_of(parts[0]), pf = stats_of(parts[1]), pv = stats_of(parts[2]);
+        served_txt = fmt::format("{:.1f} = {:.0f} + {:.0f} + {:.0f}", sv.median_us, pd.median_us,
+                                 pf.median_us, pv.median_us);
         jr["served"] = stats_json(sv);
+        jr["served_parts_median_us"] = {
+            {"draft", pd.median_us}, {"forward", pf.median_us}, {"verify", pv.median_us}};
       }
       std::cout << fmt::format("{:>2} {:>9.1f} {:>9.1f} {:>9.1f} {:>9.1f} {:>7.2f} {:>9}\n", T,
                                fw.median_us, fw.min_us, kept.median_us, fl, fw.median_us / fl,
