@@ -185,19 +185,23 @@ __global__ void __launch_bounds__(kThreads) p2p_sum_kernel(P2pArgs a, float* buf
 }
 
 // ---- The low-latency protocol (p2p_allreduce.h): lines {v0, e32, v1, e32} ----
+// A line is accessed as two 8-byte elements (v2.u64), value in the low half, tag in the high half
+// (the same bytes as {v0, e32, v1, e32}): the PTX memory model makes each naturally aligned 8-byte
+// element single-copy atomic, which is what pairs a value with its tag (as .u32 elements, only each
+// 4 bytes would be).
 
 __device__ __forceinline__ void st_volatile_line(uint4* p, uint4 v) {
-  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y),
-               "r"(v.z), "r"(v.w)
-               : "memory");
+  const unsigned long long lo = (unsigned long long)v.y << 32 | v.x;
+  const unsigned long long hi = (unsigned long long)v.w << 32 | v.z;
+  asm volatile("st.volatile.global.v2.u64 [%0], {%1, %2};" ::"l"(p), "l"(lo), "l"(hi) : "memory");
 }
 __device__ __forceinline__ uint4 ld_volatile_line(const uint4* p) {
-  uint4 v;
-  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+  unsigned long long lo, hi;
+  asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];"
+               : "=l"(lo), "=l"(hi)
                : "l"(p)
                : "memory");
-  return v;
+  return make_uint4(uint32_t(lo), uint32_t(lo >> 32), uint32_t(hi), uint32_t(hi >> 32));
 }
 
 // One call on rank r: every thread pushes its lines (grid-stride over the n / 2 pairs) into every
