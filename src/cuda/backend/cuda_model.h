@@ -239,8 +239,8 @@ class CudaModel {
   // TP: NCCL connects the ranks at the first collective of each kind, which allocates and so must
   // not happen inside a graph capture: this runs each kind the programs use once, eagerly. Every
   // rank calls it at once, AFTER every rank's constructor has returned (a constructor frees its
-  // pinned upload staging, which waits for every peer device: tp::TpGroup::host_barrier says
-  // why). No-op at tp = 1.
+  // pinned upload staging, and a free may wait for the peer devices: tp::TpGroup::host_barrier
+  // says why). No-op at tp = 1.
   void connect_collectives();
 
  private:

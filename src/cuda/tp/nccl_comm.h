@@ -85,10 +85,11 @@ class TpGroup {
   PeerAllReduce* peer_all_reduce() const { return p2p_.get(); }
 
   // Host barrier of the ranks' threads: returns once every rank has called it (n = 1: at once).
-  // Why: freeing device or pinned memory (cudaFree, cudaFreeHost, a graph's destruction) waits for
-  // the work of every device that maps it, peers included, so a rank that frees while a peer's
-  // collective waits for this rank's next call deadlocks both. A rank allocates and frees in a
-  // phase of its own, and crosses this barrier before its first collective.
+  // Why (a precaution, as NCCL documents for cudaFree during its collectives): freeing device or
+  // pinned memory (cudaFree, cudaFreeHost, a graph's destruction) may wait for the work of every
+  // device that maps it, peers included, so a rank that frees while a peer's collective waits
+  // for this rank's next call could deadlock both. A rank allocates and frees in a phase of its
+  // own, and crosses this barrier before its first collective.
   void host_barrier();
 
  private:
