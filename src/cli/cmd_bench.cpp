@@ -181,7 +181,7 @@ void print_components(const std::vector<StepFloor>& floors, double bw_gbs, int b
 
 #ifdef UF_HAVE_CUDA
 
-using Clock = std::chrono::steady_clock;
+using uf::cli::bench::Clock;
 
 using uf::cli::bench::Stats;
 using uf::cli::bench::stats_json;
@@ -287,8 +287,7 @@ int run_cuda(const BenchArgs& a, const ModelConfig& cfg, const std::vector<int>&
       a.context, a.iters, a.warmup, "T", "step", "min", "floor", "x floor", "no head", "floor",
       "x floor");
   for (int T : rows) {
-    std::vector<int32_t> toks(static_cast<size_t>(T));
-    for (auto& t : toks) t = int32_t(3 + rng() % uint64_t(V - 3));
+    const auto toks = uf::cli::bench::random_tokens(rng, T, V);
     spdlog::info("bench: verify T = {}", T);
     const Stats st = time_calls(a.warmup, a.iters, [&] {
       model->forward(*s, toks, /*prefill_layout=*/false, /*all_logits=*/true, host_logits, nullptr,

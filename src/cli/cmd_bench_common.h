@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <random>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -44,6 +45,13 @@ struct Stats {
   double median_us = 0, min_us = 0, mean_us = 0;
   std::vector<double> samples;
 };
+
+// n random token ids in [3, vocab): the synthetic benches' inputs (ids 0..2 are bos / eos / pad).
+inline std::vector<int32_t> random_tokens(std::mt19937_64& rng, int n, int vocab) {
+  std::vector<int32_t> t(static_cast<size_t>(n));
+  for (auto& x : t) x = int32_t(3 + rng() % uint64_t(vocab - 3));
+  return t;
+}
 
 inline Stats stats_of(std::vector<double> v) {
   Stats s;

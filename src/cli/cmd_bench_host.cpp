@@ -141,9 +141,8 @@ int run_host(const HostArgs& a) {
   float* host_logits = nullptr;
   UF_CUDA_CHECK(cudaMallocHost(&host_logits, size_t(V) * sizeof(float)));
   std::mt19937_64 rng(a.seed + 3);
-  std::vector<int32_t> one = {int32_t(3 + rng() % uint64_t(V - 3))};
-  std::vector<int32_t> rows(static_cast<size_t>(a.rows));
-  for (auto& t : rows) t = int32_t(3 + rng() % uint64_t(V - 3));
+  const auto one = bench::random_tokens(rng, 1, V);
+  const auto rows = bench::random_tokens(rng, a.rows, V);
   const uf::engine::DraftSampler greedy = [](int, std::span<const float> lg) {
     return int32_t(std::max_element(lg.begin(), lg.end()) - lg.begin());
   };

@@ -69,12 +69,6 @@ struct PrefillArgs {
 
 #ifdef UF_HAVE_CUDA
 
-std::vector<int32_t> random_tokens(std::mt19937_64& rng, int n, int vocab) {
-  std::vector<int32_t> t(static_cast<size_t>(n));
-  for (auto& x : t) x = int32_t(3 + rng() % uint64_t(vocab - 3));
-  return t;
-}
-
 std::unique_ptr<uf::cuda::CudaModel> load(const uf::model::ModelConfig& cfg,
                                           const uf::model::Checkpoint& ck, int max_chunk,
                                           int device) {
@@ -94,7 +88,7 @@ void run_ced(const PrefillArgs& a, const uf::model::ModelConfig& cfg,
              const uf::model::Checkpoint& ck, json& out, double& ratio, double& ced_s) {
   auto m = load(cfg, ck, a.ced, a.device);
   std::mt19937_64 rng(a.seed + 5);
-  const auto toks = random_tokens(rng, a.ced, cfg.vocab_size);
+  const auto toks = bench::random_tokens(rng, a.ced, cfg.vocab_size);
   std::vector<float> logits(static_cast<size_t>(cfg.vocab_size));
   std::vector<int> pub(toks.size());
   auto s = m->new_session(a.ced + 64);
@@ -130,7 +124,7 @@ std::vector<uf::model::PrefillPoint> run_chunks(const PrefillArgs& a,
   auto m = load(cfg, ck, a.chunk, a.device);
   const int C = std::min(a.chunk, m->max_span_rows());
   std::mt19937_64 rng(a.seed + 9);
-  const auto toks = random_tokens(rng, C, cfg.vocab_size);
+  const auto toks = bench::random_tokens(rng, C, cfg.vocab_size);
   std::vector<float> logits(static_cast<size_t>(cfg.vocab_size));
   std::vector<int> pub(toks.size());
   const int MH = m->n_taps() * cfg.dim;

@@ -121,22 +121,24 @@ struct Measured {
   json table = json::array();
 };
 
+// Waits for every rank's stream.
+void sync_all(const std::vector<int>& devs, const std::vector<cudaStream_t>& st) {
+  for (size_t r = 0; r < devs.size(); ++r) {
+    UF_CUDA_CHECK(cudaSetDevice(devs[r]));
+    UF_CUDA_CHECK(cudaStreamSynchronize(st[r]));
+  }
+}
+
 // Per-call wall time of `iters` back-to-back collectives on all ranks (their streams synchronised
 // at the end), after `warmup`.
 template <typename F>
 double per_call_us(int warmup, int iters, const std::vector<int>& devs,
                    const std::vector<cudaStream_t>& st, F&& f) {
-  auto sync_all = [&] {
-    for (size_t r = 0; r < devs.size(); ++r) {
-      UF_CUDA_CHECK(cudaSetDevice(devs[r]));
-      UF_CUDA_CHECK(cudaStreamSynchronize(st[r]));
-    }
-  };
   for (int i = 0; i < warmup; ++i) f();
-  sync_all();
+  sync_all(devs, st);
   const auto t0 = bench::Clock::now();
   for (int i = 0; i < iters; ++i) f();
-  sync_all();
+  sync_all(devs, st);
   return bench::us_since(t0) / iters;
 }
 
@@ -165,17 +167,11 @@ double p2p_graph_us(uf::cuda::tp::PeerAllReduce& p2p, const std::vector<int>& de
       UF_CUDA_CHECK(cudaGraphLaunch(exec[r], st[r]));
     }
   };
-  auto sync_all = [&] {
-    for (size_t r = 0; r < n; ++r) {
-      UF_CUDA_CHECK(cudaSetDevice(devs[r]));
-      UF_CUDA_CHECK(cudaStreamSynchronize(st[r]));
-    }
-  };
   replay();
-  sync_all();
+  sync_all(devs, st);
   const auto t0 = bench::Clock::now();
   for (int i = 0; i < reps; ++i) replay();
-  sync_all();
+  sync_all(devs, st);
   const double us = bench::us_since(t0) / (double(reps) * calls);
   for (auto e : exec) UF_CUDA_CHECK(cudaGraphExecDestroy(e));
   return us;

@@ -67,12 +67,6 @@ namespace {
 
 using nlohmann::json;
 
-std::vector<int32_t> random_tokens(std::mt19937_64& rng, int n, int vocab) {
-  std::vector<int32_t> t(static_cast<size_t>(n));
-  for (auto& x : t) x = int32_t(3 + rng() % uint64_t(vocab - 3));
-  return t;
-}
-
 // A fresh session of `cap` tokens with `context` committed on every rank.
 std::unique_ptr<engine::SessionState> session_at(cuda::CudaBackend& be, int64_t context,
                                                  int64_t cap, uint64_t seed) {
@@ -89,37 +83,38 @@ bool is_collective(const std::string& kernel) {
   return kernel.find("p2p_") != std::string::npos || kernel.find("nccl") != std::string::npos;
 }
 
-// The traced forward's records of each rank (rank r = device r): span, and the collective kernels'
-// count and advance (trace summary's measure: in order of end time, how far each kernel moved the
-// latest end forward; a collective's duration would include the time it sat resident under PDL
-// waiting for the kernel before it). A collective's advance includes its wait for the other ranks.
+// Rank r's records of a trace of every GPU (rank r = device r).
+std::vector<cuda::KernelRecord> records_of(const std::vector<cuda::KernelRecord>& recs, int r) {
+  std::vector<cuda::KernelRecord> mine;
+  for (const auto& k : recs)
+    if (int(k.device) == r) mine.push_back(k);
+  return mine;
+}
+
+// The traced forward's records of each rank: span, and the collective kernels' count and advance
+// (cuda::trace_advances_us: a PDL-launched collective's duration would include the time it sat
+// resident waiting for the kernel before it). A collective's advance includes its wait for the
+// other ranks.
 json collective_table(const std::vector<cuda::KernelRecord>& recs, int tp, int expected) {
   json ranks = json::array();
   std::cout << fmt::format("{:>4} {:>9} {:>8} {:>12} {:>10}\n", "rank", "span us", "calls",
                            "advance us", "us / call");
   for (int r = 0; r < tp; ++r) {
-    std::vector<const cuda::KernelRecord*> mine;
-    for (const auto& k : recs)
-      if (int(k.device) == r) mine.push_back(&k);
-    std::sort(mine.begin(), mine.end(),
-              [](const auto* a, const auto* b) { return a->end_ns < b->end_ns; });
-    uint64_t t0 = UINT64_MAX, last = 0, adv_ns = 0;
-    for (const auto* k : mine) t0 = std::min(t0, k->start_ns);
-    last = t0;
+    const auto mine = records_of(recs, r);
+    const auto adv = cuda::trace_advances_us(mine);
+    double span = 0, coll = 0;
     int calls = 0;
-    for (const auto* k : mine) {
-      const uint64_t adv = k->end_ns > last ? k->end_ns - last : 0;
-      last = std::max(last, k->end_ns);
-      if (is_collective(k->name)) {
+    for (size_t i = 0; i < mine.size(); ++i) {
+      span += adv[i];  // the advances add up to the span
+      if (is_collective(mine[i].name)) {
         ++calls;
-        adv_ns += adv;
+        coll += adv[i];
       }
     }
-    const double span = mine.empty() ? 0 : double(last - t0) * 1e-3, adv = double(adv_ns) * 1e-3;
-    std::cout << fmt::format("{:>4} {:>9.1f} {:>8} {:>12.1f} {:>10.2f}\n", r, span, calls, adv,
-                             calls ? adv / calls : 0.0);
+    std::cout << fmt::format("{:>4} {:>9.1f} {:>8} {:>12.1f} {:>10.2f}\n", r, span, calls, coll,
+                             calls ? coll / calls : 0.0);
     ranks.push_back(
-        {{"rank", r}, {"span_us", span}, {"calls", calls}, {"collective_advance_us", adv}});
+        {{"rank", r}, {"span_us", span}, {"calls", calls}, {"collective_advance_us", coll}});
   }
   std::cout << fmt::format("(the backend's code implies {} collective calls per forward)\n",
                            expected);
@@ -294,9 +289,7 @@ void run_tp_model_bench(const TpModelArgs& a, json& out) {
       jc["trace"] = collective_table(recs, N, expected);
       jc["trace"]["rows"] = t_max;
       if (!a.trace_file.empty()) {
-        std::vector<cuda::KernelRecord> r0;
-        for (const auto& k : recs)
-          if (k.device == 0) r0.push_back(k);
+        const auto r0 = records_of(recs, 0);
         std::ofstream f(a.trace_file, std::ios::app);
         UF_CHECK(f.good(), "bench: cannot write the trace file {}", a.trace_file);
         f << fmt::format("== context {}, {} rows, rank 0\n{}", ctx, t_max,
@@ -348,13 +341,9 @@ void run_tp_model_bench(const TpModelArgs& a, json& out) {
           be->prefill(*s, toks, po, logits);
           const auto recs = trace.stop();
           std::ofstream f(a.trace_file, std::ios::app);
-          for (int r = 0; r < N; ++r) {
-            std::vector<cuda::KernelRecord> mine;
-            for (const auto& k : recs)
-              if (int(k.device) == r) mine.push_back(k);
+          for (int r = 0; r < N; ++r)
             f << fmt::format("== prefill chunk of {} rows at context {}, rank {}\n{}", C, c, r,
-                             cuda::summarize_trace(mine, 30));
-          }
+                             cuda::summarize_trace(records_of(recs, r), 30));
         }
         pts.push_back({c, upt});
         jp.push_back({{"context", c}, {"chunk", stats_json(st)}, {"us_per_token", upt}});

@@ -16,10 +16,12 @@
 
 namespace uf::cuda::test {
 
-inline bool have_gpu() {
+// CUDA devices visible (0 when there is no driver or device).
+inline int gpu_count() {
   int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
 }
+inline bool have_gpu() { return gpu_count() > 0; }
 
 #define UF_REQUIRE_GPU() \
   if (!::uf::cuda::test::have_gpu()) GTEST_SKIP() << "no CUDA device"

@@ -30,10 +30,7 @@ using test::Cmp;
 using test::compare;
 using test::first_byte_diff;
 
-int gpu_count() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
-}
+using test::gpu_count;
 
 std::unique_ptr<CudaBackend> backend(const model::ModelConfig& c, int tp) {
   CudaModelOptions o;

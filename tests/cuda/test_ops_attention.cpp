@@ -513,8 +513,7 @@ TEST(CudaOpsAttention, IndexScoresReal) {
 // (a tensor-parallel rank on GPU 1 after GPU 0), not once per process. Needs two GPUs.
 TEST(CudaOpsAttention, RealShapesOnEveryDevice) {
   UF_REQUIRE_GPU();
-  int n = 0;
-  ASSERT_EQ(cudaGetDeviceCount(&n), cudaSuccess);
+  const int n = gpu_count();
   if (n < 2) GTEST_SKIP() << "one GPU: the per-device configuration needs two to be tested";
   for (int d = 0; d < n; ++d) {
     SCOPED_TRACE("device " + std::to_string(d));

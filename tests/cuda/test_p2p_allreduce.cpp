@@ -46,10 +46,7 @@ using tp::PeerAllReduce;
 constexpr double kTimeoutS = 30;
 const std::vector<size_t> kSizes = {1, 31, 5120, 8 * 5120, 57799};
 
-int gpu_count() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
-}
+using test::gpu_count;
 
 // The rank counts to test: 2, and every visible GPU (<= 8) when that is more.
 std::vector<int> rank_counts() {

@@ -17,15 +17,11 @@
 #include "cuda/tp/nccl_comm.h"
 #include "cuda_test_util.h"
 
+using uf::cuda::test::gpu_count;
 using uf::cuda::tp::CommDType;
 using uf::cuda::tp::TpGroup;
 
 namespace {
-
-int device_count() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
-}
 
 // One buffer per rank, each on its rank's device.
 struct RankBuffers {
@@ -105,7 +101,7 @@ std::string describe(const Mismatch& m, const std::vector<float>& got,
 }
 
 // Every local GPU (1 GPU: the no-NCCL TP = 1 path).
-std::unique_ptr<TpGroup> all_devices() { return TpGroup::create(device_count()); }
+std::unique_ptr<TpGroup> all_devices() { return TpGroup::create(gpu_count()); }
 
 class EnvRestore {
  public:
@@ -171,12 +167,12 @@ TEST(TpComm, RejectsBadRankCounts) {
   UF_REQUIRE_GPU();
   EXPECT_THROW(TpGroup::create(0), uf::core::Error);
   try {
-    TpGroup::create(device_count() + 1);
+    TpGroup::create(gpu_count() + 1);
     FAIL() << "a group with more ranks than devices started";
   } catch (const uf::core::Error& e) {
     EXPECT_NE(std::string(e.what()).find("device"), std::string::npos) << e.what();
   }
-  if (device_count() >= 2) {
+  if (gpu_count() >= 2) {
     EXPECT_THROW(TpGroup::create(2, {0, 0}), uf::core::Error);
   }
 }

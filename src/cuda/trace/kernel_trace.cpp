@@ -144,6 +144,25 @@ std::vector<KernelRecord> KernelTrace::stop() {
   return out;
 }
 
+std::vector<double> trace_advances_us(const std::vector<KernelRecord>& recs) {
+  std::vector<double> adv(recs.size(), 0.0);
+  if (recs.empty()) return adv;
+  std::vector<size_t> by_end(recs.size());
+  uint64_t last = recs.front().start_ns;
+  for (size_t i = 0; i < recs.size(); ++i) {
+    by_end[i] = i;
+    last = std::min(last, recs[i].start_ns);
+  }
+  std::sort(by_end.begin(), by_end.end(),
+            [&](size_t a, size_t b) { return recs[a].end_ns < recs[b].end_ns; });
+  for (size_t i : by_end) {
+    const uint64_t e = recs[i].end_ns;
+    adv[i] = double(e > last ? e - last : 0) * 1e-3;
+    last = std::max(last, e);
+  }
+  return adv;
+}
+
 std::string summarize_trace(const std::vector<KernelRecord>& recs, int top) {
   if (recs.empty()) return "trace: no kernel records\n";
   uint64_t t0 = recs.front().start_ns, t1 = 0;
@@ -163,28 +182,25 @@ std::string summarize_trace(const std::vector<KernelRecord>& recs, int top) {
     }
   }
   busy += cur_e - cur_s;
-  // Advance: in order of end time, how far each kernel moved the latest end forward. Under PDL
-  // a kernel starts (and waits) while its predecessor runs, so its duration overstates its cost;
-  // the advances add up to the span and charge each kernel the time the step waited for it.
-  std::vector<const KernelRecord*> by_end;
-  by_end.reserve(recs.size());
-  for (const auto& r : recs) by_end.push_back(&r);
-  std::sort(by_end.begin(), by_end.end(),
-            [](const KernelRecord* a, const KernelRecord* b) { return a->end_ns < b->end_ns; });
+  // Per kernel name: calls, duration, advance (trace_advances_us), and the grid of its last call.
+  const std::vector<double> adv = trace_advances_us(recs);
   struct Agg {
     int n = 0;
     double dur = 0, adv = 0;
     int grid = 0;
+    uint64_t last_end = 0;
   };
   std::map<std::string, Agg> agg;
-  uint64_t last = t0;
-  for (const auto* r : by_end) {
-    auto& a = agg[r->name];
+  for (size_t i = 0; i < recs.size(); ++i) {
+    const auto& r = recs[i];
+    auto& a = agg[r.name];
     ++a.n;
-    a.dur += double(r->end_ns - r->start_ns) * 1e-3;
-    a.adv += double(r->end_ns > last ? r->end_ns - last : 0) * 1e-3;
-    a.grid = r->grid;
-    last = std::max(last, r->end_ns);
+    a.dur += double(r.end_ns - r.start_ns) * 1e-3;
+    a.adv += adv[i];
+    if (r.end_ns >= a.last_end) {
+      a.last_end = r.end_ns;
+      a.grid = r.grid;
+    }
   }
   std::vector<std::pair<std::string, Agg>> v(agg.begin(), agg.end());
   std::sort(v.begin(), v.end(),

@@ -50,6 +50,11 @@ class KernelTrace {
 // idle time (span - busy: no kernel on the device), and per kernel name the count, total, mean
 // and share of the span, the top `top` names by total.
 std::string summarize_trace(const std::vector<KernelRecord>& recs, int top);
+// Per record (in recs' order), its "advance": in order of end time, how far it moved the latest
+// end of the records before it forward (from the first start). Under PDL a kernel starts (and
+// waits) while its predecessor runs, so its duration overstates its cost; the advances add up to
+// the span and charge each kernel the time the chain waited for it.
+std::vector<double> trace_advances_us(const std::vector<KernelRecord>& recs);
 // One line per record: start and end in us from the first start, stream, grid, block, name.
 std::string trace_records_text(const std::vector<KernelRecord>& recs);
 
