@@ -33,7 +33,7 @@ int CudaModel::ced_encoder_chunk(CudaSession& s, std::span<const int32_t> tokens
                                  bool last) {
   const int T = int(tokens.size()), dec = cfg_.n_layers / 2;
   init_span(sp, s, tokens, /*prefill_layout=*/false, /*upload_hash=*/false);
-  const SpanBlock b = span_block(T);
+  SpanBlock b = span_block(T);
   UF_CHECK(b.bytes <= block_bytes_, "CED chunk: a block of {} bytes exceeds {}", b.bytes,
            block_bytes_);
   plan_ring_span(sp, b, tokens, dec);

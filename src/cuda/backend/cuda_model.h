@@ -255,8 +255,7 @@ class CudaModel {
   void forward_ring(CudaSession& s, std::span<const int32_t> tokens, bool all_logits, float* logits,
                     float* main_hidden, int* publisher, bool keep_logits);
   // ced_dec >= 0: a CED encoder chunk (layers [0, ced_dec) and layer ced_dec's KV path only).
-  void plan_ring_span(Span& sp, const SpanBlock& b, std::span<const int32_t> tokens,
-                      int ced_dec = -1);
+  void plan_ring_span(Span& sp, SpanBlock& b, std::span<const int32_t> tokens, int ced_dec = -1);
   void ring_program(const SpanBlock& b, bool all_logits, bool head, int ced_dec = -1);
   void attention_program(const SpanBlock& b, int l, const float* x, float* out);
   void kv_program(const SpanBlock& b, int l, const float* x);
@@ -444,7 +443,6 @@ class CudaModel {
   std::vector<int32_t*> topk_;              // [layer] [tmax, index_topk] (index sources)
   // Index scores and the candidate pool: [tmax, index_width_] (grown with session capacity).
   int64_t index_width_ = 0;
-  int span_score_stride_ = 0;  // ring spans: index_select's stride (index_width_ or narrower)
   float* score_ = nullptr;
   uint8_t* keep_ = nullptr;
   void* index_ws_ = nullptr;  // candidate_mask / topk_select workspace (sized with score_)

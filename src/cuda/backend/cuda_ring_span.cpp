@@ -88,12 +88,13 @@ CudaModel::SpanBlock CudaModel::span_block(int T) const {
 // ---------------------------------------------------------------------------------------------
 // Host: the span's inputs and the CPU span logic's bookkeeping (cpu/model.cpp, ring layout).
 
-void CudaModel::plan_ring_span(Span& sp, const SpanBlock& b, std::span<const int32_t> tokens,
+void CudaModel::plan_ring_span(Span& sp, SpanBlock& b, std::span<const int32_t> tokens,
                                int ced_dec) {
   CudaSession& s = *sp.s;
   uint8_t* h = block_host_;
   const int T = sp.T, hd = cfg_.head_dim, ihd = cfg_.index_head_dim, W = cfg_.window_size;
   const int64_t p0 = sp.p0;
+  int64_t widest = 0;  // the most index scores a row of the span has
   *b.at<int64_t>(h, b.p0) = p0;
   for (int t = 0; t < T; ++t) {
     const int32_t id = tokens[size_t(t)];
@@ -196,7 +197,7 @@ void CudaModel::plan_ring_span(Span& sp, const SpanBlock& b, std::span<const int
                      sp.cand_width[size_t(t)], v);
           b.at<int32_t>(h, L.vis)[t] = v;
           b.at<int32_t>(h, L.width)[t] = v;
-          sp.widest_index_row = std::max<int64_t>(sp.widest_index_row, v);
+          widest = std::max<int64_t>(widest, v);
           b.at<const float*>(h, L.keys)[t] = owner.ikeys;
           if (role.candidate_source) sp.cand_width[size_t(t)] = v;
         }
@@ -216,6 +217,7 @@ void CudaModel::plan_ring_span(Span& sp, const SpanBlock& b, std::span<const int
              W + opts_.max_rows);
     for (int t = std::max(0, T - st.window.slots); t < T; ++t) st.window.put(p0 + t);
   }
+  b.score_stride = T <= opts_.max_rows ? int(index_width_) : score_stride(widest);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -316,7 +318,7 @@ void CudaModel::attention_program(const SpanBlock& b, int l, const float* x, flo
     index_queries(l, x, qr_, T, 0, pos);
     if (kv_branch) join(0);  // this layer's new index keys
     index_select(l, T, b.at<const float*>(block_dev_, L.keys), b.at<int32_t>(block_dev_, L.vis),
-                 b.at<int32_t>(block_dev_, L.width), span_score_stride_);
+                 b.at<int32_t>(block_dev_, L.width), b.score_stride);
     unfork();
   }
   op.wq_b.apply(qr_, T, q_, stream_);
@@ -444,7 +446,7 @@ void CudaModel::forward_ring(CudaSession& s, std::span<const int32_t> tokens, bo
   const int T = int(tokens.size());
   Span sp;
   init_span(sp, s, tokens, /*prefill_layout=*/false, /*upload_hash=*/false);
-  const SpanBlock b = span_block(T);
+  SpanBlock b = span_block(T);
   UF_CHECK(b.bytes <= block_bytes_, "span program: a block of {} bytes exceeds {}", b.bytes,
            block_bytes_);
   plan_ring_span(sp, b, tokens);
@@ -453,15 +455,10 @@ void CudaModel::forward_ring(CudaSession& s, std::span<const int32_t> tokens, bo
   // A split head is a collective: every rank runs it.
   const bool head_rows = logits || split_head_ || keep_logits;
   auto program = [&] { ring_program(b, all_logits, head_rows); };
-  if (T <= opts_.max_rows) {
-    span_score_stride_ = int(index_width_);  // a graph's sizes are fixed at its capture
+  if (T <= opts_.max_rows)
     launch_program(T * 4 + (all_logits ? 2 : 0) + (head_rows ? 1 : 0), program);
-  } else {
-    // Long prefill chunks (one graph per chunk length would not be reused): eager, so the score
-    // rows can be as narrow as the span's widest.
-    span_score_stride_ = score_stride(sp.widest_index_row);
-    program();
-  }
+  else
+    program();  // long prefill chunks: one graph per chunk length would not be reused
   last_launch_host_us_ =
       std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - entered).count();
   const size_t MH = size_t(n_taps()) * size_t(cfg_.dim);

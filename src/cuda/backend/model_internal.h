@@ -57,7 +57,6 @@ struct CudaModel::Span {
   std::vector<int64_t> hash;        // [T, n_engram_layers * n_cols] (host; uploaded per span)
   std::vector<uint8_t> topk_valid;  // [layer] its indexer produced top-k rows in this span
   std::vector<int64_t> cand_width;  // [row] width of the candidate pool (0 = none)
-  int64_t widest_index_row = 0;     // the most index scores a row of this span has
   std::vector<uint8_t> emits_any;   // [layer]
   std::vector<int> pub_start;       // [row]
   std::vector<uint8_t> kv_done;     // [layer]
@@ -70,6 +69,10 @@ struct CudaModel::Span {
 struct CudaModel::SpanBlock {
   int T = 0;
   size_t bytes = 0;
+  // index_select's score row stride (host value, set by plan_ring_span): a graph step's
+  // (T <= max_rows) is the scratch width, fixed at its capture; an eager span's is its widest
+  // row, so that a TP rank sums the live columns, not the largest session's width.
+  int score_stride = 0;
   size_t p0 = 0;    // int64: the span's first position
   size_t ids = 0;   // int32 [T]: token ids
   size_t pos = 0;   // int64 [T]: positions p0 + t
