@@ -262,6 +262,8 @@ void run_tp_model_bench(const TpModelArgs& a, json& out) {
           parts[1].push_back(us(t2 - t1));
           parts[2].push_back(us(Clock::now() - t2));
         });
+        for (auto& v : parts)  // the timed calls only, as sv
+          v.erase(v.begin(), v.begin() + std::min<ptrdiff_t>(a.warmup, ptrdiff_t(v.size())));
         const Stats pd = stats_of(parts[0]), pf = stats_of(parts[1]), pv = stats_of(parts[2]);
         served_txt = fmt::format("{:.1f} = {:.0f} + {:.0f} + {:.0f}", sv.median_us, pd.median_us,
                                  pf.median_us, pv.median_us);

@@ -441,19 +441,18 @@ namespace {
 // fp8_gemm_set_legacy (process-wide, read at each launch).
 std::atomic<bool> g_legacy{false};
 
-// Sets the f16 kernel's shared-memory attributes on the current device (once; see below) and
+// Sets the f16 kernel's shared-memory attributes on the current device (once per device) and
 // launches it on an m-tiles x n-blocks grid.
 template <int kNi, int kWm, int kMinBlocks>
-void launch_f16(const GemmParams& p, int dev, cudaStream_t stream) {
+void launch_f16(const GemmParams& p, cudaStream_t stream) {
   using Tl = F16Tile<kNi, kWm>;
-  static std::atomic<bool> ready[kMaxDevices];
-  if (!ready[dev].load(std::memory_order_acquire)) {
+  static PerDeviceOnce once;
+  once([] {
     UF_CUDA_CHECK(cudaFuncSetAttribute(fp8_gemm_f16_kernel<kNi, kWm, kMinBlocks>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        Tl::kSmemBytes));
     prefer_shared_carveout(fp8_gemm_f16_kernel<kNi, kWm, kMinBlocks>);
-    ready[dev].store(true, std::memory_order_release);
-  }
+  });
   const dim3 grid{unsigned((p.m + Tl::kBM - 1) / Tl::kBM), unsigned((p.n + kBN - 1) / kBN)};
   fp8_gemm_f16_kernel<kNi, kWm, kMinBlocks><<<grid, Tl::kThreads, Tl::kSmemBytes, stream>>>(p);
 }
@@ -474,17 +473,16 @@ void fp8_gemm_prefill(const Fp8WeightView& w, const QuantActView& a, int kb_per_
   // per device (no-ops afterwards; not stream work, so capture-safe).
   int dev = 0;
   UF_CUDA_CHECK(cudaGetDevice(&dev));
-  static std::atomic<bool> ready[kMaxDevices];
   require(dev >= 0 && dev < kMaxDevices, "fp8_gemm_prefill: device %d beyond %d", dev, kMaxDevices);
-  if (!ready[dev].load(std::memory_order_acquire)) {
+  static PerDeviceOnce once;
+  once([] {
     UF_CUDA_CHECK(cudaFuncSetAttribute(
         fp8_gemm_kernel<64>, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile<64>::kSmemBytes));
     UF_CUDA_CHECK(cudaFuncSetAttribute(
         fp8_gemm_kernel<32>, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile<32>::kSmemBytes));
     prefer_shared_carveout(fp8_gemm_kernel<64>);
     prefer_shared_carveout(fp8_gemm_kernel<32>);
-    ready[dev].store(true, std::memory_order_release);
-  }
+  });
   const GemmParams p{w.data, w.scale, a.codes, a.scales,     out,
                      w.n,    a.m,     w.k,     kb_per_split, round ? 1 : 0};
   static int sms[kMaxDevices] = {};
@@ -499,9 +497,9 @@ void fp8_gemm_prefill(const Fp8WeightView& w, const QuantActView& a, int kb_per_
     const size_t nb = size_t((w.n + kBN - 1) / kBN);
     require(nb <= 65535, "fp8_gemm_prefill: n = %d exceeds one launch", w.n);
     if (nb * size_t((a.m + 63) / 64) >= size_t(sms[dev]))
-      launch_f16<4, 2, 2>(p, dev, stream);
+      launch_f16<4, 2, 2>(p, stream);
     else
-      launch_f16<2, 2, 2>(p, dev, stream);
+      launch_f16<2, 2, 2>(p, stream);
     UF_CUDA_CHECK(cudaGetLastError());
     return;
   }
