@@ -65,15 +65,17 @@ struct PrefillArgs {
   uint64_t seed = 1;
   int device = 0;
   std::string fp8_gemm = "default";  // the prefill GEMM's kernel (cuda/gemv.h): or "legacy"
+  std::string attention = "mma";     // prefill attention: mma (tensor cores) or split
 };
 
 #ifdef UF_HAVE_CUDA
 
 std::unique_ptr<uf::cuda::CudaModel> load(const uf::model::ModelConfig& cfg,
                                           const uf::model::Checkpoint& ck, int max_chunk,
-                                          int device) {
+                                          int device, bool attention_mma) {
   uf::cuda::CudaModelOptions o;
   o.device = device;
+  o.prefill_attention_mma = attention_mma;
   o.max_chunk = max_chunk;
   const auto t0 = bench::Clock::now();
   auto m =
@@ -86,7 +88,7 @@ std::unique_ptr<uf::cuda::CudaModel> load(const uf::model::ModelConfig& cfg,
 // CED and the single-span full prefill of a --ced token prompt.
 void run_ced(const PrefillArgs& a, const uf::model::ModelConfig& cfg,
              const uf::model::Checkpoint& ck, json& out, double& ratio, double& ced_s) {
-  auto m = load(cfg, ck, a.ced, a.device);
+  auto m = load(cfg, ck, a.ced, a.device, a.attention == "mma");
   std::mt19937_64 rng(a.seed + 5);
   const auto toks = bench::random_tokens(rng, a.ced, cfg.vocab_size);
   std::vector<float> logits(static_cast<size_t>(cfg.vocab_size));
@@ -121,7 +123,7 @@ void run_ced(const PrefillArgs& a, const uf::model::ModelConfig& cfg,
 std::vector<uf::model::PrefillPoint> run_chunks(const PrefillArgs& a,
                                                 const uf::model::ModelConfig& cfg,
                                                 const uf::model::Checkpoint& ck, json& out) {
-  auto m = load(cfg, ck, a.chunk, a.device);
+  auto m = load(cfg, ck, a.chunk, a.device, a.attention == "mma");
   const int C = std::min(a.chunk, m->max_span_rows());
   std::mt19937_64 rng(a.seed + 9);
   const auto toks = bench::random_tokens(rng, C, cfg.vocab_size);
@@ -210,6 +212,9 @@ int run_prefill(const PrefillArgs& a) {
            "bench-prefill: --fp8-gemm {} (default or legacy)", a.fp8_gemm);
   uf::cuda::fp8_gemm_set_legacy(a.fp8_gemm == "legacy");
   out["fp8_gemm"] = a.fp8_gemm;
+  UF_CHECK(a.attention == "mma" || a.attention == "split",
+           "bench-prefill: --attention {} (mma or split)", a.attention);
+  out["attention"] = a.attention;
   spdlog::info("bench-prefill: building the synthetic checkpoint");
   const auto ck = uf::model::synthetic_checkpoint(cfg, a.seed);
   double ratio = -1, ced_measured_s = -1;
@@ -317,6 +322,8 @@ void setup_bench_prefill(CLI::App& app, int& exit_code) {
   cmd->add_option("--device", a->device, "CUDA device ordinal");
   cmd->add_option("--fp8-gemm", a->fp8_gemm,
                   "Prefill GEMM kernel: default (f16 HMMA) or legacy (emulated e4m3 mma)");
+  cmd->add_option("--attention", a->attention,
+                  "Prefill attention: mma (tensor cores, default) or split (the decode kernels)");
   cmd->callback([a, &exit_code] { exit_code = run_prefill(*a); });
 }
 

@@ -70,6 +70,10 @@ void check_repeat_is_bitwise(const std::vector<float>& got, int T, int H, int hd
                       << again[std::min(first, got.size() - 1)];
 }
 
+// Which sparse_attn path a check runs: the reference kernel (one CTA per (row, head)), the
+// split path (a scratch buffer given: every decode caller), or sparse_attn_mma (prefill spans).
+enum class Path { kReference, kSplit, kMma };
+
 // split: the fast chunked path (scores kernel, P.V per chunk of 16 slots for 8 heads, merge in
 // chunk order; ops/attention.cu). It computes every s_j bit for bit as the CPU (dot8 lanes, no
 // FMA), takes each chunk's base from the CPU's running max after its 64-slot block and the same
@@ -81,13 +85,26 @@ void check_repeat_is_bitwise(const std::vector<float>& got, int T, int H, int hd
 // 2^-16 * sum_j p_j |v_j[d]| / sum_j p_j (exact softmax in double). Such flips are rare (the
 // sums differ by ~1e-6 relative): more than 1% of outputs not bitwise equal to the CPU fails.
 // spec == plain is checked bitwise.
-void check_sparse_attn(const AttnCase& c, uint32_t seed, bool split = false) {
-  SCOPED_TRACE(std::string(c.name) + (split ? " split" : ""));
+// mma (sparse_attn_mma, tensor cores): s_j is re-associated (and, for an fp32 q, carries the
+// hi / lo split's 2^-17), ~1e-6 relative, which flips bf16(p_j) by one bf16 ulp (2^-8 relative)
+// for a rare slot: bound per output 1 bf16 ulp + 2^-8 * the p-weighted mean |v| (a flip of the
+// heaviest slot's p at most; a wrong slot, head or block would be off by O(1) of it). Repeats
+// and 1-row calls are checked bitwise (the kernel's result never depends on other rows).
+// fp32_q: q with full fp32 mantissas (the split's lo half is exercised); else bf16 values.
+void check_sparse_attn(const AttnCase& c, uint32_t seed, Path path = Path::kReference,
+                       bool fp32_q = false) {
+  const bool split = path == Path::kSplit, mma = path == Path::kMma;
+  SCOPED_TRACE(std::string(c.name) + (split ? " split" : "") + (mma ? " mma" : "") +
+               (fp32_q ? " fp32 q" : ""));
   std::mt19937 rng(seed);
   const int T = c.T, H = c.H, hd = c.hd, W = c.W, k = c.k;
   const int n_win_vecs = std::max(1, T * W);
   // q is scaled up so that some rows have peaked softmaxes (scores of several units).
-  const auto q = normal_bf16(size_t(T) * H * hd, rng, 2.5f);
+  auto q = normal_bf16(size_t(T) * H * hd, rng, 2.5f);
+  if (fp32_q) {
+    std::uniform_real_distribution<float> jitter(-1.f, 1.f);
+    for (float& v : q) v += v * jitter(rng) * 0x1p-9f;  // below bf16's spacing: a full mantissa
+  }
   const auto wbank = normal_bf16(size_t(n_win_vecs) * hd, rng, 1.f);
   const auto ckv = normal_bf16(size_t(std::max(1, c.entries)) * hd, rng, 1.f);
   const auto sink = normal_bf16(size_t(H), rng, 1.f);
@@ -126,17 +143,25 @@ void check_sparse_attn(const AttnCase& c, uint32_t seed, bool split = false) {
   DeviceBuffer<float> scratch(std::max<size_t>(1, sparse_attn_scratch_floats(T, H, hd, W + k)));
   scratch.poison();
   float* sp = split ? scratch.get() : nullptr;
+  // The path under test on rows [t0, t0 + n) into o.
+  auto run = [&](int t0, int n, float* o) {
+    const float* qt = dq.get() + int64_t(t0) * H * hd;
+    const float* const* wt = W > 0 ? dwin.get() + int64_t(t0) * W : nullptr;
+    const int32_t* kt = k > 0 ? dtopk.get() + int64_t(t0) * k : nullptr;
+    if (mma)
+      ASSERT_TRUE(sparse_attn_mma(qt, n, H, hd, wt, W, kt, k, dckv.get(), dsink.get(), scale, o,
+                                  nullptr))
+          << "sparse_attn_mma refused the shape";
+    else
+      sparse_attn(qt, n, H, hd, wt, W, kt, k, dckv.get(), dsink.get(), scale, o, nullptr, nullptr,
+                  sp);
+  };
   dout.poison();
-  sparse_attn(dq.get(), T, H, hd, W > 0 ? dwin.get() : nullptr, W, k > 0 ? dtopk.get() : nullptr, k,
-              dckv.get(), dsink.get(), scale, dout.get(), nullptr, nullptr, sp);
+  run(0, T, dout.get());
   sync_and_check();
   const auto got = dout.download();
-  if (split)
-    check_repeat_is_bitwise(got, T, H, hd, W + k, [&](float* o) {
-      sparse_attn(dq.get(), T, H, hd, W > 0 ? dwin.get() : nullptr, W,
-                  k > 0 ? dtopk.get() : nullptr, k, dckv.get(), dsink.get(), scale, o, nullptr,
-                  nullptr, sp);
-    });
+  if (split || mma)
+    check_repeat_is_bitwise(got, T, H, hd, W + k, [&](float* o) { run(0, T, o); });
 
   std::vector<float> ref(size_t(T) * H * hd);
   for (int t = 0; t < T; ++t) {
@@ -159,7 +184,7 @@ void check_sparse_attn(const AttnCase& c, uint32_t seed, bool split = false) {
   // less than a bf16 ulp, so at most one bf16 rounding flips.
   // Split mode: the weighted mean of |v| per output (the scale of the re-associated fp32 sums).
   std::vector<double> wmean;
-  if (split) {
+  if (split || mma) {
     wmean.assign(got.size(), 0.0);
     for (int t = 0; t < T; ++t)
       for (int h = 0; h < H; ++h) {
@@ -204,9 +229,9 @@ void check_sparse_attn(const AttnCase& c, uint32_t seed, bool split = false) {
     if (!bits_equal(got[i], ref[i])) ++n_diff;
     max_ulp = std::max(max_ulp, u);
     bool ok = u <= 1;
-    if (split) {
-      const double bound =
-          bf16_spacing(std::max(std::fabs(got[i]), std::fabs(ref[i]))) + 0x1p-16 * wmean[i];
+    if (split || mma) {
+      const double bound = bf16_spacing(std::max(std::fabs(got[i]), std::fabs(ref[i]))) +
+                           (mma ? 0x1p-8 : 0x1p-16) * wmean[i];
       const double err = std::fabs(double(got[i]) - ref[i]);
       ok = err <= bound;
       worst = std::max(worst, err / bound);
@@ -223,10 +248,11 @@ void check_sparse_attn(const AttnCase& c, uint32_t seed, bool split = false) {
   std::printf(
       "[sparse_attn %s%s T=%d] %zu outputs: max %lld bf16 ulp, %lld not bitwise, %lld NaN, %lld "
       "out of bound, worst err/bound %.3f\n",
-      c.name, split ? " split" : "", T, got.size(), (long long)max_ulp, (long long)n_diff,
+      c.name, split ? " split" : (mma ? " mma" : ""), T, got.size(), (long long)max_ulp,
+      (long long)n_diff,
       (long long)n_nan, (long long)n_bad, worst);
   EXPECT_EQ(n_nan, 0);
-  EXPECT_EQ(n_bad, 0) << (split ? "outputs beyond the split bound" : "outputs beyond 1 bf16 ulp");
+  EXPECT_EQ(n_bad, 0) << (split || mma ? "outputs beyond the bound" : "outputs beyond 1 bf16 ulp");
   if (split) {  // the split path's p are the CPU's: only rare fp32 re-association flips remain
     EXPECT_LE(double(n_diff), 0.01 * double(got.size()))
         << n_diff << " of " << got.size() << " outputs differ from the CPU (more than 1%)";
@@ -235,8 +261,9 @@ void check_sparse_attn(const AttnCase& c, uint32_t seed, bool split = false) {
     const int64_t i = first_bad, t = i / (H * hd), h = (i / hd) % H, d = i % hd;
     ADD_FAILURE() << "first bad output: row " << t << " head " << h << " dim " << d << ": gpu "
                   << got[size_t(i)] << " cpu " << ref[size_t(i)]
-                  << (split ? " (weighted mean |v| " + std::to_string(wmean[size_t(i)]) + ")"
-                            : std::string());
+                  << (split || mma
+                          ? " (weighted mean |v| " + std::to_string(wmean[size_t(i)]) + ")"
+                          : std::string());
   }
 
   // spec == plain: every row alone.
@@ -244,10 +271,7 @@ void check_sparse_attn(const AttnCase& c, uint32_t seed, bool split = false) {
   for (int t = 0; t < T; ++t) {
     d1.poison();
     scratch.poison();  // the chunk records must be rewritten, not left over from the T-row call
-    sparse_attn(dq.get() + int64_t(t) * H * hd, 1, H, hd,
-                W > 0 ? dwin.get() + int64_t(t) * W : nullptr, W,
-                k > 0 ? dtopk.get() + int64_t(t) * k : nullptr, k, dckv.get(), dsink.get(), scale,
-                d1.get(), nullptr, nullptr, sp);
+    run(t, 1, d1.get());
     sync_and_check();
     const auto one = d1.download();
     for (int i = 0; i < H * hd; ++i)
@@ -272,9 +296,9 @@ TEST(CudaOpsAttention, SparseAttnRealPerRank) {
 
 TEST(CudaOpsAttention, SparseAttnSplitMode) {
   UF_REQUIRE_GPU();
-  check_sparse_attn({"tiny", 10, 4, 128, 8, 8, 40}, 111, true);
-  check_sparse_attn({"real-tp8", 8, 8, 512, 128, 512, 3000}, 112, true);
-  check_sparse_attn({"draft", 5, 8, 512, 133, 0, 1}, 113, true);
+  check_sparse_attn({"tiny", 10, 4, 128, 8, 8, 40}, 111, Path::kSplit);
+  check_sparse_attn({"real-tp8", 8, 8, 512, 128, 512, 3000}, 112, Path::kSplit);
+  check_sparse_attn({"draft", 5, 8, 512, 133, 0, 1}, 113, Path::kSplit);
 }
 
 // The decode shapes of a TP8 rank at every row count 1..8 (128 window + 512 top-k slots, and
@@ -285,18 +309,18 @@ TEST(CudaOpsAttention, SparseAttnSplitMode) {
 TEST(CudaOpsAttention, SparseAttnSplitDecodeShapes) {
   UF_REQUIRE_GPU();
   for (int T = 1; T <= 8; ++T) {
-    check_sparse_attn({"real-tp8", T, 8, 512, 128, 512, 2000}, 120 + uint32_t(T), true);
-    check_sparse_attn({"window-only", T, 8, 512, 128, 0, 0}, 140 + uint32_t(T), true);
+    check_sparse_attn({"real-tp8", T, 8, 512, 128, 512, 2000}, 120 + uint32_t(T), Path::kSplit);
+    check_sparse_attn({"window-only", T, 8, 512, 128, 0, 0}, 140 + uint32_t(T), Path::kSplit);
   }
-  check_sparse_attn({"odd", 6, 3, 100, 37, 50, 90}, 161, true);
-  check_sparse_attn({"12-heads", 3, 12, 256, 20, 300, 400}, 162, true);
-  check_sparse_attn({"real-64h", 2, 64, 512, 128, 512, 700}, 163, true);
-  check_sparse_attn({"hd1024", 2, 8, 1024, 40, 300, 500}, 164, true);
+  check_sparse_attn({"odd", 6, 3, 100, 37, 50, 90}, 161, Path::kSplit);
+  check_sparse_attn({"12-heads", 3, 12, 256, 20, 300, 400}, 162, Path::kSplit);
+  check_sparse_attn({"real-64h", 2, 64, 512, 128, 512, 700}, 163, Path::kSplit);
+  check_sparse_attn({"hd1024", 2, 8, 1024, 40, 300, 500}, 164, Path::kSplit);
   sparse_attn_chunk_override(32);
-  check_sparse_attn({"real-tp8 c32", 7, 8, 512, 128, 512, 2000}, 171, true);
-  check_sparse_attn({"draft c32", 5, 8, 512, 133, 0, 1}, 172, true);
-  check_sparse_attn({"odd c32", 6, 3, 100, 37, 50, 90}, 173, true);
-  check_sparse_attn({"hd1024 c32", 2, 8, 1024, 40, 300, 500}, 174, true);
+  check_sparse_attn({"real-tp8 c32", 7, 8, 512, 128, 512, 2000}, 171, Path::kSplit);
+  check_sparse_attn({"draft c32", 5, 8, 512, 133, 0, 1}, 172, Path::kSplit);
+  check_sparse_attn({"odd c32", 6, 3, 100, 37, 50, 90}, 173, Path::kSplit);
+  check_sparse_attn({"hd1024 c32", 2, 8, 1024, 40, 300, 500}, 174, Path::kSplit);
   sparse_attn_chunk_override(0);
 }
 
@@ -305,13 +329,13 @@ TEST(CudaOpsAttention, SparseAttnSplitDecodeShapes) {
 // a second head group of 4 heads.
 TEST(CudaOpsAttention, SparseAttnSplitCorners) {
   UF_REQUIRE_GPU();
-  check_sparse_attn({"1024 slots", 3, 8, 512, 128, 896, 2000}, 181, true);
-  check_sparse_attn({"1088 slots", 2, 8, 512, 128, 960, 2000}, 182, true);
-  check_sparse_attn({"one slot", 4, 8, 512, 1, 0, 0}, 183, true);
-  check_sparse_attn({"65 slots", 5, 8, 256, 60, 5, 30}, 184, true);
-  check_sparse_attn({"tiny T8", 8, 4, 128, 8, 8, 40}, 185, true);
-  check_sparse_attn({"12-heads T8", 8, 12, 256, 20, 300, 400}, 186, true);
-  check_sparse_attn({"odd T8", 8, 3, 100, 37, 50, 90}, 187, true);
+  check_sparse_attn({"1024 slots", 3, 8, 512, 128, 896, 2000}, 181, Path::kSplit);
+  check_sparse_attn({"1088 slots", 2, 8, 512, 128, 960, 2000}, 182, Path::kSplit);
+  check_sparse_attn({"one slot", 4, 8, 512, 1, 0, 0}, 183, Path::kSplit);
+  check_sparse_attn({"65 slots", 5, 8, 256, 60, 5, 30}, 184, Path::kSplit);
+  check_sparse_attn({"tiny T8", 8, 4, 128, 8, 8, 40}, 185, Path::kSplit);
+  check_sparse_attn({"12-heads T8", 8, 12, 256, 20, 300, 400}, 186, Path::kSplit);
+  check_sparse_attn({"odd T8", 8, 3, 100, 37, 50, 90}, 187, Path::kSplit);
 }
 
 // The attention's rotary embedding (AttnRope): q rotated as it is staged, the output rotated back
@@ -320,10 +344,12 @@ TEST(CudaOpsAttention, SparseAttnSplitCorners) {
 // TP8 rank's (hd 512, rope 64), an odd head_dim whose rotated channels start on a float4
 // (100 / 36: the merge rotates), one that does not (100 / 30: the reference path), device
 // positions and p0 + t positions.
-void check_attn_rope(int T, int H, int hd, int rope_dim, bool split, bool device_pos,
+void check_attn_rope(int T, int H, int hd, int rope_dim, Path path, bool device_pos,
                      uint32_t seed) {
+  const bool split = path == Path::kSplit, mma = path == Path::kMma;
   SCOPED_TRACE("T=" + std::to_string(T) + " hd=" + std::to_string(hd) +
-               " rope=" + std::to_string(rope_dim) + (split ? " split" : " reference") +
+               " rope=" + std::to_string(rope_dim) +
+               (split ? " split" : (mma ? " mma" : " reference")) +
                (device_pos ? " positions" : " p0"));
   std::mt19937 rng(seed);
   const int W = 40, k = 60, entries = 300;
@@ -353,20 +379,25 @@ void check_attn_rope(int T, int H, int hd, int rope_dim, bool split, bool device
   float* sp = split ? scratch.get() : nullptr;
   const int64_t* positions = device_pos ? dpos.get() : nullptr;
   DeviceBuffer<float> dq_rot(q);
+  auto attn = [&](const float* qq, float* o, const AttnRope& r) {
+    if (mma)
+      ASSERT_TRUE(sparse_attn_mma(qq, T, H, hd, dwin.get(), W, dtopk.get(), k, dckv.get(),
+                                  dsink.get(), scale, o, nullptr, nullptr, r));
+    else
+      sparse_attn(qq, T, H, hd, dwin.get(), W, dtopk.get(), k, dckv.get(), dsink.get(), scale, o,
+                  nullptr, nullptr, sp, r);
+  };
   fused.poison();
   want.poison();
-  sparse_attn(dq.get(), T, H, hd, dwin.get(), W, dtopk.get(), k, dckv.get(), dsink.get(), scale,
-              fused.get(), nullptr, nullptr, sp, AttnRope{dfreqs.get(), rope_dim, p0, positions});
+  attn(dq.get(), fused.get(), AttnRope{dfreqs.get(), rope_dim, p0, positions});
   rope(dfreqs.get(), rope_dim, dq_rot.get(), T, H, hd, p0, 1, /*inverse=*/false, nullptr,
        positions);
-  sparse_attn(dq_rot.get(), T, H, hd, dwin.get(), W, dtopk.get(), k, dckv.get(), dsink.get(), scale,
-              want.get(), nullptr, nullptr, sp);
+  attn(dq_rot.get(), want.get(), AttnRope{});
   rope(dfreqs.get(), rope_dim, want.get(), T, H, hd, p0, 1, /*inverse=*/true, nullptr, positions);
   sync_and_check();
-  if (split)
+  if (split || mma)
     check_repeat_is_bitwise(fused.download(), T, H, hd, W + k, [&](float* o) {
-      sparse_attn(dq.get(), T, H, hd, dwin.get(), W, dtopk.get(), k, dckv.get(), dsink.get(), scale,
-                  o, nullptr, nullptr, sp, AttnRope{dfreqs.get(), rope_dim, p0, positions});
+      attn(dq.get(), o, AttnRope{dfreqs.get(), rope_dim, p0, positions});
     });
   const auto q_after = dq.download();
   for (size_t i = 0; i < q.size(); ++i)
@@ -385,12 +416,47 @@ void check_attn_rope(int T, int H, int hd, int rope_dim, bool split, bool device
 TEST(CudaOpsAttention, RopeEqualsSeparateRopes) {
   UF_REQUIRE_GPU();
   uint32_t seed = 900;
-  for (bool split : {true, false})
+  for (Path path : {Path::kSplit, Path::kReference})
     for (bool device_pos : {true, false}) {
-      check_attn_rope(7, 8, 512, 64, split, device_pos, seed++);
-      check_attn_rope(3, 4, 100, 36, split, device_pos, seed++);
-      check_attn_rope(3, 4, 100, 30, split, device_pos, seed++);
+      check_attn_rope(7, 8, 512, 64, path, device_pos, seed++);
+      check_attn_rope(3, 4, 100, 36, path, device_pos, seed++);
+      check_attn_rope(3, 4, 100, 30, path, device_pos, seed++);
     }
+  for (bool device_pos : {true, false}) {  // sparse_attn_mma: head_dim a multiple of 32
+    check_attn_rope(70, 8, 512, 64, Path::kMma, device_pos, seed++);
+    check_attn_rope(20, 12, 128, 64, Path::kMma, device_pos, seed++);
+  }
+}
+
+// sparse_attn_mma (prefill spans) against the CPU: a TP8 rank's prefill rows (hd 512, 128 window
+// + 512 top-k), q with full fp32 mantissas, fewer heads than a CTA's 8 (tiny-a's 4), two head
+// groups (12), 64 heads, 17 whole blocks, a last block of one slot, head_dim 64 (half the warps
+// without output tiles) and 128; then the shapes it refuses (nothing launched, out untouched).
+TEST(CudaOpsAttention, SparseAttnMmaPrefill) {
+  UF_REQUIRE_GPU();
+  check_sparse_attn({"real-tp8", 40, 8, 512, 128, 512, 3000}, 191, Path::kMma);
+  check_sparse_attn({"real-tp8", 12, 8, 512, 128, 512, 3000}, 192, Path::kMma, /*fp32_q=*/true);
+  check_sparse_attn({"tiny", 10, 4, 128, 8, 8, 40}, 193, Path::kMma);
+  check_sparse_attn({"12-heads", 9, 12, 256, 20, 300, 400}, 194, Path::kMma);
+  check_sparse_attn({"real-64h", 3, 64, 512, 128, 512, 700}, 195, Path::kMma);
+  check_sparse_attn({"1088 slots", 3, 8, 512, 128, 960, 2000}, 196, Path::kMma);
+  check_sparse_attn({"65 slots", 5, 8, 256, 60, 5, 30}, 197, Path::kMma);
+  check_sparse_attn({"hd64", 6, 8, 64, 30, 40, 100}, 198, Path::kMma);
+  check_sparse_attn({"window-only", 10, 8, 512, 128, 0, 0}, 199, Path::kMma);
+
+  DeviceBuffer<float> q(size_t(2) * 8 * 1024), out(size_t(2) * 8 * 1024), sink(8);
+  std::vector<const float*> none(size_t(2) * 4, nullptr);
+  DeviceBuffer<const float*> win(none);
+  out.poison();
+  for (int hd : {100, 1024, 48})  // not a multiple of 32, or past 512
+    EXPECT_FALSE(sparse_attn_mma(q.get(), 2, 8, hd, win.get(), 4, nullptr, 0, nullptr, sink.get(),
+                                 1.f, out.get(), nullptr))
+        << "hd " << hd;
+  EXPECT_FALSE(sparse_attn_mma(q.get() + 1, 2, 8, 128, win.get(), 4, nullptr, 0, nullptr,
+                               sink.get(), 1.f, out.get(), nullptr))
+      << "unaligned q";
+  sync_and_check();
+  for (float v : out.download()) ASSERT_TRUE(std::isnan(v)) << "a refused call wrote its output";
 }
 
 TEST(CudaOpsAttention, SparseAttnRealAllHeads) {
@@ -518,7 +584,7 @@ TEST(CudaOpsAttention, RealShapesOnEveryDevice) {
   for (int d = 0; d < n; ++d) {
     SCOPED_TRACE("device " + std::to_string(d));
     ASSERT_EQ(cudaSetDevice(d), cudaSuccess);
-    check_sparse_attn({"real-tp8", 7, 8, 512, 128, 512, 2000}, 180 + uint32_t(d), true);
+    check_sparse_attn({"real-tp8", 7, 8, 512, 128, 512, 2000}, 180 + uint32_t(d), Path::kSplit);
     check_index_scores({"real", 32, 128, {3000, 129}, {3000, 2600}}, 190 + uint32_t(d));
   }
   ASSERT_EQ(cudaSetDevice(0), cudaSuccess);

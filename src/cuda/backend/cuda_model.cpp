@@ -96,6 +96,7 @@ CudaModel::CudaModel(model::ModelConfig cfg, const model::Checkpoint& ckpt,
 
   const int B = (cfg_.n_mtp_layers > 0) ? cfg_.dspark_block_size : 0;
   tmax_ = std::max({opts_.max_chunk, opts_.max_rows, B, 1});
+  decode_rows_ = std::max(opts_.max_rows, B);
 
   // ---- weights ----
   // Copied through pinned staging buffers by several host threads (cuda/weight_uploader.h); the
@@ -935,6 +936,12 @@ void CudaModel::attend(int l, int T, const float* const* window, int n_window, c
   const auto& op = *layers_[size_t(l)];
   const int H = H_, hd = cfg_.head_dim;
   const float scale = float(std::pow(double(hd), -0.5));
+  // Prefill spans on the tensor cores (all rows in one launch, no scratch); where the kernel
+  // does not apply it launches nothing and the split path below runs.
+  if (opts_.prefill_attention_mma && T > decode_rows_ &&
+      sparse_attn_mma(q_, T, H, hd, window, n_window, topk, k, ckv, op.sink, scale, o_, stream_,
+                      ckv_ref, AttnRope{op.freqs, op.rope_dim, p0, pos}))
+    return;
   for (int t0 = 0; t0 < T; t0 += attn_rows_) {
     const int n = std::min(attn_rows_, T - t0);
     const int64_t o = int64_t(t0) * H * hd;

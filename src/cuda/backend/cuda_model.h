@@ -132,6 +132,11 @@ struct CudaModelOptions {
   // TP8 rank) leaves it off unless --fold-moe-combine (H200, session 8: 61 / 124 us a step
   // shorter at 1 / 7 rows).
   bool fold_moe_combine = true;
+  // Prefill spans (more rows than a verify step and a draft block) attend on the tensor cores
+  // (sparse_attn_mma, ops/attention_mma.cu); decode rows always take sparse_attn's split path,
+  // so spec == plain is unaffected. Not the CPU's bits (within the bound the op tests state).
+  // Off: prefill spans take the split path too (`bench-prefill --attention split`).
+  bool prefill_attention_mma = true;
 };
 
 class CudaModel {
@@ -310,7 +315,8 @@ class CudaModel {
   void draft_attention(const SpanBlock& b, int stage, const float* x, float* out);
   void attention(Span& sp, int l, const float* x, float* out);
   // sparse_attn of T rows on the fast chunked path, in groups of attn_rows_ rows (its scratch
-  // grows with the rows): decode steps, draft blocks and prefill chunks alike.
+  // grows with the rows): decode steps and draft blocks; prefill spans (T > decode_rows_) on the
+  // tensor cores (sparse_attn_mma) unless opts_.prefill_attention_mma is off.
   void attend(int l, int T, const float* const* window, int n_window, const int32_t* topk, int k,
               const float* ckv, const float* const* ckv_ref, int64_t p0, const int64_t* pos);
   void kv_path(Span& sp, int l, const float* x);
@@ -429,6 +435,7 @@ class CudaModel {
   };
   MixReady mix_ready_;
   float* attn_scratch_ = nullptr;  // sparse_attn's split mode, attn_rows_ rows (attend)
+  int decode_rows_ = 0;  // max(max_rows, draft block): spans up to this many rows are decode
   int attn_rows_ = 0;
   float *mh_ = nullptr, *logits_ = nullptr, *emb_ = nullptr;
   int32_t *ids_ = nullptr, *gate_i_ = nullptr, *vis_ = nullptr, *width_ = nullptr;

@@ -47,6 +47,20 @@ void sparse_attn(const float* q, int T, int H, int hd, const float* const* windo
                  float* out, cudaStream_t stream, const float* const* ckv_ref = nullptr,
                  float* split_scratch = nullptr, const AttnRope& rope = {});
 size_t sparse_attn_scratch_floats(int T, int H, int hd, int n_slots);
+
+// sparse_attn for prefill spans on the tensor cores (ops/attention_mma.cu): the same inputs,
+// slot order, 64-slot softmax blocks, sink and rope as sparse_attn, both products as bf16
+// mma.sync with fp32 accumulation (q split into bf16 hi + lo; KV rows converted to bf16, exact
+// for the model's FP8 / FP4 QDQ values). Not the CPU's bits: each p_j and sum is re-associated
+// (tests/cuda/test_ops_attention.cpp states the bound), so decode rows never use it (spec ==
+// plain holds between the verify rows and plain decoding, which both take sparse_attn). A row's
+// result depends on its own inputs only, and is the same at any T. No scratch. Returns false,
+// launching nothing, where it does not apply (hd % 32 != 0, hd > 512, q or out not 16-byte
+// aligned, an empty slot list, an odd rope offset): the caller then runs sparse_attn.
+bool sparse_attn_mma(const float* q, int T, int H, int hd, const float* const* window,
+                     int n_window, const int32_t* topk, int k, const float* ckv, const float* sink,
+                     float scale, float* out, cudaStream_t stream,
+                     const float* const* ckv_ref = nullptr, const AttnRope& rope = {});
 // Benchmarks only (not thread-safe): 16 or 32 makes every later chunked call use chunks of that
 // many slots; 0 restores the default (16).
 void sparse_attn_chunk_override(int slots);

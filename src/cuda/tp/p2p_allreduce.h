@@ -75,11 +75,12 @@ struct P2pArgs;  // p2p_allreduce.cu
 class PeerAllReduce {
  public:
   static constexpr int kMaxRanks = 8;
-  // CTAs a kernel (the backend reads UF_P2P_CTAS to try others). Untested idea: the push + flag
-  // sums of long rows (index scores at 1M: ~220 us a call on 2 GPUs; prefill chunks' 10 MB: 40 us)
-  // may be bound by how many SMs store over NVLink at once, and small sums, on the low-latency
-  // protocol, would not mind more idle CTAs.
-  static constexpr int kDefaultCtas = 16;
+  // CTAs a kernel (the backend reads UF_P2P_CTAS to try others). 64, not 16 (session 13, two
+  // TP8-shaped ranks on 2 H200s, same run): a 7-row forward's 91 collectives 464 -> 361 us at 8k
+  // and 1675 -> 1028 us at 1M (the index-score sums of T x 250k floats are bound by how many SMs
+  // store over NVLink at once), a 512-row prefill chunk at 1M 268 -> 226 ms; the low-latency sums
+  // do not mind the idle CTAs.
+  static constexpr int kDefaultCtas = 64;
   // Sums of up to this many floats take the low-latency protocol: a decode step's T x dim sums
   // (<= 8 x 5120) and the index scores of contexts up to ~32k tokens; 16 MB a GPU at 8 ranks.
   static constexpr size_t kDefaultLowLatencyElems = size_t(1) << 16;
