@@ -351,6 +351,7 @@ TEST(DenseMma, DeviceLinearKinds) {
     LinearKind kind;
   };
   const C cs[] = {{"router_f32", WFormat::kBF16, 384, 5120, LinearKind::kF32Bf16X},
+                  {"router_prefill", WFormat::kBF16, 384, 5120, LinearKind::kF32Bf16XPrefill},
                   {"fp8_bf16_out", WFormat::kFP8, 1024, 4096, LinearKind::kBf16OutBf16X},
                   {"f32_fallback", WFormat::kF32, 40, 256, LinearKind::kF32Bf16X},
                   {"bf16_k96_fallback", WFormat::kBF16, 48, 96, LinearKind::kBf16OutBf16X}};
@@ -396,6 +397,32 @@ TEST(DenseMma, DeviceLinearKinds) {
       check_against_cpu(c.name, T, dy.download(), ys, cpu_rows(hw->w, r0, n, x, xs, T, true),
                         magnitudes(hw->w, r0, n, x, xs, T), n, factor, true);
     }
+  }
+}
+
+// kF32Bf16XPrefill (the MoE router gate): decode calls (T <= 8) bitwise kF32's dense_rows (the
+// order the fused decode routers repeat), prefill calls bitwise kF32Bf16X's DenseMma.
+TEST(DenseMma, PrefillKindSwitchesAtDecodeRows) {
+  UF_REQUIRE_GPU();
+  std::mt19937 rng(83);
+  auto hw = make_weight(WFormat::kBF16, 384, 5120, rng);
+  DeviceArena arena;
+  const DeviceLinear pre(hw->w, LinearKind::kF32Bf16XPrefill, arena);
+  const DeviceLinear f32(hw->w, LinearKind::kF32, arena);
+  const DeviceLinear mma(hw->w, LinearKind::kF32Bf16X, arena);
+  for (int T : {1, 8, 9, 64}) {
+    const std::vector<float> x = random_acts(T, 5120, rng);
+    const DeviceBuffer<float> dx(x);
+    DeviceBuffer<float> a(size_t(T) * 384), b(size_t(T) * 384);
+    a.poison();
+    b.poison();
+    pre.apply(dx.get(), T, a.get(), nullptr);
+    (T <= 8 ? f32 : mma).apply(dx.get(), T, b.get(), nullptr);
+    sync_and_check();
+    const auto ya = a.download(), yb = b.download();
+    for (size_t i = 0; i < ya.size(); ++i)
+      ASSERT_TRUE(bits_equal(ya[i], yb[i]) && !std::isnan(ya[i]))
+          << "T=" << T << " element " << i << ": " << ya[i] << " vs " << yb[i];
   }
 }
 

@@ -149,8 +149,8 @@ void check_sparse_attn(const AttnCase& c, uint32_t seed, Path path = Path::kRefe
     const float* const* wt = W > 0 ? dwin.get() + int64_t(t0) * W : nullptr;
     const int32_t* kt = k > 0 ? dtopk.get() + int64_t(t0) * k : nullptr;
     if (mma)
-      ASSERT_TRUE(sparse_attn_mma(qt, n, H, hd, wt, W, kt, k, dckv.get(), dsink.get(), scale, o,
-                                  nullptr))
+      ASSERT_TRUE(
+          sparse_attn_mma(qt, n, H, hd, wt, W, kt, k, dckv.get(), dsink.get(), scale, o, nullptr))
           << "sparse_attn_mma refused the shape";
     else
       sparse_attn(qt, n, H, hd, wt, W, kt, k, dckv.get(), dsink.get(), scale, o, nullptr, nullptr,
@@ -160,8 +160,7 @@ void check_sparse_attn(const AttnCase& c, uint32_t seed, Path path = Path::kRefe
   run(0, T, dout.get());
   sync_and_check();
   const auto got = dout.download();
-  if (split || mma)
-    check_repeat_is_bitwise(got, T, H, hd, W + k, [&](float* o) { run(0, T, o); });
+  if (split || mma) check_repeat_is_bitwise(got, T, H, hd, W + k, [&](float* o) { run(0, T, o); });
 
   std::vector<float> ref(size_t(T) * H * hd);
   for (int t = 0; t < T; ++t) {
@@ -249,8 +248,7 @@ void check_sparse_attn(const AttnCase& c, uint32_t seed, Path path = Path::kRefe
       "[sparse_attn %s%s T=%d] %zu outputs: max %lld bf16 ulp, %lld not bitwise, %lld NaN, %lld "
       "out of bound, worst err/bound %.3f\n",
       c.name, split ? " split" : (mma ? " mma" : ""), T, got.size(), (long long)max_ulp,
-      (long long)n_diff,
-      (long long)n_nan, (long long)n_bad, worst);
+      (long long)n_diff, (long long)n_nan, (long long)n_bad, worst);
   EXPECT_EQ(n_nan, 0);
   EXPECT_EQ(n_bad, 0) << (split || mma ? "outputs beyond the bound" : "outputs beyond 1 bf16 ulp");
   if (split) {  // the split path's p are the CPU's: only rare fp32 re-association flips remain
@@ -261,9 +259,8 @@ void check_sparse_attn(const AttnCase& c, uint32_t seed, Path path = Path::kRefe
     const int64_t i = first_bad, t = i / (H * hd), h = (i / hd) % H, d = i % hd;
     ADD_FAILURE() << "first bad output: row " << t << " head " << h << " dim " << d << ": gpu "
                   << got[size_t(i)] << " cpu " << ref[size_t(i)]
-                  << (split || mma
-                          ? " (weighted mean |v| " + std::to_string(wmean[size_t(i)]) + ")"
-                          : std::string());
+                  << (split || mma ? " (weighted mean |v| " + std::to_string(wmean[size_t(i)]) + ")"
+                                   : std::string());
   }
 
   // spec == plain: every row alone.
@@ -347,10 +344,9 @@ TEST(CudaOpsAttention, SparseAttnSplitCorners) {
 void check_attn_rope(int T, int H, int hd, int rope_dim, Path path, bool device_pos,
                      uint32_t seed) {
   const bool split = path == Path::kSplit, mma = path == Path::kMma;
-  SCOPED_TRACE("T=" + std::to_string(T) + " hd=" + std::to_string(hd) +
-               " rope=" + std::to_string(rope_dim) +
-               (split ? " split" : (mma ? " mma" : " reference")) +
-               (device_pos ? " positions" : " p0"));
+  SCOPED_TRACE(
+      "T=" + std::to_string(T) + " hd=" + std::to_string(hd) + " rope=" + std::to_string(rope_dim) +
+      (split ? " split" : (mma ? " mma" : " reference")) + (device_pos ? " positions" : " p0"));
   std::mt19937 rng(seed);
   const int W = 40, k = 60, entries = 300;
   const auto q = normal_bf16(size_t(T) * H * hd, rng, 2.5f);
@@ -478,6 +474,7 @@ struct IndexCase {
   const char* name;
   int n_heads, hd;
   std::vector<int> vis, width;
+  int bank_run = 1;  // rows per run of one key bank (the banks alternate run by run)
 };
 
 void check_index_scores(const IndexCase& c, uint32_t seed) {
@@ -491,12 +488,13 @@ void check_index_scores(const IndexCase& c, uint32_t seed) {
   auto operand = [&](std::vector<float> v) { return hd % 32 == 0 ? fp4_qdq(std::move(v)) : v; };
   const auto q = operand(normal_bf16(size_t(T) * Hi * hd, rng, 1.f));
   const auto w = normal_bf16(size_t(T) * Hi, rng, 0.1f);  // negative weights included
-  // Two key banks; row t reads bank t % 2 (rows of a call may read different layers' keys).
+  // Two key banks; run r of bank_run rows reads bank r % 2 (rows of a call may read different
+  // layers' keys; a prefill chunk's rows read one bank).
   const auto bank0 = operand(normal_bf16(size_t(max_vis) * hd, rng, 1.f));
   const auto bank1 = operand(normal_bf16(size_t(max_vis) * hd, rng, 1.f));
   DeviceBuffer<float> dq(q), dw(w), db0(bank0), db1(bank1);
   std::vector<const float*> kp(static_cast<size_t>(T));
-  for (int t = 0; t < T; ++t) kp[size_t(t)] = t % 2 ? db1.get() : db0.get();
+  for (int t = 0; t < T; ++t) kp[size_t(t)] = (t / c.bank_run) % 2 ? db1.get() : db0.get();
   DeviceBuffer<const float*> dkeys(kp);
   DeviceBuffer<int32_t> dvis(std::vector<int32_t>(c.vis.begin(), c.vis.end()));
   DeviceBuffer<int32_t> dwidth(std::vector<int32_t>(c.width.begin(), c.width.end()));
@@ -515,7 +513,8 @@ void check_index_scores(const IndexCase& c, uint32_t seed) {
     std::vector<float> ref(size_t(std::max(wd, 1)));
     if (wd > 0)
       cpu::index_scores_row(q.data() + int64_t(t) * Hi * hd, w.data() + int64_t(t) * Hi, Hi, hd,
-                            t % 2 ? bank1.data() : bank0.data(), c.vis[size_t(t)], wd, ref.data());
+                            (t / c.bank_run) % 2 ? bank1.data() : bank0.data(), c.vis[size_t(t)],
+                            wd, ref.data());
     const float* g = got.data() + int64_t(t) * max_width;
     for (int i = 0; i < max_width; ++i) {
       if (i >= wd) {
@@ -572,6 +571,25 @@ TEST(CudaOpsAttention, IndexScoresReal) {
   UF_REQUIRE_GPU();
   check_index_scores({"real", 32, 128, {3000, 129, 2500, 0, 17}, {3000, 2600, 2600, 2600, 17}},
                      202);
+}
+
+// Prefill-shaped calls: many rows over one bank (a CTA's keys serve every group of its span),
+// and runs of 37 rows per bank (runs crossing the groups and spans), 8 heads (a TP8 rank's) and
+// 32; rows see 2900 .. 3099 entries of widths up to 3100, some nothing.
+IndexCase prefill_case(const char* name, int n_heads, int T, int bank_run) {
+  IndexCase c{name, n_heads, 128, {}, {}, bank_run};
+  for (int t = 0; t < T; ++t) {
+    c.width.push_back(t % 11 == 5 ? 2950 : 3100);
+    c.vis.push_back(t % 13 == 7 ? 0 : std::min(c.width.back(), 2900 + 2 * t % 200));
+  }
+  return c;
+}
+
+TEST(CudaOpsAttention, IndexScoresPrefill) {
+  UF_REQUIRE_GPU();
+  check_index_scores(prefill_case("prefill one bank", 8, 150, 1 << 20), 203);
+  check_index_scores(prefill_case("prefill runs of 37", 8, 150, 37), 204);
+  check_index_scores(prefill_case("prefill 32 heads", 32, 70, 1 << 20), 205);
 }
 
 // Kernel attributes (the shared-memory limit above 48 KB) belong to a device's context: the

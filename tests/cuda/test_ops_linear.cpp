@@ -45,6 +45,7 @@ void cpu_linear(const model::Weight& w, LinearKind kind, const std::vector<float
       break;
     case LinearKind::kF32:
     case LinearKind::kF32Bf16X:
+    case LinearKind::kF32Bf16XPrefill:
       cpu::linear_f32(w, x.data(), T, y.data());
       break;
   }

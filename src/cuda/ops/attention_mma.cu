@@ -56,7 +56,10 @@ constexpr int kMaxHd = 512;
 constexpr int kMaxTilesPerWarp = kMaxHd / 16 / kWarps;  // P.V output tiles (16 dims) a warp
 constexpr int kPStride = kBlock + 8;  // bf16 per head row of P (144 B: ldmatrix conflict-free)
 constexpr int kSStride = kBlock + 4;  // floats per head row of the S halves (stores spread)
-constexpr int kLoadUnroll = 8;        // float4 loads in flight a thread
+#ifndef UF_ATTN_MMA_UNROLL
+#define UF_ATTN_MMA_UNROLL 8
+#endif
+constexpr int kLoadUnroll = UF_ATTN_MMA_UNROLL;  // float4 loads in flight a thread (build knob)
 static_assert(kWarps == kHeads, "softmax: one warp a head");
 static_assert(kBlock == 4 * 16, "S: four 16-slot M tiles, two d halves over the 8 warps");
 

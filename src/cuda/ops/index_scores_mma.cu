@@ -26,6 +26,9 @@
 // lane (entry, row) sums its row's heads in order and stores. Rows of a CTA with different key
 // banks run as separate runs (decode: one bank). Entries at or past a row's visible count score
 // -inf (not written past its width), as the fp32 kernel.
+// Prefill calls (more groups of rows than the GPU needs CTAs): index_scores_mma_span_kernel, a CTA
+// per span of groups whose keys are loaded once and serve every group (a 512-row chunk at 1M
+// context: 64 groups, where one CTA per group re-loaded every key for each 8 rows).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -33,6 +36,7 @@
 #include <cstdint>
 
 #include "cuda/cuda_check.h"
+#include "cuda/gemv.h"
 #include "cuda/kernels/common.cuh"
 #include "cuda/ops/attention.h"
 #include "cuda/ops/index_scores_mma.h"
@@ -53,12 +57,136 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   return detail::bf16x2_bits(__floats2bfloat162_rn(lo, hi));
 }
 
-// Shared memory: q [kMaxCols][kQStride] bf16, w [kMaxCols] fp32, per warp terms [16][cols + 1].
+// Shared memory: q [kMaxCols][kQStride] bf16, w [kMaxCols] fp32, per warp terms [16][cols + 1]
+// (16-byte multiple); the span kernel adds the next group's q copy, fp32 [cols][128].
 __host__ __device__ constexpr size_t smem_bytes(int cols) {
-  return size_t(kMaxCols) * kQStride * 2 + size_t(kMaxCols) * 4 +
-         size_t(kWarps) * 16 * size_t(cols + 1) * 4;
+  return (size_t(kMaxCols) * kQStride * 2 + size_t(kMaxCols) * 4 +
+          size_t(kWarps) * 16 * size_t(cols + 1) * 4 + 15) /
+         16 * 16;
+}
+__host__ __device__ constexpr size_t span_smem_bytes(int cols) {
+  return smem_bytes(cols) + size_t(cols) * kHd * 4;
 }
 
+// The A operand's loads (the kernel's memory traffic): entries ew + g (x[.][0]) and ew + g + 8
+// (x[.][1]) of the bank, zeros at or past nv. K order inside a k-step (A and B alike): fragment
+// positions 2t, 2t + 1, 2t + 8, 2t + 9 hold dims 16 ks + 4t + 0..3, so a thread loads one float4
+// per entry and k-step (stage_q permutes q the same).
+__device__ __forceinline__ void load_keys(float4 (&x)[8][2], const float* bank, int ew, int nv,
+                                          int g, int t) {
+  const int ea = ew + g, eb = ew + g + 8;
+  const float* ka = bank + int64_t(ea) * kHd + 4 * t;
+  const float* kb = bank + int64_t(eb) * kHd + 4 * t;
+  const bool va = ea < nv, vb = eb < nv;
+  const bool al = (reinterpret_cast<uintptr_t>(bank) & 15u) == 0;
+#pragma unroll
+  for (int ks = 0; ks < 8; ++ks) {
+    x[ks][0] = x[ks][1] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (al) {
+      if (va) x[ks][0] = __ldg(reinterpret_cast<const float4*>(ka + 16 * ks));
+      if (vb) x[ks][1] = __ldg(reinterpret_cast<const float4*>(kb + 16 * ks));
+    } else {  // a bank not 16-byte aligned: scalar loads
+      if (va)
+        x[ks][0] = make_float4(__ldg(ka + 16 * ks), __ldg(ka + 16 * ks + 1),
+                               __ldg(ka + 16 * ks + 2), __ldg(ka + 16 * ks + 3));
+      if (vb)
+        x[ks][1] = make_float4(__ldg(kb + 16 * ks), __ldg(kb + 16 * ks + 1),
+                               __ldg(kb + 16 * ks + 2), __ldg(kb + 16 * ks + 3));
+    }
+  }
+}
+
+__device__ __forceinline__ void keys_to_a(uint32_t (&a)[8][4], const float4 (&x)[8][2]) {
+#pragma unroll
+  for (int ks = 0; ks < 8; ++ks) {
+    a[ks][0] = pack_bf16x2(x[ks][0].x, x[ks][0].y);
+    a[ks][1] = pack_bf16x2(x[ks][1].x, x[ks][1].y);
+    a[ks][2] = pack_bf16x2(x[ks][0].z, x[ks][0].w);
+    a[ks][3] = pack_bf16x2(x[ks][1].z, x[ks][1].w);
+  }
+}
+
+// The q of rows [r0, r0 + cols / n_heads) as bf16 [column][position] (position p of k-step ks
+// holds dim 16 ks + 4 ((p & 7) >> 1) + 2 (p >> 3) + (p & 1): the A order) and their w, into
+// shared memory; columns past cols are zeros. No barrier inside.
+__device__ __forceinline__ void stage_q(uint16_t* qs, float* ws, const float* q, const float* w,
+                                        int r0, int n_heads, int cols, int tiles) {
+  for (int xi = threadIdx.x; xi < tiles * 8 * (kHd / 2); xi += kThreads) {
+    const int c = xi / (kHd / 2), p = (xi - c * (kHd / 2)) * 2;
+    const int dim = (p & ~15) + 4 * ((p & 7) >> 1) + 2 * ((p >> 3) & 1);
+    uint32_t v = 0;
+    if (c < cols) {
+      const float* qc = q + (int64_t(r0) * n_heads + c) * kHd + dim;
+      v = pack_bf16x2(__ldg(qc), __ldg(qc + 1));
+    }
+    *reinterpret_cast<uint32_t*>(qs + c * kQStride + p) = v;
+  }
+  for (int xi = threadIdx.x; xi < cols; xi += kThreads)
+    ws[xi] = __ldg(w + int64_t(r0) * n_heads + xi);
+}
+
+// One warp's 16 entries (ew ..) against the staged rows [r0, r0 + nr): the dot products of every
+// (entry, row, head) on the tensor cores, the CPU's epilogue per term (bf16, relu, * w_h, bf16)
+// into the warp's term buffer, then lane (entry, row) sums its row's heads in order and stores.
+// live = false (no entry of the warp visible to any row of the run): -inf where written.
+template <bool kRound>
+__device__ __forceinline__ void score_rows(const uint32_t (&a)[8][4], bool live, const uint16_t* qs,
+                                           const float* ws, float* term, int r0, int nr,
+                                           int n_heads, int ew, int lane, const int32_t* vis,
+                                           const int32_t* width, int max_width, float* score) {
+  const int g = lane >> 2, t = lane & 3, cols = nr * n_heads, tiles = (cols + 7) / 8;
+  if (!live) {
+    for (int i = lane; i < 16 * nr; i += 32) {
+      const int e = ew + (i & 15), tr = r0 + (i >> 4);
+      if (e < width[tr]) score[int64_t(tr) * max_width + e] = -INFINITY;
+    }
+    return;
+  }
+  const int ts = cols + 1;  // term row stride
+  for (int n0 = 0; n0 < tiles; n0 += 4) {
+    float d[4][4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) d[j][0] = d[j][1] = d[j][2] = d[j][3] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < 8; ++ks) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        if (n0 + j < tiles) {
+          const uint16_t* qb = qs + ((n0 + j) * 8 + g) * kQStride + 16 * ks + 2 * t;
+          detail::mma_bf16(d[j], a[ks][0], a[ks][1], a[ks][2], a[ks][3],
+                           *reinterpret_cast<const uint32_t*>(qb),
+                           *reinterpret_cast<const uint32_t*>(qb + 8));
+        }
+      }
+    }
+    // d[j]: entries g (0, 1) and g + 8 (2, 3) x columns (n0 + j) * 8 + 2t (+1).
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int v = 0; v < 4; ++v) {
+        const int c = (n0 + j) * 8 + 2 * t + (v & 1), e = g + (v >> 1) * 8;
+        if (n0 + j < tiles && c < cols) {
+          const float dd = detail::round_bf16(d[j][v]);
+          const float rl = dd < 0.f ? 0.f : dd;  // std::max(d, 0.0f)
+          term[e * ts + c] = detail::round_bf16(__fmul_rn(rl, ws[c]));
+        }
+      }
+    }
+  }
+  __syncwarp();
+  for (int i = lane; i < 16 * nr; i += 32) {
+    const int e = i & 15, r = i >> 4, tr = r0 + r, ent = ew + e;
+    const int wd = width[tr], nv = min(vis[tr], wd);
+    if (ent >= wd) continue;
+    float s = 0.f;
+    for (int h = 0; h < n_heads; ++h) s = __fadd_rn(s, term[e * ts + r * n_heads + h]);
+    score[int64_t(tr) * max_width + ent] =
+        ent < nv ? (kRound ? detail::round_bf16(s) : s) : -INFINITY;
+  }
+}
+
+// Decode (and short calls): a CTA = one group of `rows` rows x 128 entries; runs of rows reading
+// one key bank each load their keys, q staged under the loads.
 template <bool kRound>
 __global__ void __launch_bounds__(kThreads, 2)
     index_scores_mma_kernel(const float* __restrict__ q, const float* __restrict__ w, int T,
@@ -70,9 +198,9 @@ __global__ void __launch_bounds__(kThreads, 2)
   extern __shared__ __align__(16) uint8_t smem[];
   uint16_t* qs = reinterpret_cast<uint16_t*>(smem);
   float* ws = reinterpret_cast<float*>(smem + size_t(kMaxCols) * kQStride * 2);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int t0 = blockIdx.x * rows, nr = min(rows, T - t0);
-  const int e0 = blockIdx.y * kEntries, ew = e0 + warp * 16;  // the warp's first entry
+  const int ew = blockIdx.y * kEntries + warp * 16;  // the warp's first entry
   float* term = reinterpret_cast<float*>(ws + kMaxCols) + warp * 16 * (rows * n_heads + 1);
 
   for (int r0 = 0; r0 < nr;) {
@@ -82,106 +210,97 @@ __global__ void __launch_bounds__(kThreads, 2)
     while (r1 < nr && keys[t0 + r1] == bank) ++r1;
     for (int r = r0; r < r1; ++r) nv_max = max(nv_max, min(vis[t0 + r], width[t0 + r]));
     const int cols = (r1 - r0) * n_heads, tiles = (cols + 7) / 8;
-    // The A operand first (its loads are the kernel's memory traffic; q is staged under them):
-    // entries ew + g (a[.][0], a[.][2]) and ew + g + 8 (a[.][1], a[.][3]). K order inside a k-step
-    // (A and B alike): fragment positions 2t, 2t + 1, 2t + 8, 2t + 9 hold dims 16 ks + 4t + 0..3,
-    // so a thread loads one float4 per entry and k-step (the staging below permutes q the same).
     float4 x[8][2];
     const bool live = ew < nv_max;  // uniform over the warp
-    if (live) {
-      const int ea = ew + g, eb = ew + g + 8;
-      const float* ka = bank + int64_t(ea) * kHd + 4 * t;
-      const float* kb = bank + int64_t(eb) * kHd + 4 * t;
-      const bool va = ea < nv_max, vb = eb < nv_max;
-      const bool al = (reinterpret_cast<uintptr_t>(bank) & 15u) == 0;
-#pragma unroll
-      for (int ks = 0; ks < 8; ++ks) {
-        x[ks][0] = x[ks][1] = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (al) {
-          if (va) x[ks][0] = __ldg(reinterpret_cast<const float4*>(ka + 16 * ks));
-          if (vb) x[ks][1] = __ldg(reinterpret_cast<const float4*>(kb + 16 * ks));
-        } else {  // a bank not 16-byte aligned: scalar loads
-          if (va)
-            x[ks][0] = make_float4(__ldg(ka + 16 * ks), __ldg(ka + 16 * ks + 1),
-                                   __ldg(ka + 16 * ks + 2), __ldg(ka + 16 * ks + 3));
-          if (vb)
-            x[ks][1] = make_float4(__ldg(kb + 16 * ks), __ldg(kb + 16 * ks + 1),
-                                   __ldg(kb + 16 * ks + 2), __ldg(kb + 16 * ks + 3));
-        }
-      }
-    }
+    if (live) load_keys(x, bank, ew, nv_max, lane >> 2, lane & 3);
     __syncthreads();  // the previous run's q / w / terms are read
-    // q as bf16 [column][position]: position p of k-step ks holds dim 16 ks + 4 ((p & 7) >> 1) +
-    // 2 (p >> 3) + (p & 1) (the A order above).
-    for (int xi = threadIdx.x; xi < tiles * 8 * (kHd / 2); xi += kThreads) {
-      const int c = xi / (kHd / 2), p = (xi - c * (kHd / 2)) * 2;
-      const int dim = (p & ~15) + 4 * ((p & 7) >> 1) + 2 * ((p >> 3) & 1);
-      uint32_t v = 0;
-      if (c < cols) {
-        const float* qc = q + (int64_t(t0 + r0) * n_heads + c) * kHd + dim;
-        v = pack_bf16x2(__ldg(qc), __ldg(qc + 1));
-      }
-      *reinterpret_cast<uint32_t*>(qs + c * kQStride + p) = v;
-    }
-    for (int xi = threadIdx.x; xi < cols; xi += kThreads)
-      ws[xi] = __ldg(w + int64_t(t0 + r0) * n_heads + xi);
+    stage_q(qs, ws, q, w, t0 + r0, n_heads, cols, tiles);  // under the key loads
     __syncthreads();
-    if (!live) {  // nothing visible for this warp's entries: -inf where written
-      for (int i = lane; i < 16 * (r1 - r0); i += 32) {
-        const int e = ew + (i & 15), tr = t0 + r0 + (i >> 4);
-        if (e < width[tr]) score[int64_t(tr) * max_width + e] = -INFINITY;
-      }
-      r0 = r1;
-      continue;
-    }
     uint32_t a[8][4];
-#pragma unroll
-    for (int ks = 0; ks < 8; ++ks) {
-      a[ks][0] = pack_bf16x2(x[ks][0].x, x[ks][0].y);
-      a[ks][1] = pack_bf16x2(x[ks][1].x, x[ks][1].y);
-      a[ks][2] = pack_bf16x2(x[ks][0].z, x[ks][0].w);
-      a[ks][3] = pack_bf16x2(x[ks][1].z, x[ks][1].w);
+    if (live) keys_to_a(a, x);
+    score_rows<kRound>(a, live, qs, ws, term, t0 + r0, r1 - r0, n_heads, ew, lane, vis, width,
+                       max_width, score);
+    r0 = r1;
+  }
+}
+
+// Prefill (a span of many rows per CTA): the CTA's keys are loaded once per run of rows reading
+// one bank (a prefill chunk: one run), then every group of `rows` rows of the span is staged and
+// scored against them. The run's end and visible count are found cooperatively.
+template <bool kRound>
+__global__ void __launch_bounds__(kThreads, 2)
+    index_scores_mma_span_kernel(const float* __restrict__ q, const float* __restrict__ w, int T,
+                                 int n_heads, int rows, int span, const float* const* keys,
+                                 const int32_t* __restrict__ vis, const int32_t* __restrict__ width,
+                                 int max_width, float* __restrict__ score) {
+  detail::pdl_wait();  // PDL: every input comes from an earlier kernel
+  detail::pdl_trigger();
+  extern __shared__ __align__(16) uint8_t smem[];
+  __shared__ int run_end, run_nv;
+  uint16_t* qs = reinterpret_cast<uint16_t*>(smem);
+  float* ws = reinterpret_cast<float*>(smem + size_t(kMaxCols) * kQStride * 2);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int tb = blockIdx.x * span, te = min(T, tb + span);
+  const int ew = blockIdx.y * kEntries + warp * 16;  // the warp's first entry
+  float* term = reinterpret_cast<float*>(ws + kMaxCols) + warp * 16 * (rows * n_heads + 1);
+  float* qf = reinterpret_cast<float*>(smem + smem_bytes(rows * n_heads));  // [cols][128] fp32
+
+  for (int r0 = tb; r0 < te;) {
+    __syncthreads();  // the previous run's run_end / run_nv / q / w / terms are read
+    if (threadIdx.x == 0) run_end = te, run_nv = 0;
+    __syncthreads();
+    const float* bank = keys[r0];
+    for (int r = r0 + 1 + threadIdx.x; r < te; r += kThreads)
+      if (keys[r] != bank) atomicMin(&run_end, r);
+    __syncthreads();
+    const int r1 = run_end;
+    int nv_mine = 0;
+    for (int r = r0 + threadIdx.x; r < r1; r += kThreads)
+      nv_mine = max(nv_mine, min(vis[r], width[r]));
+    if (nv_mine > 0) atomicMax(&run_nv, nv_mine);
+    __syncthreads();
+    const int nv_max = run_nv;
+    const bool live = ew < nv_max;  // uniform over the warp
+    uint32_t a[8][4];
+    {
+      float4 x[8][2];
+      if (live) load_keys(x, bank, ew, nv_max, lane >> 2, lane & 3);
+      if (live) keys_to_a(a, x);
     }
-    const int ts = cols + 1;  // term row stride
-    for (int n0 = 0; n0 < tiles; n0 += 4) {
-      float d[4][4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) d[j][0] = d[j][1] = d[j][2] = d[j][3] = 0.f;
-#pragma unroll
-      for (int ks = 0; ks < 8; ++ks) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          if (n0 + j < tiles) {
-            const uint16_t* qb = qs + ((n0 + j) * 8 + g) * kQStride + 16 * ks + 2 * t;
-            detail::mma_bf16(d[j], a[ks][0], a[ks][1], a[ks][2], a[ks][3],
-                             *reinterpret_cast<const uint32_t*>(qb),
-                             *reinterpret_cast<const uint32_t*>(qb + 8));
-          }
-        }
+    // The groups, each group's q copied (fp32, cp.async) while the previous one is scored, then
+    // converted to the staged bf16 order.
+    auto copy_q = [&](int g0) {
+      const int cols = min(rows, r1 - g0) * n_heads;
+      const float4* src = reinterpret_cast<const float4*>(q + int64_t(g0) * n_heads * kHd);
+      for (int i = threadIdx.x; i < cols * (kHd / 4); i += kThreads) {
+        const uint32_t d = uint32_t(__cvta_generic_to_shared(qf + 4 * i));
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src + i) : "memory");
       }
-      // d[j]: entries g (0, 1) and g + 8 (2, 3) x columns (n0 + j) * 8 + 2t (+1).
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-#pragma unroll
-        for (int v = 0; v < 4; ++v) {
-          const int c = (n0 + j) * 8 + 2 * t + (v & 1), e = g + (v >> 1) * 8;
-          if (n0 + j < tiles && c < cols) {
-            const float dd = detail::round_bf16(d[j][v]);
-            const float rl = dd < 0.f ? 0.f : dd;  // std::max(d, 0.0f)
-            term[e * ts + c] = detail::round_bf16(__fmul_rn(rl, ws[c]));
-          }
-        }
+      detail::cp_async_commit();
+    };
+    auto convert_q = [&](int g0) {
+      const int cols = min(rows, r1 - g0) * n_heads, tiles = (cols + 7) / 8;
+      detail::cp_async_wait<0>();
+      __syncthreads();  // the copy landed; every warp is done with the previous group's q / w
+      for (int xi = threadIdx.x; xi < tiles * 8 * (kHd / 2); xi += kThreads) {
+        const int c = xi / (kHd / 2), p = (xi - c * (kHd / 2)) * 2;
+        const int dim = (p & ~15) + 4 * ((p & 7) >> 1) + 2 * ((p >> 3) & 1);
+        const uint32_t v = c < cols ? pack_bf16x2(qf[c * kHd + dim], qf[c * kHd + dim + 1]) : 0u;
+        *reinterpret_cast<uint32_t*>(qs + c * kQStride + p) = v;
       }
-    }
-    __syncwarp();
-    for (int i = lane; i < 16 * (r1 - r0); i += 32) {
-      const int e = i & 15, r = i >> 4, tr = t0 + r0 + r, ent = ew + e;
-      const int wd = width[tr], nv = min(vis[tr], wd);
-      if (ent >= wd) continue;
-      float s = 0.f;
-      for (int h = 0; h < n_heads; ++h) s = __fadd_rn(s, term[e * ts + r * n_heads + h]);
-      score[int64_t(tr) * max_width + ent] =
-          ent < nv ? (kRound ? detail::round_bf16(s) : s) : -INFINITY;
+      for (int xi = threadIdx.x; xi < cols; xi += kThreads)
+        ws[xi] = __ldg(w + int64_t(g0) * n_heads + xi);
+      __syncthreads();
+    };
+    __syncthreads();  // the previous run's last group is converted (qf is free)
+    copy_q(r0);
+    convert_q(r0);
+    for (int g0 = r0; g0 < r1; g0 += rows) {
+      const int next = g0 + rows;
+      if (next < r1) copy_q(next);  // qf is free: convert_q(g0) ended with a barrier
+      score_rows<kRound>(a, live, qs, ws, term, g0, min(rows, r1 - g0), n_heads, ew, lane, vis,
+                         width, max_width, score);
+      if (next < r1) convert_q(next);
     }
     r0 = r1;
   }
@@ -199,8 +318,8 @@ bool index_scores_mma(const float* q, const float* w, int T, int n_heads, const 
   if (!g_index_scores_mma || n_heads < 1 || n_heads > kMaxCols) return false;
   const int64_t chunks = (int64_t(max_width) + kEntries - 1) / kEntries;
   if (chunks > 65535) return false;
-  // Rows per CTA: as many as the columns allow (one key load serves them all), fewer when that
-  // would leave the GPU short of CTAs (about 4 per SM). A row's result never depends on it.
+  // Rows per group: as many as the columns allow (one staged q tile serves them all), fewer when
+  // that would leave the GPU short of CTAs (about 4 per SM). A row's result never depends on it.
   const int64_t want = std::max<int64_t>(1, (int64_t(T) * chunks) / 528);
   const int rows = int(std::max<int64_t>(
       1, std::min<int64_t>({int64_t(T), kMaxRows, int64_t(kMaxCols / n_heads), want})));
@@ -209,14 +328,29 @@ bool index_scores_mma(const float* q, const float* w, int T, int n_heads, const 
   once([] {  // the largest plan, once per device (thread-safe)
     detail::raise_smem(index_scores_mma_kernel<true>, int(smem_bytes(kMaxCols)));
     detail::raise_smem(index_scores_mma_kernel<false>, int(smem_bytes(kMaxCols)));
+    detail::raise_smem(index_scores_mma_span_kernel<true>, int(span_smem_bytes(kMaxCols)));
+    detail::raise_smem(index_scores_mma_span_kernel<false>, int(span_smem_bytes(kMaxCols)));
   });
-  const dim3 grid(unsigned((T + rows - 1) / rows), unsigned(chunks));
-  if (round_sum)
-    detail::launch_pdl(index_scores_mma_kernel<true>, grid, dim3(kThreads), smem, stream, q, w, T,
-                       n_heads, rows, keys, vis, width, max_width, score);
-  else
-    detail::launch_pdl(index_scores_mma_kernel<false>, grid, dim3(kThreads), smem, stream, q, w, T,
-                       n_heads, rows, keys, vis, width, max_width, score);
+  // Groups per CTA (its span): as many as keep about two CTAs an SM, so that a CTA's keys,
+  // loaded once, serve every group of its span (a 512-row prefill chunk at 1M tokens: all 64
+  // groups, where one CTA per group re-loaded every key 64 times). A row's result never
+  // depends on it either.
+  const int64_t groups = (T + rows - 1) / rows;
+  const int64_t spans = std::min<int64_t>(
+      groups, std::max<int64_t>(1, (2 * int64_t(device_sm_count()) + chunks - 1) / chunks));
+  const int span = int((groups + spans - 1) / spans) * rows;
+  if (span > rows && reinterpret_cast<uintptr_t>(q) % 16 == 0) {  // (its q copies: 16 bytes)
+    const dim3 grid(unsigned((T + span - 1) / span), unsigned(chunks));
+    const auto kernel =
+        round_sum ? index_scores_mma_span_kernel<true> : index_scores_mma_span_kernel<false>;
+    detail::launch_pdl(kernel, grid, dim3(kThreads), span_smem_bytes(rows * n_heads), stream, q, w,
+                       T, n_heads, rows, span, keys, vis, width, max_width, score);
+  } else {
+    const dim3 grid(unsigned((T + rows - 1) / rows), unsigned(chunks));
+    const auto kernel = round_sum ? index_scores_mma_kernel<true> : index_scores_mma_kernel<false>;
+    detail::launch_pdl(kernel, grid, dim3(kThreads), smem, stream, q, w, T, n_heads, rows, keys,
+                       vis, width, max_width, score);
+  }
   UF_CUDA_CHECK(cudaGetLastError());
   return true;
 }

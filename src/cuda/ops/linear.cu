@@ -358,7 +358,8 @@ DeviceLinear::DeviceLinear(const model::Weight& w, LinearKind kind, DeviceArena&
       plan_->pf_scales = arena.alloc<float>(size_t(max_prefill_rows) * size_t(w.cols / 32));
     }
   }
-  if ((kind_ == LinearKind::kBf16OutBf16X || kind_ == LinearKind::kF32Bf16X) &&
+  if ((kind_ == LinearKind::kBf16OutBf16X || kind_ == LinearKind::kF32Bf16X ||
+       kind_ == LinearKind::kF32Bf16XPrefill) &&
       DenseMma::supports(w_))
     plan_->mma = std::make_unique<DenseMma>(w_, device_sm_count());
 }
@@ -382,7 +383,8 @@ void DeviceLinear::run(const float* x, int T, float* y, bool round, cudaStream_t
   const int64_t K = w_.cols, N = w_.rows;
   if (kind_ != LinearKind::kQuant) {
     const bool bf16_out = kind_ == LinearKind::kBf16Out || kind_ == LinearKind::kBf16OutBf16X;
-    if (plan_->mma)
+    const bool mma = plan_->mma && (kind_ != LinearKind::kF32Bf16XPrefill || T > kMaxDecodeRows);
+    if (mma)
       plan_->mma->run(w_, 0, N, x, K, T, y, N, round && bf16_out, stream);
     else
       ops_detail::dense_rows(w_, 0, N, x, K, T, y, N, round && bf16_out, stream);
@@ -468,7 +470,7 @@ void DeviceLinear::apply_rows(int64_t r0, int64_t n, const float* x, int x_strid
           "DeviceLinear::apply_rows: rows [%lld, %lld) outside the weight's %lld rows",
           static_cast<long long>(r0), static_cast<long long>(r0 + n),
           static_cast<long long>(w_.rows));
-  if (plan_->mma)
+  if (plan_->mma && (kind_ != LinearKind::kF32Bf16XPrefill || T > kMaxDecodeRows))
     plan_->mma->run(w_, r0, n, x, x_stride, T, y, y_stride, true, stream);
   else
     ops_detail::dense_rows(w_, r0, n, x, x_stride, T, y, y_stride, true, stream);

@@ -29,6 +29,11 @@ enum class LinearKind {
   // value that is not bf16-exact makes that token row's outputs NaN (never silently rounded).
   kBf16OutBf16X,  // cpu::linear_bf16_out, bf16-exact x
   kF32Bf16X,      // cpu::linear_f32, bf16-exact x
+  // kF32 for decode calls (T <= 8: dense_rows, whose fp32 order the fused decode router kernels
+  // repeat) and kF32Bf16X for prefill calls (T > 8: DenseMma's prefill kernel, bf16-exact x):
+  // the MoE router gate, whose [384, 5120] fp32 rows on the CUDA cores took ~200 us a 512-row
+  // prefill chunk (13% of it) against ~10x less on the tensor cores.
+  kF32Bf16XPrefill,
 };
 
 class DeviceLinear;
@@ -71,8 +76,8 @@ class DeviceLinear {
   //   kBf16Out / kF32 -> dense_rows, the CPU's products in another fp32 order (ops/linear.cu),
   //     one launch for any T;
   //   kBf16OutBf16X / kF32Bf16X -> DenseMma (tensor cores) where the weight allows it, else
-  //     dense_rows; one launch for any T. DenseMma's split-K workspace is this object's: one
-  //     apply() / apply_rows() at a time per DeviceLinear.
+  //     dense_rows; one launch for any T (kF32Bf16XPrefill: DenseMma for T > 8 only). DenseMma's
+  //     split-K workspace is this object's: one apply() / apply_rows() at a time per DeviceLinear.
   void apply(const float* x, int T, float* y, cudaStream_t stream) const;
   // apply() without the final bf16 rounding of kQuant / kBf16Out (kF32: the same as apply): the
   // fp32 split-K partial of a tensor-parallel rank, to be summed over ranks and then rounded

@@ -802,10 +802,13 @@ DeviceMoe::DeviceMoe(const model::MoeWeights& w, const MoeShape& shape, DeviceAr
   m.func = shape.score_func == "softmax"   ? kSoftmax
            : shape.score_func == "sigmoid" ? kSigmoid
                                            : kSqrtSoftplus;
-  // dense_rows, not the tensor-core path (kF32Bf16X): on the H200 the router [384, 5120] took
+  // Decode rows: dense_rows, not the tensor-core path: on the H200 the router [384, 5120] took
   // 3.9 / 7.7 us at 1 / 7 rows there against 7.3 / 7.8 us through dense_mma's split-K
-  // (bench_cuda_dense, session 5): too few weight rows for the MMA kernel's parallelism.
-  m.gate = DeviceLinear(w.gate, LinearKind::kF32, arena);
+  // (bench_cuda_dense, session 5): too few weight rows for the MMA kernel's parallelism; the
+  // fused decode routers repeat dense_rows' order. Prefill rows: DenseMma's prefill kernel
+  // (197 us -> see docs/perf.md session 13 at 512 rows; another fp32 order of the same exact
+  // products, so a prefill row's routing equals a decode row's except at fp32 near-ties).
+  m.gate = DeviceLinear(w.gate, LinearKind::kF32Bf16XPrefill, arena);
   std::vector<float> bias(size_t(E), 0.f);
   if (!w.gate_bias.empty()) {
     bias = w.gate_bias.to_vector();
