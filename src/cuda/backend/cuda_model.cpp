@@ -936,9 +936,12 @@ void CudaModel::attend(int l, int T, const float* const* window, int n_window, c
   const auto& op = *layers_[size_t(l)];
   const int H = H_, hd = cfg_.head_dim;
   const float scale = float(std::pow(double(hd), -0.5));
-  // Prefill spans on the tensor cores (all rows in one launch, no scratch); where the kernel
-  // does not apply it launches nothing and the split path below runs.
-  if (opts_.prefill_attention_mma && T > decode_rows_ &&
+  // Prefill spans on the tensor cores (all rows in one launch, no scratch) once they give the
+  // SMs enough CTAs (one a row and 8 heads: bench_cuda_attention, TP8 rank, 64 rows: 122 us
+  // against the split path's 101, 512 rows: 286 against 802); where the kernel does not apply
+  // it launches nothing and the split path below runs.
+  const int64_t mma_ctas = int64_t(T) * ((H + 7) / 8);
+  if (opts_.prefill_attention_mma && T > decode_rows_ && 2 * mma_ctas >= device_sm_count() &&
       sparse_attn_mma(q_, T, H, hd, window, n_window, topk, k, ckv, op.sink, scale, o_, stream_,
                       ckv_ref, AttnRope{op.freqs, op.rope_dim, p0, pos}))
     return;

@@ -132,7 +132,8 @@ struct CudaModelOptions {
   // TP8 rank) leaves it off unless --fold-moe-combine (H200, session 8: 61 / 124 us a step
   // shorter at 1 / 7 rows).
   bool fold_moe_combine = true;
-  // Prefill spans (more rows than a verify step and a draft block) attend on the tensor cores
+  // Prefill spans (more rows than a verify step and a draft block, and enough of them to give
+  // every SM two CTAs of 8 heads: at fewer the split path is faster) attend on the tensor cores
   // (sparse_attn_mma, ops/attention_mma.cu); decode rows always take sparse_attn's split path,
   // so spec == plain is unaffected. Not the CPU's bits (within the bound the op tests state).
   // Off: prefill spans take the split path too (`bench-prefill --attention split`).

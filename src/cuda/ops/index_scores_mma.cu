@@ -71,7 +71,7 @@ __host__ __device__ constexpr size_t span_smem_bytes(int cols) {
 // The A operand's loads (the kernel's memory traffic): entries ew + g (x[.][0]) and ew + g + 8
 // (x[.][1]) of the bank, zeros at or past nv. K order inside a k-step (A and B alike): fragment
 // positions 2t, 2t + 1, 2t + 8, 2t + 9 hold dims 16 ks + 4t + 0..3, so a thread loads one float4
-// per entry and k-step (stage_q permutes q the same).
+// per entry and k-step (the q staging permutes q the same).
 __device__ __forceinline__ void load_keys(float4 (&x)[8][2], const float* bank, int ew, int nv,
                                           int g, int t) {
   const int ea = ew + g, eb = ew + g + 8;
@@ -104,25 +104,6 @@ __device__ __forceinline__ void keys_to_a(uint32_t (&a)[8][4], const float4 (&x)
     a[ks][2] = pack_bf16x2(x[ks][0].z, x[ks][0].w);
     a[ks][3] = pack_bf16x2(x[ks][1].z, x[ks][1].w);
   }
-}
-
-// The q of rows [r0, r0 + cols / n_heads) as bf16 [column][position] (position p of k-step ks
-// holds dim 16 ks + 4 ((p & 7) >> 1) + 2 (p >> 3) + (p & 1): the A order) and their w, into
-// shared memory; columns past cols are zeros. No barrier inside.
-__device__ __forceinline__ void stage_q(uint16_t* qs, float* ws, const float* q, const float* w,
-                                        int r0, int n_heads, int cols, int tiles) {
-  for (int xi = threadIdx.x; xi < tiles * 8 * (kHd / 2); xi += kThreads) {
-    const int c = xi / (kHd / 2), p = (xi - c * (kHd / 2)) * 2;
-    const int dim = (p & ~15) + 4 * ((p & 7) >> 1) + 2 * ((p >> 3) & 1);
-    uint32_t v = 0;
-    if (c < cols) {
-      const float* qc = q + (int64_t(r0) * n_heads + c) * kHd + dim;
-      v = pack_bf16x2(__ldg(qc), __ldg(qc + 1));
-    }
-    *reinterpret_cast<uint32_t*>(qs + c * kQStride + p) = v;
-  }
-  for (int xi = threadIdx.x; xi < cols; xi += kThreads)
-    ws[xi] = __ldg(w + int64_t(r0) * n_heads + xi);
 }
 
 // One warp's 16 entries (ew ..) against the staged rows [r0, r0 + nr): the dot products of every
@@ -186,7 +167,9 @@ __device__ __forceinline__ void score_rows(const uint32_t (&a)[8][4], bool live,
 }
 
 // Decode (and short calls): a CTA = one group of `rows` rows x 128 entries; runs of rows reading
-// one key bank each load their keys, q staged under the loads.
+// one key bank each load their keys, q staged under the loads. Kept as written before the span
+// kernel (session 10), not on the helpers above: the same code through them measured 40 / 110 us
+// slower in the 1M decode step at 1 / 7 rows (session 13, same-run A/B).
 template <bool kRound>
 __global__ void __launch_bounds__(kThreads, 2)
     index_scores_mma_kernel(const float* __restrict__ q, const float* __restrict__ w, int T,
@@ -198,9 +181,9 @@ __global__ void __launch_bounds__(kThreads, 2)
   extern __shared__ __align__(16) uint8_t smem[];
   uint16_t* qs = reinterpret_cast<uint16_t*>(smem);
   float* ws = reinterpret_cast<float*>(smem + size_t(kMaxCols) * kQStride * 2);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int t0 = blockIdx.x * rows, nr = min(rows, T - t0);
-  const int ew = blockIdx.y * kEntries + warp * 16;  // the warp's first entry
+  const int e0 = blockIdx.y * kEntries, ew = e0 + warp * 16;  // the warp's first entry
   float* term = reinterpret_cast<float*>(ws + kMaxCols) + warp * 16 * (rows * n_heads + 1);
 
   for (int r0 = 0; r0 < nr;) {
@@ -210,16 +193,107 @@ __global__ void __launch_bounds__(kThreads, 2)
     while (r1 < nr && keys[t0 + r1] == bank) ++r1;
     for (int r = r0; r < r1; ++r) nv_max = max(nv_max, min(vis[t0 + r], width[t0 + r]));
     const int cols = (r1 - r0) * n_heads, tiles = (cols + 7) / 8;
+    // The A operand first (its loads are the kernel's memory traffic; q is staged under them):
+    // entries ew + g (a[.][0], a[.][2]) and ew + g + 8 (a[.][1], a[.][3]). K order inside a k-step
+    // (A and B alike): fragment positions 2t, 2t + 1, 2t + 8, 2t + 9 hold dims 16 ks + 4t + 0..3,
+    // so a thread loads one float4 per entry and k-step (the staging below permutes q the same).
     float4 x[8][2];
     const bool live = ew < nv_max;  // uniform over the warp
-    if (live) load_keys(x, bank, ew, nv_max, lane >> 2, lane & 3);
+    if (live) {
+      const int ea = ew + g, eb = ew + g + 8;
+      const float* ka = bank + int64_t(ea) * kHd + 4 * t;
+      const float* kb = bank + int64_t(eb) * kHd + 4 * t;
+      const bool va = ea < nv_max, vb = eb < nv_max;
+      const bool al = (reinterpret_cast<uintptr_t>(bank) & 15u) == 0;
+#pragma unroll
+      for (int ks = 0; ks < 8; ++ks) {
+        x[ks][0] = x[ks][1] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (al) {
+          if (va) x[ks][0] = __ldg(reinterpret_cast<const float4*>(ka + 16 * ks));
+          if (vb) x[ks][1] = __ldg(reinterpret_cast<const float4*>(kb + 16 * ks));
+        } else {  // a bank not 16-byte aligned: scalar loads
+          if (va)
+            x[ks][0] = make_float4(__ldg(ka + 16 * ks), __ldg(ka + 16 * ks + 1),
+                                   __ldg(ka + 16 * ks + 2), __ldg(ka + 16 * ks + 3));
+          if (vb)
+            x[ks][1] = make_float4(__ldg(kb + 16 * ks), __ldg(kb + 16 * ks + 1),
+                                   __ldg(kb + 16 * ks + 2), __ldg(kb + 16 * ks + 3));
+        }
+      }
+    }
     __syncthreads();  // the previous run's q / w / terms are read
-    stage_q(qs, ws, q, w, t0 + r0, n_heads, cols, tiles);  // under the key loads
+    // q as bf16 [column][position]: position p of k-step ks holds dim 16 ks + 4 ((p & 7) >> 1) +
+    // 2 (p >> 3) + (p & 1) (the A order above).
+    for (int xi = threadIdx.x; xi < tiles * 8 * (kHd / 2); xi += kThreads) {
+      const int c = xi / (kHd / 2), p = (xi - c * (kHd / 2)) * 2;
+      const int dim = (p & ~15) + 4 * ((p & 7) >> 1) + 2 * ((p >> 3) & 1);
+      uint32_t v = 0;
+      if (c < cols) {
+        const float* qc = q + (int64_t(t0 + r0) * n_heads + c) * kHd + dim;
+        v = pack_bf16x2(__ldg(qc), __ldg(qc + 1));
+      }
+      *reinterpret_cast<uint32_t*>(qs + c * kQStride + p) = v;
+    }
+    for (int xi = threadIdx.x; xi < cols; xi += kThreads)
+      ws[xi] = __ldg(w + int64_t(t0 + r0) * n_heads + xi);
     __syncthreads();
+    if (!live) {  // nothing visible for this warp's entries: -inf where written
+      for (int i = lane; i < 16 * (r1 - r0); i += 32) {
+        const int e = ew + (i & 15), tr = t0 + r0 + (i >> 4);
+        if (e < width[tr]) score[int64_t(tr) * max_width + e] = -INFINITY;
+      }
+      r0 = r1;
+      continue;
+    }
     uint32_t a[8][4];
-    if (live) keys_to_a(a, x);
-    score_rows<kRound>(a, live, qs, ws, term, t0 + r0, r1 - r0, n_heads, ew, lane, vis, width,
-                       max_width, score);
+#pragma unroll
+    for (int ks = 0; ks < 8; ++ks) {
+      a[ks][0] = pack_bf16x2(x[ks][0].x, x[ks][0].y);
+      a[ks][1] = pack_bf16x2(x[ks][1].x, x[ks][1].y);
+      a[ks][2] = pack_bf16x2(x[ks][0].z, x[ks][0].w);
+      a[ks][3] = pack_bf16x2(x[ks][1].z, x[ks][1].w);
+    }
+    const int ts = cols + 1;  // term row stride
+    for (int n0 = 0; n0 < tiles; n0 += 4) {
+      float d[4][4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) d[j][0] = d[j][1] = d[j][2] = d[j][3] = 0.f;
+#pragma unroll
+      for (int ks = 0; ks < 8; ++ks) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          if (n0 + j < tiles) {
+            const uint16_t* qb = qs + ((n0 + j) * 8 + g) * kQStride + 16 * ks + 2 * t;
+            detail::mma_bf16(d[j], a[ks][0], a[ks][1], a[ks][2], a[ks][3],
+                             *reinterpret_cast<const uint32_t*>(qb),
+                             *reinterpret_cast<const uint32_t*>(qb + 8));
+          }
+        }
+      }
+      // d[j]: entries g (0, 1) and g + 8 (2, 3) x columns (n0 + j) * 8 + 2t (+1).
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {
+          const int c = (n0 + j) * 8 + 2 * t + (v & 1), e = g + (v >> 1) * 8;
+          if (n0 + j < tiles && c < cols) {
+            const float dd = detail::round_bf16(d[j][v]);
+            const float rl = dd < 0.f ? 0.f : dd;  // std::max(d, 0.0f)
+            term[e * ts + c] = detail::round_bf16(__fmul_rn(rl, ws[c]));
+          }
+        }
+      }
+    }
+    __syncwarp();
+    for (int i = lane; i < 16 * (r1 - r0); i += 32) {
+      const int e = i & 15, r = i >> 4, tr = t0 + r0 + r, ent = ew + e;
+      const int wd = width[tr], nv = min(vis[tr], wd);
+      if (ent >= wd) continue;
+      float s = 0.f;
+      for (int h = 0; h < n_heads; ++h) s = __fadd_rn(s, term[e * ts + r * n_heads + h]);
+      score[int64_t(tr) * max_width + ent] =
+          ent < nv ? (kRound ? detail::round_bf16(s) : s) : -INFINITY;
+    }
     r0 = r1;
   }
 }
