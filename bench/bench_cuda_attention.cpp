@@ -176,8 +176,8 @@ int main(int argc, char** argv) {
     if (T > 8) {
       cudaGraphExec_t g = uf::bench::capture_graph(stream, [&] {
         for (int c = 0; c < copies; ++c)
-          sparse_attn_mma(q, T, kH, kHd, dwin[size_t(c)], W, k > 0 ? dtopk[size_t(c)] : nullptr,
-                          k, layers[size_t(c)].ckv, sink, scale, out, stream);
+          sparse_attn_mma(q, T, kH, kHd, dwin[size_t(c)], W, k > 0 ? dtopk[size_t(c)] : nullptr, k,
+                          layers[size_t(c)].ckv, sink, scale, out, stream);
       });
       mma_us = uf::bench::median_replay_us(g, stream, reps) / copies;
       UF_CUDA_CHECK(cudaGraphExecDestroy(g));

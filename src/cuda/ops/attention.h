@@ -57,10 +57,10 @@ size_t sparse_attn_scratch_floats(int T, int H, int hd, int n_slots);
 // result depends on its own inputs only, and is the same at any T. No scratch. Returns false,
 // launching nothing, where it does not apply (hd % 32 != 0, hd > 512, q or out not 16-byte
 // aligned, an empty slot list, an odd rope offset): the caller then runs sparse_attn.
-bool sparse_attn_mma(const float* q, int T, int H, int hd, const float* const* window,
-                     int n_window, const int32_t* topk, int k, const float* ckv, const float* sink,
-                     float scale, float* out, cudaStream_t stream,
-                     const float* const* ckv_ref = nullptr, const AttnRope& rope = {});
+bool sparse_attn_mma(const float* q, int T, int H, int hd, const float* const* window, int n_window,
+                     const int32_t* topk, int k, const float* ckv, const float* sink, float scale,
+                     float* out, cudaStream_t stream, const float* const* ckv_ref = nullptr,
+                     const AttnRope& rope = {});
 // Benchmarks only (not thread-safe): 16 or 32 makes every later chunked call use chunks of that
 // many slots; 0 restores the default (16).
 void sparse_attn_chunk_override(int slots);
