@@ -3,7 +3,8 @@
 // Why: the split path (attention.cu) keeps the CPU's dot8 order with fp32 FMAs on the CUDA cores;
 // for a 512-row prefill chunk of a TP8 rank (8 heads, head_dim 512, 128 + 512 slots) that is
 // ~10 MFLOP a row on instructions, ~37 ms of a ~115 ms chunk (docs/perf.md, session 8). Here
-// both products run as bf16 mma.sync m16n8k16 with fp32 accumulation.
+// both products run as bf16 mma.sync m16n8k16 with fp32 accumulation: 802 -> 286 us a layer at
+// 512 rows (session 13), the KV rows' gather (~2.3 TB/s of fp32 rows) now the bound.
 //
 // Tile (one CTA of 8 warps per (row t, group of 8 heads)), per 64-slot block of the row's list
 // (the CPU's softmax block, cpu::sparse_attn_row):
@@ -29,12 +30,13 @@
 //
 // Numerics against the CPU: p_j differs by the re-associated fp32 dot product (tensor-core
 // accumulation; for an arbitrary q also the split, |q - hi - lo| <= 2^-17 |q|): ~1e-6 relative,
-// which flips
-// bf16(p_j) by one ulp for a rare slot; P.V and l are re-associated fp32 sums. The tests bound
-// each output by 1 bf16 ulp + 2^-8 of the p-weighted mean |v| (tests/cuda/test_ops_attention.cpp).
+// which flips bf16(p_j) by one ulp for a rare slot; P.V and l are re-associated fp32 sums. The
+// tests bound each output by 1 bf16 ulp + 2^-8 of the p-weighted mean |v|
+// (tests/cuda/test_ops_attention.cpp).
 // A row's result depends on its own slots only (no other row's data, no atomics): repeatable bit
 // for bit, and independent of T. It is NOT the split path's bits: CudaModel::attend uses it for
-// prefill spans only (more rows than a verify step or a draft block), never for decode rows.
+// prefill spans only (more rows than a verify step or a draft block, and enough to give every SM
+// two CTAs), never for decode rows.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -56,10 +58,8 @@ constexpr int kMaxHd = 512;
 constexpr int kMaxTilesPerWarp = kMaxHd / 16 / kWarps;  // P.V output tiles (16 dims) a warp
 constexpr int kPStride = kBlock + 8;  // bf16 per head row of P (144 B: ldmatrix conflict-free)
 constexpr int kSStride = kBlock + 4;  // floats per head row of the S halves (stores spread)
-#ifndef UF_ATTN_MMA_UNROLL
-#define UF_ATTN_MMA_UNROLL 8
-#endif
-constexpr int kLoadUnroll = UF_ATTN_MMA_UNROLL;  // float4 loads in flight a thread (build knob)
+// float4 loads in flight a thread (4 and 16 measured the same in a prefill chunk, session 13).
+constexpr int kLoadUnroll = 8;
 static_assert(kWarps == kHeads, "softmax: one warp a head");
 static_assert(kBlock == 4 * 16, "S: four 16-slot M tiles, two d halves over the 8 warps");
 

@@ -31,8 +31,8 @@ enum class LinearKind {
   kF32Bf16X,      // cpu::linear_f32, bf16-exact x
   // kF32 for decode calls (T <= 8: dense_rows, whose fp32 order the fused decode router kernels
   // repeat) and kF32Bf16X for prefill calls (T > 8: DenseMma's prefill kernel, bf16-exact x):
-  // the MoE router gate, whose [384, 5120] fp32 rows on the CUDA cores took ~200 us a 512-row
-  // prefill chunk (13% of it) against ~10x less on the tensor cores.
+  // the MoE router gate, whose [384, 5120] fp32 rows on the CUDA cores advanced a 512-row
+  // prefill chunk ~200 us a layer (13% of it), ~10 us on the tensor cores.
   kF32Bf16XPrefill,
 };
 

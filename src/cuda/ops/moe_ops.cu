@@ -806,8 +806,9 @@ DeviceMoe::DeviceMoe(const model::MoeWeights& w, const MoeShape& shape, DeviceAr
   // 3.9 / 7.7 us at 1 / 7 rows there against 7.3 / 7.8 us through dense_mma's split-K
   // (bench_cuda_dense, session 5): too few weight rows for the MMA kernel's parallelism; the
   // fused decode routers repeat dense_rows' order. Prefill rows: DenseMma's prefill kernel
-  // (197 us -> see docs/perf.md session 13 at 512 rows; another fp32 order of the same exact
-  // products, so a prefill row's routing equals a decode row's except at fp32 near-ties).
+  // (another fp32 order of the same exact products, so a prefill row's routing equals a decode
+  // row's except at fp32 near-ties; a 512-row call's advance of the chain ~200 -> ~10 us,
+  // docs/perf.md session 13).
   m.gate = DeviceLinear(w.gate, LinearKind::kF32Bf16XPrefill, arena);
   std::vector<float> bias(size_t(E), 0.f);
   if (!w.gate_bias.empty()) {
