@@ -19,6 +19,9 @@ struct BackendChoice {
   bool cuda_graphs = true;  // CUDA: decode / verify steps replay CUDA graphs (off: eager launches)
   bool device_verify = true;  // CUDA: speculative verification on the GPU (off: on the host)
   bool p2p_allreduce = true;  // CUDA TP: one-shot peer-to-peer sums where possible (off: NCCL)
+  // CUDA: the largest session capacity the caller will ask for (the server's --max-seq; 0:
+  // unknown), so the backend sizes its index scratch before capturing the decode graphs.
+  int64_t max_seq = 0;
 };
 
 struct LoadedBackend {

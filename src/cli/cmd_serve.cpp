@@ -123,6 +123,7 @@ std::shared_ptr<uf::server::GenerationEngine> make_engine(
   choice.cuda_graphs = !o.no_cuda_graphs;
   choice.device_verify = !o.no_device_verify;
   choice.p2p_allreduce = !o.no_p2p_allreduce;
+  choice.max_seq = o.server.max_seq;
   auto loaded = uf::cli::load_backend(o.model, choice);
   uf::server::ModelEngineOptions mo;
   mo.model_name = o.server.served_model_name.empty()

@@ -129,6 +129,35 @@ TEST_F(CudaBackendTest, SessionCapacityDoesNotChangeLogits) {
   }
 }
 
+// CudaModelOptions::max_seq sizes the index scratch at construction: the server's sessions (of
+// that capacity) then decode on the graphs captured at construction, with no capture while
+// requests run. Without it, the first such session drops them and its steps capture them again.
+TEST_F(CudaBackendTest, MaxSeqOptionKeepsTheConstructionGraphs) {
+  const int64_t cap = 8192;
+  auto steps = [&](CudaBackend& be) {
+    auto s = be.new_session(cap);
+    std::vector<float> logits(static_cast<size_t>(V_));
+    be.prefill(*s, prompt_, engine::PrefillOptions{}, logits);
+    for (int i = 0; i < 3; ++i) {
+      be.decode_rows(*s, std::span<const int32_t>(&next_[size_t(i)], 1), logits);
+      be.commit(*s, 1);
+    }
+  };
+  CudaModelOptions mo;
+  mo.max_seq = cap;
+  CudaBackend sized(tiny_a_dir(), map_, mo);
+  const int64_t built = sized.model().graph_captures_total();
+  ASSERT_GT(built, 0) << "no graph captured at construction";
+  steps(sized);
+  EXPECT_EQ(sized.model().graph_captures_total(), built)
+      << "a session of the announced capacity recaptured the step graphs";
+  CudaBackend unsized(tiny_a_dir(), map_);  // the fixture's own: no max_seq
+  const int64_t before = unsized.model().graph_captures_total();
+  steps(unsized);
+  EXPECT_GT(unsized.model().graph_captures_total(), before)
+      << "a wider session did not recapture (is the scratch sized by another path now?)";
+}
+
 TEST_F(CudaBackendTest, MatchesCpuBackend) {
   cpu::CpuBackend cpu_be(tiny_a_dir(), map_);
   std::vector<float> gl, cl;

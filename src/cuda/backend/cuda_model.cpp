@@ -286,6 +286,9 @@ CudaModel::CudaModel(model::ModelConfig cfg, const model::Checkpoint& ckpt,
     head_part_ = arena_.alloc<float>(T * Vl);
     if (split_head_) head_gather_ = arena_.alloc<float>(size_t(tp_) * T * Vl);
   }
+  // The index-score scratch for the callers' largest sessions (CudaModelOptions::max_seq), before
+  // any graph is captured.
+  if (opts_.max_seq > 0) ensure_index_width(index_width_for(opts_.max_seq));
   // The device holds the shards now (uploads are synchronous): drop the host copies; no split
   // weight is read on the host after construction (the Markov / confidence views are replicated).
   if (tp_ > 1) {
@@ -413,7 +416,6 @@ std::unique_ptr<CudaSession> CudaModel::new_session(int64_t max_seq) {
   s->cap = max_seq;
   s->alloc_cap = max_seq;
   s->layers.resize(size_t(cfg_.n_total_layers()));
-  int64_t width = 1;
   for (int l = 0; l < cfg_.n_total_layers(); ++l) {
     const auto& r = cfg_.role(l);
     auto& L = s->layers[size_t(l)];
@@ -428,13 +430,21 @@ std::unique_ptr<CudaSession> CudaModel::new_session(int64_t max_seq) {
       if (r.index_source)
         L.ikeys = s->arena.alloc<float>(size_t(L.ckv_cap) * size_t(cfg_.index_head_dim));
     }
-    if (l < cfg_.n_layers && r.index_source && r.compress_ratio > 0)
-      width = std::max(width, max_seq / r.compress_ratio + 1);
   }
   s->pending_main_hidden =
       s->arena.alloc<float>(size_t(opts_.max_rows) * size_t(std::max(n_taps(), 1) * cfg_.dim));
-  ensure_index_width(width);
+  ensure_index_width(index_width_for(max_seq));
   return s;
+}
+
+int64_t CudaModel::index_width_for(int64_t max_seq) const {
+  int64_t width = 1;
+  for (int l = 0; l < cfg_.n_layers; ++l) {
+    const auto& r = cfg_.role(l);
+    if (r.index_source && r.compress_ratio > 0)
+      width = std::max(width, max_seq / r.compress_ratio + 1);
+  }
+  return width;
 }
 
 void CudaModel::download_ring(const DeviceRing& r, std::vector<float>& out) const {

@@ -138,6 +138,11 @@ struct CudaModelOptions {
   // so spec == plain is unaffected. Not the CPU's bits (within the bound the op tests state).
   // Off: prefill spans take the split path too (`bench-prefill --attention split`).
   bool prefill_attention_mma = true;
+  // The largest session capacity callers will ask for (the server's --max-seq; 0: unknown). The
+  // index-score scratch is sized for it at construction, before the decode graphs are captured:
+  // otherwise the first session wider than any before drops the graphs (they hold the scratch and
+  // its row stride) and its first steps capture them again while requests run.
+  int64_t max_seq = 0;
 };
 
 class CudaModel {
@@ -236,8 +241,10 @@ class CudaModel {
   // the model: ring tags and entry counts as after a real prefill, device state random (not zeros).
   // The step cost at a context then depends on len exactly as after a real prefill of len tokens.
   void fast_forward(CudaSession& s, int64_t len, uint64_t seed);
-  // CUDA graphs captured so far (one per (rows, all_logits, head) used, and the draft's).
+  // CUDA graphs held now (one per (rows, all_logits, head) used, and the draft's), and captured
+  // since construction (recaptures after a wider session dropped them included).
   int graphs_captured() const { return int(graphs_.size()); }
+  int64_t graph_captures_total() const { return graph_captures_; }
   // Captures the decode loop's graphs (verify of 1..max_rows rows with all logits, the draft) on a
   // scratch session, before serving: a capture on stream_ while another thread used the legacy
   // default stream would fail, so none should happen once requests run. No-op without graphs.
@@ -358,6 +365,8 @@ class CudaModel {
   void moe(int l, const float* x, int T, float* y);
   void dspark_write(CudaSession& s, const float* main_hidden, int n, int64_t p0);
   void ensure_index_width(int64_t width);
+  // The index-score width a session of capacity max_seq needs (its widest index layer's entries).
+  int64_t index_width_for(int64_t max_seq) const;
   // TP (cuda_tp.cpp): replaces the split weights of w_ by this rank's shards (host copies).
   void shard_weights();
   // TP: in-place fp32 sum over the ranks on this model's stream, then bf16 rounding of the sum.
@@ -479,6 +488,7 @@ class CudaModel {
   // launch (a one-node graph tail-launching the step) was tried in session 7 and cut the launch
   // call by ~14 us but made the step 40-120 us longer on the device (docs/perf.md).
   std::map<int, cudaGraphExec_t> graphs_;
+  int64_t graph_captures_ = 0;  // graph_captures_total()
   // Device verification: its plan (transformed rows, sort scratch) and inputs / result.
   std::unique_ptr<VerifyPlan> verify_plan_;
   float* verify_q_ = nullptr;                  // [kMaxDraft, vocab]

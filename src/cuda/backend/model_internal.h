@@ -135,6 +135,7 @@ void CudaModel::launch_program(int key, Program&& program) {
     cudaGraphDestroy(graph);
     UF_CUDA_CHECK(err);
     it = graphs_.emplace(key, exec).first;
+    ++graph_captures_;
     spdlog::debug(
         "CUDA graph {} captured: {} nodes in {:.1f} ms", key, nodes,
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
