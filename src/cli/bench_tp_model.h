@@ -30,6 +30,10 @@ struct TpModelArgs {
   std::string trace_file;                 // also write the traced step's records here
   uint64_t seed = 1;
   bool no_graphs = false;
+  // As a server with --max-seq: the index scratch sized for it at load (CudaModelOptions::max_seq;
+  // 0: grown by the sessions the bench creates), and the graph steps' score width buckets.
+  int64_t max_seq = 0;
+  bool score_buckets = false;
 };
 
 // Builds, loads and times; every figure goes into `out` as well as to stdout. Throws

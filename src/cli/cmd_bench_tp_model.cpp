@@ -178,6 +178,8 @@ void run_tp_model_bench(const TpModelArgs& a, json& out) {
   cuda::CudaModelOptions o;
   o.tp = N;
   o.cuda_graphs = !a.no_graphs;
+  o.max_seq = a.max_seq;
+  o.tp_score_buckets = a.score_buckets;
   spdlog::info("bench: building the synthetic checkpoint and loading {} ranks", N);
   const auto t_load = Clock::now();
   auto be = std::make_unique<cuda::CudaBackend>(cfg, model::synthetic_checkpoint(cfg, a.seed),

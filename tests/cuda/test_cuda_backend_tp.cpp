@@ -336,6 +336,54 @@ TEST_F(CudaBackendTpTest, DraftAndCedCloseToTp1) {
   EXPECT_LT(cc.maxabs, bounds_.dspark.maxabs) << "confidence: " << cc.str();
 }
 
+// CudaModelOptions::tp_score_buckets: with the index scratch sized for 64k-token sessions (16385
+// entries a row), the bucketed backend's graph steps lay out and sum their scores at 4096 entries
+// (a short session's bucket), the other's at 16385: prefill and decode logits bitwise equal (each
+// score's rank-order sum and the exact selections do not depend on the row stride). The bucketed
+// backend captures each verify key once a bucket at construction and nothing while it decodes.
+TEST(CudaBackendTpBuckets, ScoreBucketsGiveTheSameLogits) {
+  UF_REQUIRE_GPU();
+  if (gpu_count() < 2) GTEST_SKIP() << "TP = 2 needs 2 GPUs, " << gpu_count() << " visible";
+  const auto map = tiny_a_golden_i64("engram_token_map");
+  const auto p = tiny_a_golden_i64("prompt_ids");
+  const auto d = tiny_a_golden_i64("decode_ids");
+  const std::vector<int32_t> prompt(p.begin(), p.end()), next(d.begin(), d.end());
+  struct Run {
+    std::vector<float> logits;  // the prompt's rows, then 3 decode steps
+    int64_t built = 0, after = 0;
+  };
+  auto run = [&](bool buckets) {
+    CudaModelOptions o;
+    o.tp = 2;
+    o.max_seq = 65536;
+    o.tp_score_buckets = buckets;
+    CudaBackend be(tiny_a_dir(), std::vector<int64_t>(map.begin(), map.end()), o);
+    Run r;
+    r.built = be.model().graph_captures_total();
+    const size_t V = size_t(be.config().vocab_size);
+    auto s = be.new_session(128);
+    engine::PrefillOptions po;
+    po.all_logits = true;
+    r.logits.assign(prompt.size() * V, NAN);
+    be.prefill(*s, prompt, po, r.logits);
+    std::vector<float> x(V);
+    for (int k = 0; k < 3; ++k) {
+      be.decode_rows(*s, std::span<const int32_t>(&next[size_t(k)], 1), x);
+      be.commit(*s, 1);
+      r.logits.insert(r.logits.end(), x.begin(), x.end());
+    }
+    r.after = be.model().graph_captures_total();
+    return r;
+  };
+  const Run wide = run(false), bucketed = run(true);
+  ASSERT_EQ(wide.logits.size(), bucketed.logits.size());
+  const Cmp c = compare(bucketed.logits.data(), wide.logits.data(), wide.logits.size());
+  EXPECT_EQ(c.first_diff, -1) << "bucketed vs full-width scores: " << c.str();
+  EXPECT_EQ(c.nan, 0u);
+  EXPECT_GT(bucketed.built, wide.built) << "the second bucket's graphs were not captured";
+  EXPECT_EQ(bucketed.after, bucketed.built) << "a bucketed step captured a graph while decoding";
+}
+
 TEST(CudaTpShards, ShardsAreTheWholeWeightsSlices) {
   const auto cfg = model::ModelConfig::load(tiny_a_dir());
   const auto ckpt = model::Checkpoint::open(tiny_a_dir());

@@ -406,6 +406,11 @@ void CudaModel::ensure_index_width(int64_t width) {
                                               cfg_.candidate_block_size));
   if (ws > 0) UF_CUDA_CHECK(cudaMalloc(&index_ws_, ws));
   index_width_ = width;
+  // Graph steps' score widths: 4096 * 4^b entries below the scratch width, then the scratch's.
+  score_buckets_.clear();
+  if (tp_ > 1 && opts_.tp_score_buckets)
+    for (int64_t b = 4096; b < width; b *= 4) score_buckets_.push_back(b);
+  score_buckets_.push_back(width);
   // The ordered TP sum gathers whole score rows too.
   if (ordered_sum_) ensure_gather(n);
 }
@@ -852,6 +857,13 @@ void CudaModel::index_queries(int l, const float* x, const float* qr, int T, int
   c[1].qdq = QdqKind::kFp4E8m0;
   c[1].qdq_block = 32;
   row_chains(c, 2, nullptr, stream_);
+}
+
+int CudaModel::score_bucket(int64_t widest) const {
+  if (forced_bucket_ >= 0) return std::min(forced_bucket_, int(score_buckets_.size()) - 1);
+  int b = 0;
+  while (b + 1 < int(score_buckets_.size()) && score_buckets_[size_t(b)] < widest) ++b;
+  return b;
 }
 
 int CudaModel::score_stride(int64_t widest) const {

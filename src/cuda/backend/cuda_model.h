@@ -143,6 +143,15 @@ struct CudaModelOptions {
   // otherwise the first session wider than any before drops the graphs (they hold the scratch and
   // its row stride) and its first steps capture them again while requests run.
   int64_t max_seq = 0;
+  // TP: graph steps lay their index scores out (and all-reduce them) at the smallest of the
+  // widths 4096, 16384, 65536, ... (entries; the last is the scratch's) that holds the step's
+  // widest row, one captured graph per (key, width), instead of always at the scratch width: with
+  // --max-seq 1M every step otherwise sums T x 250k floats per index layer whatever its context
+  // (~0.65 ms a 7-row step on two ranks, session 13). The same bits either way (each score's
+  // rank-order sum and the exact selections do not depend on the row stride). Off by default
+  // until measured on a GPU (CudaBackendTpBuckets.ScoreBucketsGiveTheSameLogits); no effect at
+  // tp = 1.
+  bool tp_score_buckets = false;
 };
 
 class CudaModel {
@@ -346,6 +355,9 @@ class CudaModel {
                     const int32_t* width, int stride);
   // The score stride of an eager span whose widest index row has `widest` entries.
   int score_stride(int64_t widest) const;
+  // A graph step's score width bucket for its widest index row (the index into score_buckets_;
+  // forced_bucket_ when capture_step_graphs sets one).
+  int score_bucket(int64_t widest) const;
   void head(const float* X, const float* pre_mix, int row0, int n, float* logits_dev);
   int last_emitter(int64_t p) const;
   // Rows t < T at positions p0 + t, or at pos[t] (device) when pos is given (span programs).
@@ -489,6 +501,10 @@ class CudaModel {
   // call by ~14 us but made the step 40-120 us longer on the device (docs/perf.md).
   std::map<int, cudaGraphExec_t> graphs_;
   int64_t graph_captures_ = 0;  // graph_captures_total()
+  // Graph steps' score widths (CudaModelOptions::tp_score_buckets; else {index_width_}), set by
+  // ensure_index_width; forced_bucket_ >= 0: capture_step_graphs' bucket.
+  std::vector<int64_t> score_buckets_;
+  int forced_bucket_ = -1;
   // Device verification: its plan (transformed rows, sort scratch) and inputs / result.
   std::unique_ptr<VerifyPlan> verify_plan_;
   float* verify_q_ = nullptr;                  // [kMaxDraft, vocab]

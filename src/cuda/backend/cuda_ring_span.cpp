@@ -217,7 +217,9 @@ void CudaModel::plan_ring_span(Span& sp, SpanBlock& b, std::span<const int32_t> 
              W + opts_.max_rows);
     for (int t = std::max(0, T - st.window.slots); t < T; ++t) st.window.put(p0 + t);
   }
-  b.score_stride = T <= opts_.max_rows ? int(index_width_) : score_stride(widest);
+  b.score_bucket = T <= opts_.max_rows ? score_bucket(widest) : 0;
+  b.score_stride =
+      T <= opts_.max_rows ? int(score_buckets_[size_t(b.score_bucket)]) : score_stride(widest);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -456,7 +458,9 @@ void CudaModel::forward_ring(CudaSession& s, std::span<const int32_t> tokens, bo
   const bool head_rows = logits || split_head_ || keep_logits;
   auto program = [&] { ring_program(b, all_logits, head_rows); };
   if (T <= opts_.max_rows)
-    launch_program(T * 4 + (all_logits ? 2 : 0) + (head_rows ? 1 : 0), program);
+    launch_program(
+        T * 4 + (all_logits ? 2 : 0) + (head_rows ? 1 : 0) + b.score_bucket * kScoreBucketGraphKey,
+        program);
   else
     program();  // long prefill chunks: one graph per chunk length would not be reused
   last_launch_host_us_ =
@@ -529,15 +533,22 @@ void CudaModel::capture_step_graphs() {
   if (!opts_.cuda_graphs) return;
   const auto t0 = std::chrono::steady_clock::now();
   const int M = opts_.max_rows;
-  auto s = new_session(int64_t(M) * (M + 1) + 2);
+  // The score width buckets (tp_score_buckets; else one) of the scratch width the session below
+  // leaves: one pass of the verify keys each, then the commits and the draft.
+  const int64_t passes = int64_t(std::max<size_t>(score_buckets_.size(), 1));
+  auto s = new_session(int64_t(M) * (M + 1) / 2 * (passes + 1) + 2);
   // Every rank's session is allocated before any rank's first collective (host_barrier: an
   // allocation phase must not overlap a peer's collective).
   if (group_) group_->host_barrier();
   const std::vector<int32_t> toks(size_t(M), 0);
   std::vector<float> logits(size_t(M) * size_t(cfg_.vocab_size));
-  for (int T = 1; T <= M; ++T)  // CudaBackend::decode_rows' keys
-    forward(*s, std::span<const int32_t>(toks.data(), size_t(T)), false, true, logits.data(),
-            nullptr, nullptr);
+  for (int b = 0; b < int(score_buckets_.size()); ++b) {
+    forced_bucket_ = b;  // the scratch session's rows are narrow: every bucket's graphs anyway
+    for (int T = 1; T <= M; ++T)  // CudaBackend::decode_rows' keys
+      forward(*s, std::span<const int32_t>(toks.data(), size_t(T)), false, true, logits.data(),
+              nullptr, nullptr);
+  }
+  forced_bucket_ = -1;
   if (cfg_.n_mtp_layers > 0 && cfg_.dspark_block_size > 0) {
     for (int n = 1; n <= M; ++n) {  // commits of 1..M accepted rows
       forward(*s, std::span<const int32_t>(toks.data(), size_t(n)), false, true, logits.data(), mh_,

@@ -70,12 +70,14 @@ struct CudaModel::SpanBlock {
   int T = 0;
   size_t bytes = 0;
   // index_select's score row stride (host value, set by plan_ring_span): a graph step's
-  // (T <= max_rows) is the scratch width, fixed at its capture; an eager span's is its widest
-  // row, so that a TP rank sums the live columns, not the largest session's width.
+  // (T <= max_rows) is its width bucket's (score_bucket; the scratch width unless
+  // CudaModelOptions::tp_score_buckets), fixed at its capture; an eager span's is its widest row,
+  // so that a TP rank sums the live columns, not the largest session's width.
   int score_stride = 0;
-  size_t p0 = 0;    // int64: the span's first position
-  size_t ids = 0;   // int32 [T]: token ids
-  size_t pos = 0;   // int64 [T]: positions p0 + t
+  int score_bucket = 0;  // graph steps: the index into CudaModel::score_buckets_ (graph key)
+  size_t p0 = 0;         // int64: the span's first position
+  size_t ids = 0;        // int32 [T]: token ids
+  size_t pos = 0;        // int64 [T]: positions p0 + t
   size_t hash = 0;  // int64 [engram layers, T, n_cols]: Engram ids (CudaModel::upload_hash order)
   struct Layer {
     int gmax = 0;         // KV sources: compressed entries the program computes (>= emitted)
@@ -102,11 +104,14 @@ struct CudaModel::SpanBlock {
   }
 };
 
-// Graph keys: span programs use rows * 4 + all_logits * 2 + head (4..35 for up to 8 rows); draft
+// Graph keys: span programs use rows * 4 + all_logits * 2 + head (4..35 for up to 8 rows; plus
+// the score width bucket * kScoreBucketGraphKey under TP with tp_score_buckets); draft
 // programs 0 / 1 (without / with the head), the device draft 2, commits kCommitGraphKey + rows.
 // Capture runs the program on the model's stream in thread-local mode (TP ranks capture on their
 // own threads).
 inline constexpr int kCommitGraphKey = 64;
+// Span programs of score width bucket b > 0 (CudaModelOptions::tp_score_buckets): key + b * this.
+inline constexpr int kScoreBucketGraphKey = 256;
 template <typename Program>
 void CudaModel::launch_program(int key, Program&& program) {
   // Under TP every rank captures and replays the same program, NCCL collectives included (NCCL
