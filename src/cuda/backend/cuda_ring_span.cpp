@@ -542,6 +542,10 @@ void CudaModel::capture_step_graphs() {
   if (group_) group_->host_barrier();
   const std::vector<int32_t> toks(size_t(M), 0);
   std::vector<float> logits(size_t(M) * size_t(cfg_.vocab_size));
+  struct Unforce {  // forced_bucket_ back to -1 however the loop ends
+    int& b;
+    ~Unforce() { b = -1; }
+  } unforce{forced_bucket_};
   for (int b = 0; b < int(score_buckets_.size()); ++b) {
     forced_bucket_ = b;  // the scratch session's rows are narrow: every bucket's graphs anyway
     for (int T = 1; T <= M; ++T)  // CudaBackend::decode_rows' keys
