@@ -116,8 +116,9 @@ StepFloor step_floor(const ModelConfig& c, int rows, int64_t context, const Floo
 
 namespace uf::model {
 
-// Index-score row stride of a CUDA session of `capacity` tokens (CudaModel::new_session: the
-// largest capacity / ratio + 1 over the backbone's compressed index-source layers; 1 if none).
+// Index-score row stride of a CUDA session of `capacity` tokens (the largest capacity / ratio + 1
+// over the backbone's compressed index-source layers; 1 if none): CudaModel sizes its index
+// scratch with it (new_session, CudaModelOptions::max_seq).
 // Every index-score all-reduce moves whole rows of this width, whatever the live context.
 int64_t index_score_width(const ModelConfig& c, int64_t capacity);
 

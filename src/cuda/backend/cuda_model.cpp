@@ -16,6 +16,7 @@
 #include "cuda/tp/nccl_comm.h"
 #include "cuda/weight_uploader.h"
 #include "model/rope.h"
+#include "model/synthetic.h"
 
 namespace uf::cuda {
 
@@ -288,7 +289,7 @@ CudaModel::CudaModel(model::ModelConfig cfg, const model::Checkpoint& ckpt,
   }
   // The index-score scratch for the callers' largest sessions (CudaModelOptions::max_seq), before
   // any graph is captured.
-  if (opts_.max_seq > 0) ensure_index_width(index_width_for(opts_.max_seq));
+  if (opts_.max_seq > 0) ensure_index_width(model::index_score_width(cfg_, opts_.max_seq));
   // The device holds the shards now (uploads are synchronous): drop the host copies; no split
   // weight is read on the host after construction (the Markov / confidence views are replicated).
   if (tp_ > 1) {
@@ -438,18 +439,8 @@ std::unique_ptr<CudaSession> CudaModel::new_session(int64_t max_seq) {
   }
   s->pending_main_hidden =
       s->arena.alloc<float>(size_t(opts_.max_rows) * size_t(std::max(n_taps(), 1) * cfg_.dim));
-  ensure_index_width(index_width_for(max_seq));
+  ensure_index_width(model::index_score_width(cfg_, max_seq));
   return s;
-}
-
-int64_t CudaModel::index_width_for(int64_t max_seq) const {
-  int64_t width = 1;
-  for (int l = 0; l < cfg_.n_layers; ++l) {
-    const auto& r = cfg_.role(l);
-    if (r.index_source && r.compress_ratio > 0)
-      width = std::max(width, max_seq / r.compress_ratio + 1);
-  }
-  return width;
 }
 
 void CudaModel::download_ring(const DeviceRing& r, std::vector<float>& out) const {

@@ -377,8 +377,6 @@ class CudaModel {
   void moe(int l, const float* x, int T, float* y);
   void dspark_write(CudaSession& s, const float* main_hidden, int n, int64_t p0);
   void ensure_index_width(int64_t width);
-  // The index-score width a session of capacity max_seq needs (its widest index layer's entries).
-  int64_t index_width_for(int64_t max_seq) const;
   // TP (cuda_tp.cpp): replaces the split weights of w_ by this rank's shards (host copies).
   void shard_weights();
   // TP: in-place fp32 sum over the ranks on this model's stream, then bf16 rounding of the sum.
