@@ -64,6 +64,7 @@
 #include "cuda/kernels/common.cuh"
 #include "cuda/kernels/probe.cuh"
 #include "cuda/ops/attention.h"
+#include "cuda/ops/attention_slots.cuh"
 #include "cuda/ops/elementwise.h"
 #include "cuda/ops/elementwise_common.cuh"
 
@@ -724,17 +725,7 @@ __global__ void __launch_bounds__(kThreads)
   const int n_slots = n_window + k;
   for (int b0 = 0; b0 < n_slots; b0 += kBlock) {
     const int nb = min(kBlock, n_slots - b0);
-    if (tid < nb) {
-      const int j = b0 + tid;
-      const float* p = nullptr;
-      if (j < n_window) {
-        p = window[int64_t(t) * n_window + j];
-      } else {
-        const int32_t e = topk[int64_t(t) * k + (j - n_window)];
-        p = e >= 0 ? ckv + int64_t(e) * hd : nullptr;
-      }
-      slot[tid] = p;
-    }
+    if (tid < nb) slot[tid] = attn_slot(t, b0 + tid, window, n_window, topk, k, ckv, hd);
     __syncthreads();
     // Partial dot products: work item w = (slot j, lane L).
     for (int w = tid; w < nb * 8; w += kThreads) {

@@ -45,6 +45,7 @@
 #include "cuda/cuda_check.h"
 #include "cuda/kernels/common.cuh"
 #include "cuda/ops/attention.h"
+#include "cuda/ops/attention_slots.cuh"
 #include "cuda/ops/elementwise_common.cuh"
 
 namespace uf::cuda {
@@ -167,16 +168,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   for (int b0 = 0; b0 < n_slots; b0 += kBlock) {
     const int nb = min(kBlock, n_slots - b0);
     if (tid < kBlock) {
-      const float* p = nullptr;
-      if (tid < nb) {
-        const int j = b0 + tid;
-        if (j < n_window) {
-          p = window[int64_t(t) * n_window + j];
-        } else {
-          const int32_t e = topk[int64_t(t) * k + (j - n_window)];
-          p = e >= 0 ? ckv + int64_t(e) * hd : nullptr;
-        }
-      }
+      const float* p =
+          tid < nb ? attn_slot(t, b0 + tid, window, n_window, topk, k, ckv, hd) : nullptr;
       slot[tid] = p;
       const uint32_t bits = __ballot_sync(0xffffffffu, p != nullptr);
       if (lane == 0) present_sh[warp] = bits;
