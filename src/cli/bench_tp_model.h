@@ -33,7 +33,7 @@ struct TpModelArgs {
   // As a server with --max-seq: the index scratch sized for it at load (CudaModelOptions::max_seq;
   // 0: grown by the sessions the bench creates), and the graph steps' score width buckets.
   int64_t max_seq = 0;
-  bool score_buckets = false;
+  bool score_buckets = true;
 };
 
 // Builds, loads and times; every figure goes into `out` as well as to stdout. Throws

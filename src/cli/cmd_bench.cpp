@@ -94,8 +94,8 @@ struct BenchArgs {
   int chunk = 512;
   int prefill_iters = 2;
   int slice_of = 1;
-  int64_t max_seq = 0;            // tpN: CudaModelOptions::max_seq (a server's --max-seq)
-  bool tp_score_buckets = false;  // tpN: CudaModelOptions::tp_score_buckets
+  int64_t max_seq = 0;               // tpN: CudaModelOptions::max_seq (a server's --max-seq)
+  bool no_tp_score_buckets = false;  // tpN: CudaModelOptions::tp_score_buckets off
   std::string json_file;
   std::string trace_file;
   uint64_t seed = 1;
@@ -442,12 +442,12 @@ int run_tp_model(const BenchArgs& a, int tp, const std::vector<int>& rows) {
   t.no_graphs = a.no_graphs;
   UF_CHECK(a.max_seq >= 0, "bench: --max-seq {} must be >= 0", a.max_seq);
   t.max_seq = a.max_seq;
-  t.score_buckets = a.tp_score_buckets;
+  t.score_buckets = !a.no_tp_score_buckets;
   json out = {{"iters", a.iters},
               {"warmup", a.warmup},
               {"seed", a.seed},
               {"max_seq", a.max_seq},
-              {"tp_score_buckets", a.tp_score_buckets}};
+              {"tp_score_buckets", !a.no_tp_score_buckets}};
   try {
     bench::run_tp_model_bench(t, out);
   } catch (const std::exception& e) {
@@ -468,8 +468,8 @@ int run_bench(const BenchArgs& a) {
   if (const int tp = uf::cli::bench::tp_model_ranks(a.synthetic); tp > 0)
     return run_tp_model(a, tp, rows);
   UF_CHECK(a.contexts.empty() && a.prefill_contexts.empty() && a.slice_of == 1 && a.max_seq == 0 &&
-               !a.tp_score_buckets,
-           "bench: --contexts, --prefill-contexts, --slice-of, --max-seq and --tp-score-buckets "
+               !a.no_tp_score_buckets,
+           "bench: --contexts, --prefill-contexts, --slice-of, --max-seq and --no-tp-score-buckets "
            "are options of --synthetic tp2 / tp4 / tp8 (tp8-rank: one --context a run; "
            "bench-prefill times its prefill)");
   const ModelConfig cfg = bench_config(a);
@@ -586,9 +586,9 @@ void setup_bench(CLI::App& app, int& exit_code) {
   cmd->add_option("--max-seq", a->max_seq,
                   "tpN: size the index scratch for sessions of this many tokens at load, as a "
                   "server with --max-seq does (0: the sessions the bench creates grow it)");
-  cmd->add_flag("--tp-score-buckets", a->tp_score_buckets,
-                "tpN: graph steps sum their index scores at a width bucket of their context, not "
-                "the scratch's width (CudaModelOptions::tp_score_buckets)");
+  cmd->add_flag("--no-tp-score-buckets", a->no_tp_score_buckets,
+                "tpN: graph steps sum their index scores at the scratch's width, not at a width "
+                "bucket of their context (CudaModelOptions::tp_score_buckets off)");
   cmd->add_option("--json", a->json_file, "Write every figure to this JSON file");
   cmd->add_option("--trace", a->trace_file,
                   "Trace one more forward per row count (CUPTI kernel timeline) into this file");

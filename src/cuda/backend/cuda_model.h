@@ -148,10 +148,11 @@ struct CudaModelOptions {
   // widest row, one captured graph per (key, width), instead of always at the scratch width: with
   // --max-seq 1M every step otherwise sums T x 250k floats per index layer whatever its context
   // (~0.65 ms a 7-row step on two ranks, session 13). The same bits either way (each score's
-  // rank-order sum and the exact selections do not depend on the row stride). Off by default
-  // until measured on a GPU (CudaBackendTpBuckets.ScoreBucketsGiveTheSameLogits); no effect at
-  // tp = 1.
-  bool tp_score_buckets = false;
+  // rank-order sum and the exact selections do not depend on the row stride;
+  // CudaBackendTpBuckets.ScoreBucketsGiveTheSameLogits). Two TP8-shaped ranks with --max-seq 1M,
+  // 7-row step at 8k: 8132 -> 7222 us (session 14); the graphs take ~4x their capture time and
+  // memory (4 widths at 1M). No effect at tp = 1.
+  bool tp_score_buckets = true;
 };
 
 class CudaModel {
