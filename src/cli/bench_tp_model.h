@@ -34,6 +34,7 @@ struct TpModelArgs {
   // 0: grown by the sessions the bench creates), and the graph steps' score width buckets.
   int64_t max_seq = 0;
   bool score_buckets = true;
+  bool index_split_entries = false;  // CudaModelOptions::tp_index_split_entries
 };
 
 // Builds, loads and times; every figure goes into `out` as well as to stdout. Throws

@@ -96,6 +96,7 @@ struct BenchArgs {
   int slice_of = 1;
   int64_t max_seq = 0;               // tpN: CudaModelOptions::max_seq (a server's --max-seq)
   bool no_tp_score_buckets = false;  // tpN: CudaModelOptions::tp_score_buckets off
+  bool tp_index_entries = false;     // tpN: CudaModelOptions::tp_index_split_entries
   std::string json_file;
   std::string trace_file;
   uint64_t seed = 1;
@@ -443,11 +444,13 @@ int run_tp_model(const BenchArgs& a, int tp, const std::vector<int>& rows) {
   UF_CHECK(a.max_seq >= 0, "bench: --max-seq {} must be >= 0", a.max_seq);
   t.max_seq = a.max_seq;
   t.score_buckets = !a.no_tp_score_buckets;
+  t.index_split_entries = a.tp_index_entries;
   json out = {{"iters", a.iters},
               {"warmup", a.warmup},
               {"seed", a.seed},
               {"max_seq", a.max_seq},
-              {"tp_score_buckets", !a.no_tp_score_buckets}};
+              {"tp_score_buckets", !a.no_tp_score_buckets},
+              {"tp_index_split_entries", a.tp_index_entries}};
   try {
     bench::run_tp_model_bench(t, out);
   } catch (const std::exception& e) {
@@ -467,11 +470,12 @@ int run_bench(const BenchArgs& a) {
            a.iters, a.warmup);
   if (const int tp = uf::cli::bench::tp_model_ranks(a.synthetic); tp > 0)
     return run_tp_model(a, tp, rows);
-  UF_CHECK(a.contexts.empty() && a.prefill_contexts.empty() && a.slice_of == 1 && a.max_seq == 0 &&
-               !a.no_tp_score_buckets,
-           "bench: --contexts, --prefill-contexts, --slice-of, --max-seq and --no-tp-score-buckets "
-           "are options of --synthetic tp2 / tp4 / tp8 (tp8-rank: one --context a run; "
-           "bench-prefill times its prefill)");
+  UF_CHECK(
+      a.contexts.empty() && a.prefill_contexts.empty() && a.slice_of == 1 && a.max_seq == 0 &&
+          !a.no_tp_score_buckets && !a.tp_index_entries,
+      "bench: --contexts, --prefill-contexts, --slice-of, --max-seq, --no-tp-score-buckets and "
+      "--tp-index-entries are options of --synthetic tp2 / tp4 / tp8 (tp8-rank: one --context a "
+      "run; bench-prefill times its prefill)");
   const ModelConfig cfg = bench_config(a);
   uint64_t bytes = 0;
   for (const auto& e : uf::model::tensor_contract(cfg)) bytes += e.nbytes();
@@ -589,6 +593,9 @@ void setup_bench(CLI::App& app, int& exit_code) {
   cmd->add_flag("--no-tp-score-buckets", a->no_tp_score_buckets,
                 "tpN: graph steps sum their index scores at the scratch's width, not at a width "
                 "bucket of their context (CudaModelOptions::tp_score_buckets off)");
+  cmd->add_flag("--tp-index-entries", a->tp_index_entries,
+                "tpN: split the indexer by entries (the ranks' selections merged), not by index "
+                "heads (CudaModelOptions::tp_index_split_entries)");
   cmd->add_option("--json", a->json_file, "Write every figure to this JSON file");
   cmd->add_option("--trace", a->trace_file,
                   "Trace one more forward per row count (CUPTI kernel timeline) into this file");

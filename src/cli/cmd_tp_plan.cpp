@@ -27,6 +27,7 @@ struct TpPlanArgs {
   bool replicate_head = false;
   bool replicate_engram_tables = false;
   bool replicate_engram_wkv = false;
+  bool replicate_index_heads = false;
 };
 
 // Bytes in the largest binary unit that keeps the number at least 1.
@@ -48,15 +49,17 @@ int run_tp_plan(const TpPlanArgs& a) {
   o.split_head = !a.replicate_head;
   o.split_engram_tables = !a.replicate_engram_tables;
   o.split_engram_wkv = !a.replicate_engram_wkv;
+  o.split_index_heads = !a.replicate_index_heads;
   uf::model::validate_tp(cfg, a.tp, o);
 
   auto& out = std::cout;
   out << fmt::format("tp-plan: {} over {} rank(s)\n", a.released ? "released config" : a.dir, a.tp);
-  out << fmt::format("options: head {}, wq_a {}, engram tables {}, engram.wkv {}\n",
+  out << fmt::format("options: head {}, wq_a {}, engram tables {}, engram.wkv {}, indexer {}\n",
                      o.split_head ? "split (vocab rows)" : "replicated",
                      o.split_wq_a ? "split" : "replicated",
                      o.split_engram_tables ? "split (rows)" : "replicated",
-                     o.split_engram_wkv ? "split (rows)" : "replicated");
+                     o.split_engram_wkv ? "split (rows)" : "replicated",
+                     o.split_index_heads ? "split (index heads)" : "replicated (entries split)");
   uint64_t max_total = 0;
   for (int r = 0; r < a.tp; ++r) {
     const auto p = uf::model::make_tp_plan(cfg, a.tp, r, o);
@@ -112,6 +115,9 @@ void setup_tp_plan(CLI::App& app, int& exit_code) {
   cmd->add_flag("--replicate-engram-tables", a->replicate_engram_tables,
                 "Replicate the Engram tables (they are ~98 GB each in the released model)");
   cmd->add_flag("--replicate-engram-wkv", a->replicate_engram_wkv, "Replicate engram.wkv");
+  cmd->add_flag("--replicate-index-heads", a->replicate_index_heads,
+                "Replicate attn.indexer.wq_b / weights_proj (the CUDA backend's default: it "
+                "splits the entries a rank scores instead)");
   cmd->callback([a, &exit_code] { exit_code = run_tp_plan(*a); });
 }
 

@@ -92,12 +92,11 @@ Rule rule_for(const std::string& name, const TpOptions& o) {
     if (name == "head.weight" && o.split_head) return rows_gather;
     return {};
   }
-  if (lin == "attn.attn_sink" || lin == "attn.wq_b" || lin == "attn.wo_a" ||
-      lin == "attn.indexer.wq_b")
-    return rows;
+  if (lin == "attn.attn_sink" || lin == "attn.wq_b" || lin == "attn.wo_a") return rows;
+  if (lin == "attn.indexer.wq_b" && o.split_index_heads) return rows;
   if (lin == "attn.wo_b") return cols_reduce;
   // Each rank's heads give a partial sum of the weighted index scores.
-  if (lin == "attn.indexer.weights_proj") return rows_reduce;
+  if (lin == "attn.indexer.weights_proj" && o.split_index_heads) return rows_reduce;
   if (lin == "attn.wq_a" && o.split_wq_a) return rows_gather;
   if (lin == "ffn.shared_experts.w1" || lin == "ffn.shared_experts.w3") return rows;
   if (lin == "ffn.shared_experts.w2") return cols_reduce;
@@ -175,7 +174,7 @@ void validate_tp(const ModelConfig& c, int tp, const TpOptions& o) {
            "tp = {}: a rank's attn.wo_a rows / attn.wo_b cols (o_groups/tp * o_lora_rank = {}) "
            "are not a multiple of the 32 FP8 scale block",
            tp, int64_t(c.o_groups / tp) * c.o_lora_rank);
-  if (any_role(c, &LayerRole::index_source)) {
+  if (o.split_index_heads && any_role(c, &LayerRole::index_source)) {
     UF_CHECK(c.index_n_heads % tp == 0,
              "tp = {}: index_n_heads = {} is not divisible by tp (attn.indexer.wq_b and "
              "attn.indexer.weights_proj are split by index heads)",

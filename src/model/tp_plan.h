@@ -11,7 +11,10 @@
 //    the matching o_groups*o_lora_rank slice; all-reduce after).
 //  - Indexer split by index heads: indexer.wq_b (rows) and indexer.weights_proj (rows); the
 //    per-head weighted score sum is then a partial sum per rank (all-reduce of the scores).
-//    indexer.wk / k_norm stay replicated: the index key is one head, like the KV.
+//    indexer.wk / k_norm stay replicated: the index key is one head, like the KV. With
+//    split_index_heads off both are replicated: each rank scores a range of the entries with
+//    every head and the ranks merge their selections (the CUDA backend's default: at 1M tokens
+//    the scores' all-reduce is T x 250k floats per index layer).
 //  - Experts (shared and routed): w1/w3 by intermediate rows, w2 by intermediate cols
 //    (all-reduce after w2, shared with the attention's wo_b all-reduce where fused).
 //  - head.weight split by vocab rows (default): it is 1.3 GB of BF16 read on every decode step,
@@ -49,8 +52,11 @@ const char* tp_collective_name(TpCollective c);
 const char* tensor_kind_name(TensorKind k);
 
 struct TpOptions {
-  bool split_head = true;           // head.weight by vocab rows (all-gather of logits)
-  bool split_wq_a = false;          // attn.wq_a by rows (all-gather of the q latent)
+  bool split_head = true;   // head.weight by vocab rows (all-gather of logits)
+  bool split_wq_a = false;  // attn.wq_a by rows (all-gather of the q latent)
+  // attn.indexer.wq_b / weights_proj by index heads (all-reduce of the scores); off: replicated,
+  // the runtime splits the entries a rank scores instead (the CUDA backend's default).
+  bool split_index_heads = true;
   bool split_engram_tables = true;  // engram.embed.{weight,scale} by rows (uneven allowed)
   bool split_engram_wkv = true;     // engram.wkv by rows (all-gather after)
 };

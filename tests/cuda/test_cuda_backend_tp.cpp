@@ -13,7 +13,10 @@
 //  (f) the vocab-split head (tp_split_head) and the ordered gather-sum (tp_ordered_sum, the
 //      path of tp > 2) give bitwise the logits of the default TP = 2 path;
 //  (g) host only (runs without a GPU): the rank shards of every split weight are exactly the
-//      whole weight's rows / columns at the rank's offset (dequantised values, bitwise).
+//      whole weight's rows / columns at the rank's offset (dequantised values, bitwise), with the
+//      indexer split by heads and replicated;
+//  (h) the indexer split the other way than the default (tp_index_split_entries): (a), (b), (c)
+//      and the score buckets' bitwise logits hold for both.
 // Every comparison prints max abs / rms-rel / non-finite count / first differing index.
 #include <gtest/gtest.h>
 
@@ -58,11 +61,17 @@ class CudaBackendTpTest : public ::testing::Test {
       o.tp_ordered_sum = false;
       o.tp_split_head = true;
       split_head_ = std::make_unique<CudaBackend>(tiny_a_dir(), map_, o);
+      // The indexer split the other way (by entries / by index heads) than the default.
+      CudaModelOptions alt;
+      alt.tp = 2;
+      alt.tp_index_split_entries = !alt.tp_index_split_entries;
+      index_alt_ = std::make_unique<CudaBackend>(tiny_a_dir(), map_, alt);
     } catch (const std::exception& e) {
       setup_error_ = e.what();  // reported by every test (e.g. NCCL not found)
     }
   }
   static void TearDownTestSuite() {
+    index_alt_.reset();
     split_head_.reset();
     ordered_.reset();
     two_.reset();
@@ -72,7 +81,7 @@ class CudaBackendTpTest : public ::testing::Test {
     UF_REQUIRE_GPU();
     if (gpu_count() < 2) GTEST_SKIP() << "TP = 2 needs 2 GPUs, " << gpu_count() << " visible";
     ASSERT_TRUE(setup_error_.empty()) << "building the TP = 1 / TP = 2 backends: " << setup_error_;
-    ASSERT_TRUE(one_ && two_ && ordered_ && split_head_);
+    ASSERT_TRUE(one_ && two_ && ordered_ && split_head_ && index_alt_);
     ASSERT_EQ(two_->tp(), 2);
     const auto p = tiny_a_golden_i64("prompt_ids");
     prompt_.assign(p.begin(), p.end());
@@ -100,7 +109,10 @@ class CudaBackendTpTest : public ::testing::Test {
     }
   }
   static inline std::vector<int64_t> map_;
-  static inline std::unique_ptr<CudaBackend> one_, two_, ordered_, split_head_;
+  static inline std::unique_ptr<CudaBackend> one_, two_, ordered_, split_head_, index_alt_;
+  static const char* indexer_mode(bool entries) {
+    return entries ? "indexer split by entries" : "indexer split by index heads";
+  }
   static inline std::string setup_error_;
   std::vector<int32_t> prompt_, next_;
   int V_ = 0;
@@ -218,8 +230,10 @@ TEST_F(CudaBackendTpTest, SplitHeadEqualsReplicatedHeadAtTp2) {
 }
 
 TEST_F(CudaBackendTpTest, VerifyRowsEqualPlainDecodeBitwiseAtTp2) {
-  for (CudaBackend* bp : {two_.get(), ordered_.get()}) {
-    SCOPED_TRACE(bp == two_.get() ? "NCCL all-reduce" : "ordered gather-sum");
+  for (CudaBackend* bp : {two_.get(), ordered_.get(), index_alt_.get()}) {
+    SCOPED_TRACE(bp == two_.get()       ? "default"
+                 : bp == ordered_.get() ? "ordered gather-sum"
+                                        : indexer_mode(!CudaModelOptions{}.tp_index_split_entries));
     auto& be = *bp;
     const int M = be.max_rows();
     ASSERT_GE(int(next_.size()), M);
@@ -336,6 +350,41 @@ TEST_F(CudaBackendTpTest, DraftAndCedCloseToTp1) {
   EXPECT_LT(cc.maxabs, bounds_.dspark.maxabs) << "confidence: " << cc.str();
 }
 
+// CudaModelOptions::tp_index_split_entries: the indexer split the other way than the default
+// (by entries: every selection one GPU's; by index heads: the scores summed over the ranks) is
+// within the fixture's bounds of TP = 1 too, prefill and decode, and the ranks agree.
+TEST_F(CudaBackendTpTest, OtherIndexerSplitCloseToTp1) {
+  auto& be = *index_alt_;
+  SCOPED_TRACE(indexer_mode(!CudaModelOptions{}.tp_index_split_entries));
+  std::vector<float> l1, la;
+  auto s1 = prefilled(*one_, &l1);
+  auto sa = prefilled(be, &la);
+  const Cmp pc = compare(la.data(), l1.data(), la.size());
+  std::printf("prefill TP2 (%s) vs TP1: %s\n",
+              indexer_mode(!CudaModelOptions{}.tp_index_split_entries), pc.str().c_str());
+  EXPECT_EQ(pc.nan, 0u) << pc.str();
+  EXPECT_LT(pc.maxabs, bounds_.prefill.maxabs) << pc.str();
+  EXPECT_LT(pc.rms_rel, bounds_.prefill.rms) << pc.str();
+  std::vector<float> a(static_cast<size_t>(V_)), b(static_cast<size_t>(V_)), all_a, all_b;
+  for (size_t k = 0; k < next_.size(); ++k) {
+    const std::span<const int32_t> tok(&next_[k], 1);
+    one_->decode_rows(*s1, tok, a);
+    one_->commit(*s1, 1);
+    be.decode_rows(*sa, tok, b);
+    be.commit(*sa, 1);
+    all_a.insert(all_a.end(), a.begin(), a.end());
+    all_b.insert(all_b.end(), b.begin(), b.end());
+  }
+  const Cmp dc = compare(all_b.data(), all_a.data(), all_a.size());
+  std::printf("decode TP2 (%s) vs TP1: %s\n",
+              indexer_mode(!CudaModelOptions{}.tp_index_split_entries), dc.str().c_str());
+  EXPECT_EQ(dc.nan, 0u) << dc.str();
+  EXPECT_LT(dc.maxabs, bounds_.decode.maxabs) << dc.str();
+  EXPECT_LT(dc.rms_rel, bounds_.decode.rms) << dc.str();
+  const auto r0 = be.snapshot_of_rank(*sa, 0), r1 = be.snapshot_of_rank(*sa, 1);
+  EXPECT_EQ(first_byte_diff(r1, r0), -1) << "the ranks' states differ";
+}
+
 // CudaModelOptions::tp_score_buckets: with the index scratch sized for 64k-token sessions (16385
 // entries a row), the bucketed backend's graph steps lay out and sum their scores at 4096 entries
 // (a short session's bucket), the other's at 16385: prefill and decode logits bitwise equal (each
@@ -352,36 +401,40 @@ TEST(CudaBackendTpBuckets, ScoreBucketsGiveTheSameLogits) {
     std::vector<float> logits;  // the prompt's rows, then 3 decode steps
     int64_t built = 0, after = 0;
   };
-  auto run = [&](bool buckets) {
-    CudaModelOptions o;
-    o.tp = 2;
-    o.max_seq = 65536;
-    o.tp_score_buckets = buckets;
-    CudaBackend be(tiny_a_dir(), std::vector<int64_t>(map.begin(), map.end()), o);
-    Run r;
-    r.built = be.model().graph_captures_total();
-    const size_t V = size_t(be.config().vocab_size);
-    auto s = be.new_session(128);
-    engine::PrefillOptions po;
-    po.all_logits = true;
-    r.logits.assign(prompt.size() * V, NAN);
-    be.prefill(*s, prompt, po, r.logits);
-    std::vector<float> x(V);
-    for (int k = 0; k < 3; ++k) {
-      be.decode_rows(*s, std::span<const int32_t>(&next[size_t(k)], 1), x);
-      be.commit(*s, 1);
-      r.logits.insert(r.logits.end(), x.begin(), x.end());
-    }
-    r.after = be.model().graph_captures_total();
-    return r;
-  };
-  const Run wide = run(false), bucketed = run(true);
-  ASSERT_EQ(wide.logits.size(), bucketed.logits.size());
-  const Cmp c = compare(bucketed.logits.data(), wide.logits.data(), wide.logits.size());
-  EXPECT_EQ(c.first_diff, -1) << "bucketed vs full-width scores: " << c.str();
-  EXPECT_EQ(c.nan, 0u);
-  EXPECT_GT(bucketed.built, wide.built) << "the second bucket's graphs were not captured";
-  EXPECT_EQ(bucketed.after, bucketed.built) << "a bucketed step captured a graph while decoding";
+  for (const bool entries : {false, true}) {
+    SCOPED_TRACE(entries ? "indexer split by entries" : "indexer split by index heads");
+    auto run = [&](bool buckets) {
+      CudaModelOptions o;
+      o.tp = 2;
+      o.max_seq = 65536;
+      o.tp_score_buckets = buckets;
+      o.tp_index_split_entries = entries;
+      CudaBackend be(tiny_a_dir(), std::vector<int64_t>(map.begin(), map.end()), o);
+      Run r;
+      r.built = be.model().graph_captures_total();
+      const size_t V = size_t(be.config().vocab_size);
+      auto s = be.new_session(128);
+      engine::PrefillOptions po;
+      po.all_logits = true;
+      r.logits.assign(prompt.size() * V, NAN);
+      be.prefill(*s, prompt, po, r.logits);
+      std::vector<float> x(V);
+      for (int k = 0; k < 3; ++k) {
+        be.decode_rows(*s, std::span<const int32_t>(&next[size_t(k)], 1), x);
+        be.commit(*s, 1);
+        r.logits.insert(r.logits.end(), x.begin(), x.end());
+      }
+      r.after = be.model().graph_captures_total();
+      return r;
+    };
+    const Run wide = run(false), bucketed = run(true);
+    ASSERT_EQ(wide.logits.size(), bucketed.logits.size());
+    const Cmp c = compare(bucketed.logits.data(), wide.logits.data(), wide.logits.size());
+    EXPECT_EQ(c.first_diff, -1) << "bucketed vs full-width scores: " << c.str();
+    EXPECT_EQ(c.nan, 0u);
+    EXPECT_GT(bucketed.built, wide.built) << "the second bucket's graphs were not captured";
+    EXPECT_EQ(bucketed.after, bucketed.built) << "a bucketed step captured a graph while decoding";
+  }
 }
 
 TEST(CudaTpShards, ShardsAreTheWholeWeightsSlices) {
@@ -389,54 +442,65 @@ TEST(CudaTpShards, ShardsAreTheWholeWeightsSlices) {
   const auto ckpt = model::Checkpoint::open(tiny_a_dir());
   const int tp = 2;
   for (const bool split_head : {false, true})
-    for (int rank = 0; rank < tp; ++rank) {
-      SCOPED_TRACE("rank " + std::to_string(rank) + (split_head ? ", head split" : ""));
-      auto full = model::bind_weights(cfg, ckpt);
-      const auto fw = tp_split_weights(full, split_head);
-      auto part = model::bind_weights(cfg, ckpt);
-      std::vector<std::vector<uint8_t>> storage;
-      std::unordered_map<std::string, int64_t> row0;
-      const size_t n = shard_model_weights(part, cfg, tp, rank, storage, split_head, &row0);
-      EXPECT_GT(n, 0u);
-      const auto pw = tp_split_weights(part, split_head);
-      ASSERT_EQ(pw.size(), fw.size());
-      size_t checked = 0;
-      for (size_t i = 0; i < fw.size(); ++i) {
-        const model::Weight& F = *fw[i];
-        const model::Weight& P = *pw[i];
-        if (F.empty()) {
-          EXPECT_TRUE(P.empty()) << F.name;
-          continue;
+    for (const bool index_heads : {false, true})
+      for (int rank = 0; rank < tp; ++rank) {
+        SCOPED_TRACE("rank " + std::to_string(rank) + (split_head ? ", head split" : "") +
+                     (index_heads ? ", index heads split" : ", indexer replicated"));
+        auto full = model::bind_weights(cfg, ckpt);
+        const auto fw = tp_split_weights(full, split_head, index_heads);
+        auto part = model::bind_weights(cfg, ckpt);
+        std::vector<std::vector<uint8_t>> storage;
+        std::unordered_map<std::string, int64_t> row0;
+        const size_t n =
+            shard_model_weights(part, cfg, tp, rank, storage, split_head, &row0, index_heads);
+        EXPECT_GT(n, 0u);
+        const auto pw = tp_split_weights(part, split_head, index_heads);
+        ASSERT_EQ(pw.size(), fw.size());
+        // A replicated indexer keeps its whole weights (the plan and the model agree).
+        if (!index_heads)
+          for (size_t l = 0; l < part.layers.size(); ++l) {
+            const auto& A = part.layers[l].attn;
+            const auto& F = full.layers[l].attn;
+            EXPECT_EQ(A.i_wq_b.rows, F.i_wq_b.rows) << "layer " << l;
+            EXPECT_EQ(A.i_weights_proj.rows, F.i_weights_proj.rows) << "layer " << l;
+          }
+        size_t checked = 0;
+        for (size_t i = 0; i < fw.size(); ++i) {
+          const model::Weight& F = *fw[i];
+          const model::Weight& P = *pw[i];
+          if (F.empty()) {
+            EXPECT_TRUE(P.empty()) << F.name;
+            continue;
+          }
+          // Row splits may be uneven (Engram tables: ceil(rows / tp) per rank, the last one
+          // shorter): the shard's first row comes from shard_model_weights.
+          const auto at = row0.find(F.name);
+          const bool by_rows = at != row0.end() && P.cols == F.cols && P.rows < F.rows;
+          const bool by_cols = P.cols * tp == F.cols && P.rows == F.rows;
+          ASSERT_TRUE(by_rows || by_cols) << F.name << ": shard " << P.rows << " x " << P.cols
+                                          << " of " << F.rows << " x " << F.cols;
+          const int64_t r0 = by_rows ? at->second : 0;
+          EXPECT_EQ(r0, by_rows ? rank * ((F.rows + tp - 1) / tp) : 0) << F.name;
+          if (by_rows && F.name.find("engram") == std::string::npos) {
+            EXPECT_EQ(P.rows * tp, F.rows) << F.name << ": only Engram tables split unevenly";
+          }
+          if (by_rows) {
+            EXPECT_EQ(r0 + P.rows, std::min(F.rows, r0 + (F.rows + tp - 1) / tp)) << F.name;
+          }
+          std::vector<float> prow(static_cast<size_t>(P.cols)), frow(static_cast<size_t>(F.cols));
+          for (int64_t r = 0; r < P.rows; ++r) {
+            P.row(r, prow.data());
+            F.row(r0 + r, frow.data());
+            const int64_t c0 = by_cols ? rank * P.cols : 0;
+            for (int64_t c = 0; c < P.cols; ++c)
+              ASSERT_TRUE(test::bits_equal(prow[size_t(c)], frow[size_t(c0 + c)]))
+                  << F.name << " (" << (by_rows ? "rows" : "cols") << ") element [" << r << ", "
+                  << c << "]: shard " << prow[size_t(c)] << ", whole " << frow[size_t(c0 + c)];
+          }
+          ++checked;
         }
-        // Row splits may be uneven (Engram tables: ceil(rows / tp) per rank, the last one
-        // shorter): the shard's first row comes from shard_model_weights.
-        const auto at = row0.find(F.name);
-        const bool by_rows = at != row0.end() && P.cols == F.cols && P.rows < F.rows;
-        const bool by_cols = P.cols * tp == F.cols && P.rows == F.rows;
-        ASSERT_TRUE(by_rows || by_cols) << F.name << ": shard " << P.rows << " x " << P.cols
-                                        << " of " << F.rows << " x " << F.cols;
-        const int64_t r0 = by_rows ? at->second : 0;
-        EXPECT_EQ(r0, by_rows ? rank * ((F.rows + tp - 1) / tp) : 0) << F.name;
-        if (by_rows && F.name.find("engram") == std::string::npos) {
-          EXPECT_EQ(P.rows * tp, F.rows) << F.name << ": only Engram tables split unevenly";
-        }
-        if (by_rows) {
-          EXPECT_EQ(r0 + P.rows, std::min(F.rows, r0 + (F.rows + tp - 1) / tp)) << F.name;
-        }
-        std::vector<float> prow(static_cast<size_t>(P.cols)), frow(static_cast<size_t>(F.cols));
-        for (int64_t r = 0; r < P.rows; ++r) {
-          P.row(r, prow.data());
-          F.row(r0 + r, frow.data());
-          const int64_t c0 = by_cols ? rank * P.cols : 0;
-          for (int64_t c = 0; c < P.cols; ++c)
-            ASSERT_TRUE(test::bits_equal(prow[size_t(c)], frow[size_t(c0 + c)]))
-                << F.name << " (" << (by_rows ? "rows" : "cols") << ") element [" << r << ", " << c
-                << "]: shard " << prow[size_t(c)] << ", whole " << frow[size_t(c0 + c)];
-        }
-        ++checked;
+        EXPECT_GT(checked, 0u);
       }
-      EXPECT_GT(checked, 0u);
-    }
 }
 
 }  // namespace

@@ -198,6 +198,25 @@ TEST(TpPlan, ReleasedTp8MatchesBenchPlan) {
   EXPECT_EQ(shape("layers.14.engram.embed.scale"), (V{48002086, 8}));
 }
 
+// split_index_heads off (the CUDA backend's entry-split indexer): the indexer's wq_b and
+// weights_proj are whole on every rank, the cover still holds, and an index head count the ranks
+// do not divide is no longer an error.
+TEST(TpPlan, ReplicatedIndexerKeepsWholeIndexWeights) {
+  const auto c = ModelConfig::deepseek_v41_flash();
+  TpOptions o;
+  o.split_index_heads = false;
+  check_cover(c, 8, o);
+  const auto p = uf::model::make_tp_plan(c, 8, 3, o);
+  using V = std::vector<int64_t>;
+  EXPECT_EQ(find(p, "layers.2.attn.indexer.wq_b.weight").shape, (V{4096, 1280}));
+  EXPECT_EQ(find(p, "layers.2.attn.indexer.wq_b.weight").mode, ShardMode::kReplicated);
+  EXPECT_EQ(find(p, "layers.2.attn.indexer.weights_proj.weight").shape, (V{32, 5120}));
+  EXPECT_EQ(find(p, "layers.0.attn.wq_b.weight").shape, (V{4096, 1280}));  // heads still split
+  auto odd = c;
+  odd.index_n_heads = 12;
+  EXPECT_NO_THROW(uf::model::validate_tp(odd, 8, o));
+}
+
 TEST(TpPlan, UndividedConfigsFailNamingTheCause) {
   const auto tiny = ModelConfig::load(kTinyA);  // 4 heads, 2 output groups
   const std::string e4 = error_of(tiny, 4);

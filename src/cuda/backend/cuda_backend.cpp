@@ -236,7 +236,8 @@ CudaBackend::CudaBackend(model::ModelConfig cfg, model::Checkpoint ckpt,
     opts.tp_split_head = false;
   }
   // The plan's own message names the config field that does not divide.
-  model::validate_tp(cfg, n, backend_tp_options(opts.tp_split_head));
+  model::validate_tp(cfg, n,
+                     backend_tp_options(opts.tp_split_head, tp_index_heads_split(cfg, opts)));
   const int gpus = device_count();
   UF_CHECK(n <= gpus, "CUDA backend: --tp {} needs {} GPUs but {} are visible to this process", n,
            n, gpus);

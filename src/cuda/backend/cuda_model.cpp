@@ -73,7 +73,8 @@ CudaModel::CudaModel(model::ModelConfig cfg, const model::Checkpoint& ckpt,
              opts_.device, group->device(rank));
     H_ /= tp_;
     G_ /= tp_;
-    Hi_ /= tp_;
+    index_split_ = !tp_index_heads_split(cfg_, opts_);
+    if (!index_split_) Hi_ /= tp_;  // else every rank holds every index head
     inter_ /= tp_;
     // tp > 2 needs a sum whose order is the same on every rank: the P2P sum's rank order, else
     // all-gather + the rank-order sum (its scratch: ensure_gather).
@@ -321,6 +322,7 @@ CudaModel::~CudaModel() {
   if (index_ws_) cudaFree(index_ws_);
   if (cand_list_) cudaFree(cand_list_);
   if (cand_n_) cudaFree(cand_n_);
+  free_index_split();
   for (int i = 0; i < kSideStreams; ++i) {
     if (side_done_[i]) cudaEventDestroy(side_done_[i]);
     if (fork_ev_[i]) cudaEventDestroy(fork_ev_[i]);
@@ -401,10 +403,17 @@ void CudaModel::ensure_index_width(int64_t width) {
     UF_CUDA_CHECK(cudaMalloc(&cand_list_, size_t(tmax_) * size_t(cand_cap_) * sizeof(int32_t)));
     UF_CUDA_CHECK(cudaMalloc(&cand_n_, size_t(tmax_) * sizeof(int32_t)));
   }
-  const size_t ws =
-      std::max(topk_select_workspace_bytes(tmax_, int(cols), cfg_.index_topk),
-               candidate_mask_workspace_bytes(tmax_, int(width), cfg_.candidate_topk_blocks,
-                                              cfg_.candidate_block_size));
+  size_t ws = std::max(topk_select_workspace_bytes(tmax_, int(cols), cfg_.index_topk),
+                       candidate_mask_workspace_bytes(tmax_, int(width), cfg_.candidate_topk_blocks,
+                                                      cfg_.candidate_block_size));
+  if (index_split_) {
+    alloc_index_split(width);
+    // The merge's selection (tp x k pairs a row) and the candidate pool's over the gathered block
+    // maxima (blocks of one) share the workspace.
+    ws = std::max({ws, topk_select_workspace_bytes(tmax_, tp_ * cfg_.index_topk, cfg_.index_topk),
+                   candidate_mask_workspace_bytes(tmax_, int(tp_ * isplit_.split_blocks),
+                                                  cfg_.candidate_topk_blocks, 1)});
+  }
   if (ws > 0) UF_CUDA_CHECK(cudaMalloc(&index_ws_, ws));
   index_width_ = width;
   // Graph steps' score widths: 4096 * 4^b entries below the scratch width, then the scratch's.
@@ -869,6 +878,10 @@ void CudaModel::index_select(int l, int T, const float* const* keys, const int32
   const int Hi = Hi_, ihd = cfg_.index_head_dim;
   UF_CHECK(stride >= 1 && stride <= index_width_,
            "index_select: score stride {} outside 1..{} (the scratch width)", stride, index_width_);
+  if (index_split_) {
+    index_select_split(l, T, keys, vis, width, stride);
+    return;
+  }
   if (role.candidate_restricted && cfg_.candidate_source_layer >= 0 && cand_listed_) {
     // The pool's entries only (EntryList): the same scores and selection as scoring every
     // visible entry and masking the rest, at the pool's size instead of the context's.

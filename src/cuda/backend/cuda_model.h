@@ -54,13 +54,16 @@ namespace tp {
 class TpGroup;
 }
 
-// The sharding options of the CUDA TP path (cuda_tp.cpp): heads, index heads, experts and Engram
-// table rows split; head (unless split_head), embedding and engram.wkv replicated.
+// The sharding options of the CUDA TP path (cuda_tp.cpp): heads, experts and Engram table rows
+// split; head (unless split_head), embedding and engram.wkv replicated.
 // split_head: head.weight by vocab rows too (all-gather of the logits; CudaModelOptions).
-model::TpOptions backend_tp_options(bool split_head = false);
+// split_index_heads: the indexer's wq_b / weights_proj by index heads (else replicated: the
+// indexer is split by entries, tp_index_heads_split below).
+model::TpOptions backend_tp_options(bool split_head = false, bool split_index_heads = true);
 // The weights the CUDA TP path splits (attention / index heads, experts, Engram tables), in a
 // fixed order.
-std::vector<model::Weight*> tp_split_weights(model::ModelWeights& w, bool split_head = false);
+std::vector<model::Weight*> tp_split_weights(model::ModelWeights& w, bool split_head = false,
+                                             bool split_index_heads = true);
 // Replaces the split weights of `w` (bound on the whole checkpoint) by rank's shards of the
 // backend_tp_options() plan: host copies appended to `storage` (they must outlive the views),
 // rows / cols narrowed. Returns the tensors copied (weights and scales); throws when the plan
@@ -69,7 +72,13 @@ std::vector<model::Weight*> tp_split_weights(model::ModelWeights& w, bool split_
 // unevenly, so a rank's offset is not rank * rows).
 size_t shard_model_weights(model::ModelWeights& w, const model::ModelConfig& cfg, int tp, int rank,
                            std::vector<std::vector<uint8_t>>& storage, bool split_head = false,
-                           std::unordered_map<std::string, int64_t>* row_begin = nullptr);
+                           std::unordered_map<std::string, int64_t>* row_begin = nullptr,
+                           bool split_index_heads = true);
+
+struct CudaModelOptions;
+// Whether a TP model with these options splits its indexer by index heads (the weights split,
+// the scores summed) rather than by entries (CudaModelOptions::tp_index_split_entries).
+bool tp_index_heads_split(const model::ModelConfig& cfg, const CudaModelOptions& o);
 
 struct CudaModelOptions {
   bool reference_index_keys = false;      // rejected: not implemented on the device
@@ -153,6 +162,17 @@ struct CudaModelOptions {
   // 7-row step at 8k: 8132 -> 7222 us (session 14); the graphs take ~4x their capture time and
   // memory (4 widths at 1M). No effect at tp = 1.
   bool tp_score_buckets = true;
+  // TP: the indexer split by ENTRIES, not by index heads (ops/index_split.h, cuda_index_split.cpp):
+  // every rank holds the whole indexer.wq_b / weights_proj, scores its 1/tp of a row's entries
+  // (or of the candidate pool's list) with every head, and the ranks gather their best index_topk
+  // (score, entry) pairs (T x tp x topk) and merge them; the candidate source gathers its block
+  // maxima (T x entries / block_size). The head split summed T x entries scores per index layer
+  // instead (at 1M tokens 1 ms a 7-row step on two ranks and 105 ms a 512-row prefill chunk,
+  // session 14), and its selections were an fp32 rank-order sum's; these are one GPU's bit for
+  // bit. Needs candidate_lists where the model has a candidate pool (else the head split). Off by
+  // default until it has run on two GPUs (its ops are tested on one: tests/cuda/test_index_split;
+  // the backend's TP tests run both ways); `bench --synthetic tpN --tp-index-entries`.
+  bool tp_index_split_entries = false;
 };
 
 class CudaModel {
@@ -354,6 +374,17 @@ class CudaModel {
   void index_queries(int l, const float* x, const float* qr, int T, int64_t p0, const int64_t* pos);
   void index_select(int l, int T, const float* const* keys, const int32_t* vis,
                     const int32_t* width, int stride);
+  // index_select under TP with the indexer split by entries (cuda_index_split.cpp).
+  void index_select_split(int l, int T, const float* const* keys, const int32_t* vis,
+                          const int32_t* width, int stride);
+  // (Re)allocates isplit_ for the scratch width (ensure_index_width) / frees it.
+  void alloc_index_split(int64_t width);
+  void free_index_split();
+  // TP: every rank's src [rows, cols] into dst row t's columns [q * cols, (q + 1) * cols) on every
+  // rank (dst row stride ld): the P2P gather kernel, or NCCL all-gather into scratch ([tp, rows,
+  // cols]) + copies.
+  void gather_columns(const float* src, size_t rows, size_t cols, float* dst, size_t ld,
+                      float* scratch);
   // The score stride of an eager span whose widest index row has `widest` entries.
   int score_stride(int64_t widest) const;
   // A graph step's score width bucket for its widest index row (the index into score_buckets_;
@@ -481,6 +512,24 @@ class CudaModel {
   int32_t* cand_n_ = nullptr;
   int64_t cand_cap_ = 0;
   bool cand_listed_ = false;
+  // TP, the indexer split by entries (tp_index_split_entries; cuda_index_split.cpp): each
+  // rank's row views [tmax] (range vis / width / keys, the whole row's block counts), its
+  // selection [tmax, k] and pairs [tmax, 2k], the gathered pairs [tmax, tp * 2k] and the merge
+  // list [tmax, tp * k] (+ counts); for the candidate pool the block maxima [tmax, split_blocks_]
+  // and gathered [tmax, tp * split_blocks_], their keep mask and kept-block list [tmax,
+  // topk_blocks] (+ counts).
+  bool index_split_ = false;
+  struct IndexSplitScratch {
+    int32_t *vis = nullptr, *width = nullptr, *vis_blocks = nullptr, *width_blocks = nullptr;
+    const float** keys = nullptr;
+    int32_t* sel = nullptr;
+    float *pairs = nullptr, *gathered = nullptr, *merge_score = nullptr;
+    int32_t *merge_entries = nullptr, *merge_n = nullptr;
+    float *bmax = nullptr, *bgathered = nullptr;
+    uint8_t* bkeep = nullptr;
+    int32_t *blocks = nullptr, *blocks_n = nullptr;
+    int64_t split_blocks = 0;  // block maxima a rank's range holds at the scratch width
+  } isplit_;
 
   // Span programs: the inputs block (pinned host + device, sized for tmax rows), the emitted
   // compressed entries before they are copied into the session ([tmax, head_dim] and

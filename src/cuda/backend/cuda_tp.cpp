@@ -6,8 +6,10 @@
 //    FP8 activation quantisation is per 32 inputs and the split is at 32-column blocks, so the
 //    quantised inputs are the same), fp32 sum over ranks, one bf16 rounding: only the fp32
 //    summation order differs.
-//  - index scores: per-rank fp32 sums of the same per-head bf16 terms, fp32 sum, one bf16
-//    rounding: again only the fp32 order differs. Every rank then runs top-k on identical scores.
+//  - index scores (tp_index_split_entries, the default): each rank scores its range of entries
+//    with every head, so every score and selection is one GPU's bit for bit (cuda_index_split.cpp).
+//    Split by heads instead: per-rank fp32 sums of the same per-head bf16 terms, fp32 sum, one
+//    bf16 rounding: only the fp32 order differs. Every rank then selects from identical scores.
 //  - MoE: DeviceMoe::apply_partial, the rank's routed + shared output in fp32 with no rounding
 //    after w2 (SwiGLU and its FP8 quantisation are per 32 intermediate features and the split keeps
 //    those blocks whole, so they are one GPU's), fp32 sum over ranks, one bf16 rounding. It drops
@@ -56,22 +58,29 @@ std::string scale_name(const std::string& name) {
 
 }  // namespace
 
-model::TpOptions backend_tp_options(bool split_head) {
+model::TpOptions backend_tp_options(bool split_head, bool split_index_heads) {
   model::TpOptions o;
   o.split_head = split_head;
+  o.split_index_heads = split_index_heads;
   o.split_wq_a = false;
   o.split_engram_tables = true;  // ~98 GB each at release: rows over the ranks
   o.split_engram_wkv = false;    // 157 MB a layer: replicated, no all-gather
   return o;
 }
 
-std::vector<model::Weight*> tp_split_weights(model::ModelWeights& w, bool split_head) {
+bool tp_index_heads_split(const model::ModelConfig& cfg, const CudaModelOptions& o) {
+  return !(o.tp_index_split_entries && (cfg.candidate_source_layer < 0 || o.candidate_lists));
+}
+
+std::vector<model::Weight*> tp_split_weights(model::ModelWeights& w, bool split_head,
+                                             bool split_index_heads) {
   std::vector<model::Weight*> out;
   if (split_head) out.push_back(&w.head);
   for (auto& L : w.layers) {
     auto& A = L.attn;
-    for (model::Weight* x : {&A.attn_sink, &A.wq_b, &A.wo_a, &A.wo_b, &A.i_wq_b, &A.i_weights_proj})
-      out.push_back(x);
+    for (model::Weight* x : {&A.attn_sink, &A.wq_b, &A.wo_a, &A.wo_b}) out.push_back(x);
+    if (split_index_heads)
+      for (model::Weight* x : {&A.i_wq_b, &A.i_weights_proj}) out.push_back(x);
     for (auto& e : L.moe.experts)
       for (model::Weight* x : {&e.w1, &e.w2, &e.w3}) out.push_back(x);
     for (model::Weight* x : {&L.moe.shared.w1, &L.moe.shared.w2, &L.moe.shared.w3})
@@ -83,8 +92,10 @@ std::vector<model::Weight*> tp_split_weights(model::ModelWeights& w, bool split_
 
 size_t shard_model_weights(model::ModelWeights& weights, const model::ModelConfig& cfg, int tp,
                            int rank_, std::vector<std::vector<uint8_t>>& storage, bool split_head,
-                           std::unordered_map<std::string, int64_t>* row_begin) {
-  const auto plan = model::make_tp_plan(cfg, tp, rank_, backend_tp_options(split_head));
+                           std::unordered_map<std::string, int64_t>* row_begin,
+                           bool split_index_heads) {
+  const auto plan =
+      model::make_tp_plan(cfg, tp, rank_, backend_tp_options(split_head, split_index_heads));
   std::unordered_map<std::string, const model::TensorShard*> by_name;
   size_t n_split = 0;
   for (const auto& s : plan.shards) {
@@ -129,7 +140,7 @@ size_t shard_model_weights(model::ModelWeights& weights, const model::ModelConfi
       w.cols = feats;
     }
   };
-  for (model::Weight* x : tp_split_weights(weights, split_head)) shard(*x);
+  for (model::Weight* x : tp_split_weights(weights, split_head, split_index_heads)) shard(*x);
   // Every split tensor of the plan (weights and their scales) must have been placed: a tensor the
   // plan splits but the model kept whole would silently compute with the wrong slice count.
   UF_CHECK(applied == n_split,
@@ -144,8 +155,8 @@ void CudaModel::shard_weights() {
   // 4, 40-83 s on the H200 hosts), so say so before and after.
   spdlog::info("rank {}: copying its shards of the split tensors (host)", rank_);
   const auto t0 = std::chrono::steady_clock::now();
-  const size_t n =
-      shard_model_weights(w_, cfg_, tp_, rank_, shard_bytes_, split_head_, &shard_row0_);
+  const size_t n = shard_model_weights(w_, cfg_, tp_, rank_, shard_bytes_, split_head_,
+                                       &shard_row0_, !index_split_);
   size_t bytes = 0;
   for (const auto& b : shard_bytes_) bytes += b.size();
   spdlog::info("rank {}: {} shards, {:.2f} GB, in {:.1f} s", rank_, n, double(bytes) * 1e-9,
@@ -173,19 +184,22 @@ void CudaModel::apply_head(const float* x, int n, float* logits_dev) {
   // rank's block is copied into its column range of the [n, vocab] rows.
   const int V = cfg_.vocab_size, Vl = V / tp_;
   head_.apply(x, n, head_part_, stream_);
+  gather_columns(head_part_, size_t(n), size_t(Vl), logits_dev, size_t(V), head_gather_);
+}
+
+void CudaModel::gather_columns(const float* src, size_t rows, size_t cols, float* dst, size_t ld,
+                               float* scratch) {
   tp::PeerAllReduce* p2p = group_->peer_all_reduce();
   if (p2p && opts_.tp_p2p_allreduce && !opts_.tp_ordered_sum) {
-    // One kernel: every rank's block lands in its columns of the [n, V] rows directly.
-    p2p->gather_rank(rank_, head_part_, size_t(n), size_t(Vl), logits_dev, size_t(V), stream_);
+    // One kernel: every rank's block lands in its columns of the rows directly.
+    p2p->gather_rank(rank_, src, rows, cols, dst, ld, stream_);
     return;
   }
-  group_->all_gather_rank(rank_, head_part_, head_gather_, size_t(n) * size_t(Vl),
-                          tp::CommDType::kF32, stream_);
+  group_->all_gather_rank(rank_, src, scratch, rows * cols, tp::CommDType::kF32, stream_);
   for (int r = 0; r < tp_; ++r)
-    UF_CUDA_CHECK(cudaMemcpy2DAsync(logits_dev + int64_t(r) * Vl, size_t(V) * sizeof(float),
-                                    head_gather_ + int64_t(r) * n * Vl, size_t(Vl) * sizeof(float),
-                                    size_t(Vl) * sizeof(float), size_t(n), cudaMemcpyDeviceToDevice,
-                                    stream_));
+    UF_CUDA_CHECK(cudaMemcpy2DAsync(dst + size_t(r) * cols, ld * sizeof(float),
+                                    scratch + size_t(r) * rows * cols, cols * sizeof(float),
+                                    cols * sizeof(float), rows, cudaMemcpyDeviceToDevice, stream_));
 }
 
 void CudaModel::ensure_gather(size_t n) {

@@ -1,0 +1,155 @@
+// The indexer under tensor parallelism, split by entries (CudaModelOptions::
+// tp_index_split_entries; the ops and why the merge is exact: ops/index_split.h).
+//
+// Per index layer, on every rank, in the same order (the P2P gathers need the same calls):
+//   1. the rank's range of the row's positions (block-aligned for the candidate pool's maxima):
+//      index_range_rows narrows vis / width (and shifts the key pointers) to it;
+//   2. index_scores over the range with every index head (the whole indexer is replicated), or
+//      index_scores_list over the range of the candidate pool's list (Reindex layers);
+//   3. candidate source only: the range's block maxima, gathered into whole rows, candidate_mask
+//      over them with blocks of one, and the kept blocks expanded into the pool's entry list;
+//   4. topk_select over the range, the picks packed as (score, entry) pairs, gathered
+//      (T x tp x 2k floats), merged into one ascending list and selected once more.
+// Against the head split this moves T x tp x top-k pairs instead of summing T x entries scores
+// (at 1M tokens, 250k floats a row per index layer), and every selection is one GPU's bit for bit.
+#include <numeric>
+
+#include "core/error.h"
+#include "cuda/backend/cuda_model.h"
+#include "cuda/backend/model_internal.h"
+#include "cuda/ops/attention.h"
+#include "cuda/ops/index_split.h"
+#include "cuda/tp/nccl_comm.h"
+
+namespace uf::cuda {
+
+namespace {
+
+// Ranges of a full-width row start on a candidate block, and every row stays 16-byte aligned.
+int64_t full_range_align(const model::ModelConfig& cfg) {
+  const int64_t bs = cfg.candidate_source_layer >= 0 ? std::max(cfg.candidate_block_size, 1) : 1;
+  return std::lcm<int64_t>(4, bs);
+}
+
+template <typename T>
+T* device_alloc(size_t n) {
+  T* p = nullptr;
+  UF_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T)));
+  return p;
+}
+
+}  // namespace
+
+void CudaModel::free_index_split() {
+  auto& s = isplit_;
+  for (void* p :
+       {static_cast<void*>(s.vis), static_cast<void*>(s.width), static_cast<void*>(s.vis_blocks),
+        static_cast<void*>(s.width_blocks), static_cast<void*>(s.keys), static_cast<void*>(s.sel),
+        static_cast<void*>(s.pairs), static_cast<void*>(s.gathered),
+        static_cast<void*>(s.merge_score), static_cast<void*>(s.merge_entries),
+        static_cast<void*>(s.merge_n), static_cast<void*>(s.bmax), static_cast<void*>(s.bgathered),
+        static_cast<void*>(s.bkeep), static_cast<void*>(s.blocks), static_cast<void*>(s.blocks_n)})
+    if (p) cudaFree(p);
+  s = IndexSplitScratch{};
+}
+
+void CudaModel::alloc_index_split(int64_t width) {
+  free_index_split();
+  auto& s = isplit_;
+  const size_t T = size_t(tmax_), k = size_t(cfg_.index_topk), N = size_t(tp_);
+  s.vis = device_alloc<int32_t>(T);
+  s.width = device_alloc<int32_t>(T);
+  s.vis_blocks = device_alloc<int32_t>(T);
+  s.width_blocks = device_alloc<int32_t>(T);
+  s.keys = device_alloc<const float*>(T);
+  s.sel = device_alloc<int32_t>(T * k);
+  s.pairs = device_alloc<float>(T * 2 * k);
+  s.gathered = device_alloc<float>(T * N * 2 * k);
+  s.merge_score = device_alloc<float>(T * N * k);
+  s.merge_entries = device_alloc<int32_t>(T * N * k);
+  s.merge_n = device_alloc<int32_t>(T);
+  size_t nccl_scratch = T * 2 * k;  // gather_columns without P2P: [tp, rows, cols]
+  if (cfg_.candidate_source_layer >= 0) {
+    const int64_t bs = std::max(cfg_.candidate_block_size, 1);
+    s.split_blocks = rank_position_range(width, tp_, 0, full_range_align(cfg_)).len / bs;
+    const size_t nb = size_t(s.split_blocks), tb = size_t(cfg_.candidate_topk_blocks);
+    s.bmax = device_alloc<float>(T * nb);
+    s.bgathered = device_alloc<float>(T * N * nb);
+    UF_CUDA_CHECK(cudaMalloc(&s.bkeep, std::max<size_t>(T * N * nb, 1)));
+    s.blocks = device_alloc<int32_t>(T * tb);
+    s.blocks_n = device_alloc<int32_t>(T);
+    nccl_scratch = std::max(nccl_scratch, T * nb);
+  }
+  if (!group_->peer_all_reduce() || !opts_.tp_p2p_allreduce || opts_.tp_ordered_sum)
+    ensure_gather(nccl_scratch);
+}
+
+void CudaModel::index_select_split(int l, int T, const float* const* keys, const int32_t* vis,
+                                   const int32_t* width, int stride) {
+  const auto& role = cfg_.role(l);
+  const int ihd = cfg_.index_head_dim, k = cfg_.index_topk;
+  auto& s = isplit_;
+  const bool listed = role.candidate_restricted && cfg_.candidate_source_layer >= 0;
+  // Scores of the range go to score_ at the range's row stride (the pool's cap for a list).
+  const int64_t cols = std::max(index_width_, cand_cap_);
+  int64_t score_stride = 0;
+  PositionRange range;
+  RangeRows rows;
+  rows.vis = s.vis;
+  rows.width = s.width;
+  if (listed) {
+    UF_CHECK(cand_listed_,
+             "layer {}: the entry-split indexer needs the candidate source's list (it runs first)",
+             l);
+    range = rank_position_range(cand_cap_, tp_, rank_, 4);
+    index_range_rows(cand_n_, cand_n_, nullptr, T, range, ihd, rows, stream_);
+    const EntryList list{cand_list_ + range.begin, s.vis, cand_cap_};
+    index_scores_list(iq_, iw_, T, Hi_, ihd, keys, list, score_, stream_);
+    score_stride = cand_cap_;
+  } else {
+    const int64_t bs = std::max(cfg_.candidate_block_size, 1);
+    range = rank_position_range(stride, tp_, rank_, full_range_align(cfg_));
+    UF_CHECK(range.len <= cols, "layer {}: a rank's {} index positions exceed the scratch's {}", l,
+             range.len, cols);
+    rows.keys = s.keys;
+    if (role.candidate_source) {
+      rows.block_size = int(bs);
+      rows.vis_blocks = s.vis_blocks;
+      rows.width_blocks = s.width_blocks;
+    }
+    index_range_rows(vis, width, keys, T, range, ihd, rows, stream_);
+    index_scores(iq_, iw_, T, Hi_, ihd, s.keys, s.vis, s.width, int(range.len), score_, stream_);
+    score_stride = range.len;
+    if (role.candidate_source) {
+      // The pool from the whole rows' block maxima: each block lies in one rank's range.
+      const int64_t nb = range.len / bs;
+      UF_CHECK(nb <= s.split_blocks && cand_list_ != nullptr,
+               "layer {}: {} candidate blocks a rank exceed the scratch's {}", l, nb,
+               s.split_blocks);
+      index_block_max(score_, T, range.len, s.width, int(bs), nb, s.bmax, stream_);
+      gather_columns(s.bmax, size_t(T), size_t(nb), s.bgathered, size_t(tp_ * nb), gather_);
+      const int tb = cfg_.candidate_topk_blocks;
+      const EntryListOut blocks{s.blocks, s.blocks_n, tb};
+      const bool listed_blocks =
+          candidate_mask(s.bgathered, T, int(tp_ * nb), s.width_blocks, s.vis_blocks, tb, 1,
+                         s.bkeep, stream_, index_ws_, &blocks);
+      UF_CHECK(listed_blocks, "layer {}: candidate_mask over the block maxima wrote no list", l);
+      index_expand_blocks(s.blocks, s.blocks_n, tb, T, int(bs), vis, cand_list_, cand_n_, cand_cap_,
+                          stream_);
+      cand_listed_ = true;
+    }
+  }
+  // The range's best k (positions), as (score, entry) pairs; every rank's, merged in rank order.
+  topk_select(score_, T, int(score_stride), s.width, k, s.vis, s.sel, stream_, index_ws_);
+  index_pack_selection(s.sel, T, k, score_, score_stride, range.begin,
+                       listed ? cand_list_ : nullptr, cand_cap_, s.pairs, stream_);
+  const size_t pair_cols = 2 * size_t(k);
+  gather_columns(s.pairs, size_t(T), pair_cols, s.gathered, size_t(tp_) * pair_cols, gather_);
+  const int64_t cap = int64_t(tp_) * k;
+  index_merge_pairs(s.gathered, T, tp_, k, int64_t(tp_) * int64_t(pair_cols), int64_t(pair_cols),
+                    s.merge_score, s.merge_entries, s.merge_n, cap, stream_);
+  topk_select(s.merge_score, T, int(cap), s.merge_n, k, s.merge_n, topk_[size_t(l)], stream_,
+              index_ws_, s.merge_entries, cap);
+}
+
+}  // namespace uf::cuda
