@@ -25,12 +25,6 @@ namespace uf::cuda {
 
 namespace {
 
-// Ranges of a full-width row start on a candidate block, and every row stays 16-byte aligned.
-int64_t full_range_align(const model::ModelConfig& cfg) {
-  const int64_t bs = cfg.candidate_source_layer >= 0 ? std::max(cfg.candidate_block_size, 1) : 1;
-  return std::lcm<int64_t>(4, bs);
-}
-
 template <typename T>
 T* device_alloc(size_t n) {
   T* p = nullptr;
@@ -39,6 +33,13 @@ T* device_alloc(size_t n) {
 }
 
 }  // namespace
+
+int64_t CudaModel::index_split_align() const {
+  // Ranges of a full-width row start on a candidate block, and hold whole 16-byte groups of
+  // positions and of block maxima (the P2P gather's vector path).
+  const int64_t bs = cfg_.candidate_source_layer >= 0 ? std::max(cfg_.candidate_block_size, 1) : 1;
+  return std::lcm<int64_t>(4, 4 * bs);
+}
 
 void CudaModel::free_index_split() {
   auto& s = isplit_;
@@ -71,7 +72,7 @@ void CudaModel::alloc_index_split(int64_t width) {
   size_t nccl_scratch = T * 2 * k;  // gather_columns without P2P: [tp, rows, cols]
   if (cfg_.candidate_source_layer >= 0) {
     const int64_t bs = std::max(cfg_.candidate_block_size, 1);
-    s.split_blocks = rank_position_range(width, tp_, 0, full_range_align(cfg_)).len / bs;
+    s.split_blocks = rank_position_range(width, tp_, 0, index_split_align()).len / bs;
     const size_t nb = size_t(s.split_blocks), tb = size_t(cfg_.candidate_topk_blocks);
     s.bmax = device_alloc<float>(T * nb);
     s.bgathered = device_alloc<float>(T * N * nb);
@@ -108,7 +109,7 @@ void CudaModel::index_select_split(int l, int T, const float* const* keys, const
     score_stride = cand_cap_;
   } else {
     const int64_t bs = std::max(cfg_.candidate_block_size, 1);
-    range = rank_position_range(stride, tp_, rank_, full_range_align(cfg_));
+    range = rank_position_range(stride, tp_, rank_, index_split_align());
     UF_CHECK(range.len <= cols, "layer {}: a rank's {} index positions exceed the scratch's {}", l,
              range.len, cols);
     rows.keys = s.keys;

@@ -13,6 +13,7 @@
 #include "cuda/device_weights.h"
 #include "cuda/gemv.h"
 #include "cuda/ops/attention.h"
+#include "cuda/ops/index_split.h"
 #include "cuda/tp/nccl_comm.h"
 #include "cuda/weight_uploader.h"
 #include "model/rope.h"
@@ -394,7 +395,10 @@ void CudaModel::ensure_index_width(int64_t width) {
       opts_.candidate_lists && cfg_.candidate_source_layer >= 0
           ? std::min<int64_t>(int64_t(cfg_.candidate_topk_blocks) * bs, (width + bs - 1) / bs * bs)
           : 0;
-  const int64_t cols = std::max(width, cand_cap_);
+  int64_t cols = std::max(width, cand_cap_);
+  // A rank's range of the entry-split indexer may round past a short width.
+  if (index_split_)
+    cols = std::max(cols, rank_position_range(width, tp_, 0, index_split_align()).len);
   const size_t n = size_t(tmax_) * size_t(cols);
   UF_CUDA_CHECK(cudaMalloc(&score_, n * sizeof(float)));
   UF_CUDA_CHECK(cudaMalloc(&keep_, size_t(tmax_) * size_t(width)));
