@@ -47,6 +47,18 @@ Rows make_rows(const std::vector<int>& vis, const std::vector<int>& width, uint3
   return r;
 }
 
+// The range's scores at row stride len (what index_scores writes on that rank); NaN past the
+// rows' positions.
+void range_scores(const Rows& r, const float* score, const PositionRange& range,
+                  DeviceBuffer<float>& local) {
+  local.poison();
+  const int64_t copy = std::max<int64_t>(0, std::min(range.len, r.stride - range.begin));
+  if (copy > 0)
+    UF_CUDA_CHECK(cudaMemcpy2D(local.get(), size_t(range.len) * sizeof(float), score + range.begin,
+                               size_t(r.stride) * sizeof(float), size_t(copy) * sizeof(float),
+                               size_t(r.T), cudaMemcpyDeviceToDevice));
+}
+
 // cpu::topk_select with the device's conventions for rows narrower than k (slots past the width
 // are -1).
 std::vector<int32_t> cpu_topk(const float* score, int width, int k, int vis) {
@@ -75,15 +87,8 @@ std::vector<int32_t> split_select(const Rows& r, int k, int n_ranks, int64_t ali
   for (int q = 0; q < n_ranks; ++q) {
     const PositionRange range = rank_position_range(r.stride, n_ranks, q, align);
     EXPECT_EQ(range.len % align, 0);
-    // The range's scores at row stride len (what index_scores writes on that rank).
     DeviceBuffer<float> local(size_t(T) * size_t(range.len));
-    local.poison();
-    const int64_t copy = std::max<int64_t>(0, std::min(range.len, r.stride - range.begin));
-    if (copy > 0)
-      UF_CUDA_CHECK(cudaMemcpy2D(local.get(), size_t(range.len) * sizeof(float),
-                                 score.get() + range.begin, size_t(r.stride) * sizeof(float),
-                                 size_t(copy) * sizeof(float), size_t(T),
-                                 cudaMemcpyDeviceToDevice));
+    range_scores(r, score.get(), range, local);
     RangeRows rows;
     rows.vis = vis_l.get();
     rows.width = width_l.get();
@@ -205,13 +210,7 @@ void check_pool(const std::vector<int>& vis, const std::vector<int>& width, int 
       const PositionRange range = rank_position_range(r.stride, n_ranks, q, align);
       ASSERT_EQ(range.len / bs, nb);
       DeviceBuffer<float> local(size_t(T) * size_t(range.len));
-      local.poison();
-      const int64_t copy = std::max<int64_t>(0, std::min(range.len, r.stride - range.begin));
-      if (copy > 0)
-        UF_CUDA_CHECK(cudaMemcpy2D(local.get(), size_t(range.len) * sizeof(float),
-                                   score.get() + range.begin, size_t(r.stride) * sizeof(float),
-                                   size_t(copy) * sizeof(float), size_t(T),
-                                   cudaMemcpyDeviceToDevice));
+      range_scores(r, score.get(), range, local);
       RangeRows rows;
       rows.vis = vis_l.get();
       rows.width = width_l.get();
