@@ -7,13 +7,15 @@
 //  (c) snapshot / restore: bitwise identical next-step logits, and the byte format is the CPU's
 //      (a CUDA snapshot restores on the CPU backend and snapshots back to the same bytes);
 //  (d) a DSpark round: finite logits close to the CPU's for the same anchor and draft tokens;
-//  (e) the CED prefill shortcut close to the CPU's.
+//  (e) the CED prefill shortcut close to the CPU's;
+//  (f) the tensor-parallel entry-split indexer, its ranks simulated on this GPU: bitwise.
 // Every comparison prints max abs / rms-rel / NaN count / first differing index.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <random>
 
 #include "../cpu/tiny_a.h"
 #include "backend_test_util.h"
@@ -156,6 +158,48 @@ TEST_F(CudaBackendTest, MaxSeqOptionKeepsTheConstructionGraphs) {
   steps(unsized);
   EXPECT_GT(unsized.model().graph_captures_total(), before)
       << "a wider session did not recapture (is the scratch sized by another path now?)";
+}
+
+// CudaModelOptions::index_split_simulated_ranks: the entry-split indexer of tensor parallelism
+// (cuda_index_split.cpp), its ranks run in turn on this GPU: every selection is the unsplit
+// indexer's, so prefill (all rows), decode and verify logits are bitwise the default backend's.
+// A 300-token prompt gives index rows of 150 / 300 entries against the fixture's top-8 and a
+// pool of 3 blocks of 4, so the ranges, the merge and the pool's blocks all matter.
+TEST_F(CudaBackendTest, IndexSplitSimulatedRanksIsBitwise) {
+  std::vector<int32_t> prompt = prompt_;
+  std::mt19937 rng(5);
+  while (prompt.size() < 300) prompt.push_back(int32_t(rng() % uint32_t(V_)));
+  auto run = [&](CudaBackend& be) {
+    auto s = be.new_session(512);
+    engine::PrefillOptions po;
+    po.all_logits = true;
+    std::vector<float> out(prompt.size() * size_t(V_), NAN);
+    be.prefill(*s, prompt, po, out);
+    std::vector<float> x(static_cast<size_t>(V_));
+    for (int i = 0; i < 3; ++i) {
+      be.decode_rows(*s, std::span<const int32_t>(&next_[size_t(i)], 1), x);
+      be.commit(*s, 1);
+      out.insert(out.end(), x.begin(), x.end());
+    }
+    const int k = std::min(be.max_rows(), int(next_.size()));
+    std::vector<float> rows(size_t(k) * size_t(V_), NAN);
+    be.decode_rows(*s, std::span<const int32_t>(next_.data(), size_t(k)), rows);
+    out.insert(out.end(), rows.begin(), rows.end());
+    return out;
+  };
+  const auto want = run(*be_);
+  for (const int n : {2, 3, 8}) {
+    CudaModelOptions mo;
+    mo.index_split_simulated_ranks = n;
+    CudaBackend split(tiny_a_dir(), map_, mo);
+    ASSERT_EQ(split.model().index_split_ranks(), n);
+    ASSERT_EQ(be_->model().index_split_ranks(), 0);
+    const auto got = run(split);
+    ASSERT_EQ(got.size(), want.size());
+    const Cmp c = compare(got.data(), want.data(), want.size());
+    EXPECT_EQ(c.first_diff, -1) << n << " simulated ranks: " << c.str();
+    EXPECT_EQ(c.nan, 0u) << n << " simulated ranks";
+  }
 }
 
 TEST_F(CudaBackendTest, MatchesCpuBackend) {

@@ -57,7 +57,7 @@ void CudaModel::free_index_split() {
 void CudaModel::alloc_index_split(int64_t width) {
   free_index_split();
   auto& s = isplit_;
-  const size_t T = size_t(tmax_), k = size_t(cfg_.index_topk), N = size_t(tp_);
+  const size_t T = size_t(tmax_), k = size_t(cfg_.index_topk), N = size_t(split_ranks_);
   s.vis = device_alloc<int32_t>(T);
   s.width = device_alloc<int32_t>(T);
   s.vis_blocks = device_alloc<int32_t>(T);
@@ -72,7 +72,7 @@ void CudaModel::alloc_index_split(int64_t width) {
   size_t nccl_scratch = T * 2 * k;  // gather_columns without P2P: [tp, rows, cols]
   if (cfg_.candidate_source_layer >= 0) {
     const int64_t bs = std::max(cfg_.candidate_block_size, 1);
-    s.split_blocks = rank_position_range(width, tp_, 0, index_split_align()).len / bs;
+    s.split_blocks = rank_position_range(width, split_ranks_, 0, index_split_align()).len / bs;
     const size_t nb = size_t(s.split_blocks), tb = size_t(cfg_.candidate_topk_blocks);
     s.bmax = device_alloc<float>(T * nb);
     s.bgathered = device_alloc<float>(T * N * nb);
@@ -81,74 +81,91 @@ void CudaModel::alloc_index_split(int64_t width) {
     s.blocks_n = device_alloc<int32_t>(T);
     nccl_scratch = std::max(nccl_scratch, T * nb);
   }
-  if (!group_->peer_all_reduce() || !opts_.tp_p2p_allreduce || opts_.tp_ordered_sum)
+  if (tp_ > 1 && (!group_->peer_all_reduce() || !opts_.tp_p2p_allreduce || opts_.tp_ordered_sum))
     ensure_gather(nccl_scratch);
 }
 
 void CudaModel::index_select_split(int l, int T, const float* const* keys, const int32_t* vis,
                                    const int32_t* width, int stride) {
   const auto& role = cfg_.role(l);
-  const int ihd = cfg_.index_head_dim, k = cfg_.index_topk;
+  const int ihd = cfg_.index_head_dim, k = cfg_.index_topk, N = split_ranks_;
   auto& s = isplit_;
   const bool listed = role.candidate_restricted && cfg_.candidate_source_layer >= 0;
-  // Scores of the range go to score_ at the range's row stride (the pool's cap for a list).
-  const int64_t cols = std::max(index_width_, cand_cap_);
-  int64_t score_stride = 0;
-  PositionRange range;
-  RangeRows rows;
-  rows.vis = s.vis;
-  rows.width = s.width;
-  if (listed) {
-    UF_CHECK(cand_listed_,
-             "layer {}: the entry-split indexer needs the candidate source's list (it runs first)",
-             l);
-    range = rank_position_range(cand_cap_, tp_, rank_, 4);
-    index_range_rows(cand_n_, cand_n_, nullptr, T, range, ihd, rows, stream_);
-    const EntryList list{cand_list_ + range.begin, s.vis, cand_cap_};
-    index_scores_list(iq_, iw_, T, Hi_, ihd, keys, list, score_, stream_);
-    score_stride = cand_cap_;
-  } else {
-    const int64_t bs = std::max(cfg_.candidate_block_size, 1);
-    range = rank_position_range(stride, tp_, rank_, index_split_align());
-    UF_CHECK(range.len <= cols, "layer {}: a rank's {} index positions exceed the scratch's {}", l,
-             range.len, cols);
-    rows.keys = s.keys;
-    if (role.candidate_source) {
-      rows.block_size = int(bs);
-      rows.vis_blocks = s.vis_blocks;
-      rows.width_blocks = s.width_blocks;
-    }
-    index_range_rows(vis, width, keys, T, range, ihd, rows, stream_);
-    index_scores(iq_, iw_, T, Hi_, ihd, s.keys, s.vis, s.width, int(range.len), score_, stream_);
-    score_stride = range.len;
-    if (role.candidate_source) {
-      // The pool from the whole rows' block maxima: each block lies in one rank's range.
-      const int64_t nb = range.len / bs;
-      UF_CHECK(nb <= s.split_blocks && cand_list_ != nullptr,
-               "layer {}: {} candidate blocks a rank exceed the scratch's {}", l, nb,
-               s.split_blocks);
-      index_block_max(score_, T, range.len, s.width, int(bs), nb, s.bmax, stream_);
-      gather_columns(s.bmax, size_t(T), size_t(nb), s.bgathered, size_t(tp_ * nb), gather_);
-      const int tb = cfg_.candidate_topk_blocks;
-      const EntryListOut blocks{s.blocks, s.blocks_n, tb};
-      const bool listed_blocks =
-          candidate_mask(s.bgathered, T, int(tp_ * nb), s.width_blocks, s.vis_blocks, tb, 1,
-                         s.bkeep, stream_, index_ws_, &blocks);
-      UF_CHECK(listed_blocks, "layer {}: candidate_mask over the block maxima wrote no list", l);
-      index_expand_blocks(s.blocks, s.blocks_n, tb, T, int(bs), vis, cand_list_, cand_n_, cand_cap_,
-                          stream_);
-      cand_listed_ = true;
-    }
-  }
-  // The range's best k (positions), as (score, entry) pairs; every rank's, merged in rank order.
-  topk_select(score_, T, int(score_stride), s.width, k, s.vis, s.sel, stream_, index_ws_);
-  index_pack_selection(s.sel, T, k, score_, score_stride, range.begin,
-                       listed ? cand_list_ : nullptr, cand_cap_, s.pairs, stream_);
+  const int64_t bs = std::max(cfg_.candidate_block_size, 1);
+  // A full row's ranges (the candidate source's hold whole blocks), or the pool list's.
+  const int64_t positions = listed ? cand_cap_ : int64_t(stride);
+  const int64_t align = listed ? 4 : index_split_align();
+  const int64_t len = rank_position_range(positions, N, 0, align).len;
+  const int64_t nb = role.candidate_source ? len / bs : 0;
+  UF_CHECK(len <= std::max(index_width_, cand_cap_) && nb <= s.split_blocks,
+           "layer {}: a rank's {} index positions ({} blocks) exceed the scratch's", l, len, nb);
+  UF_CHECK(!listed || cand_listed_,
+           "layer {}: the entry-split indexer needs the candidate source's list (it runs first)",
+           l);
   const size_t pair_cols = 2 * size_t(k);
-  gather_columns(s.pairs, size_t(T), pair_cols, s.gathered, size_t(tp_) * pair_cols, gather_);
-  const int64_t cap = int64_t(tp_) * k;
-  index_merge_pairs(s.gathered, T, tp_, k, int64_t(tp_) * int64_t(pair_cols), int64_t(pair_cols),
-                    s.merge_score, s.merge_entries, s.merge_n, cap, stream_);
+  // Rank q's [T, cols] block into columns [q * cols, (q + 1) * cols) of every rank's rows: the
+  // gather under TP; one GPU standing in for N ranks copies its own block.
+  auto gather = [&](int q, const float* src, size_t cols, float* dst) {
+    if (tp_ > 1) {
+      gather_columns(src, size_t(T), cols, dst, size_t(N) * cols, gather_);
+      return;
+    }
+    UF_CUDA_CHECK(cudaMemcpy2DAsync(dst + size_t(q) * cols, size_t(N) * cols * sizeof(float), src,
+                                    cols * sizeof(float), cols * sizeof(float), size_t(T),
+                                    cudaMemcpyDeviceToDevice, stream_));
+  };
+  // Rank q's part: its range's scores (and block maxima), its best k as (score, entry) pairs.
+  auto rank_part = [&](int q) {
+    const PositionRange range = rank_position_range(positions, N, q, align);
+    RangeRows rows;
+    rows.vis = s.vis;
+    rows.width = s.width;
+    int64_t score_stride = range.len;
+    if (listed) {
+      index_range_rows(cand_n_, cand_n_, nullptr, T, range, ihd, rows, stream_);
+      const EntryList list{cand_list_ + range.begin, s.vis, cand_cap_};
+      index_scores_list(iq_, iw_, T, Hi_, ihd, keys, list, score_, stream_);
+      score_stride = cand_cap_;
+    } else {
+      rows.keys = s.keys;
+      if (role.candidate_source) {
+        rows.block_size = int(bs);
+        rows.vis_blocks = s.vis_blocks;
+        rows.width_blocks = s.width_blocks;
+      }
+      index_range_rows(vis, width, keys, T, range, ihd, rows, stream_);
+      index_scores(iq_, iw_, T, Hi_, ihd, s.keys, s.vis, s.width, int(range.len), score_, stream_);
+      if (role.candidate_source) {  // each block lies in one rank's range
+        index_block_max(score_, T, range.len, s.width, int(bs), nb, s.bmax, stream_);
+        gather(q, s.bmax, size_t(nb), s.bgathered);
+      }
+    }
+    topk_select(score_, T, int(score_stride), s.width, k, s.vis, s.sel, stream_, index_ws_);
+    index_pack_selection(s.sel, T, k, score_, score_stride, range.begin,
+                         listed ? cand_list_ : nullptr, cand_cap_, s.pairs, stream_);
+    gather(q, s.pairs, pair_cols, s.gathered);
+  };
+  if (tp_ > 1) {
+    rank_part(rank_);
+  } else {
+    for (int q = 0; q < N; ++q) rank_part(q);  // in turn: each reuses the score scratch
+  }
+  if (role.candidate_source) {
+    // The pool from the whole rows' block maxima, as candidate_mask's list of kept entries.
+    const int tb = cfg_.candidate_topk_blocks;
+    const EntryListOut blocks{s.blocks, s.blocks_n, tb};
+    const bool listed_blocks =
+        candidate_mask(s.bgathered, T, int(N * nb), s.width_blocks, s.vis_blocks, tb, 1, s.bkeep,
+                       stream_, index_ws_, &blocks);
+    UF_CHECK(listed_blocks, "layer {}: candidate_mask over the block maxima wrote no list", l);
+    index_expand_blocks(s.blocks, s.blocks_n, tb, T, int(bs), vis, cand_list_, cand_n_, cand_cap_,
+                        stream_);
+    cand_listed_ = true;
+  }
+  // Every rank's picks in rank order (ascending entries), selected once more.
+  const int64_t cap = int64_t(N) * k;
+  index_merge_pairs(s.gathered, T, N, k, cap * 2, int64_t(pair_cols), s.merge_score,
+                    s.merge_entries, s.merge_n, cap, stream_);
   topk_select(s.merge_score, T, int(cap), s.merge_n, k, s.merge_n, topk_[size_t(l)], stream_,
               index_ws_, s.merge_entries, cap);
 }

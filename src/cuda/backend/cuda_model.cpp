@@ -82,7 +82,14 @@ CudaModel::CudaModel(model::ModelConfig cfg, const model::Checkpoint& ckpt,
     ordered_sum_ =
         (opts_.tp_ordered_sum || tp_ > 2) && !(opts_.tp_p2p_allreduce && group->peer_all_reduce());
     split_head_ = opts_.tp_split_head;
+    split_ranks_ = tp_;
     shard_weights();
+  } else if (opts_.index_split_simulated_ranks > 1) {
+    UF_CHECK(
+        cfg_.candidate_source_layer < 0 || opts_.candidate_lists,
+        "index_split_simulated_ranks needs candidate_lists (the entry split's pool is a list)");
+    index_split_ = true;
+    split_ranks_ = opts_.index_split_simulated_ranks;
   }
   if (!cfg_.engram_layer_ids.empty()) {
     UF_CHECK(
@@ -398,7 +405,7 @@ void CudaModel::ensure_index_width(int64_t width) {
   int64_t cols = std::max(width, cand_cap_);
   // A rank's range of the entry-split indexer may round past a short width.
   if (index_split_)
-    cols = std::max(cols, rank_position_range(width, tp_, 0, index_split_align()).len);
+    cols = std::max(cols, rank_position_range(width, split_ranks_, 0, index_split_align()).len);
   const size_t n = size_t(tmax_) * size_t(cols);
   UF_CUDA_CHECK(cudaMalloc(&score_, n * sizeof(float)));
   UF_CUDA_CHECK(cudaMalloc(&keep_, size_t(tmax_) * size_t(width)));
@@ -414,8 +421,9 @@ void CudaModel::ensure_index_width(int64_t width) {
     alloc_index_split(width);
     // The merge's selection (tp x k pairs a row) and the candidate pool's over the gathered block
     // maxima (blocks of one) share the workspace.
-    ws = std::max({ws, topk_select_workspace_bytes(tmax_, tp_ * cfg_.index_topk, cfg_.index_topk),
-                   candidate_mask_workspace_bytes(tmax_, int(tp_ * isplit_.split_blocks),
+    const int N = split_ranks_;
+    ws = std::max({ws, topk_select_workspace_bytes(tmax_, N * cfg_.index_topk, cfg_.index_topk),
+                   candidate_mask_workspace_bytes(tmax_, int(N * isplit_.split_blocks),
                                                   cfg_.candidate_topk_blocks, 1)});
   }
   if (ws > 0) UF_CUDA_CHECK(cudaMalloc(&index_ws_, ws));

@@ -173,6 +173,10 @@ struct CudaModelOptions {
   // default until it has run on two GPUs (its ops are tested on one: tests/cuda/test_index_split;
   // the backend's TP tests run both ways); `bench --synthetic tpN --tp-index-entries`.
   bool tp_index_split_entries = false;
+  // Tests only: at tp = 1, run the entry-split indexer as this many ranks in turn on the one GPU
+  // (each rank's block copied where the gather would put it): selections, hence logits, bitwise
+  // the unsplit indexer's, so one GPU checks the split's bookkeeping end to end. 0: off.
+  int index_split_simulated_ranks = 0;
 };
 
 class CudaModel {
@@ -275,6 +279,9 @@ class CudaModel {
   // since construction (recaptures after a wider session dropped them included).
   int graphs_captured() const { return int(graphs_.size()); }
   int64_t graph_captures_total() const { return graph_captures_; }
+  // The ranks the indexer's entries are split over (tp_index_split_entries, or simulated at tp = 1;
+  // 0: not split by entries).
+  int index_split_ranks() const { return index_split_ ? split_ranks_ : 0; }
   // Captures the decode loop's graphs (verify of 1..max_rows rows with all logits, the draft) on a
   // scratch session, before serving: a capture on stream_ while another thread used the legacy
   // default stream would fail, so none should happen once requests run. No-op without graphs.
@@ -520,6 +527,7 @@ class CudaModel {
   // and gathered [tmax, tp * split_blocks_], their keep mask and kept-block list [tmax,
   // topk_blocks] (+ counts).
   bool index_split_ = false;
+  int split_ranks_ = 1;  // tp_, or opts_.index_split_simulated_ranks at tp = 1
   struct IndexSplitScratch {
     int32_t *vis = nullptr, *width = nullptr, *vis_blocks = nullptr, *width_blocks = nullptr;
     const float** keys = nullptr;
