@@ -302,7 +302,7 @@ CudaModel::CudaModel(model::ModelConfig cfg, const model::Checkpoint& ckpt,
   // The device holds the shards now (uploads are synchronous): drop the host copies; no split
   // weight is read on the host after construction (the Markov / confidence views are replicated).
   if (tp_ > 1) {
-    for (model::Weight* w : tp_split_weights(w_, split_head_))
+    for (model::Weight* w : tp_split_weights(w_, split_head_, !index_split_))
       *w = model::Weight{};  // no dangling views
     shard_bytes_.clear();
     shard_bytes_.shrink_to_fit();
