@@ -213,7 +213,10 @@ TEST(Fp8GemmPrefillRows, RowIndependence) {
   }
 }
 
-// apply_group with T > 8: GEMM weights run their own apply(); outputs bitwise equal.
+// apply_group with T > 8: the GEMM weights share one activation quantisation per chunk of rows;
+// every output bitwise its weight's own apply() / apply_partial(), including rows past the last
+// whole chunk (a GEMM chunk or the GEMV tail), 9 rows (one GEMM chunk of 9) and weights whose
+// GEMM chunks differ.
 TEST(Fp8GemmPrefillRows, GroupMatchesOwnApply) {
   UF_REQUIRE_GPU();
   std::mt19937 rng(78);
@@ -221,19 +224,24 @@ TEST(Fp8GemmPrefillRows, GroupMatchesOwnApply) {
   auto h1 = make_weight(WFormat::kFP8, 512, K, rng);
   auto h2 = make_weight(WFormat::kFP8, 4096, K, rng);
   DeviceArena arena;
-  DeviceLinear l1(h1->w, LinearKind::kQuant, arena), l2(h2->w, LinearKind::kQuant, arena);
-  const int T = 100;
-  const std::vector<float> x = random_acts(T, K, rng);
-  DeviceBuffer<float> dx(x), y1(size_t(T) * 512), y2(size_t(T) * 4096);
-  y1.poison();
-  y2.poison();
-  const LinearCall calls[] = {{&l1, y1.get(), false}, {&l2, y2.get(), true}};
-  DeviceLinear::apply_group(calls, dx.get(), T, nullptr);
-  sync_and_check();
-  const std::vector<float> g1 = y1.download(), g2 = y2.download();
-  const std::vector<float> o1 = run_linear(l1, dx, T, false), o2 = run_linear(l2, dx, T, true);
-  EXPECT_EQ(first_diff(g1, o1, g1.size()), -1) << "apply_group output 0 != apply";
-  EXPECT_EQ(first_diff(g2, o2, g2.size()), -1) << "apply_group output 1 (partial) != apply_partial";
+  // l2's GEMM takes chunks of 256 rows, l1's of the default 512: the group chunks by 256, so at
+  // 264 rows l1's last 8 rows run on its GEMV in the group and on its GEMM alone.
+  DeviceLinear l1(h1->w, LinearKind::kQuant, arena), l2(h2->w, LinearKind::kQuant, arena, 256);
+  for (const int T : {9, 100, 264, 517, 1029}) {
+    SCOPED_TRACE("T = " + std::to_string(T));
+    const std::vector<float> x = random_acts(T, K, rng);
+    DeviceBuffer<float> dx(x), y1(size_t(T) * 512), y2(size_t(T) * 4096);
+    y1.poison();
+    y2.poison();
+    const LinearCall calls[] = {{&l1, y1.get(), false}, {&l2, y2.get(), true}};
+    DeviceLinear::apply_group(calls, dx.get(), T, nullptr);
+    sync_and_check();
+    const std::vector<float> g1 = y1.download(), g2 = y2.download();
+    const std::vector<float> o1 = run_linear(l1, dx, T, false), o2 = run_linear(l2, dx, T, true);
+    EXPECT_EQ(first_diff(g1, o1, g1.size()), -1) << "apply_group output 0 != apply";
+    EXPECT_EQ(first_diff(g2, o2, g2.size()), -1)
+        << "apply_group output 1 (partial) != apply_partial";
+  }
 }
 
 // fp8_gemm_prefill with a plan's kb_per_split is bitwise Fp8Gemv::run of that plan, for the

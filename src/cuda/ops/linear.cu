@@ -428,18 +428,53 @@ void DeviceLinear::apply_group(std::span<const LinearCall> calls, const float* x
   if (calls.empty() || T <= 0) return;
   const int64_t K = calls[0].linear->cols();
   const bool aligned = Fp8Gemv::fused_input_ok(x, K);
-  // T > 8: a weight with a prefill GEMM runs it (its own apply(), bitwise the same outputs).
-  auto groupable = [&](const DeviceLinear& l) {
-    return aligned && l.kind_ == LinearKind::kQuant && l.plan_->gemv != nullptr &&
-           !(T > kMaxDecodeRows && l.plan_->pf_rows > 0);
+  // T > 8: the weights with a prefill GEMM run it, on one activation quantisation per chunk of
+  // rows for all of them (their own apply() quantises x once each: the same codes).
+  auto prefill_gemm = [&](const DeviceLinear& l) {
+    return T > kMaxDecodeRows && l.kind_ == LinearKind::kQuant && l.plan_->gemv != nullptr &&
+           l.plan_->pf_rows > 0;
   };
+  auto groupable = [&](const DeviceLinear& l) {
+    return aligned && l.kind_ == LinearKind::kQuant && l.plan_->gemv != nullptr && !prefill_gemm(l);
+  };
+  const LinearCall* gemm[kMaxGemvGroup];
+  int n_gemm = 0, gemm_rows = 0;
   for (const LinearCall& c : calls) {
     const DeviceLinear& l = *c.linear;
     require(!l.empty() && l.cols() == K && c.y != nullptr,
             "DeviceLinear::apply_group: every call needs a weight with the group's %lld inputs and "
             "an output (this one has %lld inputs)",
             static_cast<long long>(K), static_cast<long long>(l.cols()));
-    if (!groupable(l)) l.run(x, T, c.y, !c.partial, stream);  // its own launch
+    if (prefill_gemm(l) && n_gemm < kMaxGemvGroup) {
+      gemm[n_gemm++] = &c;
+      gemm_rows = n_gemm == 1 ? l.plan_->pf_rows : std::min(gemm_rows, l.plan_->pf_rows);
+    } else if (!groupable(l)) {
+      l.run(x, T, c.y, !c.partial, stream);  // its own launch
+    }
+  }
+  if (n_gemm > 0) {
+    // The first weight's workspace holds the shared codes (every GEMM of a chunk reads them
+    // before the next chunk's quantisation, in stream order). The GEMM is bitwise the GEMV row by
+    // row, so the chunking (the smallest pf_rows) and where the GEMV tail starts change nothing.
+    const Plan& ws = *gemm[0]->linear->plan_;
+    int t0 = 0;
+    while (T - t0 > kMaxDecodeRows) {
+      const int m = std::min(gemm_rows, T - t0);
+      act_quant_fp8_rows(x + int64_t(t0) * K, K, m, int(K), ws.pf_codes, ws.pf_scales, stream);
+      const QuantActView av{ws.pf_codes, ws.pf_scales, m, int(K)};
+      for (int i = 0; i < n_gemm; ++i) {
+        const DeviceLinear& l = *gemm[i]->linear;
+        const Fp8WeightView wv{l.w_.data, l.w_.scale, int(l.rows()), int(K)};
+        fp8_gemm_prefill(wv, av, l.plan_->gemv->kb_per_split(), gemm[i]->y + int64_t(t0) * l.rows(),
+                         !gemm[i]->partial, stream);
+      }
+      t0 += m;
+    }
+    if (t0 < T)  // <= 8 rows: each weight's GEMV
+      for (int i = 0; i < n_gemm; ++i)
+        gemm[i]->linear->run(x + int64_t(t0) * K, T - t0,
+                             gemm[i]->y + int64_t(t0) * gemm[i]->linear->rows(), !gemm[i]->partial,
+                             stream);
   }
   // The FP8 Fp8Gemv weights: one launch per 8 token rows and 8 weights (no heap: a fixed list).
   for (int t0 = 0; t0 < T; t0 += kMaxDecodeRows) {
