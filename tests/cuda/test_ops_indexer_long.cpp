@@ -609,6 +609,15 @@ TEST(CudaIndexerLong, CandidateListsEqualMaskedScores) {
       {"mixed", {0, 13, 550, 16384, 16389}, {0, 30, 600, 16384, 20000}, 2048, 8, 512, 5}, 1104);
   check_candidate_list(
       {"tiny-a 3 x 4", {1, 5, 12, 13, 41, 40, 39}, {1, 5, 12, 13, 41, 41, 41}, 3, 4, 8, 3}, 1105);
+  // Prefill rows (more than a verify step: the list scores on the tensor cores), a chunk's
+  // prefill layout (width past vis), partial pools and empty rows among them.
+  std::vector<int> vis20, wid20;
+  for (int t = 0; t < 20; ++t) {
+    wid20.push_back(30000);
+    vis20.push_back(t == 3 ? 0 : t == 7 ? 9000 : 30000 - 997 * t);
+  }
+  check_candidate_list({"prefill 20 rows", vis20, wid20, 2048, 8, 512, 0}, 1106);
+  check_candidate_list({"prefill 20 rows, ties", vis20, wid20, 2048, 8, 512, 29}, 1107);
 }
 
 // The index_select sequence (scores, candidate pool, mask, top-k) captured in a CUDA graph and

@@ -380,6 +380,81 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
 }
 
+// Lists (index_scores_list: the candidate pool's entries of each row; prefill calls): a CTA = one
+// row x 128 list positions. A warp gathers its 16 entries' keys (one float4 per entry and k-step,
+// load_keys' order) and scores them against the row's heads through score_rows (columns = the
+// heads); a gap (entry -1) scores -inf, as the fp32 kernel. Rows have no keys in common (each its
+// own pool), so nothing is shared across rows.
+__device__ __forceinline__ void load_list_keys(float4 (&x)[8][2], const float* bank,
+                                               const int32_t* row, int ew, int n, int g, int t) {
+  const int pa = ew + g, pb = ew + g + 8;
+  const int ea = pa < n ? row[pa] : -1, eb = pb < n ? row[pb] : -1;
+  const float* ka = bank + int64_t(max(ea, 0)) * kHd + 4 * t;
+  const float* kb = bank + int64_t(max(eb, 0)) * kHd + 4 * t;
+  const bool al = (reinterpret_cast<uintptr_t>(bank) & 15u) == 0;
+#pragma unroll
+  for (int ks = 0; ks < 8; ++ks) {
+    x[ks][0] = x[ks][1] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (al) {
+      if (ea >= 0) x[ks][0] = __ldg(reinterpret_cast<const float4*>(ka + 16 * ks));
+      if (eb >= 0) x[ks][1] = __ldg(reinterpret_cast<const float4*>(kb + 16 * ks));
+    } else {  // a bank not 16-byte aligned: scalar loads
+      if (ea >= 0)
+        x[ks][0] = make_float4(__ldg(ka + 16 * ks), __ldg(ka + 16 * ks + 1),
+                               __ldg(ka + 16 * ks + 2), __ldg(ka + 16 * ks + 3));
+      if (eb >= 0)
+        x[ks][1] = make_float4(__ldg(kb + 16 * ks), __ldg(kb + 16 * ks + 1),
+                               __ldg(kb + 16 * ks + 2), __ldg(kb + 16 * ks + 3));
+    }
+  }
+}
+
+template <bool kRound>
+__global__ void __launch_bounds__(kThreads, 2)
+    index_scores_mma_list_kernel(const float* __restrict__ q, const float* __restrict__ w,
+                                 int n_heads, const float* const* keys,
+                                 const int32_t* __restrict__ entries, const int32_t* __restrict__ n,
+                                 int cap, float* __restrict__ score) {
+  detail::pdl_wait();  // PDL: every input comes from an earlier kernel
+  detail::pdl_trigger();
+  extern __shared__ __align__(16) uint8_t smem[];
+  uint16_t* qs = reinterpret_cast<uint16_t*>(smem);
+  float* ws = reinterpret_cast<float*>(smem + size_t(kMaxCols) * kQStride * 2);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int t = blockIdx.x, nt = n[t], j0 = blockIdx.y * kEntries;
+  if (j0 >= nt) return;  // the whole CTA: past the row's list
+  const int ew = j0 + warp * 16, cols = n_heads, tiles = (cols + 7) / 8;
+  const int32_t* row = entries + int64_t(t) * cap;
+  float* term = reinterpret_cast<float*>(ws + kMaxCols) + warp * 16 * (cols + 1);
+  const bool live = ew < nt;  // uniform over the warp
+  uint32_t a[8][4];
+  {
+    float4 x[8][2];
+    if (live) load_list_keys(x, keys[t], row, ew, nt, lane >> 2, lane & 3);
+    if (live) keys_to_a(a, x);
+  }
+  // The row's q as bf16 in the A order (index_scores_mma_kernel's staging), and w.
+  for (int xi = threadIdx.x; xi < tiles * 8 * (kHd / 2); xi += kThreads) {
+    const int c = xi / (kHd / 2), p = (xi - c * (kHd / 2)) * 2;
+    const int dim = (p & ~15) + 4 * ((p & 7) >> 1) + 2 * ((p >> 3) & 1);
+    uint32_t v = 0;
+    if (c < cols) {
+      const float* qc = q + (int64_t(t) * n_heads + c) * kHd + dim;
+      v = pack_bf16x2(__ldg(qc), __ldg(qc + 1));
+    }
+    *reinterpret_cast<uint32_t*>(qs + c * kQStride + p) = v;
+  }
+  for (int xi = threadIdx.x; xi < cols; xi += kThreads) ws[xi] = __ldg(w + int64_t(t) * cols + xi);
+  __syncthreads();
+  if (!live) return;
+  score_rows<kRound>(a, true, qs, ws, term, t, 1, n_heads, ew, lane, n, n, cap, score);
+  // (score_rows' lane e < 16 stored position ew + e; the same lane marks a gap.)
+  if (lane < 16) {
+    const int j = ew + lane;
+    if (j < nt && row[j] < 0) score[int64_t(t) * cap + j] = -INFINITY;
+  }
+}
+
 bool g_index_scores_mma = true;
 
 }  // namespace
@@ -425,6 +500,26 @@ bool index_scores_mma(const float* q, const float* w, int T, int n_heads, const 
     detail::launch_pdl(kernel, grid, dim3(kThreads), smem, stream, q, w, T, n_heads, rows, keys,
                        vis, width, max_width, score);
   }
+  UF_CUDA_CHECK(cudaGetLastError());
+  return true;
+}
+
+bool index_scores_mma_list(const float* q, const float* w, int T, int n_heads,
+                           const float* const* keys, const int32_t* entries, const int32_t* n,
+                           int cap, float* score, cudaStream_t stream, bool round_sum) {
+  if (!g_index_scores_mma || n_heads < 1 || n_heads > kMaxCols) return false;
+  const int64_t chunks = (int64_t(cap) + kEntries - 1) / kEntries;
+  if (chunks > 65535 || T < 1) return false;
+  static detail::PerDeviceOnce once;
+  once([] {
+    detail::raise_smem(index_scores_mma_list_kernel<true>, int(smem_bytes(kMaxCols)));
+    detail::raise_smem(index_scores_mma_list_kernel<false>, int(smem_bytes(kMaxCols)));
+  });
+  const dim3 grid{unsigned(T), unsigned(chunks)};
+  const auto kernel =
+      round_sum ? index_scores_mma_list_kernel<true> : index_scores_mma_list_kernel<false>;
+  detail::launch_pdl(kernel, grid, dim3(kThreads), smem_bytes(n_heads), stream, q, w, n_heads, keys,
+                     entries, n, cap, score);
   UF_CUDA_CHECK(cudaGetLastError());
   return true;
 }

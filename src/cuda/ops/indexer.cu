@@ -47,6 +47,7 @@
 #include <cstdint>
 
 #include "cuda/cuda_check.h"
+#include "cuda/gemv.h"
 #include "cuda/kernels/common.cuh"
 #include "cuda/ops/attention.h"
 #include "cuda/ops/index_scores_mma.h"
@@ -868,9 +869,14 @@ void index_scores_list(const float* q, const float* w, int T, int n_heads, int h
           "65535, head_dim %d)",
           T, n_heads, head_dim, (long long)list.cap, kFastHd);
   if (T == 0 || list.cap == 0) return;
+  const int cap = int(list.cap);
+  // Prefill calls on the tensor cores (the same bits for the model's operands; decode rows keep
+  // this file's kernel, whose timing the decode step was measured with).
+  if (T > kMaxDecodeRows && index_scores_mma_list(q, w, T, n_heads, keys, list.entries, list.n, cap,
+                                                  score, stream, round_sum))
+    return;
   // One row per CTA; the list's length is the row's width and its visible count.
   const dim3 grid(static_cast<unsigned>(T), static_cast<unsigned>(chunks));
-  const int cap = int(list.cap);
   if (round_sum)
     detail::launch_pdl(index_scores_hd128_kernel<true, true>, grid, dim3(kFastThreads), row_smem,
                        stream, q, w, T, n_heads, 1, keys, list.n, list.n, cap, score, list.entries);
