@@ -11,7 +11,8 @@
 //      the shared expert as a last pseudo-expert (id n_experts, so it is added after the routed
 //      sum, as run_add's add), rounded to bf16: the decode path's combine.
 //  (c) end to end: DeviceMoe::apply + hc_post_mixes vs apply_partial_experts + hc_post_mixes_moe
-//      (the wiring CudaModel uses), rows 1..8.
+//      (the wiring CudaModel uses), rows 1..8;
+//  (d) moe_combine_rows on prefill rows (its vector kernel) vs the same rows in calls of 8.
 // Random slots span magnitudes, hold signed zeros, and the slots of invalid ids (-1, n_experts)
 // are NaN (never written by the MoE: the fold must not read them into a sum). Ids repeat across
 // rows (8 experts, top-6), one row per call has a duplicated valid id (the combine's insertion
@@ -24,6 +25,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <memory>
 #include <random>
 #include <string>
@@ -321,6 +323,40 @@ TEST(CudaMhcCombineFold, MatchesMoeCombineKernelOnBf16Slots) {
     expect_same("T=" + std::to_string(T) + " fold vs moe_combine_rows + hc_post_mixes",
                 run_post(p, in, nullptr, &moe, T, fn), run_post(p, in, dx.get(), nullptr, T, fn));
   }
+}
+
+// (d) moe_combine_rows on prefill rows (moe_combine_vec_kernel: 4 columns a thread) is the decode
+// kernel's sum bit for bit: 40 rows at once against the same rows in calls of 8, with invalid and
+// repeated ids (random_moe's NaN slots of invalid ids must stay out of the sums) and signed zeros.
+TEST(CudaMhcCombineFold, PrefillCombineEqualsDecodeCombine) {
+  UF_REQUIRE_GPU();
+  std::mt19937 rng(78);
+  constexpr int kE = 8, kK = 6, kD = 5120, T = 40;
+  MoeData md = random_moe(T, kK, kE, kD, rng);
+  for (int32_t& e : md.ids)  // id kE is the shared pseudo-expert here (as in (b))
+    if (e >= kE) e = kE + 5;
+  std::vector<int32_t> ids7(size_t(T) * (kK + 1));
+  for (int t = 0; t < T; ++t) {
+    for (int k = 0; k < kK; ++k) ids7[size_t(t) * (kK + 1) + k] = md.ids[size_t(t) * kK + k];
+    ids7[size_t(t) * (kK + 1) + kK] = kE;
+  }
+  DeviceBuffer<float> dslots(md.slots), whole(size_t(T) * kD), chunked(size_t(T) * kD);
+  DeviceBuffer<int32_t> dids7(ids7);
+  whole.poison();
+  chunked.poison();
+  moe_combine_rows(dslots.get(), dids7.get(), T, kK + 1, kE + 1, kD, whole.get(), nullptr);
+  for (int t0 = 0; t0 < T; t0 += 8)
+    moe_combine_rows(dslots.get() + size_t(t0) * (kK + 1) * kD, dids7.get() + t0 * (kK + 1), 8,
+                     kK + 1, kE + 1, kD, chunked.get() + size_t(t0) * kD, nullptr);
+  sync_and_check();
+  const auto a = whole.download(), b = chunked.download();
+  size_t bad = 0, nan = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    bad += std::memcmp(&a[i], &b[i], sizeof(float)) != 0;
+    nan += std::isnan(a[i]);
+  }
+  EXPECT_EQ(bad, 0u) << "prefill combine differs from the decode combine";
+  EXPECT_EQ(nan, 0u) << "a NaN slot of an invalid id reached a sum";
 }
 
 // (c) the wiring: apply_partial_experts + hc_post_mixes_moe == apply + hc_post_mixes at one GPU.

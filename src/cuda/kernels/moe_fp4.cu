@@ -87,6 +87,7 @@
 #include <cstdint>
 
 #include "cuda/cuda_check.h"
+#include "cuda/gemv.h"
 #include "cuda/kernels/common.cuh"
 #include "cuda/kernels/mma_f16.cuh"
 #include "cuda/kernels/moe_plan.cuh"
@@ -1052,6 +1053,74 @@ __global__ void __launch_bounds__(256)
   out[size_t(row) * dim + col] = sum;
 }
 
+// moe_combine_kernel for prefill rows: 4 columns a thread (float4, the same per-column sum and
+// add, so the same bits), the row's ids loaded by topk threads at once and sorted from shared
+// memory. grid (dim / 1024, m); dim % 4 == 0 and 16-byte aligned rows (the caller checks). Decode
+// rows keep the kernel above (the step was measured with it).
+__global__ void __launch_bounds__(256)
+    moe_combine_vec_kernel(const float* y, const int* topk_idx, int topk, int E, int dim,
+                           const float* add, bool round_out, float* out) {
+  __shared__ int s_id[8], s_pair[8];
+  __shared__ int s_count;
+  pdl_trigger();
+  pdl_wait();
+  const int row = blockIdx.y;
+  if (threadIdx.x < topk) s_id[threadIdx.x] = topk_idx[row * topk + threadIdx.x];
+  __syncthreads();
+  if (threadIdx.x == 0) {  // moe_combine_kernel's insertion sort
+    int ids[8], pairs[8], n = 0;
+    for (int k = 0; k < topk; ++k) {
+      const int e = s_id[k];
+      if (e < 0 || e >= E) continue;
+      int j = n++;
+      while (j > 0 && ids[j - 1] > e) {
+        ids[j] = ids[j - 1];
+        pairs[j] = pairs[j - 1];
+        --j;
+      }
+      ids[j] = e;
+      pairs[j] = row * topk + k;
+    }
+    for (int j = 0; j < n; ++j) s_pair[j] = pairs[j];
+    s_count = n;
+  }
+  __syncthreads();
+  const int col = (blockIdx.x * 256 + threadIdx.x) * 4;
+  if (col >= dim) return;
+  float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int j = 0; j < s_count; ++j) {
+    const float4 v = *reinterpret_cast<const float4*>(y + size_t(s_pair[j]) * dim + col);
+    sum.x += v.x;
+    sum.y += v.y;
+    sum.z += v.z;
+    sum.w += v.w;
+  }
+  if (add) {
+    const float4 a = *reinterpret_cast<const float4*>(add + size_t(row) * dim + col);
+    float4 v = make_float4(__fadd_rn(sum.x, a.x), __fadd_rn(sum.y, a.y), __fadd_rn(sum.z, a.z),
+                           __fadd_rn(sum.w, a.w));
+    if (round_out)
+      v = make_float4(round_bf16(v.x), round_bf16(v.y), round_bf16(v.z), round_bf16(v.w));
+    sum = v;
+  }
+  *reinterpret_cast<float4*>(out + size_t(row) * dim + col) = sum;
+}
+
+// The combine of m rows: the vector kernel for prefill rows where the shapes allow it.
+void launch_combine(const float* y, const int* topk_idx, int m, int topk, int E, int dim,
+                    const float* add, bool round_out, float* out, cudaStream_t stream) {
+  const bool vec = m > kMaxDecodeRows && dim % 4 == 0 &&
+                   ((reinterpret_cast<uintptr_t>(y) | reinterpret_cast<uintptr_t>(out) |
+                     reinterpret_cast<uintptr_t>(add)) %
+                    16) == 0;
+  if (vec)
+    launch_pdl(moe_combine_vec_kernel, dim3((dim / 4 + 255) / 256, m), dim3(256), 0, stream, y,
+               topk_idx, topk, E, dim, add, round_out, out);
+  else
+    launch_pdl(moe_combine_kernel, dim3((dim + 255) / 256, m), dim3(256), 0, stream, y, topk_idx,
+               topk, E, dim, add, round_out, out);
+}
+
 // Shared expert: gu [m, 2I] fp32 -> h codes/scales [m, I]. One warp per (row, 32-block).
 __global__ void __launch_bounds__(256)
     swiglu_quant_kernel(const float* gu, int m, int inter, float limit, uint8_t* codes,
@@ -1279,15 +1348,13 @@ void MoeFp4::run_add(const Fp4ExpertsView& w, const QuantActView& x, const int* 
 
 void MoeFp4::combine(const float* y, const int* topk_idx, int m, int num_experts, const float* add,
                      bool round_out, float* out, cudaStream_t stream) const {
-  launch_pdl(moe_combine_kernel, dim3((dim_ + 255) / 256, m), dim3(256), 0, stream, y, topk_idx,
-             topk_, num_experts, dim_, add, round_out, out);
+  launch_combine(y, topk_idx, m, topk_, num_experts, dim_, add, round_out, out, stream);
 }
 
 void moe_combine_rows(const float* y, const int* topk_idx, int m, int topk, int num_experts,
                       int dim, float* out, cudaStream_t stream) {
   require(m >= 1 && m <= 65535 && topk <= 8, "moe_combine_rows: %d rows, top-%d", m, topk);
-  launch_pdl(moe_combine_kernel, dim3((dim + 255) / 256, m), dim3(256), 0, stream, y, topk_idx,
-             topk, num_experts, dim, static_cast<const float*>(nullptr), false, out);
+  launch_combine(y, topk_idx, m, topk, num_experts, dim, nullptr, false, out, stream);
 }
 
 void MoeFp4::run_partial(const Fp4ExpertsView& w, const QuantActView& x, const int* topk_idx,
