@@ -155,6 +155,12 @@ class MoeFp4Prefill {
   void run_experts(const Fp4ExpertsView& w, const QuantActView& x, const int* topk_idx,
                    const float* topk_w, float swiglu_limit, float* out, int64_t row_stride,
                    cudaStream_t stream) const;
+  // As MoeFp4::run_add: the combine adds `add` (the shared expert) in the same pass, bitwise
+  // run / run_partial followed by combine_kernel (ops/moe_ops.cu).
+  void run_add(const Fp4ExpertsView& w, const QuantActView& x, const int* topk_idx,
+               const float* topk_w, float swiglu_limit, bool partial, const float* add,
+               bool round_out, const std::function<void()>& before_combine, float* out,
+               cudaStream_t stream) const;
   int max_rows() const { return max_rows_; }
   // The expert kernels' mma: true (default) = the f16 HMMAs that sm_90a emulates the e4m3 mma
   // with, every operand converted once (moe_prefill.cu: prefill_w13_f16_kernel /
@@ -182,6 +188,10 @@ class MoeFp4Prefill {
 // (row stride topk * dim): the combine of MoeFp4 and MoeFp4Prefill, t < m (any m).
 void moe_combine_rows(const float* y, const int* topk_idx, int m, int topk, int num_experts,
                       int dim, float* out, cudaStream_t stream);
+// The same sum + add[t] (__fadd_rn), then bf16 when round_out: MoeFp4::run_add's combine.
+void moe_combine_add_rows(const float* y, const int* topk_idx, int m, int topk, int num_experts,
+                          int dim, const float* add, bool round_out, float* out,
+                          cudaStream_t stream);
 
 // act_quant_fp8_f32 (cuda/gemv.h) for any number of rows m >= 1: the same codes and scales.
 void moe_act_quant_rows(const float* x, int m, int k, uint8_t* codes, float* scales,

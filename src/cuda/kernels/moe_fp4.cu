@@ -1357,6 +1357,14 @@ void moe_combine_rows(const float* y, const int* topk_idx, int m, int topk, int 
   launch_combine(y, topk_idx, m, topk, num_experts, dim, nullptr, false, out, stream);
 }
 
+void moe_combine_add_rows(const float* y, const int* topk_idx, int m, int topk, int num_experts,
+                          int dim, const float* add, bool round_out, float* out,
+                          cudaStream_t stream) {
+  require(m >= 1 && m <= 65535 && topk <= 8 && add != nullptr,
+          "moe_combine_add_rows: %d rows, top-%d, addend %p", m, topk, (const void*)add);
+  launch_combine(y, topk_idx, m, topk, num_experts, dim, add, round_out, out, stream);
+}
+
 void MoeFp4::run_partial(const Fp4ExpertsView& w, const QuantActView& x, const int* topk_idx,
                          const float* topk_w, float swiglu_limit, float* out,
                          cudaStream_t stream) const {

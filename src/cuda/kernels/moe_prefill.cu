@@ -938,6 +938,16 @@ void MoeFp4Prefill::run_partial(const Fp4ExpertsView& w, const QuantActView& x, 
   moe_combine_rows(y_, topk_idx, x.m, topk_, experts_, dim_, out, stream);
 }
 
+void MoeFp4Prefill::run_add(const Fp4ExpertsView& w, const QuantActView& x, const int* topk_idx,
+                            const float* topk_w, float swiglu_limit, bool partial, const float* add,
+                            bool round_out, const std::function<void()>& before_combine, float* out,
+                            cudaStream_t stream) const {
+  experts_impl(w, x, topk_idx, topk_w, swiglu_limit, /*round_w2=*/!partial, y_,
+               int64_t(topk_) * dim_, stream);
+  if (before_combine) before_combine();
+  moe_combine_add_rows(y_, topk_idx, x.m, topk_, experts_, dim_, add, round_out, out, stream);
+}
+
 void MoeFp4Prefill::run_experts(const Fp4ExpertsView& w, const QuantActView& x, const int* topk_idx,
                                 const float* topk_w, float swiglu_limit, float* out,
                                 int64_t row_stride, cudaStream_t stream) const {

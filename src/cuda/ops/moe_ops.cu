@@ -19,9 +19,9 @@
 //      the combine; CUDA graph capture records the fork and the join): a decode chunk forks it
 //      after the router, so it runs beside steps 2-3, a prefill chunk at the start;
 //   5. combine: y = bf16(routed + shared), folded into MoeFp4's combine kernel (MoeFp4::run_add,
-//      combine_kernel's operations). set_legacy(true): the earlier order (4 after 3 on the
-//      caller's stream, a separate combine_kernel) and MoeFp4's persistent kernels; bitwise the
-//      same outputs.
+//      and MoeFp4Prefill::run_add for prefill chunks; combine_kernel's operations).
+//      set_legacy(true): the earlier order (4 after 3 on the caller's stream, a separate
+//      combine_kernel) and MoeFp4's persistent kernels; bitwise the same outputs.
 // T > kMaxDecodeRows (prefill): the same five steps once per chunk of up to max_prefill_rows
 // rows, step 3 through MoeFp4Prefill (pairs grouped by expert over the whole chunk; bitwise
 // MoeFp4's outputs), the other steps on all rows at once (each row-independent: the same bits).
@@ -1103,6 +1103,11 @@ void DeviceMoe::run_chunk(const float* x, int t0, int rows, Out mode, float* out
   if (combine_adds) {  // the combine adds the shared expert (combine_kernel's operations)
     m.moe->run_add(experts, act, gi, gw, m.s.swiglu_limit, mode == Out::kPartialSum, shared,
                    mode == Out::kRounded, join, out + int64_t(t0) * D, stream);
+    return;
+  }
+  if (pf && !m.legacy) {  // the combine adds the shared expert, as run_add above
+    w->moe->run_add(experts, act, gi, gw, m.s.swiglu_limit, mode == Out::kPartialSum, shared,
+                    mode == Out::kRounded, join, out + int64_t(t0) * D, stream);
     return;
   }
   if (pf) {
