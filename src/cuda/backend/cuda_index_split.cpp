@@ -12,6 +12,9 @@
 //      (T x tp x 2k floats), merged into one ascending list and selected once more.
 // Against the head split this moves T x tp x top-k pairs instead of summing T x entries scores
 // (at 1M tokens, 250k floats a row per index layer), and every selection is one GPU's bit for bit.
+// At tp = 1 with CudaModelOptions::index_split_simulated_ranks (tests) the ranks' parts run in
+// turn on the one GPU, each "gather" a copy of its block into the rows' columns.
+#include <algorithm>
 #include <numeric>
 
 #include "core/error.h"
