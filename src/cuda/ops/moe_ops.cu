@@ -1055,7 +1055,7 @@ void DeviceMoe::run_chunk(const float* x, int t0, int rows, Out mode, float* out
   // Forked: on the side stream, joined before the combine. In line: after the
   // routed experts, right before the combine (MoeFp4::run_add's hook, or join() below), so that
   // its weights stream in behind theirs under PDL.
-  const bool combine_adds = !pf && !m.legacy && mode != Out::kPartialSlots;
+  const bool combine_adds = !m.legacy && mode != Out::kPartialSlots;
   auto join = [&] {
     if (fork)
       UF_CUDA_CHECK(cudaStreamWaitEvent(stream, m.join, 0));
@@ -1101,13 +1101,14 @@ void DeviceMoe::run_chunk(const float* x, int t0, int rows, Out mode, float* out
     return;
   }
   if (combine_adds) {  // the combine adds the shared expert (combine_kernel's operations)
-    m.moe->run_add(experts, act, gi, gw, m.s.swiglu_limit, mode == Out::kPartialSum, shared,
-                   mode == Out::kRounded, join, out + int64_t(t0) * D, stream);
-    return;
-  }
-  if (pf && !m.legacy) {  // the combine adds the shared expert, as run_add above
-    w->moe->run_add(experts, act, gi, gw, m.s.swiglu_limit, mode == Out::kPartialSum, shared,
-                    mode == Out::kRounded, join, out + int64_t(t0) * D, stream);
+    auto run_add = [&](const auto& moe) {
+      moe.run_add(experts, act, gi, gw, m.s.swiglu_limit, mode == Out::kPartialSum, shared,
+                  mode == Out::kRounded, join, out + int64_t(t0) * D, stream);
+    };
+    if (pf)
+      run_add(*w->moe);
+    else
+      run_add(*m.moe);
     return;
   }
   if (pf) {
