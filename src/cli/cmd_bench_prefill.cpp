@@ -41,6 +41,7 @@
 #include "cuda/backend/cuda_model.h"
 #include "cuda/cuda_check.h"
 #include "cuda/gemv.h"
+#include "cuda/ops/linear.h"
 #include "cuda/trace/kernel_trace.h"
 #endif
 
@@ -64,8 +65,9 @@ struct PrefillArgs {
   std::string trace_file;
   uint64_t seed = 1;
   int device = 0;
-  std::string fp8_gemm = "default";  // the prefill GEMM's kernel (cuda/gemv.h): or "legacy"
-  std::string attention = "mma";     // prefill attention: mma (tensor cores) or split
+  std::string prefill_gemm = "bf16";  // DeviceLinear's prefill GEMM (ops/linear.h): or "fp8"
+  std::string fp8_gemm = "default";   // the fp8 GEMM's kernel (cuda/gemv.h): or "legacy"
+  std::string attention = "mma";      // prefill attention: mma (tensor cores) or split
 };
 
 #ifdef UF_HAVE_CUDA
@@ -212,6 +214,11 @@ int run_prefill(const PrefillArgs& a) {
            "bench-prefill: --fp8-gemm {} (default or legacy)", a.fp8_gemm);
   uf::cuda::fp8_gemm_set_legacy(a.fp8_gemm == "legacy");
   out["fp8_gemm"] = a.fp8_gemm;
+  UF_CHECK(a.prefill_gemm == "bf16" || a.prefill_gemm == "fp8",
+           "bench-prefill: --prefill-gemm {} (bf16 or fp8)", a.prefill_gemm);
+  uf::cuda::set_default_prefill_gemm(a.prefill_gemm == "bf16" ? uf::cuda::PrefillGemm::kBf16
+                                                              : uf::cuda::PrefillGemm::kFp8Bitwise);
+  out["prefill_gemm"] = a.prefill_gemm;
   UF_CHECK(a.attention == "mma" || a.attention == "split",
            "bench-prefill: --attention {} (mma or split)", a.attention);
   out["attention"] = a.attention;
@@ -320,8 +327,12 @@ void setup_bench_prefill(CLI::App& app, int& exit_code) {
       "Trace one more chunk per context (CUPTI kernel timeline), appended to this file");
   cmd->add_option("--seed", a->seed, "Seed of the synthetic weights and tokens");
   cmd->add_option("--device", a->device, "CUDA device ordinal");
-  cmd->add_option("--fp8-gemm", a->fp8_gemm,
-                  "Prefill GEMM kernel: default (f16 HMMA) or legacy (emulated e4m3 mma)");
+  cmd->add_option("--prefill-gemm", a->prefill_gemm,
+                  "Prefill linear layers: bf16 (dequantised operands, default) or fp8 (bitwise "
+                  "the decode GEMV)");
+  cmd->add_option(
+      "--fp8-gemm", a->fp8_gemm,
+      "The fp8 prefill GEMM's kernel: default (f16 HMMA) or legacy (emulated e4m3 mma)");
   cmd->add_option("--attention", a->attention,
                   "Prefill attention: mma (tensor cores, default) or split (the decode kernels)");
   cmd->callback([a, &exit_code] { exit_code = run_prefill(*a); });

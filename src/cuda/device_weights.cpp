@@ -1,5 +1,8 @@
 #include "cuda/device_weights.h"
 
+#include <spdlog/spdlog.h>
+
+#include <exception>
 #include <utility>
 
 #include "cuda/cuda_check.h"
@@ -37,14 +40,45 @@ size_t weight_scale_bytes(const model::Weight& w) {
 
 namespace {
 thread_local WeightUploader* t_scope_uploader = nullptr;
+thread_local UploadScope* t_scope = nullptr;
 }  // namespace
 
 UploadScope::UploadScope(int device, UploaderOptions opts)
-    : up_(device, std::move(opts)), prev_(t_scope_uploader) {
+    : up_(device, std::move(opts)), prev_(t_scope_uploader), prev_scope_(t_scope) {
   t_scope_uploader = &up_;
+  t_scope = this;
 }
 
-UploadScope::~UploadScope() { t_scope_uploader = prev_; }  // up_'s destructor drains the copies
+UploadScope::~UploadScope() {
+  t_scope_uploader = prev_;
+  t_scope = prev_scope_;
+  if (after_.empty()) return;  // up_'s destructor drains the copies
+  try {
+    up_.finish();
+    run_after_upload();
+  } catch (const std::exception& e) {
+    spdlog::error("UploadScope: the work after the upload failed: {}", e.what());
+  }
+}
+
+UploadStats UploadScope::finish() {
+  const UploadStats s = up_.finish();
+  run_after_upload();
+  return s;
+}
+
+void UploadScope::after_upload(std::function<void()> fn) {
+  if (t_scope)
+    t_scope->after_.push_back(std::move(fn));
+  else
+    fn();
+}
+
+void UploadScope::run_after_upload() {
+  std::vector<std::function<void()>> work;
+  work.swap(after_);
+  for (auto& fn : work) fn();
+}
 
 WeightUploader* UploadScope::current() { return t_scope_uploader; }
 

@@ -3,6 +3,8 @@
 // logical shape and scale layout, data and scale pointers on the device.
 
 #include <cstdint>
+#include <functional>
+#include <vector>
 
 #include "cuda/device_memory.h"
 #include "cuda/weight_uploader.h"
@@ -40,13 +42,22 @@ class UploadScope {
   ~UploadScope();
   UploadScope(const UploadScope&) = delete;
   UploadScope& operator=(const UploadScope&) = delete;
-  UploadStats finish() { return up_.finish(); }
+  UploadStats finish();
   WeightUploader& uploader() { return up_; }
   static WeightUploader* current();  // the innermost live scope's uploader on this thread, or null
+  // Work that needs the copies enqueued so far on the device (e.g. a derived copy of a weight):
+  // with a live scope on this thread, run by the innermost one right after its finish() returns
+  // (in order of registration; the destructor runs what is left after draining the copies, and
+  // drops its errors as the uploader's destructor does); without one (the copies were
+  // synchronous), run now.
+  static void after_upload(std::function<void()> fn);
 
  private:
+  void run_after_upload();
   WeightUploader up_;
   WeightUploader* prev_;
+  UploadScope* prev_scope_;
+  std::vector<std::function<void()>> after_;
 };
 
 // Host-to-device copy: enqueued on the current UploadScope, else a synchronous cudaMemcpy.

@@ -13,6 +13,7 @@
 #include "core/dtypes.h"
 #include "core/quant.h"
 #include "cuda/cuda_check.h"
+#include "cuda/ops/linear.h"
 
 namespace uf::cuda::test {
 
@@ -52,6 +53,21 @@ class DeviceBuffer {
  private:
   T* p_ = nullptr;
   size_t n_ = 0;
+};
+
+// The PrefillGemm DeviceLinears built during its lifetime take (tests that pin the prefill GEMM
+// bitwise to the decode GEMV build theirs under kFp8Bitwise).
+class ScopedPrefillGemm {
+ public:
+  explicit ScopedPrefillGemm(PrefillGemm g) : prev_(default_prefill_gemm()) {
+    set_default_prefill_gemm(g);
+  }
+  ~ScopedPrefillGemm() { set_default_prefill_gemm(prev_); }
+  ScopedPrefillGemm(const ScopedPrefillGemm&) = delete;
+  ScopedPrefillGemm& operator=(const ScopedPrefillGemm&) = delete;
+
+ private:
+  PrefillGemm prev_;
 };
 
 inline void sync_and_check() {

@@ -131,6 +131,7 @@ class Fp8GemmPrefill : public ::testing::TestWithParam<Shape> {};
 
 TEST_P(Fp8GemmPrefill, BitwiseDecodeAndCpu) {
   UF_REQUIRE_GPU();
+  const ScopedPrefillGemm bitwise(PrefillGemm::kFp8Bitwise);  // the GEMM under test
   const Shape s = GetParam();
   std::mt19937 rng(uint32_t(s.n * 7 + s.k));
   auto hw = make_weight(WFormat::kFP8, s.n, s.k, rng, 118, 122, false, "gemm");
@@ -193,6 +194,7 @@ INSTANTIATE_TEST_SUITE_P(
 // Row t of a 512-row call equals row t of a 9-row call that contains it (and rows of a tail).
 TEST(Fp8GemmPrefillRows, RowIndependence) {
   UF_REQUIRE_GPU();
+  const ScopedPrefillGemm bitwise(PrefillGemm::kFp8Bitwise);  // the GEMM under test
   std::mt19937 rng(77);
   const int64_t N = 1280, K = 5120;
   auto hw = make_weight(WFormat::kFP8, N, K, rng);
@@ -219,6 +221,7 @@ TEST(Fp8GemmPrefillRows, RowIndependence) {
 // GEMM chunks differ.
 TEST(Fp8GemmPrefillRows, GroupMatchesOwnApply) {
   UF_REQUIRE_GPU();
+  const ScopedPrefillGemm bitwise(PrefillGemm::kFp8Bitwise);  // the GEMM under test
   std::mt19937 rng(78);
   const int64_t K = 1280;
   auto h1 = make_weight(WFormat::kFP8, 512, K, rng);
@@ -249,6 +252,7 @@ TEST(Fp8GemmPrefillRows, GroupMatchesOwnApply) {
 // the GEMM follows either.
 TEST(Fp8GemmPrefillRows, MatchesEachDecodePath) {
   UF_REQUIRE_GPU();
+  const ScopedPrefillGemm bitwise(PrefillGemm::kFp8Bitwise);  // the GEMM under test
   std::mt19937 rng(79);
   const int sms = device_sm_count();
   for (const auto& s :

@@ -18,6 +18,7 @@ namespace {
 
 TEST(OpsEngram, PrefillChunksEqualOneRowCalls) {
   UF_REQUIRE_GPU();
+  const ScopedPrefillGemm bitwise(PrefillGemm::kFp8Bitwise);  // bitwise one-row calls
   std::mt19937 rng(9090);
   // wkv [(hc + 1) * D, n_cols * head_dim] = [640, 512]: the FP8 GEMV / GEMM path.
   const int hc = 4, D = 128, n_cols = 4, head_dim = 128, rows = 700;

@@ -91,6 +91,7 @@ class OpsLinear : public ::testing::TestWithParam<LinCase> {};
 
 TEST_P(OpsLinear, MatchesCpuAndSpecEqualsPlain) {
   UF_REQUIRE_GPU();
+  const ScopedPrefillGemm bitwise(PrefillGemm::kFp8Bitwise);  // T = 20 rows alone: bitwise
   const LinCase c = GetParam();
   std::mt19937 rng(1234);
   auto hw = make_weight(c.format, c.rows, c.cols, rng, 118, 122, c.row_scale, c.name);

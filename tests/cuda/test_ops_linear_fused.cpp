@@ -87,6 +87,7 @@ const int64_t kReal[][2] = {{1280, 5120}, {4096, 1280}, {512, 5120}, {5120, 1024
 
 TEST(OpsLinearFused, EqualsTwoKernelPathAtRealShapes) {
   UF_REQUIRE_GPU();
+  const ScopedPrefillGemm bitwise(PrefillGemm::kFp8Bitwise);  // T = 11: bitwise
   const int sms = device_sm_count();
   std::mt19937 rng(31);
   for (const auto& s : kReal) {

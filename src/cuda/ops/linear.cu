@@ -25,6 +25,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <memory>
 #include <type_traits>
 
@@ -35,6 +36,7 @@
 #include "cuda/ops/elementwise_common.cuh"
 #include "cuda/ops/linear.h"
 #include "cuda/ops/linear_kernels.h"
+#include "cuda/prefill_gemm.h"
 
 namespace uf::cuda {
 
@@ -319,16 +321,55 @@ void round_bf16_inplace(float* y, size_t n, cudaStream_t stream) {
 
 }  // namespace ops_detail
 
+namespace {
+std::atomic<PrefillGemm> g_prefill_gemm{PrefillGemm::kBf16};
+}  // namespace
+
+void set_default_prefill_gemm(PrefillGemm g) { g_prefill_gemm.store(g); }
+PrefillGemm default_prefill_gemm() { return g_prefill_gemm.load(); }
+
 struct DeviceLinear::Plan {
   std::unique_ptr<Fp8Gemv> gemv;  // kQuant fast path (FP8 32x32 blocks, rows % 16 == 0)
   std::unique_ptr<DenseMma> mma;  // *Bf16X kinds on BF16 / FP8 weights (DenseMma::supports)
   uint8_t* codes = nullptr;       // act quant workspace [8, cols] of the misaligned-x fallback
   float* scales = nullptr;        // [8, cols / 32]
-  // Prefill GEMM activation workspace: codes [pf_rows, cols], scales [pf_rows, cols / 32];
-  // pf_rows == 0: no GEMM (decode GEMV by chunks of 8 rows).
+  // Prefill GEMM (pf_rows == 0: none, the decode GEMV by chunks of 8 rows). kFp8Bitwise:
+  // activation codes [pf_rows, cols] and scales [pf_rows, cols / 32]; kBf16: the QDQ'd
+  // activations [pf_rows, cols] and the weight's bf16 copy [rows, cols].
   int pf_rows = 0;
+  PrefillGemm pf_gemm = PrefillGemm::kBf16;
   uint8_t* pf_codes = nullptr;
   float* pf_scales = nullptr;
+  uint16_t* pf_act = nullptr;
+  uint16_t* w_bf16 = nullptr;
+
+  // One chunk of m <= pf_rows prefill rows whose activations are already in this plan's
+  // workspace (ws: the plan that quantised them, this one or a group's first).
+  void gemm(const DeviceWeight& w, const Plan& ws, int m, float* y, bool round,
+            cudaStream_t stream) const {
+    const int N = int(w.rows), K = int(w.cols);
+    if (pf_gemm == PrefillGemm::kBf16) {
+      bf16_gemm(ws.pf_act, w_bf16, m, N, K, y, round, stream);
+    } else {
+      const QuantActView av{ws.pf_codes, ws.pf_scales, m, K};
+      fp8_gemm_prefill(Fp8WeightView{w.data, w.scale, N, K}, av, gemv->kb_per_split(), y, round,
+                       stream);
+    }
+  }
+  void quantise(const float* x, int64_t x_stride, int m, int K, cudaStream_t stream) const {
+    if (pf_gemm == PrefillGemm::kBf16)
+      act_qdq_fp8_bf16_rows(x, x_stride, m, K, pf_act, stream);
+    else
+      act_quant_fp8_rows(x, x_stride, m, K, pf_codes, pf_scales, stream);
+  }
+  // Rows of a T-row call that a GEMM of chunks of `chunk` rows takes: all of them for kBf16 (a
+  // prefill row's bits do not depend on the call's length), all but a last chunk of <= 8 for
+  // kFp8Bitwise (those take the GEMV: the same bits).
+  static int gemm_rows(PrefillGemm kind, int chunk, int T) {
+    if (chunk == 0 || T <= kMaxDecodeRows) return 0;
+    const int tail = T % chunk;
+    return kind == PrefillGemm::kBf16 || tail == 0 || tail > kMaxDecodeRows ? T : T - tail;
+  }
 };
 
 DeviceLinear::DeviceLinear(const model::Weight& w, LinearKind kind, DeviceArena& arena,
@@ -353,9 +394,23 @@ DeviceLinear::DeviceLinear(const model::Weight& w, LinearKind kind, DeviceArena&
     plan_->codes = arena.alloc<uint8_t>(size_t(kMaxDecodeRows) * size_t(w.cols));
     plan_->scales = arena.alloc<float>(size_t(kMaxDecodeRows) * size_t(w.cols / 32));
     if (max_prefill_rows > kMaxDecodeRows) {
-      plan_->pf_rows = max_prefill_rows;
-      plan_->pf_codes = arena.alloc<uint8_t>(size_t(max_prefill_rows) * size_t(w.cols));
-      plan_->pf_scales = arena.alloc<float>(size_t(max_prefill_rows) * size_t(w.cols / 32));
+      Plan& pl = *plan_;
+      pl.pf_rows = max_prefill_rows;
+      pl.pf_gemm = default_prefill_gemm();
+      if (pl.pf_gemm == PrefillGemm::kBf16) {
+        pl.pf_act = arena.alloc<uint16_t>(size_t(max_prefill_rows) * size_t(w.cols));
+        pl.w_bf16 = arena.alloc<uint16_t>(size_t(w.rows) * size_t(w.cols));
+        // The copy needs the weight on the device: after the load's uploads (or now).
+        const Fp8WeightView wv{w_.data, w_.scale, int(w.rows), int(w.cols)};
+        uint16_t* dst = pl.w_bf16;
+        UploadScope::after_upload([wv, dst] {
+          fp8_weight_to_bf16(wv, dst, nullptr);
+          UF_CUDA_CHECK(cudaStreamSynchronize(nullptr));  // before any stream reads it
+        });
+      } else {
+        pl.pf_codes = arena.alloc<uint8_t>(size_t(max_prefill_rows) * size_t(w.cols));
+        pl.pf_scales = arena.alloc<float>(size_t(max_prefill_rows) * size_t(w.cols / 32));
+      }
     }
   }
   if ((kind_ == LinearKind::kBf16OutBf16X || kind_ == LinearKind::kF32Bf16X ||
@@ -396,14 +451,12 @@ void DeviceLinear::run(const float* x, int T, float* y, bool round, cudaStream_t
   }
   const Fp8WeightView wv{w_.data, w_.scale, int(N), int(K)};
   int t0 = 0;
-  // Prefill: the GEMM by chunks of pf_rows, bitwise the GEMV's results (kernels/fp8_gemm.cu);
-  // a tail of <= 8 rows goes to the GEMV below.
-  while (plan_->pf_rows > 0 && T - t0 > kMaxDecodeRows) {
-    const int m = std::min(plan_->pf_rows, T - t0);
-    act_quant_fp8_rows(x + int64_t(t0) * K, K, m, int(K), plan_->pf_codes, plan_->pf_scales,
-                       stream);
-    const QuantActView av{plan_->pf_codes, plan_->pf_scales, m, int(K)};
-    fp8_gemm_prefill(wv, av, plan_->gemv->kb_per_split(), y + int64_t(t0) * N, round, stream);
+  // Prefill: the GEMM by chunks of pf_rows (PrefillGemm); the rows it leaves (kFp8Bitwise's tail
+  // of <= 8) go to the GEMV below.
+  for (const int rows = Plan::gemm_rows(plan_->pf_gemm, plan_->pf_rows, T); t0 < rows;) {
+    const int m = std::min(plan_->pf_rows, rows - t0);
+    plan_->quantise(x + int64_t(t0) * K, K, m, int(K), stream);
+    plan_->gemm(w_, *plan_, m, y + int64_t(t0) * N, round, stream);
     t0 += m;
   }
   const bool fused = Fp8Gemv::fused_input_ok(x, K);
@@ -445,7 +498,9 @@ void DeviceLinear::apply_group(std::span<const LinearCall> calls, const float* x
             "DeviceLinear::apply_group: every call needs a weight with the group's %lld inputs and "
             "an output (this one has %lld inputs)",
             static_cast<long long>(K), static_cast<long long>(l.cols()));
-    if (prefill_gemm(l) && n_gemm < kMaxGemvGroup) {
+    // The GEMM weights share the first one's workspace, so they must share its PrefillGemm.
+    if (prefill_gemm(l) && n_gemm < kMaxGemvGroup &&
+        (n_gemm == 0 || l.plan_->pf_gemm == gemm[0]->linear->plan_->pf_gemm)) {
       gemm[n_gemm++] = &c;
       gemm_rows = n_gemm == 1 ? l.plan_->pf_rows : std::min(gemm_rows, l.plan_->pf_rows);
     } else if (!groupable(l)) {
@@ -453,20 +508,19 @@ void DeviceLinear::apply_group(std::span<const LinearCall> calls, const float* x
     }
   }
   if (n_gemm > 0) {
-    // The first weight's workspace holds the shared codes (every GEMM of a chunk reads them
-    // before the next chunk's quantisation, in stream order). The GEMM is bitwise the GEMV row by
-    // row, so the chunking (the smallest pf_rows) and where the GEMV tail starts change nothing.
+    // The first weight's workspace holds the shared activations (every GEMM of a chunk reads
+    // them before the next chunk's quantisation, in stream order). A row's GEMM result does not
+    // depend on the chunking (the smallest pf_rows), and the kFp8Bitwise GEMM is the GEMV's bits,
+    // so where its GEMV tail starts changes nothing either.
     const Plan& ws = *gemm[0]->linear->plan_;
+    const int rows = Plan::gemm_rows(ws.pf_gemm, gemm_rows, T);
     int t0 = 0;
-    while (T - t0 > kMaxDecodeRows) {
-      const int m = std::min(gemm_rows, T - t0);
-      act_quant_fp8_rows(x + int64_t(t0) * K, K, m, int(K), ws.pf_codes, ws.pf_scales, stream);
-      const QuantActView av{ws.pf_codes, ws.pf_scales, m, int(K)};
+    while (t0 < rows) {
+      const int m = std::min(gemm_rows, rows - t0);
+      ws.quantise(x + int64_t(t0) * K, K, m, int(K), stream);
       for (int i = 0; i < n_gemm; ++i) {
         const DeviceLinear& l = *gemm[i]->linear;
-        const Fp8WeightView wv{l.w_.data, l.w_.scale, int(l.rows()), int(K)};
-        fp8_gemm_prefill(wv, av, l.plan_->gemv->kb_per_split(), gemm[i]->y + int64_t(t0) * l.rows(),
-                         !gemm[i]->partial, stream);
+        l.plan_->gemm(l.w_, ws, m, gemm[i]->y + int64_t(t0) * l.rows(), !gemm[i]->partial, stream);
       }
       t0 += m;
     }

@@ -1,9 +1,11 @@
 #pragma once
 // Linear layers on the device with the reference's numerics: device twins of cpu/linear.h.
 // A DeviceLinear owns one weight's device copy plus its plan (Fp8Gemv split plan where the shape
-// allows it, activation-quantisation workspaces); apply() runs any number of rows, and a row's
-// result never depends on how many rows are in the call (spec == plain; prefill rows are bitwise
-// the decode rows). apply() never allocates.
+// allows it, activation-quantisation workspaces); apply() runs any number of rows. A row's result
+// never depends on the other rows of the call: a decode call's (T <= 8) on how many rows it has
+// (spec == plain), a prefill call's (T > 8) on its length or chunking; prefill rows are bitwise the
+// decode rows, or within fp32 re-association of them (PrefillGemm below). apply() never
+// allocates.
 
 #include <cuda_runtime.h>
 
@@ -38,6 +40,20 @@ enum class LinearKind {
 
 class DeviceLinear;
 
+// The kernels a DeviceLinear's prefill calls (T > 8) take on FP8 32x32-block weights, fixed when
+// the DeviceLinear is built:
+//   kBf16 (default): act_qdq_fp8_bf16_rows + bf16_gemm (cuda/prefill_gemm.h) on a bf16 copy of
+//     the weight made once at load (2 bytes a parameter more on the device): the reference's
+//     exact products summed in fp32 in another order, so prefill rows agree with decode rows
+//     (the GEMV) within fp32 re-association; every row of the call takes the GEMM;
+//   kFp8Bitwise: act_quant_fp8_rows + fp8_gemm_prefill, bitwise the decode GEMV (a tail of <= 8
+//     rows takes the GEMV), ~4x slower at a TP8 rank's 512-row chunks.
+enum class PrefillGemm { kBf16, kFp8Bitwise };
+// Process-wide; DeviceLinears built afterwards take it (tests, benchmarks). Not thread-safe
+// against concurrent construction.
+void set_default_prefill_gemm(PrefillGemm g);
+PrefillGemm default_prefill_gemm();
+
 // Rows a DeviceLinear's prefill GEMM workspace holds by default (act codes + scales: 516 B per
 // row per 512 inputs); longer calls run the GEMM in chunks of this many rows.
 inline constexpr int kDefaultPrefillRows = 512;
@@ -68,9 +84,10 @@ class DeviceLinear {
   //   kQuant on FP8 32x32-block weights with rows % 16 == 0, T <= 8 (decode) -> Fp8Gemv::run_fused
   //     (act quant, GEMV, split-K finish and bf16 rounding in ONE launch; 3 if x is not 16-byte
   //     aligned: act_quant + GEMV + rounding, bitwise the same);
-  //   the same weights, T > 8 (prefill) -> act_quant_fp8_rows + fp8_gemm_prefill (2 launches per
-  //     max_prefill_rows rows; a tail of <= 8 rows takes the GEMV), bitwise the GEMV's results;
-  //     with max_prefill_rows == 0: the GEMV by chunks of 8 rows;
+  //   the same weights, T > 8 (prefill) -> the PrefillGemm chosen at construction, 2 launches
+  //     per max_prefill_rows rows (kBf16: act_qdq_fp8_bf16_rows + bf16_gemm; kFp8Bitwise:
+  //     act_quant_fp8_rows + fp8_gemm_prefill, a tail of <= 8 rows on the GEMV, bitwise the
+  //     GEMV's results); with max_prefill_rows == 0: the GEMV by chunks of 8 rows;
   //   other kQuant weights -> quant_rows_x (act quant inside), bitwise equal to cpu/linear.cpp,
   //     one launch for any T;
   //   kBf16Out / kF32 -> dense_rows, the CPU's products in another fp32 order (ops/linear.cu),
@@ -96,7 +113,8 @@ class DeviceLinear {
   // run their own apply(). A DeviceLinear listed twice gets a second launch (its split workspace
   // serves one launch at a time). x must be 16-byte aligned for the grouping (cudaMalloc'd
   // buffers and row offsets of them are); otherwise every weight runs its own apply().
-  // T > 8: weights with a prefill GEMM run their own apply() (the GEMM; bitwise the same).
+  // T > 8: the weights with a prefill GEMM share one activation quantisation per chunk (the
+  // first one's workspace) and run the GEMM each (bitwise their own apply()).
   static void apply_group(std::span<const LinearCall> calls, const float* x, int T,
                           cudaStream_t stream);
 

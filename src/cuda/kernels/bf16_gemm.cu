@@ -1,0 +1,339 @@
+// The prefill GEMM on dequantised bf16 operands (cuda/prefill_gemm.h: why, and what it
+// guarantees), its activation QDQ and the weight's bf16 copy.
+//
+// Shapes: out [m, n] fp32 = a [m, k] bf16 x w [n, k]^T bf16 (both K-contiguous), k % 32 == 0,
+// n % 16 == 0, any m >= 1.
+//
+// Tiling
+//   A CTA computes 64 activation rows (kBM) x 128 weight rows (kBN) with 4 warps as 2 (M) x 2
+//   (N); a warp's 32 x 64 tile is 2 m16 x 8 n8 mma.sync m16n8k16 bf16 (fp32 accumulate) per k16
+//   step, 64 accumulators a thread. K is walked in 64-wide tiles through a 3-stage cp.async
+//   pipeline; a stage holds A [64][64] and W [128][64] bf16 (24 KB), rows of 128 bytes whose
+//   16-byte chunks are XOR-swizzled by row % 8 (chunk c of row r stored at c ^ (r & 7)), so an
+//   ldmatrix of 8 rows at one chunk reads 8 distinct bank groups. 72 KB a CTA, three CTAs an SM.
+//   Fragments come from ldmatrix.x4: A's four 8 x 8 matrices (rows 0-7 / 8-15 at k 0-7, then at
+//   k 8-15) are the mma's a0..a3; W's (n 0-7 at k lo, n 0-7 at k hi, n 8-15 at k lo, n 8-15 at k
+//   hi) are b0, b1 of two n8 tiles. Rows past m or n and K past the split's end are zero-filled
+//   (cp.async src-size 0): they add exact zeros and are never stored.
+// Split K (bf16_gemm_splits, a function of n and k): grid (m tiles, n tiles, S) in clusters of
+//   (1, 1, S). CTA s walks the K tiles of split s; then every CTA stores its fp32 tile in its own
+//   shared memory, and after a cluster barrier CTA r adds elements [r * 2048 / S, (r + 1) * 2048 /
+//   S) (float4s) of the S tiles in split order (distributed shared memory reads, explicit fadd),
+//   rounds them to bf16 when asked and stores them; a second barrier keeps every CTA's shared
+//   memory alive until the others have read it.
+// Order of an output's sum: within a split, the mma's k16 steps in K order (the tensor core's
+//   own sum of 16 exact products into the fp32 accumulator), then the splits in order. Nothing
+//   depends on m or on the other rows.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "cuda/cuda_check.h"
+#include "cuda/kernels/common.cuh"
+#include "cuda/ops/elementwise_common.cuh"
+#include "cuda/prefill_gemm.h"
+
+namespace uf::cuda {
+namespace {
+
+using namespace detail;
+
+constexpr int kBM = 64;   // activation rows a CTA
+constexpr int kBN = 128;  // weight rows (outputs) a CTA
+constexpr int kBK = 64;   // K a pipeline stage
+constexpr int kStages = 3;
+constexpr int kThreads = 128;
+constexpr int kRowBytes = kBK * 2;
+constexpr int kABytes = kBM * kRowBytes;
+constexpr int kWBytes = kBN * kRowBytes;
+constexpr int kStageBytes = kABytes + kWBytes;
+constexpr int kSmemBytes = kStages * kStageBytes;
+constexpr int kTilePitch = kBN + 4;  // floats a row of the fp32 tile of the split sum
+constexpr int kMaxSplits = 8;        // portable cluster size
+constexpr int kMinKTilesPerSplit = 8;
+static_assert(kBM * kTilePitch * 4 <= kSmemBytes, "the split sum's tile fits the stages");
+
+// Byte offset of 16-byte chunk `chunk` of row `row` in a swizzled tile.
+__device__ __forceinline__ uint32_t swz(int row, int chunk) {
+  return uint32_t(row * kRowBytes + ((chunk ^ (row & 7)) << 4));
+}
+
+__device__ __forceinline__ void cp16_zfill(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
+               "r"(valid ? 16 : 0)
+               : "memory");
+}
+
+__device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+__device__ __forceinline__ float4 ld_cluster_f4(uint32_t addr) {
+  float4 v;
+  asm volatile("ld.shared::cluster.v4.f32 {%0,%1,%2,%3}, [%4];"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(addr)
+               : "memory");
+  return v;
+}
+
+struct Bf16GemmParams {
+  const uint16_t* a;
+  const uint16_t* w;
+  float* out;
+  int m, n, k;
+  int kps;  // K a split (a multiple of kBK)
+  int round;
+  int vec_out;  // out 16-byte aligned: vector stores
+};
+
+__device__ __forceinline__ float maybe_round(float v, bool round) {
+  return round ? round_bf16(v) : v;
+}
+
+__global__ void __launch_bounds__(kThreads, 3) bf16_gemm_kernel(const Bf16GemmParams p) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  const uint32_t sbase = uint32_t(__cvta_generic_to_shared(smem));
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wm = warp & 1, wn = warp >> 1;
+  const int m0 = blockIdx.x * kBM, n0 = blockIdx.y * kBN;
+  const int S = gridDim.z;
+  const int kbeg = blockIdx.z * p.kps, kend = min(p.k, kbeg + p.kps);
+  const int ntiles = kend > kbeg ? (kend - kbeg + kBK - 1) / kBK : 0;
+  pdl_wait();  // a is the previous kernel's output
+
+  // One K tile into a stage: A 64 rows x 8 chunks (4 a thread), W 128 x 8 (8 a thread). kend is
+  // a multiple of 32, so a chunk of 8 values is wholly inside or outside the split.
+  auto load = [&](int stage, int kt) {
+    const int kk = kbeg + kt * kBK;
+    const uint32_t sa = sbase + uint32_t(stage * kStageBytes), sw = sa + kABytes;
+#pragma unroll
+    for (int i = 0; i < kBM * 8 / kThreads; ++i) {
+      const int q = tid + i * kThreads, r = q >> 3, c = q & 7;
+      const int gr = m0 + r, gk = kk + c * 8;
+      const bool v = gr < p.m && gk < kend;
+      cp16_zfill(sa + swz(r, c), v ? p.a + size_t(gr) * p.k + gk : p.a, v);
+    }
+#pragma unroll
+    for (int i = 0; i < kBN * 8 / kThreads; ++i) {
+      const int q = tid + i * kThreads, r = q >> 3, c = q & 7;
+      const int gn = n0 + r, gk = kk + c * 8;
+      const bool v = gn < p.n && gk < kend;
+      cp16_zfill(sw + swz(r, c), v ? p.w + size_t(gn) * p.k + gk : p.w, v);
+    }
+  };
+
+  float acc[2][8][4];
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.f;
+
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < ntiles) load(s, s);
+    cp_async_commit();
+  }
+  for (int kt = 0; kt < ntiles; ++kt) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();  // tile kt landed for all; every warp is done with tile kt - 1's stage
+    if (kt + kStages - 1 < ntiles) load((kt + kStages - 1) % kStages, kt + kStages - 1);
+    cp_async_commit();
+    const uint32_t sa = sbase + uint32_t((kt % kStages) * kStageBytes), sw = sa + kABytes;
+#pragma unroll
+    for (int ks = 0; ks < kBK / 16; ++ks) {
+      uint32_t af[2][4], bfr[4][4];
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+        ldsm_x4(sa + swz(wm * 32 + i * 16 + (lane & 15), ks * 2 + (lane >> 4)), af[i]);
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        ldsm_x4(sw + swz(wn * 64 + j * 16 + (lane & 7) + ((lane >> 4) << 3),
+                         ks * 2 + ((lane >> 3) & 1)),
+                bfr[j]);
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          mma_bf16(acc[i][j], af[i][0], af[i][1], af[i][2], af[i][3], bfr[j >> 1][(j & 1) * 2],
+                   bfr[j >> 1][(j & 1) * 2 + 1]);
+    }
+  }
+  cp_async_wait<0>();
+
+  const int g = lane >> 2, t = lane & 3;
+  if (S == 1) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = m0 + wm * 32 + i * 16 + g + 8 * h;
+        if (r >= p.m) continue;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const int c = n0 + wn * 64 + j * 8 + 2 * t;
+          if (c < p.n) {
+            float* o = p.out + size_t(r) * p.n + c;
+            const float v0 = maybe_round(acc[i][j][2 * h], p.round);
+            const float v1 = maybe_round(acc[i][j][2 * h + 1], p.round);
+            if (p.vec_out) {
+              *reinterpret_cast<float2*>(o) = make_float2(v0, v1);
+            } else {
+              o[0] = v0;
+              o[1] = v1;
+            }
+          }
+        }
+      }
+    return;
+  }
+
+  // Split K: this CTA's fp32 tile into its shared memory, then the cluster's sum in split order.
+  __syncthreads();  // every warp is done with the stages
+  float* tile = reinterpret_cast<float*>(smem);
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int r = wm * 32 + i * 16 + g + 8 * h, c = wn * 64 + j * 8 + 2 * t;
+        *reinterpret_cast<float2*>(tile + r * kTilePitch + c) =
+            make_float2(acc[i][j][2 * h], acc[i][j][2 * h + 1]);
+      }
+  cluster_barrier();
+  const int rank = int(cluster_ctarank());
+  constexpr int kQuads = kBM * kBN / 4;
+  const int q0 = rank * kQuads / S, q1 = (rank + 1) * kQuads / S;
+  for (int q = q0 + tid; q < q1; q += kThreads) {
+    const int r = q / (kBN / 4), c = (q % (kBN / 4)) * 4;
+    if (m0 + r >= p.m || n0 + c >= p.n) continue;
+    const uint32_t local = sbase + uint32_t((r * kTilePitch + c) * 4);
+    float4 v = ld_cluster_f4(cluster_map(local, 0));
+    for (int s = 1; s < S; ++s) {
+      const float4 u = ld_cluster_f4(cluster_map(local, uint32_t(s)));
+      v.x = ew::fadd(v.x, u.x);
+      v.y = ew::fadd(v.y, u.y);
+      v.z = ew::fadd(v.z, u.z);
+      v.w = ew::fadd(v.w, u.w);
+    }
+    const bool rd = p.round != 0;
+    const float4 o4 = make_float4(maybe_round(v.x, rd), maybe_round(v.y, rd), maybe_round(v.z, rd),
+                                  maybe_round(v.w, rd));
+    float* o = p.out + size_t(m0 + r) * p.n + n0 + c;
+    if (p.vec_out) {
+      *reinterpret_cast<float4*>(o) = o4;
+    } else {
+      o[0] = o4.x;
+      o[1] = o4.y;
+      o[2] = o4.z;
+      o[3] = o4.w;
+    }
+  }
+  cluster_barrier();  // no CTA leaves while another may still read its tile
+}
+
+// act_quant_rows_kernel's quantisation (fp8_gemm.cu: one warp per (row, 32-block)), stored as the
+// dequantised value.
+__global__ void __launch_bounds__(256)
+    act_qdq_bf16_kernel(const float* x, long long x_stride, int m, int k, uint16_t* out) {
+  const int nkb = k / 32;
+  const long long item = (long long)blockIdx.x * 8 + (threadIdx.x >> 5);
+  if (item >= (long long)m * nkb) return;  // warp-uniform
+  const int row = int(item / nkb), kb = int(item % nkb), lane = threadIdx.x & 31;
+  const float v = x[size_t(row) * size_t(x_stride) + size_t(kb) * 32 + lane];
+  float s;
+  const uint8_t code = warp_quant_fp8_block(v, &s);
+  const float q = __half2float(__half(__nv_cvt_fp8_to_halfraw(code, __NV_E4M3))) * s;
+  out[size_t(row) * k + size_t(kb) * 32 + lane] = __bfloat16_as_ushort(__float2bfloat16_rn(q));
+}
+
+__global__ void fp8_weight_to_bf16_kernel(DeviceWeight w, uint16_t* out) {
+  const int64_t total = w.rows * w.cols;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += int64_t(gridDim.x) * blockDim.x)
+    out[i] = __bfloat16_as_ushort(__float2bfloat16_rn(ew::weight_at(w, i / w.cols, i % w.cols)));
+}
+
+}  // namespace
+
+int bf16_gemm_splits(int n, int k) {
+  const int n_tiles = (n + kBN - 1) / kBN, k_tiles = (k + kBK - 1) / kBK;
+  // 16 column tiles x splits fill the GPU at 8 row tiles (512 rows); a split keeps >= 512 of K.
+  const int want = std::max(
+      1, std::min({kMaxSplits, (16 + n_tiles - 1) / n_tiles, k_tiles / kMinKTilesPerSplit}));
+  const int tiles_per_split = (k_tiles + want - 1) / want;
+  return (k_tiles + tiles_per_split - 1) / tiles_per_split;  // no empty split
+}
+
+void bf16_gemm(const uint16_t* a, const uint16_t* w, int m, int n, int k, float* out, bool round,
+               cudaStream_t stream) {
+  require(m >= 1 && n > 0 && n % 16 == 0 && k > 0 && k % 32 == 0,
+          "bf16_gemm: m = %d must be >= 1, n = %d a multiple of 16, k = %d a multiple of 32", m, n,
+          k);
+  require(reinterpret_cast<uintptr_t>(a) % 16 == 0 && reinterpret_cast<uintptr_t>(w) % 16 == 0 &&
+              reinterpret_cast<uintptr_t>(out) % 4 == 0,
+          "bf16_gemm: a and w must be 16-byte aligned, out 4-byte aligned");
+  const int splits = bf16_gemm_splits(n, k);
+  const int k_tiles = (k + kBK - 1) / kBK;
+  const int kps = (k_tiles + splits - 1) / splits * kBK;
+  static PerDeviceOnce once;
+  once([] {
+    UF_CUDA_CHECK(cudaFuncSetAttribute(bf16_gemm_kernel,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+    prefer_shared_carveout(bf16_gemm_kernel);
+  });
+  const Bf16GemmParams p{
+      a, w, out, m, n, k, kps, round ? 1 : 0, reinterpret_cast<uintptr_t>(out) % 16 == 0 ? 1 : 0};
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim =
+      dim3(unsigned((m + kBM - 1) / kBM), unsigned((n + kBN - 1) / kBN), unsigned(splits));
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = kSmemBytes;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[2];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = 1;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = unsigned(splits);
+  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[1].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 2;
+  UF_CUDA_CHECK(cudaLaunchKernelEx(&cfg, bf16_gemm_kernel, p));
+}
+
+void act_qdq_fp8_bf16_rows(const float* x, long long x_stride, int m, int k, uint16_t* out,
+                           cudaStream_t stream) {
+  require(m >= 1 && k > 0 && k % 32 == 0 && x_stride >= k,
+          "act_qdq_fp8_bf16_rows: m = %d must be >= 1, k = %d a multiple of 32 and x_stride = "
+          "%lld >= k",
+          m, k, x_stride);
+  const long long items = (long long)m * (k / 32);
+  act_qdq_bf16_kernel<<<unsigned((items + 7) / 8), 256, 0, stream>>>(x, x_stride, m, k, out);
+  UF_CUDA_CHECK(cudaGetLastError());
+}
+
+void fp8_weight_to_bf16(const Fp8WeightView& w, uint16_t* out, cudaStream_t stream) {
+  require(w.data && w.scale && w.n > 0 && w.k > 0 && w.k % 32 == 0,
+          "fp8_weight_to_bf16: an FP8 32x32-block weight with k %% 32 == 0 (n = %d, k = %d)", w.n,
+          w.k);
+  DeviceWeight d;
+  d.format = model::WFormat::kFP8;
+  d.rows = w.n;
+  d.cols = w.k;
+  d.data = w.data;
+  d.scale = w.scale;
+  const int64_t total = int64_t(w.n) * w.k;
+  const unsigned blocks = unsigned(std::min<int64_t>((total + 255) / 256, 4096));
+  fp8_weight_to_bf16_kernel<<<blocks, 256, 0, stream>>>(d, out);
+  UF_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace uf::cuda
