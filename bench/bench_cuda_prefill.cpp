@@ -6,7 +6,8 @@
 // Second section: the GEMM kernels alone on pre-quantised rows (M = 512, 2048), legacy (the
 // emulated e4m3 mma.sync, fp8_gemm_set_legacy(true)) against the f16 kernel (the default): us per
 // call from graph replay, TFLOP/s (2 M N K), the speedup over legacy and whether the outputs are
-// bitwise equal.
+// bitwise equal. Third section: the bf16 GEMM (DeviceLinear's default prefill path) with each CTA
+// tile, and its activation QDQ.
 // Runs in seconds: bench_cuda_prefill [iterations, default 20].
 
 #include <algorithm>
@@ -28,6 +29,7 @@ int main() {
 #include "cuda/cuda_check.h"
 #include "cuda/device_fill.h"
 #include "cuda/gemv.h"
+#include "cuda/prefill_gemm.h"
 #include "cuda_bench_util.h"
 
 using namespace uf::cuda;
@@ -153,6 +155,56 @@ void kernel_section(int iters, int sms) {
   }
 }
 
+// The bf16 GEMM (DeviceLinear's default prefill path: act_qdq_fp8_bf16_rows + bf16_gemm on the
+// weight's bf16 copy) at the same shapes: the GEMM alone with each CTA tile and the automatic
+// choice, the activation QDQ alone, and the split count; us per call from graph replay.
+void bf16_section(int iters) {
+  constexpr Shape kShapes16[] = {
+      {"wq_a [1280,5120]", 1280, 5120},       {"wkv [512,5120]", 512, 5120},
+      {"wq_b [4096,1280]", 4096, 1280},       {"wo_b [5120,1024]", 5120, 1024},
+      {"shared w1 [288,5120]", 288, 5120},    {"shared w2 [5120,288]", 5120, 288},
+      {"engram wkv [3200,6144]", 3200, 6144}, {"wo_a [1024,4096]", 1024, 4096},
+  };
+  std::printf("\nbf16 GEMM (graph replay of %d calls; TF/s = 2 M N K / time)\n", iters);
+  std::printf("%-24s %4s %6s | %8s %6s | %8s %6s | %8s %6s | %7s\n", "shape", "M", "splits",
+              "small us", "TF/s", "large us", "TF/s", "auto us", "TF/s", "qdq us");
+  uint64_t seed = 5000;
+  for (const Shape& s : kShapes16) {
+    const int mmax = 2048;
+    uint16_t *w = nullptr, *a = nullptr;
+    float *x = nullptr, *y = nullptr;
+    UF_CUDA_CHECK(cudaMalloc(&w, sizeof(uint16_t) * s.n * s.k));
+    UF_CUDA_CHECK(cudaMalloc(&a, sizeof(uint16_t) * mmax * s.k));
+    UF_CUDA_CHECK(cudaMalloc(&x, sizeof(float) * mmax * s.k));
+    UF_CUDA_CHECK(cudaMalloc(&y, sizeof(float) * mmax * s.n));
+    fill_random_f32(x, size_t(mmax) * s.k, seed++, 4.f, nullptr);
+    act_qdq_fp8_bf16_rows(x, s.k, mmax, s.k, a, nullptr);
+    // Any bf16 bits will do for timing: the activations' QDQ values as the weight too.
+    UF_CUDA_CHECK(
+        cudaMemcpy(w, a, sizeof(uint16_t) * std::min(s.n, mmax) * s.k, cudaMemcpyDeviceToDevice));
+    UF_CUDA_CHECK(cudaDeviceSynchronize());
+    for (int m : {512, 2048}) {
+      float us[3];
+      for (int tile = 1; tile <= 3; ++tile) {
+        bf16_gemm_force_tile(tile % 3);
+        us[tile - 1] =
+            graph_us([&](cudaStream_t st) { bf16_gemm(a, w, m, s.n, s.k, y, true, st); }, iters);
+      }
+      bf16_gemm_force_tile(0);
+      const float qdq =
+          graph_us([&](cudaStream_t st) { act_qdq_fp8_bf16_rows(x, s.k, m, s.k, a, st); }, iters);
+      const double tf = 2.0 * m * double(s.n) * s.k * 1e-6;
+      std::printf("%-24s %4d %6d | %8.1f %6.1f | %8.1f %6.1f | %8.1f %6.1f | %7.1f\n", s.name, m,
+                  bf16_gemm_splits(s.n, s.k), us[0], tf / us[0], us[1], tf / us[1], us[2],
+                  tf / us[2], qdq);
+    }
+    cudaFree(w);
+    cudaFree(a);
+    cudaFree(x);
+    cudaFree(y);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -209,6 +261,7 @@ int main(int argc, char** argv) {
     cudaFree(y1);
   }
   kernel_section(std::max(iters, 20), sms);
+  bf16_section(std::max(iters, 20));
   return 0;
 }
 

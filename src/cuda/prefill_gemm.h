@@ -34,6 +34,9 @@ namespace uf::cuda {
 // workspace). One launch; graph-capturable.
 void bf16_gemm(const uint16_t* a, const uint16_t* w, int m, int n, int k, float* out, bool round,
                cudaStream_t stream);
+// Benchmarks and tests: 1 / 2 make every later bf16_gemm use the small / large CTA tile, 0
+// restores the choice by grid size (the outputs are the same bits either way). Process-wide.
+void bf16_gemm_force_tile(int tile);
 // The split count bf16_gemm uses for a weight [n, k] (1..8; a function of n and k only, so of
 // the weight, never of m): enough splits that a 512-row call fills the GPU when n alone would
 // give few column tiles.

@@ -19,6 +19,7 @@
 #include <cstdio>
 #include <cstring>
 #include <memory>
+#include <tuple>
 #include <vector>
 
 #include "core/dtypes.h"
@@ -101,6 +102,18 @@ TEST(Bf16Gemm, MatchesFp64AndIsRowIndependent) {
     std::printf(
         "[bf16_gemm] m=%d n=%d k=%d splits=%d: max |err| / sum|terms| = %.3g (bound %.3g)\n", s.m,
         s.n, s.k, splits, worst, eps);
+    // Both CTA tiles: the same bits (an output's operations do not depend on the tile).
+    for (int tile : {1, 2}) {
+      DeviceBuffer<float> o2(size_t(s.m) * s.n);
+      o2.poison();
+      bf16_gemm_force_tile(tile);
+      bf16_gemm(da.get(), dw.get(), s.m, s.n, s.k, o2.get(), false, nullptr);
+      bf16_gemm_force_tile(0);
+      sync_and_check();
+      const auto g2 = o2.download();
+      for (size_t i = 0; i < g2.size(); ++i)
+        ASSERT_TRUE(bits_equal(g2[i], got[i])) << "tile " << tile << " differs at " << i;
+    }
     // round: bf16 of the unrounded value; the guard row untouched.
     for (size_t i = 0; i < size_t(s.m) * s.n; ++i)
       ASSERT_TRUE(bits_equal(gotr[i], core::round_bf16(got[i]))) << "rounded output " << i;
@@ -125,28 +138,33 @@ TEST(Bf16Gemm, MatchesFp64AndIsRowIndependent) {
 TEST(Bf16Gemm, ActivationQdqIsTheQuantisersValues) {
   UF_REQUIRE_GPU();
   std::mt19937 rng(778);
-  const int m = 37, k = 640, stride = 704;
-  std::vector<float> x(size_t(m) * stride);
-  std::normal_distribution<float> nd(0.f, 1.f);
-  for (size_t i = 0; i < x.size(); ++i) x[i] = nd(rng) * (i % 97 == 0 ? 300.f : 1.f);
-  for (int i = 0; i < 32; ++i) x[size_t(5) * stride + i] = 0.f;  // an all-zero block: the floor
-  DeviceBuffer<float> dx(x);
-  DeviceBuffer<uint16_t> out(size_t(m) * k);
-  out.poison();
-  act_qdq_fp8_bf16_rows(dx.get(), stride, m, k, out.get(), nullptr);
-  sync_and_check();
-  const auto got = out.download();
-  std::vector<uint8_t> codes(32);
-  for (int r = 0; r < m; ++r)
-    for (int b = 0; b < k / 32; ++b) {
-      const float s = core::quantize_fp8_block(&x[size_t(r) * stride + b * 32], 32, codes.data());
-      for (int i = 0; i < 32; ++i) {
-        const float want = core::e4m3_to_float(codes[size_t(i)]) * s;
-        ASSERT_EQ(got[size_t(r) * k + b * 32 + i], core::float_to_bf16(want))
-            << "row " << r << " element " << b * 32 + i;
-        ASSERT_EQ(core::round_bf16(want), want) << "the QDQ value is not bf16-exact";
+  // The 4-blocks-a-warp kernel (k % 128 == 0, aligned rows), then the one-block kernel (k = 288;
+  // a row stride of 642 floats: rows not 16-byte aligned).
+  for (const auto& [m, k, stride] :
+       {std::tuple{37, 640, 704}, std::tuple{19, 288, 300}, std::tuple{11, 640, 642}}) {
+    SCOPED_TRACE("k=" + std::to_string(k) + " stride=" + std::to_string(stride));
+    std::vector<float> x(size_t(m) * stride);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    for (size_t i = 0; i < x.size(); ++i) x[i] = nd(rng) * (i % 97 == 0 ? 300.f : 1.f);
+    for (int i = 0; i < 32; ++i) x[size_t(5) * stride + i] = 0.f;  // an all-zero block: the floor
+    DeviceBuffer<float> dx(x);
+    DeviceBuffer<uint16_t> out(size_t(m) * k);
+    out.poison();
+    act_qdq_fp8_bf16_rows(dx.get(), stride, m, k, out.get(), nullptr);
+    sync_and_check();
+    const auto got = out.download();
+    std::vector<uint8_t> codes(32);
+    for (int r = 0; r < m; ++r)
+      for (int b = 0; b < k / 32; ++b) {
+        const float s = core::quantize_fp8_block(&x[size_t(r) * stride + b * 32], 32, codes.data());
+        for (int i = 0; i < 32; ++i) {
+          const float want = core::e4m3_to_float(codes[size_t(i)]) * s;
+          ASSERT_EQ(got[size_t(r) * k + b * 32 + i], core::float_to_bf16(want))
+              << "row " << r << " element " << b * 32 + i;
+          ASSERT_EQ(core::round_bf16(want), want) << "the QDQ value is not bf16-exact";
+        }
       }
-    }
+  }
 }
 
 TEST(Bf16Gemm, WeightCopyIsWeightAt) {

@@ -5,16 +5,17 @@
 // n % 16 == 0, any m >= 1.
 //
 // Tiling
-//   A CTA computes 64 activation rows (kBM) x 128 weight rows (kBN) with 4 warps as 2 (M) x 2
-//   (N); a warp's 32 x 64 tile is 2 m16 x 8 n8 mma.sync m16n8k16 bf16 (fp32 accumulate) per k16
-//   step, 64 accumulators a thread. K is walked in 64-wide tiles through a 3-stage cp.async
-//   pipeline; a stage holds A [64][64] and W [128][64] bf16 (24 KB), rows of 128 bytes whose
-//   16-byte chunks are XOR-swizzled by row % 8 (chunk c of row r stored at c ^ (r & 7)), so an
-//   ldmatrix of 8 rows at one chunk reads 8 distinct bank groups. 72 KB a CTA, three CTAs an SM.
-//   Fragments come from ldmatrix.x4: A's four 8 x 8 matrices (rows 0-7 / 8-15 at k 0-7, then at
-//   k 8-15) are the mma's a0..a3; W's (n 0-7 at k lo, n 0-7 at k hi, n 8-15 at k lo, n 8-15 at k
-//   hi) are b0, b1 of two n8 tiles. Rows past m or n and K past the split's end are zero-filled
-//   (cp.async src-size 0): they add exact zeros and are never stored.
+//   A CTA computes BM activation rows x 128 weight rows: TileSmall (BM 64, 4 warps of 32 x 64,
+//   72 KB, three CTAs an SM) or TileLarge (BM 128, 8 warps of 64 x 32, 96 KB, two an SM; where
+//   its grid fills the SMs twice). A warp's tile is WM / 16 x WN / 8 mma.sync m16n8k16 bf16 (fp32
+//   accumulate) per k16 step. K is walked in 64-wide tiles through a 3-stage cp.async pipeline;
+//   a stage holds A [BM][64] and W [128][64] bf16, rows of 128 bytes whose 16-byte chunks are
+//   XOR-swizzled by row % 8 (chunk c of row r stored at c ^ (r & 7)), so an ldmatrix of 8 rows at
+//   one chunk reads 8 distinct bank groups. Fragments come from ldmatrix.x4: A's four 8 x 8
+//   matrices (rows 0-7 / 8-15 at k 0-7, then at k 8-15) are the mma's a0..a3; W's (n 0-7 at k
+//   lo, n 0-7 at k hi, n 8-15 at k lo, n 8-15 at k hi) are b0, b1 of two n8 tiles. Rows past m or
+//   n and K past the split's end are zero-filled (cp.async src-size 0): they add exact zeros and
+//   are never stored. The tile shape changes which thread holds an output, never its operations.
 // Split K (bf16_gemm_splits, a function of n and k): grid (m tiles, n tiles, S) in clusters of
 //   (1, 1, S). CTA s walks the K tiles of split s; then every CTA stores its fp32 tile in its own
 //   shared memory, and after a cluster barrier CTA r adds elements [r * 2048 / S, (r + 1) * 2048 /
@@ -31,6 +32,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 
 #include "cuda/cuda_check.h"
 #include "cuda/kernels/common.cuh"
@@ -42,20 +44,33 @@ namespace {
 
 using namespace detail;
 
-constexpr int kBM = 64;   // activation rows a CTA
-constexpr int kBN = 128;  // weight rows (outputs) a CTA
+constexpr int kBN = 128;  // weight rows (outputs) a CTA: both tile shapes (the split plan's unit)
 constexpr int kBK = 64;   // K a pipeline stage
 constexpr int kStages = 3;
-constexpr int kThreads = 128;
 constexpr int kRowBytes = kBK * 2;
-constexpr int kABytes = kBM * kRowBytes;
-constexpr int kWBytes = kBN * kRowBytes;
-constexpr int kStageBytes = kABytes + kWBytes;
-constexpr int kSmemBytes = kStages * kStageBytes;
-constexpr int kTilePitch = kBN + 4;  // floats a row of the fp32 tile of the split sum
-constexpr int kMaxSplits = 8;        // portable cluster size
+constexpr int kMaxSplits = 8;  // portable cluster size
 constexpr int kMinKTilesPerSplit = 8;
-static_assert(kBM * kTilePitch * 4 <= kSmemBytes, "the split sum's tile fits the stages");
+
+// A CTA's tile: BM activation rows x kBN weight rows, warps of WM x WN (WM / 16 m16 tiles, WN / 8
+// n8 tiles each). Every shape gives every output the same operations in the same order (one
+// thread's accumulator, the k16 steps of its split in K order), so the shape is chosen per call.
+template <int BM_, int WM_, int WN_, int kMinBlocks_>
+struct Tile {
+  static constexpr int BM = BM_, WM = WM_, WN = WN_, kMinBlocks = kMinBlocks_;
+  static constexpr int kWarpsM = BM / WM, kWarpsN = kBN / WN;
+  static constexpr int kThreads = 32 * kWarpsM * kWarpsN;
+  static constexpr int kMi = WM / 16, kNj = WN / 8;
+  static constexpr int kABytes = BM * kRowBytes, kWBytes = kBN * kRowBytes;
+  static constexpr int kStageBytes = kABytes + kWBytes;
+  static constexpr int kSmemBytes = kStages * kStageBytes;
+  static constexpr int kTilePitch = kBN + 4;  // floats a row of the fp32 tile of the split sum
+  static_assert(BM * kTilePitch * 4 <= kSmemBytes, "the split sum's tile fits the stages");
+  static_assert(kNj % 2 == 0 && (BM * 8) % kThreads == 0 && (kBN * 8) % kThreads == 0, "shape");
+};
+// 64 x 128, 4 warps of 32 x 64, 72 KB: three CTAs an SM (small grids: split K fills the GPU).
+using TileSmall = Tile<64, 32, 64, 3>;
+// 128 x 128, 8 warps of 64 x 32, 96 KB: two CTAs an SM, each weight tile read once per 128 rows.
+using TileLarge = Tile<128, 64, 32, 2>;
 
 // Byte offset of 16-byte chunk `chunk` of row `row` in a swizzled tile.
 __device__ __forceinline__ uint32_t swz(int row, int chunk) {
@@ -97,11 +112,16 @@ __device__ __forceinline__ float maybe_round(float v, bool round) {
   return round ? round_bf16(v) : v;
 }
 
-__global__ void __launch_bounds__(kThreads, 3) bf16_gemm_kernel(const Bf16GemmParams p) {
+template <class C>
+__global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
+    bf16_gemm_kernel(const Bf16GemmParams p) {
+  constexpr int kBM = C::BM, kThreads = C::kThreads, kABytes = C::kABytes;
+  constexpr int kStageBytes = C::kStageBytes, kTilePitch = C::kTilePitch;
+  constexpr int kMi = C::kMi, kNj = C::kNj;
   extern __shared__ __align__(128) uint8_t smem[];
   const uint32_t sbase = uint32_t(__cvta_generic_to_shared(smem));
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int wm = warp & 1, wn = warp >> 1;
+  const int wm = warp % C::kWarpsM, wn = warp / C::kWarpsM;
   const int m0 = blockIdx.x * kBM, n0 = blockIdx.y * kBN;
   const int S = gridDim.z;
   const int kbeg = blockIdx.z * p.kps, kend = min(p.k, kbeg + p.kps);
@@ -129,11 +149,11 @@ __global__ void __launch_bounds__(kThreads, 3) bf16_gemm_kernel(const Bf16GemmPa
     }
   };
 
-  float acc[2][8][4];
+  float acc[kMi][kNj][4];
 #pragma unroll
-  for (int i = 0; i < 2; ++i)
+  for (int i = 0; i < kMi; ++i)
 #pragma unroll
-    for (int j = 0; j < 8; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.f;
+    for (int j = 0; j < kNj; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.f;
 
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
@@ -148,19 +168,19 @@ __global__ void __launch_bounds__(kThreads, 3) bf16_gemm_kernel(const Bf16GemmPa
     const uint32_t sa = sbase + uint32_t((kt % kStages) * kStageBytes), sw = sa + kABytes;
 #pragma unroll
     for (int ks = 0; ks < kBK / 16; ++ks) {
-      uint32_t af[2][4], bfr[4][4];
+      uint32_t af[kMi][4], bfr[kNj / 2][4];
 #pragma unroll
-      for (int i = 0; i < 2; ++i)
-        ldsm_x4(sa + swz(wm * 32 + i * 16 + (lane & 15), ks * 2 + (lane >> 4)), af[i]);
+      for (int i = 0; i < kMi; ++i)
+        ldsm_x4(sa + swz(wm * C::WM + i * 16 + (lane & 15), ks * 2 + (lane >> 4)), af[i]);
 #pragma unroll
-      for (int j = 0; j < 4; ++j)
-        ldsm_x4(sw + swz(wn * 64 + j * 16 + (lane & 7) + ((lane >> 4) << 3),
+      for (int j = 0; j < kNj / 2; ++j)
+        ldsm_x4(sw + swz(wn * C::WN + j * 16 + (lane & 7) + ((lane >> 4) << 3),
                          ks * 2 + ((lane >> 3) & 1)),
                 bfr[j]);
 #pragma unroll
-      for (int i = 0; i < 2; ++i)
+      for (int i = 0; i < kMi; ++i)
 #pragma unroll
-        for (int j = 0; j < 8; ++j)
+        for (int j = 0; j < kNj; ++j)
           mma_bf16(acc[i][j], af[i][0], af[i][1], af[i][2], af[i][3], bfr[j >> 1][(j & 1) * 2],
                    bfr[j >> 1][(j & 1) * 2 + 1]);
     }
@@ -170,14 +190,14 @@ __global__ void __launch_bounds__(kThreads, 3) bf16_gemm_kernel(const Bf16GemmPa
   const int g = lane >> 2, t = lane & 3;
   if (S == 1) {
 #pragma unroll
-    for (int i = 0; i < 2; ++i)
+    for (int i = 0; i < kMi; ++i)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int r = m0 + wm * 32 + i * 16 + g + 8 * h;
+        const int r = m0 + wm * C::WM + i * 16 + g + 8 * h;
         if (r >= p.m) continue;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const int c = n0 + wn * 64 + j * 8 + 2 * t;
+        for (int j = 0; j < kNj; ++j) {
+          const int c = n0 + wn * C::WN + j * 8 + 2 * t;
           if (c < p.n) {
             float* o = p.out + size_t(r) * p.n + c;
             const float v0 = maybe_round(acc[i][j][2 * h], p.round);
@@ -198,12 +218,12 @@ __global__ void __launch_bounds__(kThreads, 3) bf16_gemm_kernel(const Bf16GemmPa
   __syncthreads();  // every warp is done with the stages
   float* tile = reinterpret_cast<float*>(smem);
 #pragma unroll
-  for (int i = 0; i < 2; ++i)
+  for (int i = 0; i < kMi; ++i)
 #pragma unroll
     for (int h = 0; h < 2; ++h)
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const int r = wm * 32 + i * 16 + g + 8 * h, c = wn * 64 + j * 8 + 2 * t;
+      for (int j = 0; j < kNj; ++j) {
+        const int r = wm * C::WM + i * 16 + g + 8 * h, c = wn * C::WN + j * 8 + 2 * t;
         *reinterpret_cast<float2*>(tile + r * kTilePitch + c) =
             make_float2(acc[i][j][2 * h], acc[i][j][2 * h + 1]);
       }
@@ -254,11 +274,63 @@ __global__ void __launch_bounds__(256)
   out[size_t(row) * k + size_t(kb) * 32 + lane] = __bfloat16_as_ushort(__float2bfloat16_rn(q));
 }
 
+// The same values, 4 blocks a warp with 16-byte loads (k % 128 == 0, 16-byte aligned rows): lane
+// l holds elements 4 l .. 4 l + 3 of the warp's 128, block l / 8; the block's amax is the max over
+// its 8 lanes (a max is exact in any order), then warp_quant_fp8_block's scale and conversion.
+__global__ void __launch_bounds__(256)
+    act_qdq_bf16_vec_kernel(const float* x, long long x_stride, int m, int k, uint16_t* out) {
+  const int nq = k / 128;
+  const long long item = (long long)blockIdx.x * 8 + (threadIdx.x >> 5);
+  if (item >= (long long)m * nq) return;  // warp-uniform
+  const int row = int(item / nq), q = int(item % nq), lane = threadIdx.x & 31;
+  const float4 v = *reinterpret_cast<const float4*>(x + size_t(row) * size_t(x_stride) +
+                                                    size_t(q) * 128 + lane * 4);
+  float a = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+#pragma unroll
+  for (int o = 1; o < 8; o <<= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
+  const float s = pow2_scale(fmaxf(a, kActAmaxFloor), kFp8MaxInv), inv = pow2_scale_inv(s);
+  auto qdq = [&](float e) {
+    const uint8_t code = f32_to_e4m3(e * inv);
+    return uint32_t(__bfloat16_as_ushort(
+        __float2bfloat16_rn(__half2float(__half(__nv_cvt_fp8_to_halfraw(code, __NV_E4M3))) * s)));
+  };
+  *reinterpret_cast<uint2*>(out + size_t(row) * k + size_t(q) * 128 + lane * 4) =
+      make_uint2(qdq(v.x) | (qdq(v.y) << 16), qdq(v.z) | (qdq(v.w) << 16));
+}
+
 __global__ void fp8_weight_to_bf16_kernel(DeviceWeight w, uint16_t* out) {
   const int64_t total = w.rows * w.cols;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
        i += int64_t(gridDim.x) * blockDim.x)
     out[i] = __bfloat16_as_ushort(__float2bfloat16_rn(ew::weight_at(w, i / w.cols, i % w.cols)));
+}
+
+std::atomic<int> g_force_tile{0};
+
+template <class C>
+void launch(const Bf16GemmParams& p, int splits, cudaStream_t stream) {
+  static PerDeviceOnce once;
+  once([] {
+    UF_CUDA_CHECK(cudaFuncSetAttribute(bf16_gemm_kernel<C>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes));
+    prefer_shared_carveout(bf16_gemm_kernel<C>);
+  });
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim =
+      dim3(unsigned((p.m + C::BM - 1) / C::BM), unsigned((p.n + kBN - 1) / kBN), unsigned(splits));
+  cfg.blockDim = dim3(C::kThreads);
+  cfg.dynamicSmemBytes = C::kSmemBytes;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[2];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = 1;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = unsigned(splits);
+  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[1].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 2;
+  UF_CUDA_CHECK(cudaLaunchKernelEx(&cfg, bf16_gemm_kernel<C>, p));
 }
 
 }  // namespace
@@ -283,30 +355,24 @@ void bf16_gemm(const uint16_t* a, const uint16_t* w, int m, int n, int k, float*
   const int splits = bf16_gemm_splits(n, k);
   const int k_tiles = (k + kBK - 1) / kBK;
   const int kps = (k_tiles + splits - 1) / splits * kBK;
-  static PerDeviceOnce once;
-  once([] {
-    UF_CUDA_CHECK(cudaFuncSetAttribute(bf16_gemm_kernel,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-    prefer_shared_carveout(bf16_gemm_kernel);
-  });
   const Bf16GemmParams p{
       a, w, out, m, n, k, kps, round ? 1 : 0, reinterpret_cast<uintptr_t>(out) % 16 == 0 ? 1 : 0};
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim =
-      dim3(unsigned((m + kBM - 1) / kBM), unsigned((n + kBN - 1) / kBN), unsigned(splits));
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = kSmemBytes;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[2];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = 1;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = unsigned(splits);
-  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[1].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 2;
-  UF_CUDA_CHECK(cudaLaunchKernelEx(&cfg, bf16_gemm_kernel, p));
+  // The large tile where its grid alone fills the SMs twice (two CTAs an SM), else the small.
+  const int n_tiles = (n + kBN - 1) / kBN;
+  int force = g_force_tile.load(std::memory_order_relaxed);
+  const bool large = force != 0
+                         ? force == 2
+                         : int64_t((m + TileLarge::BM - 1) / TileLarge::BM) * n_tiles * splits >=
+                               2 * int64_t(device_sm_count());
+  if (large)
+    launch<TileLarge>(p, splits, stream);
+  else
+    launch<TileSmall>(p, splits, stream);
+}
+
+void bf16_gemm_force_tile(int tile) {
+  require(tile >= 0 && tile <= 2, "bf16_gemm_force_tile: %d (0 auto, 1 small, 2 large)", tile);
+  g_force_tile.store(tile, std::memory_order_relaxed);
 }
 
 void act_qdq_fp8_bf16_rows(const float* x, long long x_stride, int m, int k, uint16_t* out,
@@ -315,8 +381,14 @@ void act_qdq_fp8_bf16_rows(const float* x, long long x_stride, int m, int k, uin
           "act_qdq_fp8_bf16_rows: m = %d must be >= 1, k = %d a multiple of 32 and x_stride = "
           "%lld >= k",
           m, k, x_stride);
-  const long long items = (long long)m * (k / 32);
-  act_qdq_bf16_kernel<<<unsigned((items + 7) / 8), 256, 0, stream>>>(x, x_stride, m, k, out);
+  if (k % 128 == 0 && x_stride % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
+      reinterpret_cast<uintptr_t>(out) % 8 == 0) {
+    const long long items = (long long)m * (k / 128);
+    act_qdq_bf16_vec_kernel<<<unsigned((items + 7) / 8), 256, 0, stream>>>(x, x_stride, m, k, out);
+  } else {
+    const long long items = (long long)m * (k / 32);
+    act_qdq_bf16_kernel<<<unsigned((items + 7) / 8), 256, 0, stream>>>(x, x_stride, m, k, out);
+  }
   UF_CUDA_CHECK(cudaGetLastError());
 }
 

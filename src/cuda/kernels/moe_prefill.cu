@@ -5,8 +5,8 @@
 //   0. prefill_quant_kernel: x fp32 [m, K] -> FP8 codes + scales per 32 (act_quant_fp8_f32's
 //      operations, any m).
 //   1. prefill_plan_kernel (one block): the P = m * topk (row, expert) pairs sorted by expert id
-//      (stable: ascending pair index, i.e. ascending row, within an expert; a counting sort, the
-//      fill in one warp walking the pairs in order) into `sorted`, and a work list of items
+//      (stable: ascending pair index, i.e. ascending row, within an expert; a counting sort over
+//      segments of the pairs, a warp each) into `sorted`, and a work list of items
 //      (expert, first sorted position, n <= kCols columns): an expert with c pairs makes
 //      ceil(c / kCols) items. Invalid ids (< 0, >= E) select nothing.
 //   2. prefill_w13_kernel: grid (I/32, max items), 4 warps as moe_w13_kernel (w1 rows 0-15 /
@@ -64,52 +64,97 @@ constexpr int kStageRow = kStageKb * 32 + 16;
 constexpr int kStageBytes = kCols * kStageRow + kCols * kStageKb * int(sizeof(float));
 
 // Plan buffers (device): sorted [P], items [3 * max_items] (expert, pos0, n), n_items [1].
+// The pairs are cut into kPlanSegs segments of whole 32-pair steps, one warp each: a warp counts
+// its segment's pairs per expert, the counts' prefix (experts in order, then segments in order)
+// gives each (segment, expert) its first sorted position, and the warp walks its segment again
+// writing positions in lane order (__match_any_sync). Positions within an expert therefore
+// ascend with the pair index, as one warp walking every pair in order gives (session 14's
+// kernel, 96 dependent steps at P = 3072; with the one-thread scan over the experts it took
+// ~40 us, on the prefill MoE's critical path since the linear layers got faster).
+constexpr int kPlanSegs = 16;
+static_assert(kPlanSegs <= kPlanThreads / 32, "a warp per segment");
+size_t plan_smem_bytes(size_t P, int E) {
+  return sizeof(int) * (P + size_t(E) + 1 + 2 * size_t(E) + size_t(kPlanSegs) * E);
+}
 __global__ void __launch_bounds__(kPlanThreads)
     prefill_plan_kernel(const int* topk_idx, int P, int E, int* sorted, int* items, int* n_items) {
   extern __shared__ int psm[];
   int* s_e = psm;                // [P] expert of each pair (-1: invalid)
   int* s_off = psm + P;          // [E + 1] first sorted position of each expert
   int* s_item0 = s_off + E + 1;  // [E] first item of each expert
-  int* s_cur = s_item0 + E;      // [E] next free sorted position of each expert (the fill)
+  int* s_tot = s_item0 + E;      // [E] pairs of each expert
+  int* s_seg = s_tot + E;        // [kPlanSegs][E] counts, then each segment's next position
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   for (int i = tid; i < P; i += blockDim.x) {
-    int e = topk_idx[i];
+    const int e = topk_idx[i];
     s_e[i] = (e < 0 || e >= E) ? -1 : e;
   }
-  for (int e = tid; e <= E; e += blockDim.x) s_off[e] = 0;
+  for (int i = tid; i < kPlanSegs * E; i += blockDim.x) s_seg[i] = 0;
   __syncthreads();
-  for (int i = tid; i < P; i += blockDim.x)
-    if (s_e[i] >= 0) atomicAdd(&s_off[s_e[i] + 1], 1);  // counts (integers: order-free)
-  __syncthreads();
-  if (tid == 0) {  // exclusive scan of counts, and of items per expert
-    int items_total = 0;
-    for (int e = 0; e < E; ++e) {
-      const int c = s_off[e + 1];
-      s_off[e + 1] += s_off[e];
-      s_item0[e] = items_total;
-      s_cur[e] = s_off[e];
-      items_total += (c + kCols - 1) / kCols;
+  const int seg_len = (P + kPlanSegs * 32 - 1) / (kPlanSegs * 32) * 32;
+  // f(e, peers) for each 32-pair step of this warp's segment, in order (lanes past it: e = -1).
+  auto walk = [&](auto&& f) {
+    const int j_end = min(P, (warp + 1) * seg_len);
+    for (int j0 = warp * seg_len; j0 < j_end; j0 += 32) {
+      const int j = j0 + lane;
+      const int e = j < j_end ? s_e[j] : -1;
+      f(j, e, __match_any_sync(0xffffffffu, e));
     }
-    *n_items = items_total;
+  };
+  if (warp < kPlanSegs)
+    walk([&](int, int e, unsigned peers) {
+      if (e >= 0 && lane == __ffs(peers) - 1) s_seg[warp * E + e] += __popc(peers);
+      __syncwarp();  // the next step's leader of e reads this count
+    });
+  __syncthreads();
+  for (int e = tid; e < E; e += blockDim.x) {
+    int c = 0;
+    for (int w = 0; w < kPlanSegs; ++w) c += s_seg[w * E + e];
+    s_tot[e] = c;
   }
   __syncthreads();
-  // Stable fill: warp 0 walks the pairs in order, 32 a step; the pairs of one expert in a step
-  // (__match_any_sync) take its next positions in lane order, so an expert's pairs keep ascending
-  // pair index. (O(P) in one warp; it was one warp per expert scanning all P pairs, O(E * P).)
-  if (warp == 0) {
-    for (int j0 = 0; j0 < P; j0 += 32) {
-      const int j = j0 + lane;
-      const int e = j < P ? s_e[j] : -1;
-      const unsigned peers = __match_any_sync(0xffffffffu, e);
-      const int pos = e >= 0 ? s_cur[e] : 0;
-      __syncwarp();  // every lane has read s_cur before the leaders advance it
+  if (warp == 0) {  // exclusive prefix of pairs and of items over the experts: lane = a range
+    const int per = (E + 31) / 32, e0 = min(E, lane * per), e1 = min(E, e0 + per);
+    int c = 0, it = 0;
+    for (int e = e0; e < e1; ++e) c += s_tot[e], it += (s_tot[e] + kCols - 1) / kCols;
+    int ci = c, iti = it;  // inclusive scans over the lanes
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int a = __shfl_up_sync(0xffffffffu, ci, o), b = __shfl_up_sync(0xffffffffu, iti, o);
+      if (lane >= o) ci += a, iti += b;
+    }
+    int pos = ci - c, item = iti - it;
+    for (int e = e0; e < e1; ++e) {
+      s_off[e] = pos;
+      s_item0[e] = item;
+      pos += s_tot[e];
+      item += (s_tot[e] + kCols - 1) / kCols;
+    }
+    if (lane == 31) {
+      s_off[E] = ci;
+      *n_items = iti;
+    }
+  }
+  __syncthreads();
+  for (int e = tid; e < E; e += blockDim.x) {  // each segment's first position of expert e
+    int run = s_off[e];
+    for (int w = 0; w < kPlanSegs; ++w) {
+      const int c = s_seg[w * E + e];
+      s_seg[w * E + e] = run;
+      run += c;
+    }
+  }
+  __syncthreads();
+  if (warp < kPlanSegs)
+    walk([&](int j, int e, unsigned peers) {
+      const int pos = e >= 0 ? s_seg[warp * E + e] : 0;
+      __syncwarp();  // every lane has read its position before the leaders advance it
       if (e >= 0) {
         sorted[pos + __popc(peers & ((1u << lane) - 1u))] = j;
-        if (lane == __ffs(peers) - 1) s_cur[e] = pos + __popc(peers);
+        if (lane == __ffs(peers) - 1) s_seg[warp * E + e] = pos + __popc(peers);
       }
       __syncwarp();
-    }
-  }
+    });
   for (int e = warp; e < E; e += blockDim.x / 32) {
     const int base = s_off[e], count = s_off[e + 1] - base;
     for (int q = lane; q * kCols < count; q += 32) {
@@ -843,7 +888,7 @@ MoeFp4Prefill::MoeFp4Prefill(int dim, int inter, int topk, int num_experts, int 
   max_items_ = int(std::min<size_t>(size_t(num_experts), P) + P / kCols + 1);
   require(max_items_ <= 65535, "MoeFp4Prefill: %d work items exceed the grid's y limit",
           max_items_);
-  plan_smem_ = int(sizeof(int) * (P + 3 * size_t(num_experts) + 1));
+  plan_smem_ = int(plan_smem_bytes(P, num_experts));
   require(plan_smem_ <= 200 * 1024,
           "MoeFp4Prefill: plan of %zu pairs and %d experts needs %d bytes of shared memory", P,
           num_experts, plan_smem_);
