@@ -187,8 +187,8 @@ void bf16_section(int iters) {
       float us[3];
       for (int tile = 1; tile <= 3; ++tile) {
         bf16_gemm_force_tile(tile % 3);
-        us[tile - 1] =
-            graph_us([&](cudaStream_t st) { bf16_gemm(a, w, m, s.n, s.k, y, true, st); }, iters);
+        us[tile - 1] = graph_us(
+            [&](cudaStream_t st) { bf16_gemm(a, w, m, s.n, s.k, y, s.n, true, st); }, iters);
       }
       bf16_gemm_force_tile(0);
       const float qdq =

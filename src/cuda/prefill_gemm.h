@@ -26,14 +26,14 @@
 
 namespace uf::cuda {
 
-// out[m, n] (row stride n, fp32; bf16-rounded when round) = sum over k of a[m, k] * w[n, k]:
-// a [m, k] bf16 row-major, w [n, k] bf16 row-major. k % 32 == 0, n % 16 == 0, m >= 1; a and w
-// 16-byte aligned, out 4-byte aligned (vector stores where it is 16-byte aligned). splits =
+// out[m, n] (row stride ldo >= n, fp32; bf16-rounded when round) = sum over k of a[m, k] *
+// w[n, k]: a [m, k] bf16 row-major, w [n, k] bf16 row-major. k % 32 == 0, n % 16 == 0, m >= 1;
+// a and w 16-byte aligned, out 4-byte aligned (vector stores where out and ldo allow). splits =
 // bf16_gemm_splits(n, k): the K range is cut into that many parts, one CTA of a thread-block
 // cluster each, whose fp32 tiles are added in split order through distributed shared memory (no
 // workspace). One launch; graph-capturable.
-void bf16_gemm(const uint16_t* a, const uint16_t* w, int m, int n, int k, float* out, bool round,
-               cudaStream_t stream);
+void bf16_gemm(const uint16_t* a, const uint16_t* w, int m, int n, int k, float* out, int ldo,
+               bool round, cudaStream_t stream);
 // Benchmarks and tests: 1 / 2 make every later bf16_gemm use the small / large CTA tile, 0
 // restores the choice by grid size (the outputs are the same bits either way). Process-wide.
 void bf16_gemm_force_tile(int tile);
@@ -47,6 +47,11 @@ int bf16_gemm_splits(int n, int k);
 // dequantised value code * scale (exact in bf16).
 void act_qdq_fp8_bf16_rows(const float* x, long long x_stride, int m, int k, uint16_t* out,
                            cudaStream_t stream);
+
+// x fp32 [m, x_stride] whose values are bf16-exact (the *Bf16X linear kinds' inputs) -> their
+// bf16 bits [m, k]; a value that is not bf16-exact becomes a NaN (its row's outputs are NaN).
+void bf16_exact_rows(const float* x, long long x_stride, int m, int k, uint16_t* out,
+                     cudaStream_t stream);
 
 // An FP8 32x32-block weight [n, k] -> its dequantised values as bf16 [n, k] (model::Weight::at,
 // exact in bf16 for normal products). One launch; the weight must be on the device.

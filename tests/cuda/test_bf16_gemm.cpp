@@ -66,8 +66,8 @@ TEST(Bf16Gemm, MatchesFp64AndIsRowIndependent) {
     DeviceBuffer<float> out(size_t(s.m + 1) * s.n), outr(size_t(s.m + 1) * s.n);
     out.poison();
     outr.poison();
-    bf16_gemm(da.get(), dw.get(), s.m, s.n, s.k, out.get(), false, nullptr);
-    bf16_gemm(da.get(), dw.get(), s.m, s.n, s.k, outr.get(), true, nullptr);
+    bf16_gemm(da.get(), dw.get(), s.m, s.n, s.k, out.get(), s.n, false, nullptr);
+    bf16_gemm(da.get(), dw.get(), s.m, s.n, s.k, outr.get(), s.n, true, nullptr);
     sync_and_check();
     const auto got = out.download(), gotr = outr.download();
     size_t bad = 0, nan = 0;
@@ -107,7 +107,7 @@ TEST(Bf16Gemm, MatchesFp64AndIsRowIndependent) {
       DeviceBuffer<float> o2(size_t(s.m) * s.n);
       o2.poison();
       bf16_gemm_force_tile(tile);
-      bf16_gemm(da.get(), dw.get(), s.m, s.n, s.k, o2.get(), false, nullptr);
+      bf16_gemm(da.get(), dw.get(), s.m, s.n, s.k, o2.get(), s.n, false, nullptr);
       bf16_gemm_force_tile(0);
       sync_and_check();
       const auto g2 = o2.download();
@@ -124,7 +124,8 @@ TEST(Bf16Gemm, MatchesFp64AndIsRowIndependent) {
       const int r0 = s.m - 9;
       DeviceBuffer<float> part(size_t(9) * s.n);
       part.poison();
-      bf16_gemm(da.get() + size_t(r0) * s.k, dw.get(), 9, s.n, s.k, part.get(), false, nullptr);
+      bf16_gemm(da.get() + size_t(r0) * s.k, dw.get(), 9, s.n, s.k, part.get(), s.n, false,
+                nullptr);
       sync_and_check();
       const auto p = part.download();
       for (size_t i = 0; i < p.size(); ++i)
@@ -244,6 +245,55 @@ TEST(Bf16Gemm, DeviceLinearPrefillMatchesCpu) {
       }
     }
     EXPECT_EQ(bad, 0u);
+  }
+}
+
+}  // namespace
+}  // namespace uf::cuda::test
+
+namespace uf::cuda::test {
+namespace {
+
+// The *Bf16X kinds' prefill path (bf16_exact_rows + bf16_gemm): a row holding a value that is not
+// bf16-exact (or a NaN) gets NaN outputs, the other rows the clean call's bits (DenseMma's
+// contract, tests/cuda/test_dense_mma.cpp), for BF16 and FP8 weights, apply and apply_rows.
+TEST(Bf16Gemm, DenseKindsPoisonNonBf16Rows) {
+  UF_REQUIRE_GPU();
+  std::mt19937 rng(781);
+  for (const auto& [f, rows] :
+       {std::pair{WFormat::kBF16, int64_t(384)}, std::pair{WFormat::kFP8, int64_t(1024)}}) {
+    const int64_t K = 1024;
+    const int T = 13;
+    auto hw = make_weight(f, rows, K, rng);
+    DeviceArena arena;
+    const DeviceLinear lin(hw->w, LinearKind::kBf16OutBf16X, arena);
+    auto run = [&](const std::vector<float>& xv, bool use_rows) {
+      const DeviceBuffer<float> dx(xv);
+      DeviceBuffer<float> dy(size_t(T) * size_t(rows));
+      dy.poison();
+      if (use_rows)
+        lin.apply_rows(0, rows, dx.get(), int(K), T, dy.get(), int(rows), nullptr);
+      else
+        lin.apply(dx.get(), T, dy.get(), nullptr);
+      sync_and_check();
+      return dy.download();
+    };
+    const std::vector<float> x = random_acts(T, K, rng);
+    std::vector<float> bad = x;
+    bad[size_t(2 * K + 700)] = 1.0f + 0x1p-12f;  // needs 13 significand bits
+    bad[size_t(9 * K + 3)] = NAN;
+    for (bool use_rows : {false, true}) {
+      const std::vector<float> clean = run(x, use_rows), y = run(bad, use_rows);
+      for (int t = 0; t < T; ++t)
+        for (int64_t j = 0; j < rows; ++j) {
+          const float v = y[size_t(t * rows + j)], w = clean[size_t(t * rows + j)];
+          if (t == 2 || t == 9)
+            ASSERT_TRUE(std::isnan(v)) << "rows " << rows << " t=" << t << " j=" << j;
+          else
+            ASSERT_TRUE(bits_equal(v, w) && std::isfinite(v))
+                << "rows " << rows << " t=" << t << " j=" << j << ": " << v << " vs " << w;
+        }
+    }
   }
 }
 

@@ -104,6 +104,7 @@ struct Bf16GemmParams {
   float* out;
   int m, n, k;
   int kps;  // K a split (a multiple of kBK)
+  int ldo;  // out's row stride (floats)
   int round;
   int vec_out;  // out 16-byte aligned: vector stores
 };
@@ -199,7 +200,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
         for (int j = 0; j < kNj; ++j) {
           const int c = n0 + wn * C::WN + j * 8 + 2 * t;
           if (c < p.n) {
-            float* o = p.out + size_t(r) * p.n + c;
+            float* o = p.out + size_t(r) * p.ldo + c;
             const float v0 = maybe_round(acc[i][j][2 * h], p.round);
             const float v1 = maybe_round(acc[i][j][2 * h + 1], p.round);
             if (p.vec_out) {
@@ -246,7 +247,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
     const bool rd = p.round != 0;
     const float4 o4 = make_float4(maybe_round(v.x, rd), maybe_round(v.y, rd), maybe_round(v.z, rd),
                                   maybe_round(v.w, rd));
-    float* o = p.out + size_t(m0 + r) * p.n + n0 + c;
+    float* o = p.out + size_t(m0 + r) * p.ldo + n0 + c;
     if (p.vec_out) {
       *reinterpret_cast<float4*>(o) = o4;
     } else {
@@ -298,6 +299,19 @@ __global__ void __launch_bounds__(256)
       make_uint2(qdq(v.x) | (qdq(v.y) << 16), qdq(v.z) | (qdq(v.w) << 16));
 }
 
+// x's bf16 bits where x is bf16-exact (or NaN), else a NaN (the *Bf16X kinds' contract: a row
+// with a value that is not bf16-exact gets NaN outputs, never silently rounded ones).
+__global__ void bf16_exact_kernel(const float* x, long long x_stride, int m, int k, uint16_t* out) {
+  const long long n = (long long)m * k;
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += (long long)gridDim.x * blockDim.x) {
+    const long long r = i / k, c = i % k;
+    const float v = x[r * x_stride + c];
+    const uint16_t b = __bfloat16_as_ushort(__float2bfloat16_rn(v));
+    out[i] = (__uint_as_float(uint32_t(b) << 16) == v || v != v) ? b : uint16_t(0x7fc0);
+  }
+}
+
 __global__ void fp8_weight_to_bf16_kernel(DeviceWeight w, uint16_t* out) {
   const int64_t total = w.rows * w.cols;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
@@ -344,8 +358,8 @@ int bf16_gemm_splits(int n, int k) {
   return (k_tiles + tiles_per_split - 1) / tiles_per_split;  // no empty split
 }
 
-void bf16_gemm(const uint16_t* a, const uint16_t* w, int m, int n, int k, float* out, bool round,
-               cudaStream_t stream) {
+void bf16_gemm(const uint16_t* a, const uint16_t* w, int m, int n, int k, float* out, int ldo,
+               bool round, cudaStream_t stream) {
   require(m >= 1 && n > 0 && n % 16 == 0 && k > 0 && k % 32 == 0,
           "bf16_gemm: m = %d must be >= 1, n = %d a multiple of 16, k = %d a multiple of 32", m, n,
           k);
@@ -355,8 +369,9 @@ void bf16_gemm(const uint16_t* a, const uint16_t* w, int m, int n, int k, float*
   const int splits = bf16_gemm_splits(n, k);
   const int k_tiles = (k + kBK - 1) / kBK;
   const int kps = (k_tiles + splits - 1) / splits * kBK;
-  const Bf16GemmParams p{
-      a, w, out, m, n, k, kps, round ? 1 : 0, reinterpret_cast<uintptr_t>(out) % 16 == 0 ? 1 : 0};
+  require(ldo >= n, "bf16_gemm: ldo = %d < n = %d", ldo, n);
+  const bool vec = reinterpret_cast<uintptr_t>(out) % 16 == 0 && ldo % 4 == 0;
+  const Bf16GemmParams p{a, w, out, m, n, k, kps, ldo, round ? 1 : 0, vec ? 1 : 0};
   // The large tile where its grid alone fills the SMs twice (two CTAs an SM), else the small.
   const int n_tiles = (n + kBN - 1) / kBN;
   int force = g_force_tile.load(std::memory_order_relaxed);
@@ -389,6 +404,17 @@ void act_qdq_fp8_bf16_rows(const float* x, long long x_stride, int m, int k, uin
     const long long items = (long long)m * (k / 32);
     act_qdq_bf16_kernel<<<unsigned((items + 7) / 8), 256, 0, stream>>>(x, x_stride, m, k, out);
   }
+  UF_CUDA_CHECK(cudaGetLastError());
+}
+
+void bf16_exact_rows(const float* x, long long x_stride, int m, int k, uint16_t* out,
+                     cudaStream_t stream) {
+  require(m >= 1 && k > 0 && x_stride >= k,
+          "bf16_exact_rows: m = %d must be >= 1, k = %d > 0 and x_stride = %lld >= k", m, k,
+          x_stride);
+  const long long n = (long long)m * k;
+  const unsigned blocks = unsigned(std::min<long long>((n + 255) / 256, 8192));
+  bf16_exact_kernel<<<blocks, 256, 0, stream>>>(x, x_stride, m, k, out);
   UF_CUDA_CHECK(cudaGetLastError());
 }
 

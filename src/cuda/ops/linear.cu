@@ -342,6 +342,12 @@ struct DeviceLinear::Plan {
   float* pf_scales = nullptr;
   uint16_t* pf_act = nullptr;
   uint16_t* w_bf16 = nullptr;
+  // The *Bf16X kinds at prefill (kBf16, pf_rows > 0): bf16_gemm on the weight's bf16 values (a
+  // copy for FP8 weights: w_bf16; BF16 weights are read in place) and x's bf16 bits (pf_x
+  // [pf_rows, cols]: bf16_exact_rows, a value that is not bf16-exact poisons its row as DenseMma
+  // does). Null: DenseMma / dense_rows as decode calls.
+  const uint16_t* dense_w = nullptr;
+  uint16_t* pf_x = nullptr;
 
   // One chunk of m <= pf_rows prefill rows whose activations are already in this plan's
   // workspace (ws: the plan that quantised them, this one or a group's first).
@@ -349,7 +355,7 @@ struct DeviceLinear::Plan {
             cudaStream_t stream) const {
     const int N = int(w.rows), K = int(w.cols);
     if (pf_gemm == PrefillGemm::kBf16) {
-      bf16_gemm(ws.pf_act, w_bf16, m, N, K, y, round, stream);
+      bf16_gemm(ws.pf_act, w_bf16, m, N, K, y, N, round, stream);
     } else {
       const QuantActView av{ws.pf_codes, ws.pf_scales, m, K};
       fp8_gemm_prefill(Fp8WeightView{w.data, w.scale, N, K}, av, gemv->kb_per_split(), y, round,
@@ -413,10 +419,46 @@ DeviceLinear::DeviceLinear(const model::Weight& w, LinearKind kind, DeviceArena&
       }
     }
   }
-  if ((kind_ == LinearKind::kBf16OutBf16X || kind_ == LinearKind::kF32Bf16X ||
-       kind_ == LinearKind::kF32Bf16XPrefill) &&
-      DenseMma::supports(w_))
+  const bool bf16x = kind_ == LinearKind::kBf16OutBf16X || kind_ == LinearKind::kF32Bf16X ||
+                     kind_ == LinearKind::kF32Bf16XPrefill;
+  if (bf16x && DenseMma::supports(w_))
     plan_->mma = std::make_unique<DenseMma>(w_, device_sm_count());
+  if (bf16x && !w.empty() && max_prefill_rows > kMaxDecodeRows &&
+      default_prefill_gemm() == PrefillGemm::kBf16 && w.rows % 16 == 0 && w.cols % 32 == 0 &&
+      w.rows < (1 << 30) && w.cols < (1 << 30) &&
+      (w.format == WFormat::kBF16 || (w.format == WFormat::kFP8 && !w.row_scale))) {
+    Plan& pl = *plan_;
+    pl.pf_rows = max_prefill_rows;
+    pl.pf_x = arena.alloc<uint16_t>(size_t(max_prefill_rows) * size_t(w.cols));
+    if (w.format == WFormat::kBF16) {
+      pl.dense_w = reinterpret_cast<const uint16_t*>(w_.data);
+    } else {
+      uint16_t* dst = arena.alloc<uint16_t>(size_t(w.rows) * size_t(w.cols));
+      pl.dense_w = dst;
+      const Fp8WeightView wv{w_.data, w_.scale, int(w.rows), int(w.cols)};
+      UploadScope::after_upload([wv, dst] {
+        fp8_weight_to_bf16(wv, dst, nullptr);
+        UF_CUDA_CHECK(cudaStreamSynchronize(nullptr));
+      });
+    }
+  }
+}
+
+// The *Bf16X kinds' prefill path (Plan::dense_w): output rows [r0, r0 + n) by chunks of pf_rows.
+bool DeviceLinear::dense_gemm(int64_t r0, int64_t n, const float* x, int64_t x_stride, int T,
+                              float* y, int64_t y_stride, bool round, cudaStream_t stream) const {
+  const Plan& pl = *plan_;
+  const int64_t K = w_.cols;
+  if (!pl.dense_w || T <= kMaxDecodeRows || n % 16 != 0 || (r0 * K) % 8 != 0 ||
+      y_stride > (int64_t(1) << 30) || reinterpret_cast<uintptr_t>(y) % 4 != 0)
+    return false;
+  for (int t0 = 0; t0 < T; t0 += pl.pf_rows) {
+    const int m = std::min(pl.pf_rows, T - t0);
+    bf16_exact_rows(x + int64_t(t0) * x_stride, x_stride, m, int(K), pl.pf_x, stream);
+    bf16_gemm(pl.pf_x, pl.dense_w + r0 * K, m, int(n), int(K), y + int64_t(t0) * y_stride,
+              int(y_stride), round, stream);
+  }
+  return true;
 }
 
 DeviceLinear::DeviceLinear() = default;
@@ -438,6 +480,7 @@ void DeviceLinear::run(const float* x, int T, float* y, bool round, cudaStream_t
   const int64_t K = w_.cols, N = w_.rows;
   if (kind_ != LinearKind::kQuant) {
     const bool bf16_out = kind_ == LinearKind::kBf16Out || kind_ == LinearKind::kBf16OutBf16X;
+    if (dense_gemm(0, N, x, K, T, y, N, round && bf16_out, stream)) return;
     const bool mma = plan_->mma && (kind_ != LinearKind::kF32Bf16XPrefill || T > kMaxDecodeRows);
     if (mma)
       plan_->mma->run(w_, 0, N, x, K, T, y, N, round && bf16_out, stream);
@@ -559,6 +602,7 @@ void DeviceLinear::apply_rows(int64_t r0, int64_t n, const float* x, int x_strid
           "DeviceLinear::apply_rows: rows [%lld, %lld) outside the weight's %lld rows",
           static_cast<long long>(r0), static_cast<long long>(r0 + n),
           static_cast<long long>(w_.rows));
+  if (dense_gemm(r0, n, x, x_stride, T, y, y_stride, true, stream)) return;
   if (plan_->mma && (kind_ != LinearKind::kF32Bf16XPrefill || T > kMaxDecodeRows))
     plan_->mma->run(w_, r0, n, x, x_stride, T, y, y_stride, true, stream);
   else

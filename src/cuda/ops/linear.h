@@ -95,6 +95,9 @@ class DeviceLinear {
   //   kBf16OutBf16X / kF32Bf16X -> DenseMma (tensor cores) where the weight allows it, else
   //     dense_rows; one launch for any T (kF32Bf16XPrefill: DenseMma for T > 8 only). DenseMma's
   //     split-K workspace is this object's: one apply() / apply_rows() at a time per DeviceLinear.
+  //     Under PrefillGemm::kBf16, prefill calls (T > 8) on BF16 / FP8 32x32-block weights with
+  //     rows % 16 == 0 take bf16_exact_rows + bf16_gemm instead (2 launches per max_prefill_rows
+  //     rows; FP8 weights keep a bf16 copy): exact products in another fp32 order, as DenseMma.
   void apply(const float* x, int T, float* y, cudaStream_t stream) const;
   // apply() without the final bf16 rounding of kQuant / kBf16Out (kF32: the same as apply): the
   // fp32 split-K partial of a tensor-parallel rank, to be summed over ranks and then rounded
@@ -126,6 +129,9 @@ class DeviceLinear {
  private:
   struct Plan;
   void run(const float* x, int T, float* y, bool round, cudaStream_t stream) const;
+  // The *Bf16X kinds' prefill path (bf16_gemm); false where it does not apply (nothing run).
+  bool dense_gemm(int64_t r0, int64_t n, const float* x, int64_t x_stride, int T, float* y,
+                  int64_t y_stride, bool round, cudaStream_t stream) const;
   DeviceWeight w_;
   LinearKind kind_ = LinearKind::kAuto;
   std::unique_ptr<Plan> plan_;
