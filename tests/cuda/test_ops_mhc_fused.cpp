@@ -596,8 +596,8 @@ TEST(CudaMhcFused, LayerChainMatchesUnfused) {
 // early-weight hc_mix_pre_norm keep every operation and order of the kernels they replace, so
 // every output is bitwise the legacy kernels' for every shape and row count (hc 8 runs the legacy
 // kernel on both sides: the new one takes hc <= 4), with 4 and 2 row groups a block
-// (set_mhc_post_groups). Also F32 fn at a misaligned address (the new kernel's scalar staging
-// path instead of cp.async).
+// (set_mhc_post_groups), at decode and prefill row counts. Also F32 fn at a misaligned address (the
+// new kernel's scalar staging path instead of cp.async).
 
 struct LegacyGuard {
   LegacyGuard(bool on, int groups) {
@@ -647,8 +647,10 @@ TEST(CudaMhcFused, NewKernelsMatchLegacyBitwise) {
   UF_REQUIRE_GPU();
   std::mt19937 rng(307);
   const float eps = 1e-6f;
+  // kRows, and prefill row counts (77 and 130 end mid-block).
+  const int rows[] = {1, 2, 3, 4, 5, 6, 7, 8, 20, 64, 77, 130};
   for (const Shape& sh : kShapes)
-    for (int T : kRows)
+    for (int T : rows)
       for (bool misaligned : {false, true}) {
         if (misaligned && sh.fmt != WFormat::kF32) continue;
         const HcShape p = shape_of(sh);
