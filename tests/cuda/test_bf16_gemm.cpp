@@ -299,3 +299,39 @@ TEST(Bf16Gemm, DenseKindsPoisonNonBf16Rows) {
 
 }  // namespace
 }  // namespace uf::cuda::test
+
+namespace uf::cuda::test {
+namespace {
+
+// bf16_exact_rows on both kernels (4 values a thread: k % 4 == 0 and aligned rows; else one):
+// a bf16-exact value gives its bits, any other a NaN, a NaN a NaN.
+TEST(Bf16Gemm, ExactRowsKeepBf16ValuesAndPoisonOthers) {
+  UF_REQUIRE_GPU();
+  std::mt19937 rng(782);
+  for (const auto& [m, k, stride] :
+       {std::tuple{7, 1024, 1056}, std::tuple{5, 96, 101}, std::tuple{3, 30, 30}}) {
+    SCOPED_TRACE("k=" + std::to_string(k) + " stride=" + std::to_string(stride));
+    std::vector<float> x = random_acts(m, stride, rng);
+    x[size_t(1) * stride + 5] = 1.0f + 0x1p-12f;  // not bf16-exact
+    x[size_t(2) * stride + 7] = NAN;
+    const DeviceBuffer<float> dx(x);
+    DeviceBuffer<uint16_t> out(size_t(m) * k);
+    out.poison();
+    bf16_exact_rows(dx.get(), stride, m, k, out.get(), nullptr);
+    sync_and_check();
+    const auto got = out.download();
+    for (int r = 0; r < m; ++r)
+      for (int c = 0; c < k; ++c) {
+        const float v = x[size_t(r) * stride + c];
+        const uint16_t g = got[size_t(r) * k + c];
+        const bool nan = (g & 0x7f80) == 0x7f80 && (g & 0x7f) != 0;
+        if (std::isnan(v) || core::round_bf16(v) != v)
+          ASSERT_TRUE(nan) << r << ", " << c << ": " << v << " -> 0x" << std::hex << g;
+        else
+          ASSERT_EQ(g, core::float_to_bf16(v)) << r << ", " << c;
+      }
+  }
+}
+
+}  // namespace
+}  // namespace uf::cuda::test
