@@ -352,6 +352,7 @@ TEST(DenseMma, DeviceLinearKinds) {
   };
   const C cs[] = {{"router_f32", WFormat::kBF16, 384, 5120, LinearKind::kF32Bf16X},
                   {"router_prefill", WFormat::kBF16, 384, 5120, LinearKind::kF32Bf16XPrefill},
+                  {"bf16_out_prefill", WFormat::kBF16, 128, 1024, LinearKind::kBf16OutBf16XPrefill},
                   {"fp8_bf16_out", WFormat::kFP8, 1024, 4096, LinearKind::kBf16OutBf16X},
                   {"f32_fallback", WFormat::kF32, 40, 256, LinearKind::kF32Bf16X},
                   {"bf16_k96_fallback", WFormat::kBF16, 48, 96, LinearKind::kBf16OutBf16X}};
@@ -359,7 +360,8 @@ TEST(DenseMma, DeviceLinearKinds) {
     auto hw = make_weight(c.f, c.rows, c.cols, rng);
     DeviceArena arena;
     const DeviceLinear lin(hw->w, c.kind, arena);
-    const bool round = c.kind == LinearKind::kBf16OutBf16X;
+    const bool round =
+        c.kind == LinearKind::kBf16OutBf16X || c.kind == LinearKind::kBf16OutBf16XPrefill;
     const int64_t N = c.rows, K = c.cols;
     const double factor = tol_factor(K, 32);  // any split count the plan may pick (<= 32)
     for (int T : {1, 7, 13}) {
@@ -400,29 +402,37 @@ TEST(DenseMma, DeviceLinearKinds) {
   }
 }
 
-// kF32Bf16XPrefill (the MoE router gate): decode calls (T <= 8) bitwise kF32's dense_rows (the
-// order the fused decode routers repeat), prefill calls bitwise kF32Bf16X's DenseMma.
+// kF32Bf16XPrefill (the MoE router gate, the compressor's fp32 projections): decode calls (T <= 8)
+// bitwise kF32's dense_rows (the order the fused decode routers repeat), prefill calls bitwise
+// kF32Bf16X's tensor-core path; kBf16OutBf16XPrefill (the compressor's and indexer's bf16
+// projections) likewise between kBf16Out and kBf16OutBf16X.
 TEST(DenseMma, PrefillKindSwitchesAtDecodeRows) {
   UF_REQUIRE_GPU();
   std::mt19937 rng(83);
   auto hw = make_weight(WFormat::kBF16, 384, 5120, rng);
   DeviceArena arena;
-  const DeviceLinear pre(hw->w, LinearKind::kF32Bf16XPrefill, arena);
-  const DeviceLinear f32(hw->w, LinearKind::kF32, arena);
-  const DeviceLinear mma(hw->w, LinearKind::kF32Bf16X, arena);
-  for (int T : {1, 8, 9, 64}) {
-    const std::vector<float> x = random_acts(T, 5120, rng);
-    const DeviceBuffer<float> dx(x);
-    DeviceBuffer<float> a(size_t(T) * 384), b(size_t(T) * 384);
-    a.poison();
-    b.poison();
-    pre.apply(dx.get(), T, a.get(), nullptr);
-    (T <= 8 ? f32 : mma).apply(dx.get(), T, b.get(), nullptr);
-    sync_and_check();
-    const auto ya = a.download(), yb = b.download();
-    for (size_t i = 0; i < ya.size(); ++i)
-      ASSERT_TRUE(bits_equal(ya[i], yb[i]) && !std::isnan(ya[i]))
-          << "T=" << T << " element " << i << ": " << ya[i] << " vs " << yb[i];
+  for (const auto& [pk, dk, mk] :
+       {std::tuple{LinearKind::kF32Bf16XPrefill, LinearKind::kF32, LinearKind::kF32Bf16X},
+        std::tuple{LinearKind::kBf16OutBf16XPrefill, LinearKind::kBf16Out,
+                   LinearKind::kBf16OutBf16X}}) {
+    const DeviceLinear pre(hw->w, pk, arena);
+    const DeviceLinear f32(hw->w, dk, arena);
+    const DeviceLinear mma(hw->w, mk, arena);
+    for (int T : {1, 8, 9, 64}) {
+      const std::vector<float> x = random_acts(T, 5120, rng);
+      const DeviceBuffer<float> dx(x);
+      DeviceBuffer<float> a(size_t(T) * 384), b(size_t(T) * 384);
+      a.poison();
+      b.poison();
+      pre.apply(dx.get(), T, a.get(), nullptr);
+      (T <= 8 ? f32 : mma).apply(dx.get(), T, b.get(), nullptr);
+      sync_and_check();
+      const auto ya = a.download(), yb = b.download();
+      for (size_t i = 0; i < ya.size(); ++i)
+        ASSERT_TRUE(bits_equal(ya[i], yb[i]) && !std::isnan(ya[i]))
+            << "kind " << int(pk) << " T=" << T << " element " << i << ": " << ya[i] << " vs "
+            << yb[i];
+    }
   }
 }
 

@@ -41,6 +41,7 @@ void cpu_linear(const model::Weight& w, LinearKind kind, const std::vector<float
       break;
     case LinearKind::kBf16Out:
     case LinearKind::kBf16OutBf16X:
+    case LinearKind::kBf16OutBf16XPrefill:
       cpu::linear_bf16_out(w, x.data(), T, y.data());
       break;
     case LinearKind::kF32:

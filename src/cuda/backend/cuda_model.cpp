@@ -155,13 +155,19 @@ CudaModel::CudaModel(model::ModelConfig cfg, const model::Checkpoint& ckpt,
     op->wkv = make_linear(A.wkv, LinearKind::kAuto, arena_);
     op->wo_a = make_linear(A.wo_a, LinearKind::kBf16OutBf16X, arena_);
     op->wo_b = make_linear(A.wo_b, LinearKind::kAuto, arena_);
-    // Ratio 1: cpu::linear; ratio > 1: linear_f32 (fp32 pre-pool rows).
-    op->c_wkv =
-        make_linear(A.c_wkv, r.compress_ratio > 1 ? LinearKind::kF32 : LinearKind::kAuto, arena_);
-    op->c_wgate = make_linear(A.c_wgate, LinearKind::kF32, arena_);
+    // Ratio 1: cpu::linear; ratio > 1: linear_f32 (fp32 pre-pool rows). Their inputs (the normed
+    // attention input, the normed latents) are bf16 values, so prefill calls take the tensor
+    // cores (the *Bf16XPrefill kinds); decode calls keep dense_rows.
+    const auto bf16_out = [](const model::Weight& w) {
+      return w.format == model::WFormat::kBF16 ? LinearKind::kBf16OutBf16XPrefill
+                                               : LinearKind::kAuto;
+    };
+    op->c_wkv = make_linear(
+        A.c_wkv, r.compress_ratio > 1 ? LinearKind::kF32Bf16XPrefill : bf16_out(A.c_wkv), arena_);
+    op->c_wgate = make_linear(A.c_wgate, LinearKind::kF32Bf16XPrefill, arena_);
     op->i_wq_b = make_linear(A.i_wq_b, LinearKind::kAuto, arena_);
-    op->i_weights_proj = make_linear(A.i_weights_proj, LinearKind::kAuto, arena_);
-    op->i_wk = make_linear(A.i_wk, LinearKind::kAuto, arena_);
+    op->i_weights_proj = make_linear(A.i_weights_proj, bf16_out(A.i_weights_proj), arena_);
+    op->i_wk = make_linear(A.i_wk, bf16_out(A.i_wk), arena_);
     const auto sink = A.attn_sink.to_vector();
     op->sink = arena_.upload(sink);
     const auto rope = model::Rope::for_layer(cfg_, l);

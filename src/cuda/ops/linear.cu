@@ -323,6 +323,10 @@ void round_bf16_inplace(float* y, size_t n, cudaStream_t stream) {
 
 namespace {
 std::atomic<PrefillGemm> g_prefill_gemm{PrefillGemm::kBf16};
+// The kinds whose bf16-exact-x contract holds for prefill calls only (decode calls: dense_rows).
+bool prefill_only_bf16x(LinearKind k) {
+  return k == LinearKind::kF32Bf16XPrefill || k == LinearKind::kBf16OutBf16XPrefill;
+}
 }  // namespace
 
 void set_default_prefill_gemm(PrefillGemm g) { g_prefill_gemm.store(g); }
@@ -420,7 +424,7 @@ DeviceLinear::DeviceLinear(const model::Weight& w, LinearKind kind, DeviceArena&
     }
   }
   const bool bf16x = kind_ == LinearKind::kBf16OutBf16X || kind_ == LinearKind::kF32Bf16X ||
-                     kind_ == LinearKind::kF32Bf16XPrefill;
+                     prefill_only_bf16x(kind_);
   if (bf16x && DenseMma::supports(w_))
     plan_->mma = std::make_unique<DenseMma>(w_, device_sm_count());
   if (bf16x && !w.empty() && max_prefill_rows > kMaxDecodeRows &&
@@ -479,9 +483,10 @@ void DeviceLinear::run(const float* x, int T, float* y, bool round, cudaStream_t
   if (T <= 0) return;
   const int64_t K = w_.cols, N = w_.rows;
   if (kind_ != LinearKind::kQuant) {
-    const bool bf16_out = kind_ == LinearKind::kBf16Out || kind_ == LinearKind::kBf16OutBf16X;
+    const bool bf16_out = kind_ == LinearKind::kBf16Out || kind_ == LinearKind::kBf16OutBf16X ||
+                          kind_ == LinearKind::kBf16OutBf16XPrefill;
     if (dense_gemm(0, N, x, K, T, y, N, round && bf16_out, stream)) return;
-    const bool mma = plan_->mma && (kind_ != LinearKind::kF32Bf16XPrefill || T > kMaxDecodeRows);
+    const bool mma = plan_->mma && (!prefill_only_bf16x(kind_) || T > kMaxDecodeRows);
     if (mma)
       plan_->mma->run(w_, 0, N, x, K, T, y, N, round && bf16_out, stream);
     else
@@ -603,7 +608,7 @@ void DeviceLinear::apply_rows(int64_t r0, int64_t n, const float* x, int x_strid
           static_cast<long long>(r0), static_cast<long long>(r0 + n),
           static_cast<long long>(w_.rows));
   if (dense_gemm(r0, n, x, x_stride, T, y, y_stride, true, stream)) return;
-  if (plan_->mma && (kind_ != LinearKind::kF32Bf16XPrefill || T > kMaxDecodeRows))
+  if (plan_->mma && (!prefill_only_bf16x(kind_) || T > kMaxDecodeRows))
     plan_->mma->run(w_, r0, n, x, x_stride, T, y, y_stride, true, stream);
   else
     ops_detail::dense_rows(w_, r0, n, x, x_stride, T, y, y_stride, true, stream);

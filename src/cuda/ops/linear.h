@@ -36,6 +36,9 @@ enum class LinearKind {
   // the MoE router gate, whose [384, 5120] fp32 rows on the CUDA cores advanced a 512-row
   // prefill chunk ~200 us a layer (13% of it), ~10 us on the tensor cores.
   kF32Bf16XPrefill,
+  // The same for cpu::linear_bf16_out on BF16 weights (kBf16Out for T <= 8, kBf16OutBf16X for
+  // T > 8): the compressor's and the indexer's bf16 projections of normed rows.
+  kBf16OutBf16XPrefill,
 };
 
 class DeviceLinear;
@@ -93,7 +96,7 @@ class DeviceLinear {
   //   kBf16Out / kF32 -> dense_rows, the CPU's products in another fp32 order (ops/linear.cu),
   //     one launch for any T;
   //   kBf16OutBf16X / kF32Bf16X -> DenseMma (tensor cores) where the weight allows it, else
-  //     dense_rows; one launch for any T (kF32Bf16XPrefill: DenseMma for T > 8 only). DenseMma's
+  //     dense_rows; one launch for any T (the *Prefill kinds: DenseMma for T > 8 only). DenseMma's
   //     split-K workspace is this object's: one apply() / apply_rows() at a time per DeviceLinear.
   //     Under PrefillGemm::kBf16, prefill calls (T > 8) on BF16 / FP8 32x32-block weights with
   //     rows % 16 == 0 take bf16_exact_rows + bf16_gemm instead (2 launches per max_prefill_rows
