@@ -98,6 +98,21 @@ __device__ __forceinline__ float4 ld_cluster_f4(uint32_t addr) {
   return v;
 }
 
+// Rows row0 .. row0 + kRows - 1 of src (ld elements apart) at K tile kk, 8 chunks of 8 values a
+// row, into a swizzled stage at dst: chunk q of the kRows * 8 on thread q % kThreads. Rows >= nrows
+// and K >= kend are zero-filled; kend is a multiple of 32, so a chunk is wholly inside or outside.
+template <int kRows, int kThreads>
+__device__ __forceinline__ void load_rows(uint32_t dst, const uint16_t* src, int row0, int nrows,
+                                          int ld, int kk, int kend, int tid) {
+#pragma unroll
+  for (int i = 0; i < kRows * 8 / kThreads; ++i) {
+    const int q = tid + i * kThreads, r = q >> 3, c = q & 7;
+    const int gr = row0 + r, gk = kk + c * 8;
+    const bool v = gr < nrows && gk < kend;
+    cp16_zfill(dst + swz(r, c), v ? src + size_t(gr) * ld + gk : src, v);
+  }
+}
+
 struct Bf16GemmParams {
   const uint16_t* a;
   const uint16_t* w;
@@ -129,25 +144,12 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
   const int ntiles = kend > kbeg ? (kend - kbeg + kBK - 1) / kBK : 0;
   pdl_wait();  // a is the previous kernel's output
 
-  // One K tile into a stage: A 64 rows x 8 chunks (4 a thread), W 128 x 8 (8 a thread). kend is
-  // a multiple of 32, so a chunk of 8 values is wholly inside or outside the split.
+  // One K tile into a stage: A's BM rows and W's 128, 8 chunks of 16 bytes each.
   auto load = [&](int stage, int kt) {
     const int kk = kbeg + kt * kBK;
-    const uint32_t sa = sbase + uint32_t(stage * kStageBytes), sw = sa + kABytes;
-#pragma unroll
-    for (int i = 0; i < kBM * 8 / kThreads; ++i) {
-      const int q = tid + i * kThreads, r = q >> 3, c = q & 7;
-      const int gr = m0 + r, gk = kk + c * 8;
-      const bool v = gr < p.m && gk < kend;
-      cp16_zfill(sa + swz(r, c), v ? p.a + size_t(gr) * p.k + gk : p.a, v);
-    }
-#pragma unroll
-    for (int i = 0; i < kBN * 8 / kThreads; ++i) {
-      const int q = tid + i * kThreads, r = q >> 3, c = q & 7;
-      const int gn = n0 + r, gk = kk + c * 8;
-      const bool v = gn < p.n && gk < kend;
-      cp16_zfill(sw + swz(r, c), v ? p.w + size_t(gn) * p.k + gk : p.w, v);
-    }
+    const uint32_t sa = sbase + uint32_t(stage * kStageBytes);
+    load_rows<kBM, kThreads>(sa, p.a, m0, p.m, p.k, kk, kend, tid);
+    load_rows<kBN, kThreads>(sa + kABytes, p.w, n0, p.n, p.k, kk, kend, tid);
   };
 
   float acc[kMi][kNj][4];
