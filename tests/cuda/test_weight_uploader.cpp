@@ -3,6 +3,7 @@
 // buffer), with progress that only grows and ends at the total. Exact equality: a copy has no
 // tolerance.
 
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <random>
@@ -10,8 +11,10 @@
 
 #include "cuda/device_memory.h"
 #include "cuda/device_weights.h"
+#include "cuda/ops/linear.h"
 #include "cuda/weight_uploader.h"
 #include "cuda_test_util.h"
+#include "ops_test_weights.h"
 
 namespace uf::cuda {
 namespace {
@@ -223,6 +226,82 @@ TEST(WeightUploader, UploadScopeRoutesUploadWeightAndCopies) {
   EXPECT_EQ(UploadScope::current(), nullptr);
   EXPECT_EQ(first_mismatch(download(d.data, data.size()), data), -1);
   EXPECT_EQ(first_mismatch(download(copy, raw.size()), raw), -1);
+}
+
+// UploadScope::after_upload: without a scope the work runs at once; with one it runs after
+// finish() (the copies are on the device by then), in registration order, on the innermost scope;
+// a scope destroyed without finish() runs it after draining its copies.
+TEST(WeightUploader, AfterUploadRunsOnceTheCopiesLanded) {
+  UF_REQUIRE_GPU();
+  std::mt19937 rng(9);
+  int ran = 0;
+  UploadScope::after_upload([&] { ++ran; });
+  EXPECT_EQ(ran, 1) << "no scope: at once";
+  const auto raw = random_bytes(size_t(6) << 20, rng);
+  DeviceArena arena;
+  uint8_t* dst = static_cast<uint8_t*>(arena.alloc_bytes(raw.size()));
+  std::vector<int> order;
+  {
+    UploadScope outer(0, options(1 << 20, 2));
+    copy_to_device(dst, raw.data(), raw.size());
+    int64_t seen = -2;
+    UploadScope::after_upload([&] {
+      order.push_back(1);
+      seen = first_mismatch(download(dst, raw.size()), raw);
+    });
+    UploadScope::after_upload([&] { order.push_back(2); });
+    {
+      UploadScope inner(0, options(1 << 16, 1));
+      UploadScope::after_upload([&] { order.push_back(0); });
+      inner.finish();
+      EXPECT_EQ(order, std::vector<int>{0}) << "the inner scope runs its own work only";
+    }
+    EXPECT_EQ(order, std::vector<int>{0}) << "nothing of the outer scope before its finish()";
+    outer.finish();
+    EXPECT_EQ(order, (std::vector<int>{0, 1, 2}));
+    EXPECT_EQ(seen, -1) << "the work saw the copy on the device";
+    outer.finish();  // nothing left to run
+    EXPECT_EQ(order.size(), 3u);
+  }
+  {
+    UploadScope scope(0, options(1 << 20, 2));
+    copy_to_device(dst, raw.data(), raw.size());
+    UploadScope::after_upload([&] { order.push_back(3); });
+  }  // no finish(): the destructor drains the copies and runs the work
+  EXPECT_EQ(order.back(), 3);
+}
+
+// A DeviceLinear built under a scope (its bf16 weight copy for the prefill GEMM is made after the
+// uploads) gives the bits of one built without.
+TEST(WeightUploader, PrefillWeightCopyAfterTheUpload) {
+  UF_REQUIRE_GPU();
+  using test::bits_equal;
+  using test::DeviceBuffer;
+  using test::make_weight;
+  using test::random_acts;
+  using test::sync_and_check;
+  std::mt19937 rng(10);
+  auto hw = make_weight(model::WFormat::kFP8, 256, 1024, rng);
+  DeviceArena arena;
+  const DeviceLinear plain(hw->w, LinearKind::kQuant, arena);
+  std::unique_ptr<DeviceLinear> scoped;
+  {
+    UploadScope scope(0, options(1 << 16, 2));
+    scoped = std::make_unique<DeviceLinear>(hw->w, LinearKind::kQuant, arena);
+    scope.finish();
+  }
+  const int T = 40;
+  const DeviceBuffer<float> dx(random_acts(T, 1024, rng));
+  DeviceBuffer<float> y0(size_t(T) * 256), y1(size_t(T) * 256);
+  y0.poison();
+  y1.poison();
+  plain.apply(dx.get(), T, y0.get(), nullptr);
+  scoped->apply(dx.get(), T, y1.get(), nullptr);
+  sync_and_check();
+  const auto a = y0.download(), b = y1.download();
+  for (size_t i = 0; i < a.size(); ++i)
+    ASSERT_TRUE(bits_equal(a[i], b[i]) && std::isfinite(a[i]))
+        << i << ": " << a[i] << " vs " << b[i];
 }
 
 TEST(WeightUploader, BadPointerIsAnError) {
