@@ -18,8 +18,8 @@
 //   are never stored. The tile shape changes which thread holds an output, never its operations.
 // Split K (bf16_gemm_splits, a function of n and k): grid (m tiles, n tiles, S) in clusters of
 //   (1, 1, S). CTA s walks the K tiles of split s; then every CTA stores its fp32 tile in its own
-//   shared memory, and after a cluster barrier CTA r adds elements [r * 2048 / S, (r + 1) * 2048 /
-//   S) (float4s) of the S tiles in split order (distributed shared memory reads, explicit fadd),
+//   shared memory, and after a cluster barrier CTA r adds float4s [r * Q / S, (r + 1) * Q / S) of
+//   the S tiles (Q = BM * 128 / 4) in split order (distributed shared memory reads, explicit fadd),
 //   rounds them to bf16 when asked and stores them; a second barrier keeps every CTA's shared
 //   memory alive until the others have read it.
 // Order of an output's sum: within a split, the mma's k16 steps in K order (the tensor core's

@@ -327,6 +327,18 @@ std::atomic<PrefillGemm> g_prefill_gemm{PrefillGemm::kBf16};
 bool prefill_only_bf16x(LinearKind k) {
   return k == LinearKind::kF32Bf16XPrefill || k == LinearKind::kBf16OutBf16XPrefill;
 }
+
+// A bf16 copy of an FP8 32x32-block weight (its exact values), made once the load's uploads
+// have put the weight on the device (UploadScope::after_upload; at once without a scope).
+const uint16_t* bf16_copy(const DeviceWeight& w, DeviceArena& arena) {
+  uint16_t* dst = arena.alloc<uint16_t>(size_t(w.rows) * size_t(w.cols));
+  const Fp8WeightView wv{w.data, w.scale, int(w.rows), int(w.cols)};
+  UploadScope::after_upload([wv, dst] {
+    fp8_weight_to_bf16(wv, dst, nullptr);
+    UF_CUDA_CHECK(cudaStreamSynchronize(nullptr));  // before any stream reads it
+  });
+  return dst;
+}
 }  // namespace
 
 void set_default_prefill_gemm(PrefillGemm g) { g_prefill_gemm.store(g); }
@@ -345,7 +357,7 @@ struct DeviceLinear::Plan {
   uint8_t* pf_codes = nullptr;
   float* pf_scales = nullptr;
   uint16_t* pf_act = nullptr;
-  uint16_t* w_bf16 = nullptr;
+  const uint16_t* w_bf16 = nullptr;
   // The *Bf16X kinds at prefill (kBf16, pf_rows > 0): bf16_gemm on the weight's bf16 values (a
   // copy for FP8 weights: w_bf16; BF16 weights are read in place) and x's bf16 bits (pf_x
   // [pf_rows, cols]: bf16_exact_rows, a value that is not bf16-exact poisons its row as DenseMma
@@ -409,14 +421,7 @@ DeviceLinear::DeviceLinear(const model::Weight& w, LinearKind kind, DeviceArena&
       pl.pf_gemm = default_prefill_gemm();
       if (pl.pf_gemm == PrefillGemm::kBf16) {
         pl.pf_act = arena.alloc<uint16_t>(size_t(max_prefill_rows) * size_t(w.cols));
-        pl.w_bf16 = arena.alloc<uint16_t>(size_t(w.rows) * size_t(w.cols));
-        // The copy needs the weight on the device: after the load's uploads (or now).
-        const Fp8WeightView wv{w_.data, w_.scale, int(w.rows), int(w.cols)};
-        uint16_t* dst = pl.w_bf16;
-        UploadScope::after_upload([wv, dst] {
-          fp8_weight_to_bf16(wv, dst, nullptr);
-          UF_CUDA_CHECK(cudaStreamSynchronize(nullptr));  // before any stream reads it
-        });
+        pl.w_bf16 = bf16_copy(w_, arena);
       } else {
         pl.pf_codes = arena.alloc<uint8_t>(size_t(max_prefill_rows) * size_t(w.cols));
         pl.pf_scales = arena.alloc<float>(size_t(max_prefill_rows) * size_t(w.cols / 32));
@@ -434,17 +439,8 @@ DeviceLinear::DeviceLinear(const model::Weight& w, LinearKind kind, DeviceArena&
     Plan& pl = *plan_;
     pl.pf_rows = max_prefill_rows;
     pl.pf_x = arena.alloc<uint16_t>(size_t(max_prefill_rows) * size_t(w.cols));
-    if (w.format == WFormat::kBF16) {
-      pl.dense_w = reinterpret_cast<const uint16_t*>(w_.data);
-    } else {
-      uint16_t* dst = arena.alloc<uint16_t>(size_t(w.rows) * size_t(w.cols));
-      pl.dense_w = dst;
-      const Fp8WeightView wv{w_.data, w_.scale, int(w.rows), int(w.cols)};
-      UploadScope::after_upload([wv, dst] {
-        fp8_weight_to_bf16(wv, dst, nullptr);
-        UF_CUDA_CHECK(cudaStreamSynchronize(nullptr));
-      });
-    }
+    pl.dense_w = w.format == WFormat::kBF16 ? reinterpret_cast<const uint16_t*>(w_.data)
+                                            : bf16_copy(w_, arena);
   }
 }
 
