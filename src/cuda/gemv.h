@@ -1,6 +1,7 @@
 #pragma once
 // FP8 block-scaled GEMV / small-M GEMM for decode rows (M = 1..8), the FP8 activation
-// quantizer that feeds it, and the prefill GEMM (any M) with the same numerics. Kernels:
+// quantizer that feeds it, and the prefill GEMM (any M) with the same numerics (DeviceLinear's
+// PrefillGemm::kFp8Bitwise; its default prefill path is cuda/prefill_gemm.h's bf16 GEMM). Kernels:
 // src/cuda/kernels/fp8_gemv.cu and fp8_gemm.cu (shapes, tiles and the reduction order are stated
 // there).
 //

@@ -57,8 +57,9 @@ enum class PrefillGemm { kBf16, kFp8Bitwise };
 void set_default_prefill_gemm(PrefillGemm g);
 PrefillGemm default_prefill_gemm();
 
-// Rows a DeviceLinear's prefill GEMM workspace holds by default (act codes + scales: 516 B per
-// row per 512 inputs); longer calls run the GEMM in chunks of this many rows.
+// Rows a DeviceLinear's prefill GEMM workspace holds by default (kBf16: the QDQ'd activations, 2
+// bytes per input; kFp8Bitwise: codes + scales, 516 B per row per 512 inputs); longer calls run
+// the GEMM in chunks of this many rows.
 inline constexpr int kDefaultPrefillRows = 512;
 
 // One weight of DeviceLinear::apply_group: y[T, rows()] as apply() (partial: as apply_partial()).
