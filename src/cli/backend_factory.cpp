@@ -65,6 +65,7 @@ LoadedBackend load_backend(const std::filesystem::path& model_dir, const Backend
     opts.device_verify = choice.device_verify;
     opts.tp_p2p_allreduce = choice.p2p_allreduce;
     opts.max_seq = choice.max_seq;
+    opts.prefill_gemm_bf16 = choice.prefill_gemm_bf16;
     auto b = std::make_unique<cuda::CudaBackend>(model_dir, engram_map_for(model_dir), opts);
     // The profile is keyed by the GPUs' architecture and the count serving the model.
     out.profile = engine::resolve_hardware_profile(

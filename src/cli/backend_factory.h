@@ -22,6 +22,9 @@ struct BackendChoice {
   // CUDA: the largest session capacity the caller will ask for (the server's --max-seq; 0:
   // unknown), so the backend sizes its index scratch before capturing the decode graphs.
   int64_t max_seq = 0;
+  // CUDA: the prefill linear layers on the bf16 GEMM (default; ~2.3 GB more a TP8 rank) or, off,
+  // on the FP8 GEMM that is bitwise the decode GEMV (--prefill-gemm fp8).
+  bool prefill_gemm_bf16 = true;
 };
 
 struct LoadedBackend {

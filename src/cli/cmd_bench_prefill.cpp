@@ -41,7 +41,6 @@
 #include "cuda/backend/cuda_model.h"
 #include "cuda/cuda_check.h"
 #include "cuda/gemv.h"
-#include "cuda/ops/linear.h"
 #include "cuda/trace/kernel_trace.h"
 #endif
 
@@ -74,10 +73,11 @@ struct PrefillArgs {
 
 std::unique_ptr<uf::cuda::CudaModel> load(const uf::model::ModelConfig& cfg,
                                           const uf::model::Checkpoint& ck, int max_chunk,
-                                          int device, bool attention_mma) {
+                                          const PrefillArgs& a) {
   uf::cuda::CudaModelOptions o;
-  o.device = device;
-  o.prefill_attention_mma = attention_mma;
+  o.device = a.device;
+  o.prefill_attention_mma = a.attention == "mma";
+  o.prefill_gemm_bf16 = a.prefill_gemm == "bf16";
   o.max_chunk = max_chunk;
   const auto t0 = bench::Clock::now();
   auto m =
@@ -90,7 +90,7 @@ std::unique_ptr<uf::cuda::CudaModel> load(const uf::model::ModelConfig& cfg,
 // CED and the single-span full prefill of a --ced token prompt.
 void run_ced(const PrefillArgs& a, const uf::model::ModelConfig& cfg,
              const uf::model::Checkpoint& ck, json& out, double& ratio, double& ced_s) {
-  auto m = load(cfg, ck, a.ced, a.device, a.attention == "mma");
+  auto m = load(cfg, ck, a.ced, a);
   std::mt19937_64 rng(a.seed + 5);
   const auto toks = bench::random_tokens(rng, a.ced, cfg.vocab_size);
   std::vector<float> logits(static_cast<size_t>(cfg.vocab_size));
@@ -125,7 +125,7 @@ void run_ced(const PrefillArgs& a, const uf::model::ModelConfig& cfg,
 std::vector<uf::model::PrefillPoint> run_chunks(const PrefillArgs& a,
                                                 const uf::model::ModelConfig& cfg,
                                                 const uf::model::Checkpoint& ck, json& out) {
-  auto m = load(cfg, ck, a.chunk, a.device, a.attention == "mma");
+  auto m = load(cfg, ck, a.chunk, a);
   const int C = std::min(a.chunk, m->max_span_rows());
   std::mt19937_64 rng(a.seed + 9);
   const auto toks = bench::random_tokens(rng, C, cfg.vocab_size);
@@ -216,8 +216,6 @@ int run_prefill(const PrefillArgs& a) {
   out["fp8_gemm"] = a.fp8_gemm;
   UF_CHECK(a.prefill_gemm == "bf16" || a.prefill_gemm == "fp8",
            "bench-prefill: --prefill-gemm {} (bf16 or fp8)", a.prefill_gemm);
-  uf::cuda::set_default_prefill_gemm(a.prefill_gemm == "bf16" ? uf::cuda::PrefillGemm::kBf16
-                                                              : uf::cuda::PrefillGemm::kFp8Bitwise);
   out["prefill_gemm"] = a.prefill_gemm;
   UF_CHECK(a.attention == "mma" || a.attention == "split",
            "bench-prefill: --attention {} (mma or split)", a.attention);

@@ -55,21 +55,6 @@ class DeviceBuffer {
   size_t n_ = 0;
 };
 
-// The PrefillGemm DeviceLinears built during its lifetime take (tests that pin the prefill GEMM
-// bitwise to the decode GEMV build theirs under kFp8Bitwise).
-class ScopedPrefillGemm {
- public:
-  explicit ScopedPrefillGemm(PrefillGemm g) : prev_(default_prefill_gemm()) {
-    set_default_prefill_gemm(g);
-  }
-  ~ScopedPrefillGemm() { set_default_prefill_gemm(prev_); }
-  ScopedPrefillGemm(const ScopedPrefillGemm&) = delete;
-  ScopedPrefillGemm& operator=(const ScopedPrefillGemm&) = delete;
-
- private:
-  PrefillGemm prev_;
-};
-
 inline void sync_and_check() {
   UF_CUDA_CHECK(cudaGetLastError());
   UF_CUDA_CHECK(cudaDeviceSynchronize());

@@ -118,6 +118,9 @@ CudaModel::CudaModel(model::ModelConfig cfg, const model::Checkpoint& ckpt,
                    double(p.bytes_done) * 1e-9, double(p.bytes_enqueued) * 1e-9, p.seconds);
   };
   UploadScope load_scope(opts_.device, up_opts);
+  // Every DeviceLinear below takes its prefill GEMM from this (ranks share their options).
+  const ScopedPrefillGemm prefill_gemm(opts_.prefill_gemm_bf16 ? PrefillGemm::kBf16
+                                                               : PrefillGemm::kFp8Bitwise);
   embed_ = upload_weight(w_.embed, arena_);
   norm_ = upload_weight(w_.norm, arena_);
   head_slices_ = split_head_ ? tp_ : std::max(opts_.head_slice_of, 1);

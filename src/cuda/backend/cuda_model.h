@@ -147,6 +147,11 @@ struct CudaModelOptions {
   // so spec == plain is unaffected. Not the CPU's bits (within the bound the op tests state).
   // Off: prefill spans take the split path too (`bench-prefill --attention split`).
   bool prefill_attention_mma = true;
+  // The prefill linear layers on the bf16 GEMM (PrefillGemm::kBf16, ops/linear.h: a bf16 copy of
+  // every FP8 linear weight, ~2.3 GB a TP8 rank, and bf16 activation workspaces); off: the FP8
+  // GEMM that is bitwise the decode GEMV (slower: a 512-row chunk of a TP8 rank 79 ms against 65
+  // at 8k, session 15). CLI: --prefill-gemm fp8.
+  bool prefill_gemm_bf16 = true;
   // The largest session capacity callers will ask for (the server's --max-seq; 0: unknown). The
   // index-score scratch is sized for it at construction, before the decode graphs are captured:
   // otherwise the first session wider than any before drops the graphs (they hold the scratch and

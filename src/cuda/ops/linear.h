@@ -56,6 +56,19 @@ enum class PrefillGemm { kBf16, kFp8Bitwise };
 // against concurrent construction.
 void set_default_prefill_gemm(PrefillGemm g);
 PrefillGemm default_prefill_gemm();
+// The default for the DeviceLinears built during its lifetime (CudaModel's construction, tests).
+class ScopedPrefillGemm {
+ public:
+  explicit ScopedPrefillGemm(PrefillGemm g) : prev_(default_prefill_gemm()) {
+    set_default_prefill_gemm(g);
+  }
+  ~ScopedPrefillGemm() { set_default_prefill_gemm(prev_); }
+  ScopedPrefillGemm(const ScopedPrefillGemm&) = delete;
+  ScopedPrefillGemm& operator=(const ScopedPrefillGemm&) = delete;
+
+ private:
+  PrefillGemm prev_;
+};
 
 // Rows a DeviceLinear's prefill GEMM workspace holds by default (kBf16: the QDQ'd activations, 2
 // bytes per input; kFp8Bitwise: codes + scales, 516 B per row per 512 inputs); longer calls run
