@@ -125,9 +125,9 @@ void setup_generate(CLI::App& app, int& exit_code) {
                 "peer-to-peer all-reduce");
   cmd->add_option(
          "--prefill-gemm", a->prefill_gemm,
-         "--backend cuda: the prefill linear layers on bf16 (dequantised operands, the default) or "
-         "fp8 "
-         "(bitwise the decode GEMV: ~2.3 GB less device memory a TP8 rank, slower prefill)")
+         "--backend cuda: the prefill linear layers on bf16 (dequantised operands, the "
+         "default) or fp8 (bitwise the decode GEMV: ~2.3 GB less device memory a TP8 rank, "
+         "slower prefill)")
       ->capture_default_str()
       ->check(CLI::IsMember({"bf16", "fp8"}));
   cmd->add_option("--verify", a->verify, "Draft verification: block or token (token-wise)")
