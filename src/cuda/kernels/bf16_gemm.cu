@@ -27,8 +27,6 @@
 //   depends on m or on the other rows.
 
 #include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -262,6 +260,12 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
   cluster_barrier();  // no CTA leaves while another may still read its tile
 }
 
+// The bf16 bits of an FP8 QDQ value: the code's value (ew::e4m3_to_f32, core's decoder) times its
+// power-of-two scale, exact in bf16.
+__device__ __forceinline__ uint32_t qdq_bf16_bits(uint8_t code, float s) {
+  return __bfloat16_as_ushort(__float2bfloat16_rn(ew::e4m3_to_f32(code) * s));
+}
+
 // act_quant_rows_kernel's quantisation (fp8_gemm.cu: one warp per (row, 32-block)), stored as the
 // dequantised value.
 __global__ void __launch_bounds__(256)
@@ -273,8 +277,7 @@ __global__ void __launch_bounds__(256)
   const float v = x[size_t(row) * size_t(x_stride) + size_t(kb) * 32 + lane];
   float s;
   const uint8_t code = warp_quant_fp8_block(v, &s);
-  const float q = __half2float(__half(__nv_cvt_fp8_to_halfraw(code, __NV_E4M3))) * s;
-  out[size_t(row) * k + size_t(kb) * 32 + lane] = __bfloat16_as_ushort(__float2bfloat16_rn(q));
+  out[size_t(row) * k + size_t(kb) * 32 + lane] = uint16_t(qdq_bf16_bits(code, s));
 }
 
 // The same values, 4 blocks a warp with 16-byte loads (k % 128 == 0, 16-byte aligned rows): lane
@@ -292,11 +295,7 @@ __global__ void __launch_bounds__(256)
 #pragma unroll
   for (int o = 1; o < 8; o <<= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
   const float s = pow2_scale(fmaxf(a, kActAmaxFloor), kFp8MaxInv), inv = pow2_scale_inv(s);
-  auto qdq = [&](float e) {
-    const uint8_t code = f32_to_e4m3(e * inv);
-    return uint32_t(__bfloat16_as_ushort(
-        __float2bfloat16_rn(__half2float(__half(__nv_cvt_fp8_to_halfraw(code, __NV_E4M3))) * s)));
-  };
+  auto qdq = [&](float e) { return qdq_bf16_bits(detail::f32_to_e4m3(e * inv), s); };
   *reinterpret_cast<uint2*>(out + size_t(row) * k + size_t(q) * 128 + lane * 4) =
       make_uint2(qdq(v.x) | (qdq(v.y) << 16), qdq(v.z) | (qdq(v.w) << 16));
 }
