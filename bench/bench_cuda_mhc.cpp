@@ -18,8 +18,12 @@
 // hc_post_mixes on its output) against hc_post_mixes_moe (the combine folded into the expand,
 // bitwise the same: tests/cuda/test_mhc_combine_fold.cpp), top-6 of 384 experts, the slots
 // L2-warm as after the expert kernels; current kernels, 2 row groups.
+// "prefill": hc_post_mixes (the decode kernels, 2 row groups) against hc_post_mixes_mma (the
+// prefill expand with the mixes on the bf16 tensor cores, ops/mhc_prefill.h) at prefill row
+// counts (--prefill-rows, default 16,64,512,2048), 8 fn copies; floor = the expand's stream bytes
+// (R and x read, out written) / 4.1 TB/s.
 //
-//   bench_cuda_mhc [--reps N] [--copies N] [--rows 1,2,4,7,8]
+//   bench_cuda_mhc [--reps N] [--copies N] [--rows 1,2,4,7,8] [--prefill-rows 16,64,512,2048]
 
 #include <algorithm>
 #include <cstdio>
@@ -41,6 +45,7 @@ int main() {
 #include "cuda/device_weights.h"
 #include "cuda/moe.h"
 #include "cuda/ops/elementwise.h"
+#include "cuda/ops/mhc_prefill.h"
 #include "cuda_bench_util.h"
 
 using namespace uf::cuda;
@@ -87,21 +92,74 @@ void line(const char* what, int T, float old_us, float new_us, float g2_us, doub
 
 }  // namespace
 
+std::vector<int> parse_rows(const char* q, int max) {
+  std::vector<int> rows;
+  while (*q) {
+    const int r = std::atoi(q);
+    if (r >= 1 && r <= max) rows.push_back(r);
+    while (*q && *q != ',') ++q;
+    if (*q == ',') ++q;
+  }
+  return rows;
+}
+
+// The prefill expand: hc_post_mixes vs hc_post_mixes_mma at prefill row counts.
+void bench_prefill(const HcShape& p, const std::vector<int>& rows, int reps, cudaStream_t s) {
+  if (rows.empty()) return;
+  constexpr int kCopies = 8;
+  const int Tmax = *std::max_element(rows.begin(), rows.end());
+  const size_t n = size_t(p.hc) * p.dim, fn_n = size_t(kMix) * n;
+  Buffers b;
+  uint64_t seed = 1000;
+  DeviceArena arena;
+  std::vector<DeviceWeight> fn;
+  std::vector<HcFnTerms> terms;
+  for (int c = 0; c < kCopies; ++c) {
+    float* f = b.floats(fn_n);
+    fill_random_f32(f, fn_n, seed++, 0.02f, s);
+    UF_CUDA_CHECK(cudaStreamSynchronize(s));
+    fn.push_back(f32_weight(f, kMix, int64_t(n)));
+    terms.push_back(hc_fn_terms(p, fn.back(), arena));
+  }
+  float* X = b.floats(size_t(Tmax) * n);
+  float* R = b.floats(size_t(Tmax) * n);
+  float* y = b.floats(size_t(Tmax) * p.dim);
+  float* post = b.floats(size_t(Tmax) * p.hc);
+  float* comb = b.floats(size_t(Tmax) * p.hc * p.hc);
+  float* partial = b.floats(hc_mixes_scratch_floats(p, Tmax));
+  fill_random_f32(X, size_t(Tmax) * n, seed++, 1.0f, s);
+  fill_random_f32(y, size_t(Tmax) * p.dim, seed++, 1.0f, s);
+  fill_random_f32(post, size_t(Tmax) * p.hc, seed++, 1.0f, s);
+  fill_random_f32(comb, size_t(Tmax) * p.hc * p.hc, seed++, 0.5f, s);
+  UF_CUDA_CHECK(cudaStreamSynchronize(s));
+  for (int T : rows) {
+    const float t_rows = uf::bench::time_graph_us(s, reps, [&] {
+      for (int c = 0; c < kCopies; ++c)
+        hc_post_mixes(p, y, X, post, comb, T, R, fn[size_t(c)], partial, s);
+    });
+    const float t_gemm = uf::bench::time_graph_us(s, reps, [&] {
+      for (int c = 0; c < kCopies; ++c)
+        hc_post_mixes_mma(p, y, X, post, comb, T, R, terms[size_t(c)], partial, s);
+    });
+    const double bytes = double(T) * (2.0 * double(n) + p.dim) * 4;
+    const double floor_us = bytes / kHbm * 1e6;
+    std::printf(
+        "prefill expand   T=%4d  hc_post_mixes %8.2f  mma %8.2f us/call (%5.2fx)  floor %6.2f "
+        "us (mma %4.1fx)\n",
+        T, t_rows / kCopies, t_gemm / kCopies, t_rows / t_gemm, floor_us,
+        t_gemm / kCopies / floor_us);
+  }
+}
+
 int main(int argc, char** argv) {
   int reps = 200, copies = 300;
-  std::vector<int> rows = {1, 2, 4, 7, 8};
+  std::vector<int> rows = {1, 2, 4, 7, 8}, prefill_rows = {16, 64, 512, 2048};
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) reps = std::atoi(argv[++i]);
     if (!std::strcmp(argv[i], "--copies") && i + 1 < argc) copies = std::atoi(argv[++i]);
-    if (!std::strcmp(argv[i], "--rows") && i + 1 < argc) {
-      rows.clear();
-      for (const char* q = argv[++i]; *q;) {
-        const int r = std::atoi(q);
-        if (r >= 1 && r <= kTmax) rows.push_back(r);
-        while (*q && *q != ',') ++q;
-        if (*q == ',') ++q;
-      }
-    }
+    if (!std::strcmp(argv[i], "--rows") && i + 1 < argc) rows = parse_rows(argv[++i], kTmax);
+    if (!std::strcmp(argv[i], "--prefill-rows") && i + 1 < argc)
+      prefill_rows = parse_rows(argv[++i], 8192);
   }
   reps = std::max(reps, 1);
   copies = std::max(copies, 1);
@@ -234,6 +292,7 @@ int main(int argc, char** argv) {
     std::printf("moe fold         T=%d  combine+post %7.2f  fused %7.2f us/call  saves %5.2f us\n",
                 T, t_cp / cc, t_fold / cc, (t_cp - t_fold) / cc);
   }
+  bench_prefill(p, prefill_rows, std::min(reps, 50), s);
   UF_CUDA_CHECK(cudaStreamDestroy(s));
   return 0;
 }

@@ -135,6 +135,8 @@ CudaModel::CudaModel(model::ModelConfig cfg, const model::Checkpoint& ckpt,
   } else {
     head_ = DeviceLinear(w_.head, LinearKind::kF32Bf16X, arena_);
   }
+  // Prefill spans expand with the next mixes on the tensor cores (hc_post_mixes_mma).
+  const bool mix_mma = opts_.prefill_gemm_bf16 && tmax_ > kMaxDecodeRows;
   int max_ratio = 1, max_topk = 1;
   for (int l = 0; l < cfg_.n_total_layers(); ++l) {
     const auto& r = cfg_.role(l);
@@ -149,6 +151,10 @@ CudaModel::CudaModel(model::ModelConfig cfg, const model::Checkpoint& ckpt,
     op->hc_ffn_fn = upload_weight(L.hc_ffn_fn, arena_);
     op->hc_ffn_scale = upload_weight(L.hc_ffn_scale, arena_);
     op->hc_ffn_base = upload_weight(L.hc_ffn_base, arena_);
+    if (mix_mma) {
+      op->hc_attn_terms = hc_fn_terms(hc_, op->hc_attn_fn, arena_);
+      op->hc_ffn_terms = hc_fn_terms(hc_, op->hc_ffn_fn, arena_);
+    }
     op->q_norm = upload_weight(A.q_norm, arena_);
     op->kv_norm = upload_weight(A.kv_norm, arena_);
     op->c_norm = upload_weight(A.c_norm, arena_);
@@ -691,7 +697,8 @@ void CudaModel::block(Span& sp, int l, float* X, float* pre_mix) {
 
 // mHC around each sublayer in 2 fused kernels (ops/mhc.cu), bitwise the unfused ops:
 // hc_mix_pre_norm (the mixes' finish + collapse + norm) before the sublayer, hc_post_mixes (the
-// expand + the next sublayer's mixes partials over the new stream) after it. The stream
+// expand + the next sublayer's mixes partials over the new stream) after it; prefill spans take
+// hc_post_mixes_mma for the latter (ops/mhc_prefill.h: the mixes on the tensor cores). The stream
 // ping-pongs: the attention's expand writes R_, the FFN's writes X back (a fused expand cannot
 // write in place), so no copy of X is needed. The partials of layer l's attention mixes come from
 // layer l - 1's FFN expand when that was the previous layer() call on the same X and rows
@@ -710,7 +717,17 @@ void CudaModel::layer(int l, float* X, int T, float* pre_mix,
   hc_mix_pre_norm(hc_, op.hc_attn_scale, op.hc_attn_base, mix_scratch_, X, pre_mix, op.attn_norm,
                   eps, T, x_, apre_, apost_, acomb_, stream_);
   attention(x_, y_);
-  hc_post_mixes(hc_, y_, X, apost_, acomb_, T, R_, op.hc_ffn_fn, mix_scratch_, stream_);
+  // The expand + the next sublayer's mixes: prefill spans on the tensor cores where the fn has
+  // its terms (hc_post_mixes_mma: the same out, the mixes to fp32 re-association), decode rows
+  // (spec == plain) and the expand alone on hc_post_mixes.
+  const auto expand = [&](const float* R, const float* post, const float* comb, float* out,
+                          const DeviceWeight& fn, const HcFnTerms& terms) {
+    if (T > kMaxDecodeRows && !fn.empty() && !terms.empty())
+      hc_post_mixes_mma(hc_, y_, R, post, comb, T, out, terms, mix_scratch_, stream_);
+    else
+      hc_post_mixes(hc_, y_, R, post, comb, T, out, fn, mix_scratch_, stream_);
+  };
+  expand(X, apost_, acomb_, R_, op.hc_ffn_fn, op.hc_ffn_terms);
 
   // As the CPU (and the reference): the FFN mixes' pre goes to pre_mix (the next layer's
   // attention), the FFN collapses with the attention's pre.
@@ -726,11 +743,12 @@ void CudaModel::layer(int l, float* X, int T, float* pre_mix,
   const int stack_end = l < cfg_.n_layers ? cfg_.n_layers : cfg_.n_total_layers();
   const bool fuse_next = next < stack_end && !cfg_.role(next).engram;
   const DeviceWeight next_fn = fuse_next ? layers_[size_t(next)]->hc_attn_fn : DeviceWeight{};
+  const HcFnTerms next_terms = fuse_next ? layers_[size_t(next)]->hc_attn_terms : HcFnTerms{};
   if (fold) {
     const MoeSlots slots{moe_slots_, gate_i_, op.moe->top_k(), cfg_.role(l).n_routed_experts};
     hc_post_mixes_moe(hc_, slots, R_, fpost_, fcomb_, T, X, next_fn, mix_scratch_, stream_);
   } else {
-    hc_post_mixes(hc_, y_, R_, fpost_, fcomb_, T, X, next_fn, mix_scratch_, stream_);
+    expand(R_, fpost_, fcomb_, X, next_fn, next_terms);
   }
   if (fuse_next) mix_ready_ = MixReady{next, X, T};
 }

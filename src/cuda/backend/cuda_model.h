@@ -150,7 +150,9 @@ struct CudaModelOptions {
   // The prefill linear layers on the bf16 GEMM (PrefillGemm::kBf16, ops/linear.h: a bf16 copy of
   // every FP8 linear weight, ~2.3 GB a TP8 rank, and bf16 activation workspaces); off: the FP8
   // GEMM that is bitwise the decode GEMV (slower: a 512-row chunk of a TP8 rank 79 ms against 65
-  // at 8k, session 15). CLI: --prefill-gemm fp8.
+  // at 8k, session 15). CLI: --prefill-gemm fp8. Also the prefill mHC expand's mixes
+  // (hc_post_mixes_mma, ops/mhc_prefill.h: fn as bf16 terms, ~3.3 MB a sublayer at dim 5120);
+  // off: hc_post_mixes, bitwise the decode kernels.
   bool prefill_gemm_bf16 = true;
   // The largest session capacity callers will ask for (the server's --max-seq; 0: unknown). The
   // index-score scratch is sized for it at construction, before the decode graphs are captured:

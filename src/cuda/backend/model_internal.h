@@ -10,6 +10,7 @@
 
 #include "cuda/backend/cuda_model.h"
 #include "cuda/cuda_check.h"
+#include "cuda/ops/mhc_prefill.h"
 
 namespace uf::cuda {
 
@@ -34,6 +35,8 @@ class BlockPacker {
 struct CudaModel::LayerOps {
   DeviceWeight attn_norm, ffn_norm;
   DeviceWeight hc_attn_fn, hc_attn_scale, hc_attn_base, hc_ffn_fn, hc_ffn_scale, hc_ffn_base;
+  // The fns as bf16 terms for the prefill expand on the tensor cores (empty: not used).
+  HcFnTerms hc_attn_terms, hc_ffn_terms;
   DeviceWeight q_norm, kv_norm, c_norm, i_k_norm;
   DeviceLinear wq_a, wq_b, wkv, wo_a, wo_b;
   DeviceLinear c_wkv, c_wgate, i_wq_b, i_weights_proj, i_wk;
