@@ -15,7 +15,8 @@
 // session 7's kernel changes (H200): 41.4 / 72.9 / 115.3 us at T = 1 / 4 / 7. Then prefill:
 // T = 64, 512 rows by chunks of 8 through MoeFp4 against MoeFp4Prefill
 // (tests/cuda/test_moe_prefill.cpp), us, GB/s, bitwise check. Last: MoeFp4Prefill's e4m3 mma
-// kernels vs its f16 HMMA kernels (set_f16) at T = 512 / 2048, us and TFLOP/s, bitwise check.
+// kernels vs its f16 HMMA kernels (set_f16) on 64- and 16-column items (set_cols) at T = 512 /
+// 2048, us and TFLOP/s, bitwise check.
 //
 //   bench_cuda_moe [--reps N] [--copies N] [--layers N]
 
@@ -475,37 +476,44 @@ int main(int argc, char** argv) {
   }
 
   // Prefill kernels: MoeFp4Prefill::run (plan + w13 + w2 + combine) with the e4m3 mma kernels
-  // (set_f16(false)) vs the f16 HMMA kernels (set_f16(true), default), T = 512 / 2048 rows,
-  // random routing (~8 / ~32 pairs an expert). TFLOP/s = 2 * pairs * (2 * I + I) * dim / time
-  // (w1 and w3: I x dim each, w2: dim x I, per valid (row, expert) pair).
+  // (set_f16(false)) vs the f16 HMMA kernels (set_f16(true), default) on 64-column and on
+  // 16-column items (set_cols; the default takes 16 at 512 rows, 64 at 2048), T = 512 / 2048
+  // rows, random routing (~8 / ~32 pairs an expert). TFLOP/s = 2 * pairs * (2 * I + I) * dim /
+  // time (w1 and w3: I x dim each, w2: dim x I, per valid (row, expert) pair).
   std::printf(
       "\nprefill kernels, MoeFp4Prefill::run (plan + w13 + w2 + combine), e4m3 mma vs f16 HMMA "
-      "(set_f16)\n  TFLOP/s = 2 * pairs * 3 * inter * dim / time\n%5s %6s %10s %10s %8s %9s %9s "
-      "%s\n",
-      "T", "pairs", "e4m3 us", "f16 us", "speedup", "e4m3 TF/s", "f16 TF/s", "bitwise");
+      "(set_f16) on 64- / 16-column items (set_cols)\n  TFLOP/s = 2 * pairs * 3 * inter * dim / "
+      "time\n%5s %6s %10s %10s %10s %9s %9s %9s %s\n",
+      "T", "pairs", "e4m3 us", "f16/64 us", "f16/16 us", "e4m3 TF/s", "f16/64", "f16/16",
+      "bitwise");
+  float* pout_16 = reinterpret_cast<float*>(b.bytes(size_t(kMaxT) * kDim * 4));
   for (int T : {512, 2048}) {
-    float us[2];
-    for (int k = 0; k < 2; ++k) {
-      float* out = k == 0 ? pout_old : pout_new;
-      pf.set_f16(k == 1);
-      UF_CUDA_CHECK(cudaMemsetAsync(out, 0xFF, size_t(kMaxT) * kDim * 4, s));
+    float us[3];
+    float* outs[3] = {pout_old, pout_new, pout_16};
+    for (int k = 0; k < 3; ++k) {
+      pf.set_f16(k != 0);
+      pf.set_cols(k == 1 ? 64 : k == 2 ? 16 : 0);
+      UF_CUDA_CHECK(cudaMemsetAsync(outs[k], 0xFF, size_t(kMaxT) * kDim * 4, s));
       us[k] = replay_us_per_copy(s, 20, copies, [&](int c) {
-        pf.run(ex[size_t(c)], QuantActView{pcodes, pscales, T, kDim}, pidx, pwts, kSwigluLimit, out,
-               s);
+        pf.run(ex[size_t(c)], QuantActView{pcodes, pscales, T, kDim}, pidx, pwts, kSwigluLimit,
+               outs[k], s);
       });
     }
     pf.set_f16(true);
-    std::vector<float> a(size_t(T) * kDim), c(size_t(T) * kDim);
+    pf.set_cols(0);
+    std::vector<float> a(size_t(T) * kDim), c(size_t(T) * kDim), d(size_t(T) * kDim);
     UF_CUDA_CHECK(cudaMemcpy(a.data(), pout_old, a.size() * 4, cudaMemcpyDeviceToHost));
     UF_CUDA_CHECK(cudaMemcpy(c.data(), pout_new, c.size() * 4, cudaMemcpyDeviceToHost));
+    UF_CUDA_CHECK(cudaMemcpy(d.data(), pout_16, d.size() * 4, cudaMemcpyDeviceToHost));
     size_t diff = 0, nan = 0;
     for (size_t i = 0; i < a.size(); ++i) {
-      nan += std::isnan(a[i]) || std::isnan(c[i]);
-      diff += std::memcmp(&a[i], &c[i], 4) != 0;
+      nan += std::isnan(a[i]) || std::isnan(c[i]) || std::isnan(d[i]);
+      diff += std::memcmp(&a[i], &c[i], 4) != 0 || std::memcmp(&a[i], &d[i], 4) != 0;
     }
     const double flops = 2.0 * T * kTopk * 3.0 * kInter * kDim;  // every pair valid here
-    std::printf("%5d %6d %10.1f %10.1f %7.2fx %9.1f %9.1f %s\n", T, T * kTopk, us[0], us[1],
-                us[0] / us[1], flops / (us[0] * 1e-6) / 1e12, flops / (us[1] * 1e-6) / 1e12,
+    std::printf("%5d %6d %10.1f %10.1f %10.1f %9.1f %9.1f %9.1f %s\n", T, T * kTopk, us[0], us[1],
+                us[2], flops / (us[0] * 1e-6) / 1e12, flops / (us[1] * 1e-6) / 1e12,
+                flops / (us[2] * 1e-6) / 1e12,
                 diff == 0 && nan == 0 ? "equal" : "DIFFERENT / NaN!");
     if (diff || nan) std::printf("    %zu outputs differ, %zu NaN\n", diff, nan);
   }

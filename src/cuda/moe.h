@@ -136,9 +136,9 @@ class MoeFp4 {
 // inputs, outputs and per-(row, expert) arithmetic as MoeFp4, so the outputs are bitwise those
 // of MoeFp4 run on the rows in chunks of 8 (a row's result never depends on the other rows).
 // The (row, expert) pairs are sorted by expert on the device and each selected expert's weights
-// are read once per call (per 64 of its rows), not once per 8 rows. Kernels and their order:
-// src/cuda/kernels/moe_prefill.cu. Workspace (allocated here): max_rows * topk * (dim * 4 +
-// inter * 1.125) bytes (the per-pair fp32 w2 outputs dominate: 63 MB at 512 x top-6 x 5120).
+// are read once per call (per 16 or 64 of its rows: item_cols), not once per 8 rows. Kernels and
+// their order: src/cuda/kernels/moe_prefill.cu. Workspace (allocated here): max_rows * topk * (dim
+// * 4 + inter * 1.125) bytes (the per-pair fp32 w2 outputs dominate: 63 MB at 512 x top-6 x 5120).
 // Not graph-capturable across different m (the grid depends on m); run() does not allocate.
 class MoeFp4Prefill {
  public:
@@ -168,6 +168,11 @@ class MoeFp4Prefill {
   // the same outputs (tests/cuda/test_moe_prefill_f16.cpp). For benchmarks and tests.
   void set_f16(bool on) { f16_ = on; }
   bool f16() const { return f16_; }
+  // The columns (pairs) of a work item for a call of m rows: 16 where the experts average few
+  // pairs (the f16 kernels' small tiles: more CTAs an SM), else 64 (moe_prefill.cu). Bitwise the
+  // same outputs either way. set_cols(16 / 64) forces one (tests, benchmarks); 0 restores.
+  int item_cols(int m) const;
+  void set_cols(int cols);
 
  private:
   void experts_impl(const Fp4ExpertsView& w, const QuantActView& x, const int* topk_idx,
@@ -176,6 +181,7 @@ class MoeFp4Prefill {
   int dim_, inter_, topk_, experts_, max_rows_;
   int max_items_ = 0, plan_smem_ = 0;
   bool f16_ = true;             // set_f16
+  int cols_ = 0;                // set_cols (0: by the call's pairs)
   int* sorted_ = nullptr;       // [max_rows * topk] pair indices sorted by expert
   int* items_ = nullptr;        // [max_items][3] (expert, first sorted position, columns)
   int* n_items_ = nullptr;      // [1]

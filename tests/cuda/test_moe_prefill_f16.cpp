@@ -7,8 +7,11 @@
 // blocks). The routing is random with some experts forced to 0, 1, 63, 64, 65 and 130 pairs
 // (one item of 1..8 column groups, exactly 64 = one full item, 65 = a full item + a 1-column
 // item, 130 = three items) and ~1/64 invalid ids. Outputs are NaN-poisoned before each call;
-// run_experts' slots of invalid ids must stay poisoned, every other output finite. No tolerance:
-// any difference is a bug; the first mismatch is printed with both values' bits.
+// run_experts' slots of invalid ids must stay poisoned, every other output finite. The f16 kernels
+// run with their default item width (item_cols: 16 columns where the experts average <= 12
+// pairs, else 64) and forced to each width (set_cols 16 / 64: the 130-pair expert is 9 or 3
+// items). No tolerance: any difference is a bug; the first mismatch is printed with both values'
+// bits.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -153,8 +156,11 @@ void compare_f16(int E, int dim, int inter, uint64_t seed, const std::vector<int
   const Experts x(E, dim, inter, seed);
   MoeFp4Prefill f16(dim, inter, kTopk, E, kMaxRows);
   MoeFp4Prefill e4m3(dim, inter, kTopk, E, kMaxRows);
+  MoeFp4Prefill f16_16(dim, inter, kTopk, E, kMaxRows), f16_64(dim, inter, kTopk, E, kMaxRows);
   f16.set_f16(true);
   e4m3.set_f16(false);
+  f16_16.set_cols(16);
+  f16_64.set_cols(64);
   MoeFp4 decode(dim, inter, kTopk, device_sm_count());
   for (int m : ms) {
     Inputs in = random_inputs(m, dim, E, rng);
@@ -172,6 +178,13 @@ void compare_f16(int E, int dim, int inter, uint64_t seed, const std::vector<int
           << "f16 prefill vs decode kernels (chunks of 8 rows): " << tag;
       const auto again = run_entry(f16, e, x, din, m, false);
       EXPECT_TRUE(same_bits(got, again, e, dim, in.idx, E)) << "f16 prefill twice: " << tag;
+      for (MoeFp4Prefill* forced : {&f16_16, &f16_64}) {
+        const int cols = forced->item_cols(m);
+        const auto f = run_entry(*forced, e, x, din, m, false);
+        EXPECT_TRUE(same_bits(got, f, e, dim, in.idx, E))
+            << "f16 prefill, " << cols << "-column items vs the default (" << f16.item_cols(m)
+            << "): " << tag;
+      }
     }
   }
 }
@@ -191,13 +204,29 @@ TEST(CudaMoePrefillF16, BitwiseRealShape) {
   compare_f16(384, 5120, 288, 403, kRows);
 }
 
-// The default is the f16 path; the setter switches.
+// The default is the f16 path; the setter switches. Item widths: 16 columns up to a mean of 12
+// pairs an expert (a TP8 rank's 512-row chunk: 3072 pairs over 384 experts), 64 above (2048
+// rows) and for the e4m3 kernels; set_cols forces, 0 restores, other widths are refused.
 TEST(CudaMoePrefillF16, DefaultAndSetter) {
   UF_REQUIRE_GPU();
   MoeFp4Prefill p(256, 64, kTopk, 12, 16);
   EXPECT_TRUE(p.f16());
+  EXPECT_EQ(p.item_cols(16), 16);  // 96 pairs over 12 experts: a mean of 8
   p.set_f16(false);
   EXPECT_FALSE(p.f16());
+  EXPECT_EQ(p.item_cols(16), 64);
+  MoeFp4Prefill q(5120, 288, kTopk, 384, 2048);
+  EXPECT_EQ(q.item_cols(512), 16);
+  EXPECT_EQ(q.item_cols(768), 16);  // a mean of 12
+  EXPECT_EQ(q.item_cols(769), 64);
+  EXPECT_EQ(q.item_cols(2048), 64);
+  q.set_cols(64);
+  EXPECT_EQ(q.item_cols(512), 64);
+  q.set_cols(16);
+  EXPECT_EQ(q.item_cols(2048), 16);
+  q.set_cols(0);
+  EXPECT_EQ(q.item_cols(512), 16);
+  EXPECT_THROW(q.set_cols(32), std::exception);
 }
 
 }  // namespace

@@ -7,8 +7,9 @@
 //   1. prefill_plan_kernel (one block): the P = m * topk (row, expert) pairs sorted by expert id
 //      (stable: ascending pair index, i.e. ascending row, within an expert; a counting sort over
 //      segments of the pairs, a warp each) into `sorted`, and a work list of items
-//      (expert, first sorted position, n <= kCols columns): an expert with c pairs makes
-//      ceil(c / kCols) items. Invalid ids (< 0, >= E) select nothing.
+//      (expert, first sorted position, n <= C columns): an expert with c pairs makes
+//      ceil(c / C) items, C = MoeFp4Prefill::item_cols (16 or 64: kSmallCols, kCols). Invalid
+//      ids (< 0, >= E) select nothing.
 //   2. prefill_w13_kernel: grid (I/32, max items), 4 warps as moe_w13_kernel (w1 rows 0-15 /
 //      16-31, w3 rows 0-15 / 16-31 of one 32-row group). Each K block's weight fragment is loaded
 //      and decoded once and applied to all kCols / 8 column groups of the item. Then the decode
@@ -16,9 +17,10 @@
 //      position.
 //   3. prefill_w2_kernel: grid (K/16 / 8, max items), 8 warps, one 16-row output tile per warp,
 //      all column groups of the item; y of pair (t, k) at y + t * y_row_stride + k * dim.
-//   2b / 3b. prefill_w13_f16_kernel / prefill_w2_f16_kernel (MoeFp4Prefill::set_f16(true), the
-//      default): the same work with the mma as f16 HMMAs and each operand converted once (see
-//      "The f16 path" below); 2 / 3 remain selectable (set_f16(false)), bitwise the same.
+//   2b / 3b. prefill_w13_f16_kernel<C> / prefill_w2_f16_kernel<C> (MoeFp4Prefill::set_f16(true),
+//      the default): the same work with the mma as f16 HMMAs and each operand converted once (see
+//      "The f16 path" below), for items of C = 16 or 64 columns; 2 / 3 remain selectable
+//      (set_f16(false), 64-column items), bitwise the same.
 //   4. moe_combine_rows (moe_fp4.cu): out[t] = sum over t's valid experts in ascending id of y
 //      (fp32, from 0).
 //
@@ -51,8 +53,14 @@ namespace {
 
 using namespace detail;
 
-constexpr int kCols = 64;              // columns (pairs) per item: 8 mma column groups
-constexpr int kGroups = kCols / 8;     // column groups per item
+constexpr int kCols = 64;           // columns (pairs) per item: 8 mma column groups
+constexpr int kGroups = kCols / 8;  // column groups per item
+// The f16 kernels also take items of kSmallCols columns (MoeFp4Prefill::item_cols): a quarter of
+// the shared memory and far fewer registers, so twice the CTAs an SM, for calls whose experts
+// average at most kSmallColsMaxMean pairs (a 512-row chunk of top-6 over 384 experts: 8). An
+// expert with more pairs than that is then cut into more items (its weights read once per item).
+constexpr int kSmallCols = 16;
+constexpr int kSmallColsMaxMean = 12;
 constexpr int kKbPerSplitDecode = 16;  // moe_fp4.cu kKbPerSplit (w13 split-K of the decode path)
 constexpr int kPlanThreads = 1024;
 constexpr int kW13Warps = 4;
@@ -77,7 +85,8 @@ size_t plan_smem_bytes(size_t P, int E) {
   return sizeof(int) * (P + size_t(E) + 1 + 2 * size_t(E) + size_t(kPlanSegs) * E);
 }
 __global__ void __launch_bounds__(kPlanThreads)
-    prefill_plan_kernel(const int* topk_idx, int P, int E, int* sorted, int* items, int* n_items) {
+    prefill_plan_kernel(const int* topk_idx, int P, int E, int cols, int* sorted, int* items,
+                        int* n_items) {
   extern __shared__ int psm[];
   int* s_e = psm;                // [P] expert of each pair (-1: invalid)
   int* s_off = psm + P;          // [E + 1] first sorted position of each expert
@@ -116,7 +125,7 @@ __global__ void __launch_bounds__(kPlanThreads)
   if (warp == 0) {  // exclusive prefix of pairs and of items over the experts: lane = a range
     const int per = (E + 31) / 32, e0 = min(E, lane * per), e1 = min(E, e0 + per);
     int c = 0, it = 0;
-    for (int e = e0; e < e1; ++e) c += s_tot[e], it += (s_tot[e] + kCols - 1) / kCols;
+    for (int e = e0; e < e1; ++e) c += s_tot[e], it += (s_tot[e] + cols - 1) / cols;
     int ci = c, iti = it;  // inclusive scans over the lanes
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
@@ -128,7 +137,7 @@ __global__ void __launch_bounds__(kPlanThreads)
       s_off[e] = pos;
       s_item0[e] = item;
       pos += s_tot[e];
-      item += (s_tot[e] + kCols - 1) / kCols;
+      item += (s_tot[e] + cols - 1) / cols;
     }
     if (lane == 31) {
       s_off[E] = ci;
@@ -157,11 +166,11 @@ __global__ void __launch_bounds__(kPlanThreads)
     });
   for (int e = warp; e < E; e += blockDim.x / 32) {
     const int base = s_off[e], count = s_off[e + 1] - base;
-    for (int q = lane; q * kCols < count; q += 32) {
+    for (int q = lane; q * cols < count; q += 32) {
       int* it = items + 3 * (s_item0[e] + q);
       it[0] = e;
-      it[1] = base + q * kCols;
-      it[2] = min(kCols, count - q * kCols);
+      it[1] = base + q * cols;
+      it[2] = min(cols, count - q * cols);
     }
   }
 }
@@ -480,31 +489,38 @@ __global__ void __launch_bounds__(kW2Warps * 32) prefill_w2_kernel(const Prefill
 // Shared memory (dynamic), both kernels: two raw chunks (codes [kb][column][32 bytes], scales
 // [column][kb] fp32, w13 only: weight scales [64 rows][kb] bytes), then the operands of one chunk
 // (f16 B operands [kb][column][64 bytes], activation scales * 2^6 [kb][column]), then the weight
-// scales as fp32 (w13: [warp][kb][8][2] of the chunk; w2: [warp][nkb][8][2], all of I). Sizes:
-// w13 74752 bytes (three CTAs an SM: 167 registers), w2 76288 at inter 288 (two CTAs of 8 warps
-// an SM: 128 registers); no spills (ptxas -v).
+// scales as fp32 (w13: [warp][kb][8][2] of the chunk; w2: [warp][nkb][8][2], all of I). Sizes,
+// 64-column items: w13 74752 bytes (three CTAs an SM: 167 registers), w2 76288 at inter 288 (two
+// CTAs of 8 warps an SM: 128 registers); 16-column items: w13 20992 bytes (five CTAs an SM: 96
+// registers), w2 22528 (three CTAs: 80 registers); no spills (ptxas -v).
 constexpr int kFChunk = 8;  // K blocks a chunk: half a w13 split
-constexpr int kRawActScaleOff = kFChunk * kCols * 32;
-constexpr int kRawWsOff = kRawActScaleOff + kCols * kFChunk * 4;
-template <bool kW13>
+// C = the columns of a work item (prefill_plan_kernel's item width; 16 or 64).
+template <bool kW13, int C>
 struct F16Layout {
-  static constexpr int kRaw = kRawWsOff + (kW13 ? 2 * 32 * kFChunk : 0);
+  static constexpr int kActScaleOff = kFChunk * C * 32;
+  static constexpr int kWsOff = kActScaleOff + C * kFChunk * 4;
+  static constexpr int kRaw = kWsOff + (kW13 ? 2 * 32 * kFChunk : 0);
   static constexpr int kOps = 2 * kRaw;
-  static constexpr int kSa = kOps + kFChunk * kCols * 64;
-  static constexpr int kSwf = kSa + kFChunk * kCols * 4;
+  static constexpr int kSa = kOps + kFChunk * C * 64;
+  static constexpr int kSwf = kSa + kFChunk * C * 4;
   static_assert(kRaw % 16 == 0 && kSa % 16 == 0 && kSwf % 16 == 0, "16-byte layout");
 };
-using W13Layout = F16Layout<true>;
-using W2Layout = F16Layout<false>;
-constexpr int kW13F16Smem = W13Layout::kSwf + kW13Warps * kFChunk * 16 * 4;
-static_assert(kW13Warps * kGroups * 128 * 4 <= kW13F16Smem, "the w13 epilogue's s_acc fits");
-int w2_f16_smem(int inter) { return W2Layout::kSwf + kW2Warps * (inter / 32) * 16 * 4; }
+template <int C>
+constexpr int w13_f16_smem() {
+  constexpr int bytes = F16Layout<true, C>::kSwf + kW13Warps * kFChunk * 16 * 4;
+  static_assert(kW13Warps * (C / 8) * 128 * 4 <= bytes, "the w13 epilogue's s_acc fits");
+  return bytes;
+}
+template <int C>
+int w2_f16_smem(int inter) {
+  return F16Layout<false, C>::kSwf + kW2Warps * (inter / 32) * 16 * 4;
+}
 
 // Stages K blocks [kb0, kb0 + kbn) (kbn <= kFChunk) of columns c < ncols (act_row(c) = the
 // activation row, -1 = none: zero-filled) into raw (cp.async; the caller commits): codes at
 // [kb][column][32], scales at [column][kb]. All threads of the CTA. (Index math by shifts: a
 // column's pieces / scales are strided by the chunk maximum and the ones past kbn skipped.)
-template <typename RowOf>
+template <int C, typename RowOf>
 __device__ __forceinline__ void f16_stage_act(uint8_t* raw, int ncols, RowOf act_row,
                                               const uint8_t* act, const float* act_s, int act_k,
                                               int nkb, int kb0, int kbn) {
@@ -513,10 +529,10 @@ __device__ __forceinline__ void f16_stage_act(uint8_t* raw, int ncols, RowOf act
     const int c = i >> 4, q = i & 15, row = act_row(c);  // q: 16-byte piece (K block q / 2)
     if (q < 2 * kbn) {
       const uint8_t* src = act + size_t(row >= 0 ? row : 0) * act_k + size_t(kb0) * 32 + q * 16;
-      cp_async_zfill(raw + ((q >> 1) * kCols + c) * 32 + (q & 1) * 16, src, 16, row >= 0);
+      cp_async_zfill(raw + ((q >> 1) * C + c) * 32 + (q & 1) * 16, src, 16, row >= 0);
     }
   }
-  float* sc = reinterpret_cast<float*>(raw + kRawActScaleOff);
+  float* sc = reinterpret_cast<float*>(raw + F16Layout<true, C>::kActScaleOff);
   for (int i = threadIdx.x; i < ncols * 8; i += blockDim.x) {
     const int c = i >> 3, j = i & 7, row = act_row(c);
     if (j < kbn)
@@ -529,20 +545,21 @@ __device__ __forceinline__ void f16_stage_act(uint8_t* raw, int ncols, RowOf act
 // fragment prefill_kb builds, b_e4m3_to_f16x8) and the scales times 2^6 (prefill_kb's sa0 / sa1).
 // All threads of the CTA: one warp per (K block, column group), lane = (column g, t) as the
 // reader's.
+template <int C>
 __device__ __forceinline__ void f16_convert_act(const uint8_t* raw, uint8_t* ops, float* sa,
                                                 int ngroups, int kbn) {
   const int lane = threadIdx.x & 31, nw = blockDim.x >> 5;
   for (int r = threadIdx.x >> 5; r < kbn * ngroups; r += nw) {
     const int j = r / ngroups, c = (r - j * ngroups) * 8 + (lane >> 2), t = lane & 3;
-    const uint2 v = *reinterpret_cast<const uint2*>(raw + (j * kCols + c) * 32 + t * 8);
-    *reinterpret_cast<uint4*>(ops + (j * kCols + c) * 64 + t * 16) =
+    const uint2 v = *reinterpret_cast<const uint2*>(raw + (j * C + c) * 32 + t * 8);
+    *reinterpret_cast<uint4*>(ops + (j * C + c) * 64 + t * 16) =
         b_e4m3_to_f16x8(__byte_perm(v.x, v.y, 0x6420), __byte_perm(v.x, v.y, 0x7531));
   }
-  const float* rs = reinterpret_cast<const float*>(raw + kRawActScaleOff);
+  const float* rs = reinterpret_cast<const float*>(raw + F16Layout<true, C>::kActScaleOff);
   const int ncols = ngroups * 8;
-  for (int i = threadIdx.x; i < kbn * kCols; i += blockDim.x) {
-    const int j = i / kCols, c = i % kCols;
-    if (c < ncols) sa[j * kCols + c] = rs[c * kFChunk + j] * kE2M1ToE4M3Rescale;
+  for (int i = threadIdx.x; i < kbn * C; i += blockDim.x) {
+    const int j = i / C, c = i % C;
+    if (c < ncols) sa[j * C + c] = rs[c * kFChunk + j] * kE2M1ToE4M3Rescale;
   }
 }
 
@@ -572,8 +589,9 @@ __device__ __forceinline__ void f16_kb(uint32_t q0, uint32_t q1, float2 sw, cons
 
 // A chunk's kbn K blocks (in order) for NG column groups; kbn is a multiple of kQ (runs of kQ
 // blocks without a branch). swp = the lane's weight-scale pair of the chunk's block 0 (block kl
-// at + kl * 16 floats); ops / sas = the chunk's operands and activation scales.
-template <int NG, int kQ>
+// at + kl * 16 floats); ops / sas = the chunk's operands and activation scales (C columns a K
+// block).
+template <int NG, int kQ, int C>
 __device__ __forceinline__ void f16_chunk(const uint32_t (&q0)[kFChunk],
                                           const uint32_t (&q1)[kFChunk], int kbn, const float* swp,
                                           const uint8_t* ops, const float* sas,
@@ -587,8 +605,8 @@ __device__ __forceinline__ void f16_chunk(const uint32_t (&q0)[kFChunk],
 #pragma unroll
     for (int u = 0; u < kQ; ++u) {
       const int kl = k0 + u;
-      f16_kb<NG>(q0[kl], q1[kl], *reinterpret_cast<const float2*>(swp + kl * 16),
-                 b + kl * kCols * 64, sa + kl * kCols, acc);
+      f16_kb<NG>(q0[kl], q1[kl], *reinterpret_cast<const float2*>(swp + kl * 16), b + kl * C * 64,
+                 sa + kl * C, acc);
     }
   }
 }
@@ -598,35 +616,34 @@ __device__ __forceinline__ void f16_chunk(const uint32_t (&q0)[kFChunk],
 // above kW13SplitNG in passes of kPassNG groups (f16_chunk_split); up to kPipeNG (w13) /
 // kW2PipeNG (w2) groups the next chunk's weights are loaded during a chunk (16 registers more).
 constexpr int kQBig = 4;
-constexpr int kW13SplitNG = 6, kW2SplitNG = kGroups, kPassNG = 4, kPipeNG = 6, kW2PipeNG = 6;
+constexpr int kW13SplitNG = 6, kW2SplitNG = 8, kPassNG = 4, kPipeNG = 6, kW2PipeNG = 6;
 
 // f16_chunk for NG column groups; above kSplitNG groups in passes over the chunk (groups
 // [0, kPassNG), then the rest: the A operands decoded again), fewer operands in flight. The
 // updates of each output and their order are unchanged (an output's updates are its own group's).
-template <int NG, int kQ, int kSplitNG>
+template <int NG, int kQ, int kSplitNG, int C>
 __device__ __forceinline__ void f16_chunk_split(const uint32_t (&q0)[kFChunk],
                                                 const uint32_t (&q1)[kFChunk], int kbn,
                                                 const float* swp, const uint8_t* ops,
                                                 const float* sas, float (&acc)[NG][4]) {
   if constexpr (NG > kSplitNG) {
     constexpr int kP = kPassNG;
-    f16_chunk<kP, kQ>(q0, q1, kbn, swp, ops, sas, reinterpret_cast<float(&)[kP][4]>(acc[0]));
-    f16_chunk_split<NG - kP, kQ, kSplitNG>(q0, q1, kbn, swp, ops + kP * 8 * 64, sas + kP * 8,
-                                           reinterpret_cast<float(&)[NG - kP][4]>(acc[kP]));
+    f16_chunk<kP, kQ, C>(q0, q1, kbn, swp, ops, sas, reinterpret_cast<float(&)[kP][4]>(acc[0]));
+    f16_chunk_split<NG - kP, kQ, kSplitNG, C>(q0, q1, kbn, swp, ops + kP * 8 * 64, sas + kP * 8,
+                                              reinterpret_cast<float(&)[NG - kP][4]>(acc[kP]));
   } else {
-    f16_chunk<NG, kQ>(q0, q1, kbn, swp, ops, sas, acc);
+    f16_chunk<NG, kQ, C>(q0, q1, kbn, swp, ops, sas, acc);
   }
 }
 
-// f(std::integral_constant<int, ngroups>{}) for ngroups 1..kGroups (warp-uniform): a CTA's main
-// loop compiled for its column-group count (accumulators for those groups only, no branch per
-// group).
-template <int N = 1, typename F>
+// f(std::integral_constant<int, ngroups>{}) for ngroups 1..G (warp-uniform): a CTA's main loop
+// compiled for its column-group count (accumulators for those groups only, no branch per group).
+template <int G, int N = 1, typename F>
 __device__ __forceinline__ void with_groups(int ngroups, F&& f) {
-  if (ngroups == N || N == kGroups) {
+  if (ngroups == N || N == G) {
     f(std::integral_constant<int, N>{});
-  } else if constexpr (N < kGroups) {
-    with_groups<N + 1>(ngroups, f);
+  } else if constexpr (N < G) {
+    with_groups<G, N + 1>(ngroups, f);
   }
 }
 
@@ -646,15 +663,21 @@ __device__ __forceinline__ void f16_load_weights(const uint8_t* r0, uint32_t r1_
   }
 }
 
-__global__ void __launch_bounds__(kW13Warps * 32, 3)
+template <int C>
+__global__ void __launch_bounds__(kW13Warps * 32, C == kSmallCols ? 5 : 3)
     prefill_w13_f16_kernel(const PrefillW13Params p) {
-  extern __shared__ __align__(16) uint8_t smem[];  // kW13F16Smem; then the epilogue's s_acc
-  __shared__ int s_tok[kCols];
-  __shared__ int s_pair[kCols];
+  using L = F16Layout<true, C>;
+  constexpr int G = C / 8;
+  // K blocks a straight run of the chunk loop: 4, or 2 for 16-column items (96 registers, no
+  // spills: five CTAs an SM instead of three).
+  constexpr int kQSmall = C == kSmallCols ? 2 : 4;
+  extern __shared__ __align__(16) uint8_t smem[];  // w13_f16_smem<C>(); then the epilogue's s_acc
+  __shared__ int s_tok[C];
+  __shared__ int s_pair[C];
   const int item = blockIdx.y;
   if (item >= *p.n_items) return;
   const int expert = p.items[3 * item], pos0 = p.items[3 * item + 1], n = p.items[3 * item + 2];
-  for (int c = threadIdx.x; c < kCols; c += blockDim.x) {
+  for (int c = threadIdx.x; c < C; c += blockDim.x) {
     const int pair = c < n ? p.sorted[pos0 + c] : -1;
     s_pair[c] = pair;
     s_tok[c] = pair >= 0 ? pair / p.topk : -1;
@@ -678,15 +701,15 @@ __global__ void __launch_bounds__(kW13Warps * 32, 3)
   auto issue = [&](int j) {
     if (j < nch) {
       const int kb0 = j * kFChunk, kbn = min(nkb, kb0 + kFChunk) - kb0;
-      uint8_t* raw = smem + (j & 1) * W13Layout::kRaw;
-      f16_stage_act(raw, ncols, tok, p.x, p.xs, p.dim, nkb, kb0, kbn);
+      uint8_t* raw = smem + (j & 1) * L::kRaw;
+      f16_stage_act<C>(raw, ncols, tok, p.x, p.xs, p.dim, nkb, kb0, kbn);
       for (int i = threadIdx.x; i < 64 * 2; i += blockDim.x) {
         const int R = i >> 1, u = i & 1;
         if (u * 4 < kbn) {
           const uint8_t* src = (R >= 32 ? p.w3s : p.w1s) +
                                (size_t(expert) * p.inter + group * 32 + (R & 31)) * nkb + kb0 +
                                u * 4;
-          cp_async_zfill(raw + kRawWsOff + R * kFChunk + u * 4, src, 4, true);
+          cp_async_zfill(raw + L::kWsOff + R * kFChunk + u * 4, src, 4, true);
         }
       }
     }
@@ -694,12 +717,12 @@ __global__ void __launch_bounds__(kW13Warps * 32, 3)
   };
   issue(0);
   issue(1);
-  uint8_t* ops = smem + W13Layout::kOps;
-  float* sas = reinterpret_cast<float*>(smem + W13Layout::kSa);
-  float* swf = reinterpret_cast<float*>(smem + W13Layout::kSwf);
+  uint8_t* ops = smem + L::kOps;
+  float* sas = reinterpret_cast<float*>(smem + L::kSa);
+  float* swf = reinterpret_cast<float*>(smem + L::kSwf);
   const float* swp = swf + warp * kFChunk * 16 + g * 2;
-  auto s_acc = reinterpret_cast<float(*)[kGroups][128]>(smem);  // after the loop
-  with_groups(ngroups, [&](auto ng) {
+  auto s_acc = reinterpret_cast<float(*)[G][128]>(smem);  // after the loop
+  with_groups<G>(ngroups, [&](auto ng) {
     constexpr int NG = decltype(ng)::value;
     float total[NG][4], acc[NG][4];
     // Up to kPipeNG groups the weights of chunk j + 1 are loaded before chunk j's products (their
@@ -713,13 +736,13 @@ __global__ void __launch_bounds__(kW13Warps * 32, 3)
       if constexpr (!kPipe) f16_load_weights(r0, r1_off, kb0, kb1, q0, q1);
       cp_async_wait<1>();
       __syncthreads();  // chunk j landed for every thread; every warp is done with chunk j - 1
-      const uint8_t* raw = smem + (j & 1) * W13Layout::kRaw;
-      f16_convert_act(raw, ops, sas, NG, kbn);
+      const uint8_t* raw = smem + (j & 1) * L::kRaw;
+      f16_convert_act<C>(raw, ops, sas, NG, kbn);
       for (int i = threadIdx.x; i < 64 * kFChunk; i += blockDim.x) {
         const int R = i / kFChunk, k = i % kFChunk;
         if (k < kbn)
           swf[(((R >> 4) * kFChunk + k) * 8 + (R & 7)) * 2 + ((R >> 3) & 1)] =
-              e8m0_to_f32(raw[kRawWsOff + R * kFChunk + k]);
+              e8m0_to_f32(raw[L::kWsOff + R * kFChunk + k]);
       }
       __syncthreads();  // chunk j's operands are ready; raw buffer j & 1 is free
       issue(j + 2);
@@ -732,7 +755,8 @@ __global__ void __launch_bounds__(kW13Warps * 32, 3)
         const int kn0 = j + 1 < nch ? kb1 : kb0;
         f16_load_weights(r0, r1_off, kn0, min(nkb, kn0 + kFChunk), n0, n1);
       }
-      f16_chunk_split<NG, (NG > kQBig ? 1 : 4), kW13SplitNG>(q0, q1, kbn, swp, ops, sas, acc);
+      f16_chunk_split<NG, (NG > kQBig ? 1 : kQSmall), kW13SplitNG, C>(q0, q1, kbn, swp, ops, sas,
+                                                                      acc);
       if constexpr (kPipe) {
 #pragma unroll
         for (int u = 0; u < kFChunk; ++u) q0[u] = n0[u], q1[u] = n1[u];
@@ -776,13 +800,16 @@ __global__ void __launch_bounds__(kW13Warps * 32, 3)
   }
 }
 
-__global__ void __launch_bounds__(kW2Warps * 32, 2) prefill_w2_f16_kernel(const PrefillW2Params p) {
-  extern __shared__ __align__(16) uint8_t smem[];  // w2_f16_smem(inter)
-  __shared__ int s_pair[kCols];
+template <int C>
+__global__ void __launch_bounds__(kW2Warps * 32, C == kSmallCols ? 3 : 2)
+    prefill_w2_f16_kernel(const PrefillW2Params p) {
+  using L = F16Layout<false, C>;
+  extern __shared__ __align__(16) uint8_t smem[];  // w2_f16_smem<C>(inter)
+  __shared__ int s_pair[C];
   const int item = blockIdx.y;
   if (item >= *p.n_items) return;
   const int expert = p.items[3 * item], pos0 = p.items[3 * item + 1], n = p.items[3 * item + 2];
-  for (int c = threadIdx.x; c < kCols; c += blockDim.x) s_pair[c] = c < n ? p.sorted[pos0 + c] : -1;
+  for (int c = threadIdx.x; c < C; c += blockDim.x) s_pair[c] = c < n ? p.sorted[pos0 + c] : -1;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int tile = blockIdx.x * kW2Warps + warp;
   // A warp past the last tile still stages and converts (the CTA's barriers need every thread).
@@ -798,7 +825,7 @@ __global__ void __launch_bounds__(kW2Warps * 32, 2) prefill_w2_f16_kernel(const 
   f16_load_weights(r0, r1_off, 0, min(nkb, kFChunk), q0, q1);
   // The warp's 16 rows x nkb weight scales as fp32 [kb][g][row g, g + 8], once (read after the
   // first chunk's barriers).
-  float* swf = reinterpret_cast<float*>(smem + W2Layout::kSwf) + warp * nkb * 16;
+  float* swf = reinterpret_cast<float*>(smem + L::kSwf) + warp * nkb * 16;
   {
     const uint8_t* sc = p.w2s + (size_t(expert) * p.dim + size_t(tile_c) * 16) * nkb;
     for (int i = lane; i < 16 * nkb; i += 32) {
@@ -814,20 +841,20 @@ __global__ void __launch_bounds__(kW2Warps * 32, 2) prefill_w2_f16_kernel(const 
   auto issue = [&](int j) {  // one commit group per chunk index, as the w13 kernel's
     if (j < nch) {
       const int kb0 = j * kFChunk, kbn = min(nkb, kb0 + kFChunk) - kb0;
-      f16_stage_act(smem + (j & 1) * W2Layout::kRaw, ncols, hrow, p.h_codes, p.h_scales, p.inter,
-                    nkb, kb0, kbn);
+      f16_stage_act<C>(smem + (j & 1) * L::kRaw, ncols, hrow, p.h_codes, p.h_scales, p.inter, nkb,
+                       kb0, kbn);
     }
     cp_async_commit();
   };
   issue(0);
   issue(1);
-  uint8_t* ops = smem + W2Layout::kOps;
-  float* sas = reinterpret_cast<float*>(smem + W2Layout::kSa);
+  uint8_t* ops = smem + L::kOps;
+  float* sas = reinterpret_cast<float*>(smem + L::kSa);
   const int rbase = tile * 16;
   auto out = [&](int pair) {
     return p.y + (pair / p.topk) * p.y_row_stride + size_t(pair % p.topk) * p.dim + rbase;
   };
-  with_groups(ngroups, [&](auto ng) {
+  with_groups<C / 8>(ngroups, [&](auto ng) {
     constexpr int NG = decltype(ng)::value;
     float acc[NG][4];
 #pragma unroll
@@ -840,7 +867,7 @@ __global__ void __launch_bounds__(kW2Warps * 32, 2) prefill_w2_f16_kernel(const 
       if (!kPipe && j > 0) f16_load_weights(r0, r1_off, kb0, kb1, q0, q1);
       cp_async_wait<1>();
       __syncthreads();  // chunk j landed for every thread; every warp is done with chunk j - 1
-      f16_convert_act(smem + (j & 1) * W2Layout::kRaw, ops, sas, NG, kbn);
+      f16_convert_act<C>(smem + (j & 1) * L::kRaw, ops, sas, NG, kbn);
       __syncthreads();  // chunk j's operands are ready; raw buffer j & 1 is free
       issue(j + 2);
       uint32_t n0[kFChunk], n1[kFChunk];
@@ -849,7 +876,7 @@ __global__ void __launch_bounds__(kW2Warps * 32, 2) prefill_w2_f16_kernel(const 
         f16_load_weights(r0, r1_off, kn0, min(nkb, kn0 + kFChunk), n0, n1);
       }
       if (live)
-        f16_chunk_split<NG, 1, kW2SplitNG>(q0, q1, kbn, swf + kb0 * 16 + g * 2, ops, sas, acc);
+        f16_chunk_split<NG, 1, kW2SplitNG, C>(q0, q1, kbn, swf + kb0 * 16 + g * 2, ops, sas, acc);
       if constexpr (kPipe) {
 #pragma unroll
         for (int u = 0; u < kFChunk; ++u) q0[u] = n0[u], q1[u] = n1[u];
@@ -877,6 +904,19 @@ __global__ void __launch_bounds__(kW2Warps * 32, 2) prefill_w2_f16_kernel(const 
 
 }  // namespace
 
+int MoeFp4Prefill::item_cols(int m) const {
+  if (!f16_) return kCols;  // the e4m3 kernels: 64-column items only
+  if (cols_ != 0) return cols_;
+  return int64_t(m) * topk_ <= int64_t(kSmallColsMaxMean) * experts_ ? kSmallCols : kCols;
+}
+
+void MoeFp4Prefill::set_cols(int cols) {
+  require(cols == 0 || cols == kSmallCols || cols == kCols,
+          "MoeFp4Prefill::set_cols: %d (0 = by the call's pairs, %d or %d)", cols, kSmallCols,
+          kCols);
+  cols_ = cols;
+}
+
 MoeFp4Prefill::MoeFp4Prefill(int dim, int inter, int topk, int num_experts, int max_rows)
     : dim_(dim), inter_(inter), topk_(topk), experts_(num_experts), max_rows_(max_rows) {
   require(dim > 0 && inter > 0 && dim % 128 == 0 && inter % 32 == 0 && topk >= 1 && topk <= 8 &&
@@ -885,7 +925,7 @@ MoeFp4Prefill::MoeFp4Prefill(int dim, int inter, int topk, int num_experts, int 
           "max rows %d",
           dim, inter, topk, num_experts, max_rows);
   const size_t P = size_t(max_rows) * topk;
-  max_items_ = int(std::min<size_t>(size_t(num_experts), P) + P / kCols + 1);
+  max_items_ = int(std::min<size_t>(size_t(num_experts), P) + P / kSmallCols + 1);
   require(max_items_ <= 65535, "MoeFp4Prefill: %d work items exceed the grid's y limit",
           max_items_);
   plan_smem_ = int(plan_smem_bytes(P, num_experts));
@@ -900,19 +940,16 @@ MoeFp4Prefill::MoeFp4Prefill(int dim, int inter, int topk, int num_experts, int 
                                      cudaFuncAttributeMaxDynamicSharedMemorySize, 2 * kStageBytes));
   UF_CUDA_CHECK(cudaFuncSetAttribute(prefill_w2_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      2 * kStageBytes));
-  require(w2_f16_smem(inter) <= 227 * 1024,
+  require(w2_f16_smem<kCols>(inter) <= 227 * 1024,
           "MoeFp4Prefill: inter %d needs %d bytes of shared memory in the f16 w2 kernel", inter,
-          w2_f16_smem(inter));
-  UF_CUDA_CHECK(cudaFuncSetAttribute(prefill_w13_f16_kernel,
-                                     cudaFuncAttributeMaxDynamicSharedMemorySize, kW13F16Smem));
-  // The w2 kernel's shared memory depends on inter, and the attribute belongs to the kernel on
-  // this device, not to this object: raise it, never lower it below another object's need (a
-  // tensor-parallel rank's slice beside a whole-inter object on the same device).
-  cudaFuncAttributes fa{};
-  UF_CUDA_CHECK(cudaFuncGetAttributes(&fa, prefill_w2_f16_kernel));
-  if (fa.maxDynamicSharedSizeBytes < w2_f16_smem(inter))
-    UF_CUDA_CHECK(cudaFuncSetAttribute(
-        prefill_w2_f16_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, w2_f16_smem(inter)));
+          w2_f16_smem<kCols>(inter));
+  // The attributes belong to the kernels on this device, not to this object: raise them, never
+  // lower them below another object's need (the w2 kernel's depends on inter: a tensor-parallel
+  // rank's slice beside a whole-inter object on the same device).
+  raise_smem(prefill_w13_f16_kernel<kSmallCols>, w13_f16_smem<kSmallCols>());
+  raise_smem(prefill_w13_f16_kernel<kCols>, w13_f16_smem<kCols>());
+  raise_smem(prefill_w2_f16_kernel<kSmallCols>, w2_f16_smem<kSmallCols>(inter));
+  raise_smem(prefill_w2_f16_kernel<kCols>, w2_f16_smem<kCols>(inter));
   UF_CUDA_CHECK(cudaMalloc(&sorted_, sizeof(int) * P));
   UF_CUDA_CHECK(cudaMalloc(&items_, sizeof(int) * 3 * size_t(max_items_)));
   UF_CUDA_CHECK(cudaMalloc(&n_items_, sizeof(int)));
@@ -943,16 +980,21 @@ void MoeFp4Prefill::experts_impl(const Fp4ExpertsView& w, const QuantActView& x,
           "MoeFp4Prefill::run_experts: row stride %lld < topk %d * dim %d",
           static_cast<long long>(y_row_stride), topk_, dim_);
   const int P = x.m * topk_;
-  prefill_plan_kernel<<<1, kPlanThreads, size_t(plan_smem_), stream>>>(topk_idx, P, experts_,
+  const int cols = item_cols(x.m);
+  prefill_plan_kernel<<<1, kPlanThreads, size_t(plan_smem_), stream>>>(topk_idx, P, experts_, cols,
                                                                        sorted_, items_, n_items_);
   UF_CUDA_CHECK(cudaGetLastError());
   // Items needed for this P (<= max_items_): the grid is sized for it, blocks past n_items exit.
-  const int items = std::min(max_items_, std::min(experts_, P) + P / kCols + 1);
+  const int items = std::min(max_items_, std::min(experts_, P) + P / cols + 1);
   const PrefillW13Params a{w.w1,     w.w1_scale,   w.w3,     w.w3_scale, dim_,    inter_,
                            topk_,    x.codes,      x.scales, topk_w,     sorted_, items_,
                            n_items_, swiglu_limit, h_codes_, h_scales_};
-  if (f16_)
-    prefill_w13_f16_kernel<<<dim3(inter_ / 32, items), kW13Warps * 32, kW13F16Smem, stream>>>(a);
+  if (f16_ && cols == kSmallCols)
+    prefill_w13_f16_kernel<kSmallCols>
+        <<<dim3(inter_ / 32, items), kW13Warps * 32, w13_f16_smem<kSmallCols>(), stream>>>(a);
+  else if (f16_)
+    prefill_w13_f16_kernel<kCols>
+        <<<dim3(inter_ / 32, items), kW13Warps * 32, w13_f16_smem<kCols>(), stream>>>(a);
   else
     prefill_w13_kernel<<<dim3(inter_ / 32, items), kW13Warps * 32, 2 * kStageBytes, stream>>>(a);
   UF_CUDA_CHECK(cudaGetLastError());
@@ -960,8 +1002,11 @@ void MoeFp4Prefill::experts_impl(const Fp4ExpertsView& w, const QuantActView& x,
                           n_items_, h_codes_,   h_scales_, y,      y_row_stride, round_w2};
   const int tiles = dim_ / 16;
   const dim3 w2_grid((tiles + kW2Warps - 1) / kW2Warps, items);
-  if (f16_)
-    prefill_w2_f16_kernel<<<w2_grid, kW2Warps * 32, w2_f16_smem(inter_), stream>>>(b);
+  if (f16_ && cols == kSmallCols)
+    prefill_w2_f16_kernel<kSmallCols>
+        <<<w2_grid, kW2Warps * 32, w2_f16_smem<kSmallCols>(inter_), stream>>>(b);
+  else if (f16_)
+    prefill_w2_f16_kernel<kCols><<<w2_grid, kW2Warps * 32, w2_f16_smem<kCols>(inter_), stream>>>(b);
   else
     prefill_w2_kernel<<<w2_grid, kW2Warps * 32, 2 * kStageBytes, stream>>>(b);
   UF_CUDA_CHECK(cudaGetLastError());
