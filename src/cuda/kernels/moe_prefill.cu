@@ -17,6 +17,8 @@
 //      position.
 //   3. prefill_w2_kernel: grid (K/16 / 8, max items), 8 warps, one 16-row output tile per warp,
 //      all column groups of the item; y of pair (t, k) at y + t * y_row_stride + k * dim.
+//   3c. prefill_w2_tiles_f16_kernel<C>: 3b for inter / 32 <= 16 K blocks (a TP rank's slice),
+//      the activations staged once a CTA and kW2Tiles tiles a warp (the default there).
 //   2b / 3b. prefill_w13_f16_kernel<C> / prefill_w2_f16_kernel<C> (MoeFp4Prefill::set_f16(true),
 //      the default): the same work with the mma as f16 HMMAs and each operand converted once (see
 //      "The f16 path" below), for items of C = 16 or 64 columns; 2 / 3 remain selectable
@@ -902,6 +904,144 @@ __global__ void __launch_bounds__(kW2Warps * 32, C == kSmallCols ? 3 : 2)
   });
 }
 
+// The w2 kernel for a rank's slice of inter (inter / 32 <= kW2TilesMaxKb K blocks: 9 at a TP8
+// rank), where prefill_w2_f16_kernel's CTA (16 rows a warp, 18 KB of weights) spent most of its
+// life on its prologue (pairs, the activations' staging and conversion, two barriers a chunk)
+// and a 512-row chunk ran 23k such CTAs: here a CTA stages and converts the item's activations
+// for all of inter once, then each warp walks kW2Tiles 16-row tiles (tile = (blockIdx.x *
+// kW2Tiles + r) * kW2Warps + warp) without another CTA barrier, the next (tile, chunk)'s weight
+// words and the next tile's scale bytes loaded while the current one computes. Every output's
+// operations and order are prefill_w2_f16_kernel's (bitwise the same).
+constexpr int kW2Tiles = 4;
+constexpr int kW2TilesMaxKb = 2 * kFChunk;
+// Shared memory: two raw chunks (F16Layout<false, C>::kRaw each), the operands of all nkb K
+// blocks ([kb][column][64 bytes]), their scales ([kb][column]), each warp's tile scales
+// ([nkb][8][2] fp32). 16-column items at inter 288: 28.2 KB; 64: 85 KB.
+template <int C>
+int w2_tiles_smem(int inter) {
+  const int nkb = inter / 32;
+  return 2 * F16Layout<false, C>::kRaw + nkb * C * 64 + nkb * C * 4 + kW2Warps * nkb * 16 * 4;
+}
+
+template <int C>
+__global__ void __launch_bounds__(kW2Warps * 32, C == kSmallCols ? 3 : 2)
+    prefill_w2_tiles_f16_kernel(const PrefillW2Params p) {
+  constexpr int kRaw = F16Layout<false, C>::kRaw;
+  constexpr int kSwW = kW2TilesMaxKb * 16 / 4 / 32;  // a lane's 4-byte words of a tile's scales
+  extern __shared__ __align__(16) uint8_t smem[];    // w2_tiles_smem<C>(inter)
+  __shared__ int s_pair[C];
+  const int item = blockIdx.y;
+  if (item >= *p.n_items) return;
+  const int expert = p.items[3 * item], pos0 = p.items[3 * item + 1], n = p.items[3 * item + 2];
+  for (int c = threadIdx.x; c < C; c += blockDim.x) s_pair[c] = c < n ? p.sorted[pos0 + c] : -1;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int nkb = p.inter / 32, nch = (nkb + kFChunk - 1) / kFChunk;
+  const size_t row_bytes = p.inter / 2;
+  const uint32_t r1_off = uint32_t(8 * row_bytes);  // row g + 8
+  uint8_t* ops = smem + 2 * kRaw;
+  float* sas = reinterpret_cast<float*>(ops + nkb * C * 64);
+  float* swf = sas + nkb * C + warp * nkb * 16;
+  const int ngroups = (n + 7) / 8, ncols = ngroups * 8;
+  // h rows are the sorted positions pos0 + c (column c valid when c < n).
+  const auto hrow = [&](int c) { return c < n ? pos0 + c : -1; };
+  for (int j = 0; j < nch; ++j) {
+    const int kb0 = j * kFChunk;
+    f16_stage_act<C>(smem + j * kRaw, ncols, hrow, p.h_codes, p.h_scales, p.inter, nkb, kb0,
+                     min(nkb, kb0 + kFChunk) - kb0);
+  }
+  cp_async_commit();
+  const int ntiles = p.dim / 16, tile0 = blockIdx.x * (kW2Tiles * kW2Warps) + warp;
+  int nt = 0;  // this warp's live tiles (tile0 + r * kW2Warps < ntiles for r < nt)
+  while (nt < kW2Tiles && tile0 + nt * kW2Warps < ntiles) ++nt;
+  const auto rows_of = [&](int r) {  // row g of tile r (past the warp's last: its last, unused)
+    const int tl = tile0 + min(r, max(nt - 1, 0)) * kW2Warps;
+    return p.w2 + (size_t(expert) * p.dim + size_t(min(tl, ntiles - 1)) * 16 + g) * row_bytes;
+  };
+  // Tile r's 16 x nkb UE8M0 bytes: contiguous and 16-byte aligned (16 rows of nkb bytes), read
+  // as 4 nkb words, word w on lane w % 32.
+  const auto load_sw = [&](int r, uint32_t(&b)[kSwW]) {
+    const int tl = min(tile0 + min(r, max(nt - 1, 0)) * kW2Warps, ntiles - 1);
+    const uint32_t* sc =
+        reinterpret_cast<const uint32_t*>(p.w2s + (size_t(expert) * p.dim + size_t(tl) * 16) * nkb);
+#pragma unroll
+    for (int u = 0; u < kSwW; ++u) {
+      const int w = lane + 32 * u;
+      b[u] = w < 4 * nkb ? __ldg(sc + w) : 0u;
+    }
+  };
+  uint32_t sw[kSwW];
+  load_sw(0, sw);
+  uint32_t q0[kFChunk], q1[kFChunk];
+  f16_load_weights(rows_of(0), r1_off, 0, min(nkb, kFChunk), q0, q1);
+  cp_async_wait<0>();
+  __syncthreads();  // every chunk landed for every thread; s_pair
+  for (int j = 0; j < nch; ++j) {
+    const int kb0 = j * kFChunk;
+    f16_convert_act<C>(smem + j * kRaw, ops + kb0 * C * 64, sas + kb0 * C, ngroups,
+                       min(nkb, kb0 + kFChunk) - kb0);
+  }
+  __syncthreads();  // the operands of all of inter are ready
+  with_groups<C / 8>(ngroups, [&](auto ng) {
+    constexpr int NG = decltype(ng)::value;
+    constexpr bool kPipe = NG <= kW2PipeNG;  // as prefill_w2_f16_kernel
+    for (int r = 0; r < nt; ++r) {
+      __syncwarp();  // the previous tile's reads of swf are done
+#pragma unroll
+      for (int u = 0; u < kSwW; ++u)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = 4 * (lane + 32 * u) + e;  // byte i: row i / nkb, K block i % nkb
+          if (i < 16 * nkb) {
+            const int rr = i / nkb, k = i - rr * nkb;
+            swf[(k * 8 + (rr & 7)) * 2 + (rr >> 3)] = e8m0_to_f32(uint8_t(sw[u] >> (8 * e)));
+          }
+        }
+      if (r + 1 < nt) load_sw(r + 1, sw);
+      __syncwarp();  // swf holds tile r's scales
+      const uint8_t* r0 = rows_of(r);
+      float acc[NG][4];
+#pragma unroll
+      for (int cg = 0; cg < NG; ++cg) acc[cg][0] = acc[cg][1] = acc[cg][2] = acc[cg][3] = 0.f;
+      for (int j = 0; j < nch; ++j) {  // w2 sums all of inter from 0 (no splits)
+        const int kb0 = j * kFChunk, kb1 = min(nkb, kb0 + kFChunk), kbn = kb1 - kb0;
+        if (!kPipe && (j > 0 || r > 0)) f16_load_weights(r0, r1_off, kb0, kb1, q0, q1);
+        uint32_t n0[kFChunk], n1[kFChunk];
+        if constexpr (kPipe) {  // the next (tile, chunk)'s words (past the last: unused)
+          const bool same = j + 1 < nch;
+          const int nk0 = same ? kb1 : 0;
+          f16_load_weights(same ? r0 : rows_of(r + 1), r1_off, nk0, min(nkb, nk0 + kFChunk), n0,
+                           n1);
+        }
+        f16_chunk_split<NG, 1, kW2SplitNG, C>(q0, q1, kbn, swf + kb0 * 16 + g * 2,
+                                              ops + kb0 * C * 64, sas + kb0 * C, acc);
+        if constexpr (kPipe) {
+#pragma unroll
+          for (int u = 0; u < kFChunk; ++u) q0[u] = n0[u], q1[u] = n1[u];
+        }
+      }
+      // Epilogue: prefill_w2_kernel's.
+      const int rbase = (tile0 + r * kW2Warps) * 16;
+      auto out = [&](int pair) {
+        return p.y + (pair / p.topk) * p.y_row_stride + size_t(pair % p.topk) * p.dim + rbase;
+      };
+#pragma unroll
+      for (int cg = 0; cg < NG; ++cg) {
+        const int c0 = cg * 8 + 2 * t, c1 = c0 + 1;
+        if (c0 < n) {
+          float* y = out(s_pair[c0]);
+          y[g] = p.round ? round_bf16(acc[cg][0]) : acc[cg][0];
+          y[g + 8] = p.round ? round_bf16(acc[cg][2]) : acc[cg][2];
+        }
+        if (c1 < n) {
+          float* y = out(s_pair[c1]);
+          y[g] = p.round ? round_bf16(acc[cg][1]) : acc[cg][1];
+          y[g + 8] = p.round ? round_bf16(acc[cg][3]) : acc[cg][3];
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 
 int MoeFp4Prefill::item_cols(int m) const {
@@ -950,6 +1090,10 @@ MoeFp4Prefill::MoeFp4Prefill(int dim, int inter, int topk, int num_experts, int 
   raise_smem(prefill_w13_f16_kernel<kCols>, w13_f16_smem<kCols>());
   raise_smem(prefill_w2_f16_kernel<kSmallCols>, w2_f16_smem<kSmallCols>(inter));
   raise_smem(prefill_w2_f16_kernel<kCols>, w2_f16_smem<kCols>(inter));
+  if (inter / 32 <= kW2TilesMaxKb) {
+    raise_smem(prefill_w2_tiles_f16_kernel<kSmallCols>, w2_tiles_smem<kSmallCols>(inter));
+    raise_smem(prefill_w2_tiles_f16_kernel<kCols>, w2_tiles_smem<kCols>(inter));
+  }
   UF_CUDA_CHECK(cudaMalloc(&sorted_, sizeof(int) * P));
   UF_CUDA_CHECK(cudaMalloc(&items_, sizeof(int) * 3 * size_t(max_items_)));
   UF_CUDA_CHECK(cudaMalloc(&n_items_, sizeof(int)));
@@ -1002,7 +1146,15 @@ void MoeFp4Prefill::experts_impl(const Fp4ExpertsView& w, const QuantActView& x,
                           n_items_, h_codes_,   h_scales_, y,      y_row_stride, round_w2};
   const int tiles = dim_ / 16;
   const dim3 w2_grid((tiles + kW2Warps - 1) / kW2Warps, items);
-  if (f16_ && cols == kSmallCols)
+  const dim3 w2_tiles_grid((tiles + kW2Warps * kW2Tiles - 1) / (kW2Warps * kW2Tiles), items);
+  const bool w2_tiles = inter_ / 32 <= kW2TilesMaxKb;
+  if (f16_ && w2_tiles && cols == kSmallCols)
+    prefill_w2_tiles_f16_kernel<kSmallCols>
+        <<<w2_tiles_grid, kW2Warps * 32, w2_tiles_smem<kSmallCols>(inter_), stream>>>(b);
+  else if (f16_ && w2_tiles)
+    prefill_w2_tiles_f16_kernel<kCols>
+        <<<w2_tiles_grid, kW2Warps * 32, w2_tiles_smem<kCols>(inter_), stream>>>(b);
+  else if (f16_ && cols == kSmallCols)
     prefill_w2_f16_kernel<kSmallCols>
         <<<w2_grid, kW2Warps * 32, w2_f16_smem<kSmallCols>(inter_), stream>>>(b);
   else if (f16_)
