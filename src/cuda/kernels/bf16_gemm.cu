@@ -48,6 +48,14 @@ constexpr int kStages = 3;
 constexpr int kRowBytes = kBK * 2;
 constexpr int kMaxSplits = 8;  // portable cluster size
 constexpr int kMinKTilesPerSplit = 8;
+// The split plan aims at column tiles x splits >= kSplitTarget: 32 (a 512-row call's 8 row tiles
+// give 256 CTAs) measured 61.33 / 61.35 ms a 512-row chunk against 61.66 / 61.89 with 16 and
+// 62.24 / 62.47 with 48 (H200, same run). A build-time knob for A/B tests
+// (scripts/build-variant).
+#ifndef UF_BF16_SPLIT_TARGET
+#define UF_BF16_SPLIT_TARGET 32
+#endif
+constexpr int kSplitTarget = UF_BF16_SPLIT_TARGET;
 
 // A CTA's tile: BM activation rows x kBN weight rows, warps of WM x WN (WM / 16 m16 tiles, WN / 8
 // n8 tiles each). Every shape gives every output the same operations in the same order (one
@@ -352,9 +360,10 @@ void launch(const Bf16GemmParams& p, int splits, cudaStream_t stream) {
 
 int bf16_gemm_splits(int n, int k) {
   const int n_tiles = (n + kBN - 1) / kBN, k_tiles = (k + kBK - 1) / kBK;
-  // 16 column tiles x splits fill the GPU at 8 row tiles (512 rows); a split keeps >= 512 of K.
-  const int want = std::max(
-      1, std::min({kMaxSplits, (16 + n_tiles - 1) / n_tiles, k_tiles / kMinKTilesPerSplit}));
+  // kSplitTarget column tiles x splits fill the GPU at 8 row tiles (512 rows); a split keeps
+  // >= 512 of K.
+  const int want = std::max(1, std::min({kMaxSplits, (kSplitTarget + n_tiles - 1) / n_tiles,
+                                         k_tiles / kMinKTilesPerSplit}));
   const int tiles_per_split = (k_tiles + want - 1) / want;
   return (k_tiles + tiles_per_split - 1) / tiles_per_split;  // no empty split
 }

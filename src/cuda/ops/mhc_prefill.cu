@@ -1,16 +1,18 @@
 // hc_post_mixes_mma and hc_fn_terms (ops/mhc_prefill.h): the prefill mHC expand with the next
 // sublayer's mixes on the bf16 tensor cores. The header says why and what the kernel computes.
 //
-// post_mixes_mma_kernel<HC, TERMS>: block = 32 rows x 64 channels (two 32-channel splits), 4
-// warps. Shared memory (HC 4, 3 terms: 61.7 KB, three blocks an SM):
-//   v      [32 rows][HC * 64] bf16, k = stream * 64 + channel, rows padded by 16 bytes (an
+// post_mixes_mma_kernel<HC, TERMS>: block = kRows (64) rows x 64 channels (two 32-channel
+// splits), 2 * kRows / 16 warps. Shared memory (HC 4, 3 terms, 64 rows: 81 KB, two blocks an
+// SM):
+//   v      [kRows][HC * 64] bf16, k = stream * 64 + channel, rows padded by 16 bytes (an
 //          ldmatrix of 8 rows at one k reads 8 distinct bank groups);
 //   terms  [rows of the terms][HC * 64] bf16, the same k and padding;
-//   cb     [32 rows][HC * HC + HC] fp32: comb then post of each row.
+//   cb     [kRows][HC * HC + HC] fp32: comb then post of each row.
 // Phases: cp.async of the terms (issued first: they do not depend on the rows); comb / post; v
-// with thread = (row parity, channel), 16 rows a thread, 4 rows' loads in flight; then warp w
-// runs split w / 2 on rows (w % 2) * 16 .. + 15: 2 * HC k16 steps (stream s, 16 channels) x
-// rows / 8 n tiles of mma.sync m16n8k16 bf16 -> fp32, operands by ldmatrix.x4.
+// with thread = (row group, channel), 16 rows a thread, all their loads in flight together; then
+// warp w runs split w / (kRows / 16) on rows (w % (kRows / 16)) * 16 .. + 15: 2 * HC k16 steps
+// (stream s, 16 channels) x rows / 8 n tiles of mma.sync m16n8k16 bf16 -> fp32, operands by
+// ldmatrix.x4.
 //
 // fn_terms_kernel: one thread an element of the terms; hi = round_bf16(f), mid = round_bf16(f -
 // hi), lo = f - hi - mid (both differences exact in fp32); poisoned as the header states.
@@ -26,11 +28,18 @@ namespace {
 using namespace detail;
 
 constexpr int kSplitChannels = 32;  // the channels of one mixes split (ops/mhc.cu kPostD)
-constexpr int kRows = 32;
+// Rows a block: a warp per (split, 16 rows) in the mma phase. 64 (8 warps, 81 KB: two blocks an
+// SM) measured 61.07 / 61.60 ms a 512-row chunk against 61.66 / 61.89 with 32 (H200, same run;
+// the outputs are the same bits). A build-time knob for A/B tests (scripts/build-variant).
+#ifndef UF_MHC_MMA_ROWS
+#define UF_MHC_MMA_ROWS 64
+#endif
+constexpr int kRows = UF_MHC_MMA_ROWS;
 constexpr int kChannels = 2 * kSplitChannels;
-constexpr int kThreads = 128;
-constexpr int kUnroll =
-    kRows / 2;  // a thread's rows: every R / x load of the v phase in flight together
+constexpr int kThreads = 2 * (kRows / 16) * 32;
+constexpr int kRowGroups = kThreads / kChannels;  // rows the v phase's threads cover at once
+constexpr int kUnroll = kRows / kRowGroups;  // a thread's rows: all its loads in flight together
+static_assert(kRows % 16 == 0 && kThreads % kChannels == 0, "block shape");
 
 int mix_count(int hc) { return (2 + hc) * hc; }
 int mix_stride(int hc) { return (mix_count(hc) + 7) / 8 * 8; }
@@ -116,11 +125,11 @@ __global__ void __launch_bounds__(kThreads)
   uint16_t* vs = reinterpret_cast<uint16_t*>(sm + L::kV);
   const int c = tid & (kChannels - 1), rh = tid / kChannels, d = d0 + c;
   const int s_warp = (d0 + (c & ~(kSplitChannels - 1))) / kSplitChannels;
-  for (int r0 = 0; r0 < kRows; r0 += 2 * kUnroll) {
+  for (int r0 = 0; r0 < kRows; r0 += kRowGroups * kUnroll) {
     float rv[kUnroll][HC], xv[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int t = t0 + r0 + 2 * u + rh;
+      const int t = t0 + r0 + kRowGroups * u + rh;
       const bool ok = d < D && t < T;
 #pragma unroll
       for (int k = 0; k < HC; ++k) rv[u][k] = ok ? R[int64_t(t) * n + int64_t(k) * D + d] : 0.f;
@@ -128,7 +137,7 @@ __global__ void __launch_bounds__(kThreads)
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int r = r0 + 2 * u + rh, t = t0 + r;
+      const int r = r0 + kRowGroups * u + rh, t = t0 + r;
       const bool ok = d < D && t < T;
       const float* cbr = cb + r * CP;
       float sq = 0.f;
@@ -153,8 +162,8 @@ __global__ void __launch_bounds__(kThreads)
   cp_async_wait<0>();
   __syncthreads();
 
-  // 3. Warp w: split q = w / 2 of the block, rows mt * 16 .. + 15 (mt = w % 2).
-  const int q = warp >> 1, mt = warp & 1, s = blockIdx.x * 2 + q;
+  // 3. Warp w: split q = w / (kRows / 16) of the block, rows mt * 16 .. + 15.
+  const int q = warp / (kRows / 16), mt = warp % (kRows / 16), s = blockIdx.x * 2 + q;
   float acc[L::kNt][4];
 #pragma unroll
   for (int j = 0; j < L::kNt; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;

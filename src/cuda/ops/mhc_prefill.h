@@ -10,12 +10,12 @@
 // cuda/prefill_gemm.h), and the operands are exact bf16 sums: v = round_bf16(hc_post(...)) is a
 // bf16 value, and an fp32 fn is exactly hi + mid + lo with three bf16 terms (8 significant bits
 // each; a bf16 fn is one term). So the mixes of a 32-channel split are products summed in fp32
-// by the tensor cores: one kernel, a block = 32 rows x 64 channels (two splits):
+// by the tensor cores: one kernel, a block = 64 rows x 64 channels (two splits):
 //   1. its fn terms for those channels staged by cp.async (they do not depend on the rows);
 //   2. v of its rows and channels with hc_post_mixes' expression, operation for operation (out is
 //      bitwise hc_post_mixes' out), written to out and, as bf16, to shared memory; |v|^2 of each
 //      (row, split) by a warp's butterfly;
-//   3. per split, v [32 rows, hc * 32] x terms^T on mma.sync m16n8k16 (a warp a split and 16 rows),
+//   3. per split, v [64 rows, hc * 32] x terms^T on mma.sync m16n8k16 (a warp a split and 16 rows),
 //      each mix's terms added (hi + mid, then + lo) in registers, written as the split's partial
 //      in hc_mixes_scratch_floats' layout.
 // hc_mix_pre_norm's finish then adds the splits as always. A row's values never depend on T or
