@@ -63,6 +63,17 @@ constexpr int kGroups = kCols / 8;  // column groups per item
 // expert with more pairs than that is then cut into more items (its weights read once per item).
 constexpr int kSmallCols = 16;
 constexpr int kSmallColsMaxMean = 12;
+// prefill_w13_f16_kernel<kSmallCols>: K blocks a straight run of its chunk loop and its CTAs an
+// SM. 1 / 5 (no spills) measured 60.36 / 60.07 ms a 512-row chunk against 61.03 / 60.78 with 2 /
+// 5 and 61.80 / 61.90 with 4 / 3 (H200, same run; the same bits: the updates' order does not
+// depend on the runs). Build-time knobs for A/B tests (scripts/build-variant).
+#ifndef UF_MOE_W13_SMALL_Q
+#define UF_MOE_W13_SMALL_Q 1
+#endif
+#ifndef UF_MOE_W13_SMALL_BLOCKS
+#define UF_MOE_W13_SMALL_BLOCKS 5
+#endif
+constexpr int kW13SmallQ = UF_MOE_W13_SMALL_Q, kW13SmallBlocks = UF_MOE_W13_SMALL_BLOCKS;
 constexpr int kKbPerSplitDecode = 16;  // moe_fp4.cu kKbPerSplit (w13 split-K of the decode path)
 constexpr int kPlanThreads = 1024;
 constexpr int kW13Warps = 4;
@@ -494,7 +505,7 @@ __global__ void __launch_bounds__(kW2Warps * 32) prefill_w2_kernel(const Prefill
 // scales as fp32 (w13: [warp][kb][8][2] of the chunk; w2: [warp][nkb][8][2], all of I). Sizes,
 // 64-column items: w13 74752 bytes (three CTAs an SM: 167 registers), w2 76288 at inter 288 (two
 // CTAs of 8 warps an SM: 128 registers); 16-column items: w13 20992 bytes (five CTAs an SM: 96
-// registers), w2 22528 (three CTAs: 80 registers); no spills (ptxas -v).
+// registers at most), w2 22528 (three CTAs: 80 registers); no spills (ptxas -v).
 constexpr int kFChunk = 8;  // K blocks a chunk: half a w13 split
 // C = the columns of a work item (prefill_plan_kernel's item width; 16 or 64).
 template <bool kW13, int C>
@@ -666,13 +677,12 @@ __device__ __forceinline__ void f16_load_weights(const uint8_t* r0, uint32_t r1_
 }
 
 template <int C>
-__global__ void __launch_bounds__(kW13Warps * 32, C == kSmallCols ? 5 : 3)
+__global__ void __launch_bounds__(kW13Warps * 32, C == kSmallCols ? kW13SmallBlocks : 3)
     prefill_w13_f16_kernel(const PrefillW13Params p) {
   using L = F16Layout<true, C>;
   constexpr int G = C / 8;
-  // K blocks a straight run of the chunk loop: 4, or 2 for 16-column items (96 registers, no
-  // spills: five CTAs an SM instead of three).
-  constexpr int kQSmall = C == kSmallCols ? 2 : 4;
+  // K blocks a straight run of the chunk loop: 4, or kW13SmallQ for 16-column items.
+  constexpr int kQSmall = C == kSmallCols ? kW13SmallQ : 4;
   extern __shared__ __align__(16) uint8_t smem[];  // w13_f16_smem<C>(); then the epilogue's s_acc
   __shared__ int s_tok[C];
   __shared__ int s_pair[C];
@@ -912,7 +922,12 @@ __global__ void __launch_bounds__(kW2Warps * 32, C == kSmallCols ? 3 : 2)
 // kW2Tiles + r) * kW2Warps + warp) without another CTA barrier, the next (tile, chunk)'s weight
 // words and the next tile's scale bytes loaded while the current one computes. Every output's
 // operations and order are prefill_w2_f16_kernel's (bitwise the same).
-constexpr int kW2Tiles = 4;
+// 4 tiles a warp: 2 measured 61.44 / 61.52 ms a chunk against 61.03 / 60.78, 8 60.77 / 60.71
+// (H200, same run). A build-time knob for A/B tests (scripts/build-variant).
+#ifndef UF_MOE_W2_TILES
+#define UF_MOE_W2_TILES 4
+#endif
+constexpr int kW2Tiles = UF_MOE_W2_TILES;
 constexpr int kW2TilesMaxKb = 2 * kFChunk;
 // Shared memory: two raw chunks (F16Layout<false, C>::kRaw each), the operands of all nkb K
 // blocks ([kb][column][64 bytes]), their scales ([kb][column]), each warp's tile scales
