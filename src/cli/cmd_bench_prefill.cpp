@@ -326,8 +326,8 @@ void setup_bench_prefill(CLI::App& app, int& exit_code) {
   cmd->add_option("--seed", a->seed, "Seed of the synthetic weights and tokens");
   cmd->add_option("--device", a->device, "CUDA device ordinal");
   cmd->add_option("--prefill-gemm", a->prefill_gemm,
-                  "Prefill linear layers: bf16 (dequantised operands, default) or fp8 (bitwise "
-                  "the decode GEMV)");
+                  "Prefill linear layers and mHC mixes: bf16 (exact bf16 operands, default) or "
+                  "fp8 (bitwise the decode kernels)");
   cmd->add_option(
       "--fp8-gemm", a->fp8_gemm,
       "The fp8 prefill GEMM's kernel: default (f16 HMMA) or legacy (emulated e4m3 mma)");

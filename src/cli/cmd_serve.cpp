@@ -277,11 +277,10 @@ void setup_serve(CLI::App& app, int& exit_code) {
   cmd->add_flag("--no-p2p-allreduce", opts->no_p2p_allreduce,
                 "--backend cuda --tp N: sum the ranks' partials with NCCL instead of the one-shot "
                 "peer-to-peer all-reduce");
-  cmd->add_option(
-         "--prefill-gemm", opts->prefill_gemm,
-         "--backend cuda: the prefill linear layers on bf16 (dequantised operands, the "
-         "default) or fp8 (bitwise the decode GEMV: ~2.3 GB less device memory a TP8 rank, "
-         "slower prefill)")
+  cmd->add_option("--prefill-gemm", opts->prefill_gemm,
+                  "--backend cuda: the prefill linear layers and mHC mixes on bf16 (exact bf16 "
+                  "operands, the default) or bitwise the decode kernels (fp8: ~2.6 GB less device "
+                  "memory a TP8 rank, slower prefill)")
       ->capture_default_str()
       ->check(CLI::IsMember({"bf16", "fp8"}));
   cmd->add_flag("--no-spec", opts->no_spec,

@@ -414,6 +414,33 @@ struct PrefillW2Params {
   bool round;
 };
 
+// The w2 epilogue of a warp's 16-row tile at rows rbase .. + 15 and its item's first ngroups
+// column groups: column c (< n) is pair s_pair[c], written to y row pair / topk, slot pair % topk
+// (bf16-rounded when p.round).
+template <int NG>
+__device__ __forceinline__ void w2_store(const PrefillW2Params& p, const int* s_pair, int n,
+                                         int rbase, const float (&acc)[NG][4], int ngroups = NG) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  auto out = [&](int pair) {
+    return p.y + (pair / p.topk) * p.y_row_stride + size_t(pair % p.topk) * p.dim + rbase;
+  };
+#pragma unroll
+  for (int cg = 0; cg < NG; ++cg) {
+    if (cg >= ngroups) break;
+    const int c0 = cg * 8 + 2 * t, c1 = c0 + 1;
+    if (c0 < n) {
+      float* y = out(s_pair[c0]);
+      y[g] = p.round ? round_bf16(acc[cg][0]) : acc[cg][0];
+      y[g + 8] = p.round ? round_bf16(acc[cg][2]) : acc[cg][2];
+    }
+    if (c1 < n) {
+      float* y = out(s_pair[c1]);
+      y[g] = p.round ? round_bf16(acc[cg][1]) : acc[cg][1];
+      y[g + 8] = p.round ? round_bf16(acc[cg][3]) : acc[cg][3];
+    }
+  }
+}
+
 __global__ void __launch_bounds__(kW2Warps * 32) prefill_w2_kernel(const PrefillW2Params p) {
   extern __shared__ __align__(16) uint8_t stage[];  // 2 x kStageBytes
   __shared__ int s_pair[kCols];
@@ -422,7 +449,7 @@ __global__ void __launch_bounds__(kW2Warps * 32) prefill_w2_kernel(const Prefill
   const int expert = p.items[3 * item], pos0 = p.items[3 * item + 1], n = p.items[3 * item + 2];
   for (int c = threadIdx.x; c < kCols; c += blockDim.x) s_pair[c] = c < n ? p.sorted[pos0 + c] : -1;
   __syncthreads();
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
   const int tile = blockIdx.x * kW2Warps + warp;
   // A warp past the last tile still helps stage (the CTA's barriers need every thread).
   const bool live = tile * 16 < p.dim;
@@ -462,25 +489,7 @@ __global__ void __launch_bounds__(kW2Warps * 32) prefill_w2_kernel(const Prefill
     __syncthreads();
   }
   if (!live) return;
-  const int rbase = tile * 16;
-  auto out = [&](int pair) {
-    return p.y + (pair / p.topk) * p.y_row_stride + size_t(pair % p.topk) * p.dim + rbase;
-  };
-#pragma unroll
-  for (int cg = 0; cg < kGroups; ++cg) {
-    if (cg >= ngroups) break;
-    const int c0 = cg * 8 + 2 * t, c1 = c0 + 1;
-    if (c0 < n) {
-      float* y = out(s_pair[c0]);
-      y[g] = p.round ? round_bf16(acc[cg][0]) : acc[cg][0];
-      y[g + 8] = p.round ? round_bf16(acc[cg][2]) : acc[cg][2];
-    }
-    if (c1 < n) {
-      float* y = out(s_pair[c1]);
-      y[g] = p.round ? round_bf16(acc[cg][1]) : acc[cg][1];
-      y[g + 8] = p.round ? round_bf16(acc[cg][3]) : acc[cg][3];
-    }
-  }
+  w2_store<kGroups>(p, s_pair, n, tile * 16, acc, ngroups);
 }
 
 // ---- The f16 path (MoeFp4Prefill::set_f16(true), default) ----
@@ -812,17 +821,28 @@ __global__ void __launch_bounds__(kW13Warps * 32, C == kSmallCols ? kW13SmallBlo
   }
 }
 
+// The f16 w2 kernels' work item (blockIdx.y; false past the plan's count): its expert, first
+// sorted position and columns, and s_pair[c] = the pair of column c (-1 from n), c < C (read
+// after the caller's next barrier).
+template <int C>
+__device__ __forceinline__ bool w2_item(const PrefillW2Params& p, int* s_pair, int& expert,
+                                        int& pos0, int& n) {
+  const int item = blockIdx.y;
+  if (item >= *p.n_items) return false;
+  expert = p.items[3 * item], pos0 = p.items[3 * item + 1], n = p.items[3 * item + 2];
+  for (int c = threadIdx.x; c < C; c += blockDim.x) s_pair[c] = c < n ? p.sorted[pos0 + c] : -1;
+  return true;
+}
+
 template <int C>
 __global__ void __launch_bounds__(kW2Warps * 32, C == kSmallCols ? 3 : 2)
     prefill_w2_f16_kernel(const PrefillW2Params p) {
   using L = F16Layout<false, C>;
   extern __shared__ __align__(16) uint8_t smem[];  // w2_f16_smem<C>(inter)
   __shared__ int s_pair[C];
-  const int item = blockIdx.y;
-  if (item >= *p.n_items) return;
-  const int expert = p.items[3 * item], pos0 = p.items[3 * item + 1], n = p.items[3 * item + 2];
-  for (int c = threadIdx.x; c < C; c += blockDim.x) s_pair[c] = c < n ? p.sorted[pos0 + c] : -1;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  int expert, pos0, n;
+  if (!w2_item<C>(p, s_pair, expert, pos0, n)) return;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
   const int tile = blockIdx.x * kW2Warps + warp;
   // A warp past the last tile still stages and converts (the CTA's barriers need every thread).
   const bool live = tile * 16 < p.dim;
@@ -862,10 +882,6 @@ __global__ void __launch_bounds__(kW2Warps * 32, C == kSmallCols ? 3 : 2)
   issue(1);
   uint8_t* ops = smem + L::kOps;
   float* sas = reinterpret_cast<float*>(smem + L::kSa);
-  const int rbase = tile * 16;
-  auto out = [&](int pair) {
-    return p.y + (pair / p.topk) * p.y_row_stride + size_t(pair % p.topk) * p.dim + rbase;
-  };
   with_groups<C / 8>(ngroups, [&](auto ng) {
     constexpr int NG = decltype(ng)::value;
     float acc[NG][4];
@@ -895,22 +911,7 @@ __global__ void __launch_bounds__(kW2Warps * 32, C == kSmallCols ? 3 : 2)
       }
     }
     cp_async_wait<0>();  // (only empty groups remain)
-    // Epilogue: prefill_w2_kernel's, unchanged.
-    if (!live) return;
-#pragma unroll
-    for (int cg = 0; cg < NG; ++cg) {
-      const int c0 = cg * 8 + 2 * t, c1 = c0 + 1;
-      if (c0 < n) {
-        float* y = out(s_pair[c0]);
-        y[g] = p.round ? round_bf16(acc[cg][0]) : acc[cg][0];
-        y[g + 8] = p.round ? round_bf16(acc[cg][2]) : acc[cg][2];
-      }
-      if (c1 < n) {
-        float* y = out(s_pair[c1]);
-        y[g] = p.round ? round_bf16(acc[cg][1]) : acc[cg][1];
-        y[g + 8] = p.round ? round_bf16(acc[cg][3]) : acc[cg][3];
-      }
-    }
+    if (live) w2_store<NG>(p, s_pair, n, tile * 16, acc);
   });
 }
 
@@ -945,11 +946,9 @@ __global__ void __launch_bounds__(kW2Warps * 32, C == kSmallCols ? 3 : 2)
   constexpr int kSwW = kW2TilesMaxKb * 16 / 4 / 32;  // a lane's 4-byte words of a tile's scales
   extern __shared__ __align__(16) uint8_t smem[];    // w2_tiles_smem<C>(inter)
   __shared__ int s_pair[C];
-  const int item = blockIdx.y;
-  if (item >= *p.n_items) return;
-  const int expert = p.items[3 * item], pos0 = p.items[3 * item + 1], n = p.items[3 * item + 2];
-  for (int c = threadIdx.x; c < C; c += blockDim.x) s_pair[c] = c < n ? p.sorted[pos0 + c] : -1;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  int expert, pos0, n;
+  if (!w2_item<C>(p, s_pair, expert, pos0, n)) return;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
   const int nkb = p.inter / 32, nch = (nkb + kFChunk - 1) / kFChunk;
   const size_t row_bytes = p.inter / 2;
   const uint32_t r1_off = uint32_t(8 * row_bytes);  // row g + 8
@@ -1034,25 +1033,7 @@ __global__ void __launch_bounds__(kW2Warps * 32, C == kSmallCols ? 3 : 2)
           for (int u = 0; u < kFChunk; ++u) q0[u] = n0[u], q1[u] = n1[u];
         }
       }
-      // Epilogue: prefill_w2_kernel's.
-      const int rbase = (tile0 + r * kW2Warps) * 16;
-      auto out = [&](int pair) {
-        return p.y + (pair / p.topk) * p.y_row_stride + size_t(pair % p.topk) * p.dim + rbase;
-      };
-#pragma unroll
-      for (int cg = 0; cg < NG; ++cg) {
-        const int c0 = cg * 8 + 2 * t, c1 = c0 + 1;
-        if (c0 < n) {
-          float* y = out(s_pair[c0]);
-          y[g] = p.round ? round_bf16(acc[cg][0]) : acc[cg][0];
-          y[g + 8] = p.round ? round_bf16(acc[cg][2]) : acc[cg][2];
-        }
-        if (c1 < n) {
-          float* y = out(s_pair[c1]);
-          y[g] = p.round ? round_bf16(acc[cg][1]) : acc[cg][1];
-          y[g + 8] = p.round ? round_bf16(acc[cg][3]) : acc[cg][3];
-        }
-      }
+      w2_store<NG>(p, s_pair, n, (tile0 + r * kW2Warps) * 16, acc);
     }
   });
 }
