@@ -8,8 +8,8 @@
 //     serial chains (32 products and adds a stream, then the streams) within (64 + hc) * 2^-24;
 //   - the finish (hc_mixes_finish) on both partials: pre / post / comb within 1e-4 (the bound the
 //     mixes tests hold the device to against the CPU);
-//   - itself: a row's out and partials do not depend on T (the first 77 rows of a 130-row call
-//     equal a 77-row call's, bitwise); every partial written (poisoned with NaN beforehand);
+//   - itself: a row's out and partials do not depend on T (the first 77 rows of a 130- or
+//     512-row call equal a 77-row call's, bitwise); every partial written (NaN-poisoned first);
 //   - hc_fn_terms: hi + mid + lo == fn exactly (F32), one term == fn (BF16), zero padding rows,
 //     a value three bf16 terms cannot hold (2^-140) poisons its mix with NaN.
 #include <gtest/gtest.h>
