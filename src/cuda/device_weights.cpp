@@ -68,16 +68,21 @@ UploadStats UploadScope::finish() {
 }
 
 void UploadScope::after_upload(std::function<void()> fn) {
-  if (t_scope)
+  if (t_scope) {
     t_scope->after_.push_back(std::move(fn));
-  else
+  } else {
     fn();
+    UF_CUDA_CHECK(cudaDeviceSynchronize());  // its device work is done before any stream reads
+  }
 }
 
 void UploadScope::run_after_upload() {
   std::vector<std::function<void()>> work;
   work.swap(after_);
   for (auto& fn : work) fn();
+  // One synchronisation for all of it (the work enqueues on the default stream; the model's
+  // streams do not wait for that stream by themselves).
+  if (!work.empty()) UF_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
 WeightUploader* UploadScope::current() { return t_scope_uploader; }

@@ -49,7 +49,9 @@ class UploadScope {
   // with a live scope on this thread, run by the innermost one right after its finish() returns
   // (in order of registration; the destructor runs what is left after draining the copies, and
   // drops its errors as the uploader's destructor does); without one (the copies were
-  // synchronous), run now.
+  // synchronous), run now. Either way the device is synchronised once after the work (one
+  // cudaDeviceSynchronize for all of a scope's), so device work it enqueues on any stream is
+  // done when finish() / after_upload returns: the work itself need not synchronise.
   static void after_upload(std::function<void()> fn);
 
  private:

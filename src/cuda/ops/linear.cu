@@ -333,10 +333,7 @@ bool prefill_only_bf16x(LinearKind k) {
 const uint16_t* bf16_copy(const DeviceWeight& w, DeviceArena& arena) {
   uint16_t* dst = arena.alloc<uint16_t>(size_t(w.rows) * size_t(w.cols));
   const Fp8WeightView wv{w.data, w.scale, int(w.rows), int(w.cols)};
-  UploadScope::after_upload([wv, dst] {
-    fp8_weight_to_bf16(wv, dst, nullptr);
-    UF_CUDA_CHECK(cudaStreamSynchronize(nullptr));  // before any stream reads it
-  });
+  UploadScope::after_upload([wv, dst] { fp8_weight_to_bf16(wv, dst, nullptr); });
   return dst;
 }
 }  // namespace

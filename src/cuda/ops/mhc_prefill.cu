@@ -240,7 +240,6 @@ HcFnTerms hc_fn_terms(const HcShape& p, const DeviceWeight& fn, DeviceArena& are
     const int64_t n = int64_t(rows) * fn.cols;
     fn_terms_kernel<<<unsigned((n + 255) / 256), 256>>>(fn, mix, stride, terms, rows, dst);
     UF_CUDA_CHECK(cudaGetLastError());
-    UF_CUDA_CHECK(cudaStreamSynchronize(nullptr));  // before any stream reads it
   });
   return t;
 }
