@@ -17,12 +17,12 @@
 //      position.
 //   3. prefill_w2_kernel: grid (K/16 / 8, max items), 8 warps, one 16-row output tile per warp,
 //      all column groups of the item; y of pair (t, k) at y + t * y_row_stride + k * dim.
-//   3c. prefill_w2_tiles_f16_kernel<C>: 3b for inter / 32 <= 16 K blocks (a TP rank's slice),
-//      the activations staged once a CTA and kW2Tiles tiles a warp (the default there).
 //   2b / 3b. prefill_w13_f16_kernel<C> / prefill_w2_f16_kernel<C> (MoeFp4Prefill::set_f16(true),
 //      the default): the same work with the mma as f16 HMMAs and each operand converted once (see
 //      "The f16 path" below), for items of C = 16 or 64 columns; 2 / 3 remain selectable
 //      (set_f16(false), 64-column items), bitwise the same.
+//   3c. prefill_w2_tiles_f16_kernel<C>: 3b for inter / 32 <= 16 K blocks (a TP rank's slice),
+//      the activations staged once a CTA and kW2Tiles tiles a warp (the default there).
 //   4. moe_combine_rows (moe_fp4.cu): out[t] = sum over t's valid experts in ascending id of y
 //      (fp32, from 0).
 //
