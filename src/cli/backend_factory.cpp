@@ -81,4 +81,27 @@ LoadedBackend load_backend(const std::filesystem::path& model_dir, const Backend
   core::fail("unknown backend '{}': expected cpu or cuda", choice.kind);
 }
 
+void CudaSwitches::apply(BackendChoice& choice) const {
+  choice.cuda_graphs = !no_cuda_graphs;
+  choice.device_verify = !no_device_verify;
+  choice.p2p_allreduce = !no_p2p_allreduce;
+  choice.prefill_gemm_bf16 = prefill_gemm == "bf16";
+}
+
+void add_cuda_switches(CLI::App* cmd, CudaSwitches& s) {
+  cmd->add_flag("--no-cuda-graphs", s.no_cuda_graphs,
+                "--backend cuda: launch every kernel of a step instead of replaying a CUDA graph");
+  cmd->add_flag("--no-device-verify", s.no_device_verify,
+                "--backend cuda: sample and verify drafts on the host instead of on the GPU");
+  cmd->add_flag("--no-p2p-allreduce", s.no_p2p_allreduce,
+                "--backend cuda --tp N: sum the ranks' partials with NCCL instead of the one-shot "
+                "peer-to-peer all-reduce");
+  cmd->add_option("--prefill-gemm", s.prefill_gemm,
+                  "--backend cuda: the prefill linear layers and mHC mixes on bf16 (exact bf16 "
+                  "operands, the default) or bitwise the decode kernels (fp8: ~2.6 GB less device "
+                  "memory a TP8 rank, slower prefill)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"bf16", "fp8"}));
+}
+
 }  // namespace uf::cli

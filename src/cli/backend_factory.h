@@ -2,6 +2,7 @@
 // The composition root's backend factory: builds the compute backend a command asked for from a
 // model folder (config, checkpoint, tokenizer), and the hardware profile that goes with it.
 
+#include <CLI/CLI.hpp>
 #include <filesystem>
 #include <memory>
 #include <string>
@@ -22,10 +23,21 @@ struct BackendChoice {
   // CUDA: the largest session capacity the caller will ask for (the server's --max-seq; 0:
   // unknown), so the backend sizes its index scratch before capturing the decode graphs.
   int64_t max_seq = 0;
-  // CUDA: the prefill linear layers on the bf16 GEMM (default; ~2.3 GB more a TP8 rank) or, off,
-  // on the FP8 GEMM that is bitwise the decode GEMV (--prefill-gemm fp8).
+  // CUDA: the prefill linear layers and mHC mixes on bf16 tensor cores (default; ~2.6 GB more a
+  // TP8 rank) or, off, on the kernels that are bitwise the decode ones (--prefill-gemm fp8).
   bool prefill_gemm_bf16 = true;
 };
+
+// The CUDA backend's switches that `generate` and `serve` share: one definition of the flags
+// (add_cuda_switches) and of the BackendChoice fields they set (apply).
+struct CudaSwitches {
+  bool no_cuda_graphs = false;
+  bool no_device_verify = false;
+  bool no_p2p_allreduce = false;
+  std::string prefill_gemm = "bf16";
+  void apply(BackendChoice& choice) const;
+};
+void add_cuda_switches(CLI::App* cmd, CudaSwitches& s);
 
 struct LoadedBackend {
   std::unique_ptr<engine::Backend> backend;

@@ -28,10 +28,7 @@ struct GenerateArgs {
   int top_k = 0;
   uint64_t seed = 0;
   bool no_spec = false;
-  bool no_cuda_graphs = false;
-  bool no_device_verify = false;
-  bool no_p2p_allreduce = false;
-  std::string prefill_gemm = "bf16";
+  uf::cli::CudaSwitches cuda;
   std::string verify = "block";
   int draft_tokens = 0;
   bool ced = false;
@@ -45,10 +42,7 @@ void run_generate(const GenerateArgs& a) {
   const auto tok = uf::tokenizer::Tokenizer::from_file(dir / "tokenizer.json");
   uf::cli::BackendChoice choice{a.backend, a.reference_keys};
   choice.tp = a.tp;
-  choice.cuda_graphs = !a.no_cuda_graphs;
-  choice.device_verify = !a.no_device_verify;
-  choice.p2p_allreduce = !a.no_p2p_allreduce;
-  choice.prefill_gemm_bf16 = a.prefill_gemm == "bf16";
+  a.cuda.apply(choice);
   auto loaded = uf::cli::load_backend(dir, choice);
   auto& be = *loaded.backend;
   const auto& cfg = be.config();
@@ -116,19 +110,7 @@ void setup_generate(CLI::App& app, int& exit_code) {
   cmd->add_option("--top-k", a->top_k, "Top-k filter (0 = off)")->capture_default_str();
   cmd->add_option("--seed", a->seed, "Sampling seed (Philox streams)")->capture_default_str();
   cmd->add_flag("--no-spec", a->no_spec, "Plain decoding: one token per step, no drafting");
-  cmd->add_flag("--no-cuda-graphs", a->no_cuda_graphs,
-                "--backend cuda: launch every kernel of a step instead of replaying a CUDA graph");
-  cmd->add_flag("--no-device-verify", a->no_device_verify,
-                "--backend cuda: sample and verify drafts on the host instead of on the GPU");
-  cmd->add_flag("--no-p2p-allreduce", a->no_p2p_allreduce,
-                "--backend cuda --tp N: sum the ranks' partials with NCCL instead of the one-shot "
-                "peer-to-peer all-reduce");
-  cmd->add_option("--prefill-gemm", a->prefill_gemm,
-                  "--backend cuda: the prefill linear layers and mHC mixes on bf16 (exact bf16 "
-                  "operands, the default) or bitwise the decode kernels (fp8: ~2.6 GB less device "
-                  "memory a TP8 rank, slower prefill)")
-      ->capture_default_str()
-      ->check(CLI::IsMember({"bf16", "fp8"}));
+  uf::cli::add_cuda_switches(cmd, a->cuda);
   cmd->add_option("--verify", a->verify, "Draft verification: block or token (token-wise)")
       ->capture_default_str()
       ->check(CLI::IsMember({"block", "token"}));

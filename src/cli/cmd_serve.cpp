@@ -31,10 +31,7 @@ struct ServeOptions {
   std::string generation_config = "auto";
   std::string backend = "cpu";
   int tp = 1;  // tensor-parallel GPUs (--backend cuda)
-  bool no_cuda_graphs = false;
-  bool no_device_verify = false;
-  bool no_p2p_allreduce = false;
-  std::string prefill_gemm = "bf16";
+  uf::cli::CudaSwitches cuda;
   bool stub_engine = false;
   int stub_step_delay_us = 0;
   int stub_max_accept = 6;
@@ -121,10 +118,7 @@ std::shared_ptr<uf::server::GenerationEngine> make_engine(
   UF_CHECK(!o.model.empty(), "--model is required (or --stub-engine)");
   uf::cli::BackendChoice choice{o.backend, false};
   choice.tp = o.tp;
-  choice.cuda_graphs = !o.no_cuda_graphs;
-  choice.device_verify = !o.no_device_verify;
-  choice.p2p_allreduce = !o.no_p2p_allreduce;
-  choice.prefill_gemm_bf16 = o.prefill_gemm == "bf16";
+  o.cuda.apply(choice);
   choice.max_seq = o.server.max_seq;
   auto loaded = uf::cli::load_backend(o.model, choice);
   uf::server::ModelEngineOptions mo;
@@ -270,19 +264,7 @@ void setup_serve(CLI::App& app, int& exit_code) {
                   "auto (<model>/generation_config.json if present), none (OpenAI's: 1, 1, off), "
                   "or a generation_config.json path")
       ->capture_default_str();
-  cmd->add_flag("--no-cuda-graphs", opts->no_cuda_graphs,
-                "--backend cuda: launch every kernel of a step instead of replaying a CUDA graph");
-  cmd->add_flag("--no-device-verify", opts->no_device_verify,
-                "--backend cuda: sample and verify drafts on the host instead of on the GPU");
-  cmd->add_flag("--no-p2p-allreduce", opts->no_p2p_allreduce,
-                "--backend cuda --tp N: sum the ranks' partials with NCCL instead of the one-shot "
-                "peer-to-peer all-reduce");
-  cmd->add_option("--prefill-gemm", opts->prefill_gemm,
-                  "--backend cuda: the prefill linear layers and mHC mixes on bf16 (exact bf16 "
-                  "operands, the default) or bitwise the decode kernels (fp8: ~2.6 GB less device "
-                  "memory a TP8 rank, slower prefill)")
-      ->capture_default_str()
-      ->check(CLI::IsMember({"bf16", "fp8"}));
+  uf::cli::add_cuda_switches(cmd, opts->cuda);
   cmd->add_flag("--no-spec", opts->no_spec,
                 "Plain decoding: one token per step, no DSpark drafting");
   cmd->add_option("--verify", opts->verify,
