@@ -10,6 +10,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/device_weights.h"
 
@@ -307,6 +308,30 @@ __device__ __forceinline__ float rms_factor(float sum, int n, float eps) {
 __device__ __forceinline__ float4 norm_out4(float4 x, float4 w, float r) {
   return make_float4(round_bf16(fmul(w.x, fmul(x.x, r))), round_bf16(fmul(w.y, fmul(x.y, r))),
                      round_bf16(fmul(w.z, fmul(x.z, r))), round_bf16(fmul(w.w, fmul(x.w, r))));
+}
+
+// Host: calls f(std::integral_constant<int, hc>{}) for hc in 1..8 (the mHC kernels' stream count
+// as a template parameter; ops/mhc.cu, ops/mhc_prefill.cu).
+template <typename F>
+void dispatch_hc(int hc, F&& f) {
+  switch (hc) {
+    case 1:
+      return f(std::integral_constant<int, 1>{});
+    case 2:
+      return f(std::integral_constant<int, 2>{});
+    case 3:
+      return f(std::integral_constant<int, 3>{});
+    case 4:
+      return f(std::integral_constant<int, 4>{});
+    case 5:
+      return f(std::integral_constant<int, 5>{});
+    case 6:
+      return f(std::integral_constant<int, 6>{});
+    case 7:
+      return f(std::integral_constant<int, 7>{});
+    default:
+      return f(std::integral_constant<int, 8>{});
+  }
 }
 
 }  // namespace uf::cuda::ew

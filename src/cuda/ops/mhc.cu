@@ -896,28 +896,7 @@ __global__ void __launch_bounds__(kMixPreNormMaxThreads, 1)
   UF_PROBE_MARK(probe, 2);
 }
 
-// Calls f(std::integral_constant<int, hc>{}) for hc in 1..8.
-template <typename F>
-void dispatch_hc(int hc, F&& f) {
-  switch (hc) {
-    case 1:
-      return f(std::integral_constant<int, 1>{});
-    case 2:
-      return f(std::integral_constant<int, 2>{});
-    case 3:
-      return f(std::integral_constant<int, 3>{});
-    case 4:
-      return f(std::integral_constant<int, 4>{});
-    case 5:
-      return f(std::integral_constant<int, 5>{});
-    case 6:
-      return f(std::integral_constant<int, 6>{});
-    case 7:
-      return f(std::integral_constant<int, 7>{});
-    default:
-      return f(std::integral_constant<int, 8>{});
-  }
-}
+using ew::dispatch_hc;
 
 bool overlaps(const float* a, size_t na, const float* b, size_t nb) {
   return a < b + nb && b < a + na;

@@ -41,14 +41,14 @@ constexpr int kRowGroups = kThreads / kChannels;  // rows the v phase's threads 
 constexpr int kUnroll = kRows / kRowGroups;  // a thread's rows: all its loads in flight together
 static_assert(kRows % 16 == 0 && kThreads % kChannels == 0, "block shape");
 
-int mix_count(int hc) { return (2 + hc) * hc; }
-int mix_stride(int hc) { return (mix_count(hc) + 7) / 8 * 8; }
-int terms_rows(int terms, int hc) { return (terms * mix_stride(hc) + 15) / 16 * 16; }
+constexpr int mix_count(int hc) { return (2 + hc) * hc; }
+constexpr int mix_stride(int hc) { return (mix_count(hc) + 7) / 8 * 8; }
+constexpr int terms_rows(int terms, int hc) { return (terms * mix_stride(hc) + 15) / 16 * 16; }
 
 template <int HC, int TERMS>
 struct Layout {
-  static constexpr int kMix = (2 + HC) * HC, kStride = (kMix + 7) / 8 * 8;
-  static constexpr int kTermRows = (TERMS * kStride + 15) / 16 * 16;
+  static constexpr int kMix = mix_count(HC), kStride = mix_stride(HC);
+  static constexpr int kTermRows = terms_rows(TERMS, HC);
   static constexpr int kNt = kTermRows / 8;               // mma n tiles
   static constexpr int kPitch = HC * kChannels * 2 + 16;  // bytes a shared row
   static constexpr int kV = 0;
@@ -258,23 +258,15 @@ void hc_post_mixes_mma(const HcShape& p, const float* x, const float* R, const f
   require(x && R && post && comb && out && partial, "hc_post_mixes_mma: a null input or output");
   const size_t n = size_t(T) * size_t(p.hc) * size_t(p.dim);
   require(out + n <= R || R + n <= out, "hc_post_mixes_mma: out overlaps R (T = %d)", T);
-  auto run = [&](auto H) {
+  ew::dispatch_hc(p.hc, [&](auto H) {
     constexpr int HC = decltype(H)::value;
-    if (fn.terms == 3)
-      launch<HC, 3>(p, x, R, post, comb, T, out, fn, partial, stream);
-    else
-      launch<HC, 1>(p, x, R, post, comb, T, out, fn, partial, stream);
-  };
-  switch (p.hc) {
-    case 1:
-      return run(std::integral_constant<int, 1>{});
-    case 2:
-      return run(std::integral_constant<int, 2>{});
-    case 3:
-      return run(std::integral_constant<int, 3>{});
-    default:
-      return run(std::integral_constant<int, 4>{});
-  }
+    if constexpr (HC <= 4) {  // hc_post_mixes_mma_supported's range (required above)
+      if (fn.terms == 3)
+        launch<HC, 3>(p, x, R, post, comb, T, out, fn, partial, stream);
+      else
+        launch<HC, 1>(p, x, R, post, comb, T, out, fn, partial, stream);
+    }
+  });
 }
 
 }  // namespace uf::cuda
