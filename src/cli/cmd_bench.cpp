@@ -94,9 +94,10 @@ struct BenchArgs {
   int chunk = 512;
   int prefill_iters = 2;
   int slice_of = 1;
-  int64_t max_seq = 0;               // tpN: CudaModelOptions::max_seq (a server's --max-seq)
-  bool no_tp_score_buckets = false;  // tpN: CudaModelOptions::tp_score_buckets off
-  bool tp_index_entries = false;     // tpN: CudaModelOptions::tp_index_split_entries
+  int64_t max_seq = 0;                     // tpN: CudaModelOptions::max_seq (a server's --max-seq)
+  bool no_tp_score_buckets = false;        // tpN: CudaModelOptions::tp_score_buckets off
+  bool tp_index_heads = false;             // tpN: CudaModelOptions::tp_index_split_entries off
+  int64_t index_split_min_positions = -1;  // tpN: CudaModelOptions' (-1: its default)
   std::string json_file;
   std::string trace_file;
   uint64_t seed = 1;
@@ -444,13 +445,17 @@ int run_tp_model(const BenchArgs& a, int tp, const std::vector<int>& rows) {
   UF_CHECK(a.max_seq >= 0, "bench: --max-seq {} must be >= 0", a.max_seq);
   t.max_seq = a.max_seq;
   t.score_buckets = !a.no_tp_score_buckets;
-  t.index_split_entries = a.tp_index_entries;
+  t.index_split_entries = !a.tp_index_heads;
+  UF_CHECK(a.index_split_min_positions >= -1, "bench: --index-split-min-positions {} must be >= 0",
+           a.index_split_min_positions);
+  t.index_split_min_positions = a.index_split_min_positions;
   json out = {{"iters", a.iters},
               {"warmup", a.warmup},
               {"seed", a.seed},
               {"max_seq", a.max_seq},
               {"tp_score_buckets", !a.no_tp_score_buckets},
-              {"tp_index_split_entries", a.tp_index_entries}};
+              {"tp_index_split_entries", !a.tp_index_heads},
+              {"index_split_min_positions", a.index_split_min_positions}};
   try {
     bench::run_tp_model_bench(t, out);
   } catch (const std::exception& e) {
@@ -472,10 +477,10 @@ int run_bench(const BenchArgs& a) {
     return run_tp_model(a, tp, rows);
   UF_CHECK(
       a.contexts.empty() && a.prefill_contexts.empty() && a.slice_of == 1 && a.max_seq == 0 &&
-          !a.no_tp_score_buckets && !a.tp_index_entries,
-      "bench: --contexts, --prefill-contexts, --slice-of, --max-seq, --no-tp-score-buckets and "
-      "--tp-index-entries are options of --synthetic tp2 / tp4 / tp8 (tp8-rank: one --context a "
-      "run; bench-prefill times its prefill)");
+          !a.no_tp_score_buckets && !a.tp_index_heads && a.index_split_min_positions == -1,
+      "bench: --contexts, --prefill-contexts, --slice-of, --max-seq, --no-tp-score-buckets, "
+      "--tp-index-heads and --index-split-min-positions are options of --synthetic tp2 / tp4 / "
+      "tp8 (tp8-rank: one --context a run; bench-prefill times its prefill)");
   const ModelConfig cfg = bench_config(a);
   uint64_t bytes = 0;
   for (const auto& e : uf::model::tensor_contract(cfg)) bytes += e.nbytes();
@@ -593,9 +598,14 @@ void setup_bench(CLI::App& app, int& exit_code) {
   cmd->add_flag("--no-tp-score-buckets", a->no_tp_score_buckets,
                 "tpN: graph steps sum their index scores at the scratch's width, not at a width "
                 "bucket of their context (CudaModelOptions::tp_score_buckets off)");
-  cmd->add_flag("--tp-index-entries", a->tp_index_entries,
-                "tpN: split the indexer by entries (the ranks' selections merged), not by index "
-                "heads (CudaModelOptions::tp_index_split_entries)");
+  cmd->add_flag("--tp-index-heads", a->tp_index_heads,
+                "tpN: split the indexer by index heads (the ranks' scores summed), not by entries "
+                "(CudaModelOptions::tp_index_split_entries off)");
+  cmd->add_option(
+      "--index-split-min-positions", a->index_split_min_positions,
+      "tpN: positions (a row's entries or the pool's list) from which an index layer "
+      "splits them over the ranks; below, every rank scores whole rows (CudaModelOptions::"
+      "index_split_min_positions; 0: always split)");
   cmd->add_option("--json", a->json_file, "Write every figure to this JSON file");
   cmd->add_option("--trace", a->trace_file,
                   "Trace one more forward per row count (CUPTI kernel timeline) into this file");

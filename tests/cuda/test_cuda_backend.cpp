@@ -164,7 +164,9 @@ TEST_F(CudaBackendTest, MaxSeqOptionKeepsTheConstructionGraphs) {
 // (cuda_index_split.cpp), its ranks run in turn on this GPU: every selection is the unsplit
 // indexer's, so prefill (all rows), decode and verify logits are bitwise the default backend's.
 // A 300-token prompt gives index rows of 150 / 300 entries against the fixture's top-8 and a
-// pool of 3 blocks of 4, so the ranges, the merge and the pool's blocks all matter.
+// pool of 3 blocks of 4, so the ranges, the merge and the pool's blocks all matter. With
+// index_split_min_positions = 200 the prefill's 300-entry rows split while its 150-entry rows and
+// the 12-entry pool lists score whole rows: the two mix within a forward.
 TEST_F(CudaBackendTest, IndexSplitSimulatedRanksIsBitwise) {
   std::vector<int32_t> prompt = prompt_;
   std::mt19937 rng(5);
@@ -188,17 +190,20 @@ TEST_F(CudaBackendTest, IndexSplitSimulatedRanksIsBitwise) {
     return out;
   };
   const auto want = run(*be_);
-  for (const int n : {2, 3, 8}) {
+  for (const auto& [n, min_positions] : {std::pair{2, 0}, {3, 0}, {8, 0}, {3, 200}}) {
+    SCOPED_TRACE(::testing::Message()
+                 << n << " simulated ranks, split from " << min_positions << " positions");
     CudaModelOptions mo;
     mo.index_split_simulated_ranks = n;
+    mo.index_split_min_positions = min_positions;
     CudaBackend split(tiny_a_dir(), map_, mo);
     ASSERT_EQ(split.model().index_split_ranks(), n);
     ASSERT_EQ(be_->model().index_split_ranks(), 0);
     const auto got = run(split);
     ASSERT_EQ(got.size(), want.size());
     const Cmp c = compare(got.data(), want.data(), want.size());
-    EXPECT_EQ(c.first_diff, -1) << n << " simulated ranks: " << c.str();
-    EXPECT_EQ(c.nan, 0u) << n << " simulated ranks";
+    EXPECT_EQ(c.first_diff, -1) << c.str();
+    EXPECT_EQ(c.nan, 0u);
   }
 }
 

@@ -15,8 +15,10 @@
 //  (g) host only (runs without a GPU): the rank shards of every split weight are exactly the
 //      whole weight's rows / columns at the rank's offset (dequantised values, bitwise), with the
 //      indexer split by heads and replicated;
-//  (h) the indexer split the other way than the default (tp_index_split_entries): (a), (b), (c)
-//      and the score buckets' bitwise logits hold for both.
+//  (h) the indexer split by index heads (tp_index_split_entries off) and by entries on every
+//      layer (index_split_min_positions = 0; the default scores the fixture's narrow rows whole on
+//      every rank): (a), (b), (c) and the score buckets' bitwise logits hold for each; the entry
+//      split's logits are bitwise those of whole rows (its merge is exact), P2P gathers included.
 // Every comparison prints max abs / rms-rel / non-finite count / first differing index.
 #include <gtest/gtest.h>
 
@@ -61,17 +63,21 @@ class CudaBackendTpTest : public ::testing::Test {
       o.tp_ordered_sum = false;
       o.tp_split_head = true;
       split_head_ = std::make_unique<CudaBackend>(tiny_a_dir(), map_, o);
-      // The indexer split the other way (by entries / by index heads) than the default.
+      // The indexer split by index heads, and by entries on every layer.
       CudaModelOptions alt;
       alt.tp = 2;
-      alt.tp_index_split_entries = !alt.tp_index_split_entries;
-      index_alt_ = std::make_unique<CudaBackend>(tiny_a_dir(), map_, alt);
+      alt.tp_index_split_entries = false;
+      index_heads_ = std::make_unique<CudaBackend>(tiny_a_dir(), map_, alt);
+      alt.tp_index_split_entries = true;
+      alt.index_split_min_positions = 0;
+      index_entries_ = std::make_unique<CudaBackend>(tiny_a_dir(), map_, alt);
     } catch (const std::exception& e) {
       setup_error_ = e.what();  // reported by every test (e.g. NCCL not found)
     }
   }
   static void TearDownTestSuite() {
-    index_alt_.reset();
+    index_entries_.reset();
+    index_heads_.reset();
     split_head_.reset();
     ordered_.reset();
     two_.reset();
@@ -81,7 +87,7 @@ class CudaBackendTpTest : public ::testing::Test {
     UF_REQUIRE_GPU();
     if (gpu_count() < 2) GTEST_SKIP() << "TP = 2 needs 2 GPUs, " << gpu_count() << " visible";
     ASSERT_TRUE(setup_error_.empty()) << "building the TP = 1 / TP = 2 backends: " << setup_error_;
-    ASSERT_TRUE(one_ && two_ && ordered_ && split_head_ && index_alt_);
+    ASSERT_TRUE(one_ && two_ && ordered_ && split_head_ && index_heads_ && index_entries_);
     ASSERT_EQ(two_->tp(), 2);
     const auto p = tiny_a_golden_i64("prompt_ids");
     prompt_.assign(p.begin(), p.end());
@@ -109,9 +115,11 @@ class CudaBackendTpTest : public ::testing::Test {
     }
   }
   static inline std::vector<int64_t> map_;
-  static inline std::unique_ptr<CudaBackend> one_, two_, ordered_, split_head_, index_alt_;
-  static const char* indexer_mode(bool entries) {
-    return entries ? "indexer split by entries" : "indexer split by index heads";
+  static inline std::unique_ptr<CudaBackend> one_, two_, ordered_, split_head_, index_heads_,
+      index_entries_;
+  static const char* indexer_mode(const CudaBackend* b) {
+    return b == index_heads_.get() ? "indexer split by index heads"
+                                   : "indexer split by entries on every layer";
   }
   static inline std::string setup_error_;
   std::vector<int32_t> prompt_, next_;
@@ -230,10 +238,10 @@ TEST_F(CudaBackendTpTest, SplitHeadEqualsReplicatedHeadAtTp2) {
 }
 
 TEST_F(CudaBackendTpTest, VerifyRowsEqualPlainDecodeBitwiseAtTp2) {
-  for (CudaBackend* bp : {two_.get(), ordered_.get(), index_alt_.get()}) {
+  for (CudaBackend* bp : {two_.get(), ordered_.get(), index_heads_.get(), index_entries_.get()}) {
     SCOPED_TRACE(bp == two_.get()       ? "default"
                  : bp == ordered_.get() ? "ordered gather-sum"
-                                        : indexer_mode(!CudaModelOptions{}.tp_index_split_entries));
+                                        : indexer_mode(bp));
     auto& be = *bp;
     const int M = be.max_rows();
     ASSERT_GE(int(next_.size()), M);
@@ -350,39 +358,71 @@ TEST_F(CudaBackendTpTest, DraftAndCedCloseToTp1) {
   EXPECT_LT(cc.maxabs, bounds_.dspark.maxabs) << "confidence: " << cc.str();
 }
 
-// CudaModelOptions::tp_index_split_entries: the indexer split the other way than the default
-// (by entries: every selection one GPU's; by index heads: the scores summed over the ranks) is
-// within the fixture's bounds of TP = 1 too, prefill and decode, and the ranks agree.
-TEST_F(CudaBackendTpTest, OtherIndexerSplitCloseToTp1) {
-  auto& be = *index_alt_;
-  SCOPED_TRACE(indexer_mode(!CudaModelOptions{}.tp_index_split_entries));
-  std::vector<float> l1, la;
-  auto s1 = prefilled(*one_, &l1);
-  auto sa = prefilled(be, &la);
-  const Cmp pc = compare(la.data(), l1.data(), la.size());
-  std::printf("prefill TP2 (%s) vs TP1: %s\n",
-              indexer_mode(!CudaModelOptions{}.tp_index_split_entries), pc.str().c_str());
-  EXPECT_EQ(pc.nan, 0u) << pc.str();
-  EXPECT_LT(pc.maxabs, bounds_.prefill.maxabs) << pc.str();
-  EXPECT_LT(pc.rms_rel, bounds_.prefill.rms) << pc.str();
-  std::vector<float> a(static_cast<size_t>(V_)), b(static_cast<size_t>(V_)), all_a, all_b;
-  for (size_t k = 0; k < next_.size(); ++k) {
-    const std::span<const int32_t> tok(&next_[k], 1);
-    one_->decode_rows(*s1, tok, a);
-    one_->commit(*s1, 1);
-    be.decode_rows(*sa, tok, b);
-    be.commit(*sa, 1);
-    all_a.insert(all_a.end(), a.begin(), a.end());
-    all_b.insert(all_b.end(), b.begin(), b.end());
+// The indexer split by index heads (the scores summed over the ranks) and by entries on every
+// layer (every selection one GPU's) are within the fixture's bounds of TP = 1, prefill and
+// decode, and the ranks agree.
+TEST_F(CudaBackendTpTest, IndexerSplitsCloseToTp1) {
+  for (CudaBackend* bp : {index_heads_.get(), index_entries_.get()}) {
+    auto& be = *bp;
+    SCOPED_TRACE(indexer_mode(bp));
+    std::vector<float> l1, la;
+    auto s1 = prefilled(*one_, &l1);
+    auto sa = prefilled(be, &la);
+    const Cmp pc = compare(la.data(), l1.data(), la.size());
+    std::printf("prefill TP2 (%s) vs TP1: %s\n", indexer_mode(bp), pc.str().c_str());
+    EXPECT_EQ(pc.nan, 0u) << pc.str();
+    EXPECT_LT(pc.maxabs, bounds_.prefill.maxabs) << pc.str();
+    EXPECT_LT(pc.rms_rel, bounds_.prefill.rms) << pc.str();
+    std::vector<float> a(static_cast<size_t>(V_)), b(static_cast<size_t>(V_)), all_a, all_b;
+    for (size_t k = 0; k < next_.size(); ++k) {
+      const std::span<const int32_t> tok(&next_[k], 1);
+      one_->decode_rows(*s1, tok, a);
+      one_->commit(*s1, 1);
+      be.decode_rows(*sa, tok, b);
+      be.commit(*sa, 1);
+      all_a.insert(all_a.end(), a.begin(), a.end());
+      all_b.insert(all_b.end(), b.begin(), b.end());
+    }
+    const Cmp dc = compare(all_b.data(), all_a.data(), all_a.size());
+    std::printf("decode TP2 (%s) vs TP1: %s\n", indexer_mode(bp), dc.str().c_str());
+    EXPECT_EQ(dc.nan, 0u) << dc.str();
+    EXPECT_LT(dc.maxabs, bounds_.decode.maxabs) << dc.str();
+    EXPECT_LT(dc.rms_rel, bounds_.decode.rms) << dc.str();
+    const auto r0 = be.snapshot_of_rank(*sa, 0), r1 = be.snapshot_of_rank(*sa, 1);
+    EXPECT_EQ(first_byte_diff(r1, r0), -1) << "the ranks' states differ";
   }
-  const Cmp dc = compare(all_b.data(), all_a.data(), all_a.size());
-  std::printf("decode TP2 (%s) vs TP1: %s\n",
-              indexer_mode(!CudaModelOptions{}.tp_index_split_entries), dc.str().c_str());
-  EXPECT_EQ(dc.nan, 0u) << dc.str();
-  EXPECT_LT(dc.maxabs, bounds_.decode.maxabs) << dc.str();
-  EXPECT_LT(dc.rms_rel, bounds_.decode.rms) << dc.str();
-  const auto r0 = be.snapshot_of_rank(*sa, 0), r1 = be.snapshot_of_rank(*sa, 1);
-  EXPECT_EQ(first_byte_diff(r1, r0), -1) << "the ranks' states differ";
+}
+
+// The entry split's merge selects exactly what whole rows select, so with every layer split
+// (the ranks' picks gathered peer to peer and merged) the logits are bitwise the default's, whose
+// layers at the fixture's widths score whole rows on every rank: prefill, decode, verify rows.
+TEST_F(CudaBackendTpTest, EntrySplitEqualsWholeRowsBitwise) {
+  // The default must score the fixture's rows whole, or this compares the split with itself.
+  ASSERT_GT(CudaModelOptions{}.index_split_min_positions, int64_t(prompt_.size() + next_.size()));
+  ASSERT_EQ(index_entries_->model().index_split_ranks(), 2);
+  ASSERT_EQ(two_->model().index_split_ranks(), 2);
+  std::vector<float> a, b;
+  auto sa = prefilled(*two_, &a);
+  auto sb = prefilled(*index_entries_, &b);
+  const Cmp pc = compare(b.data(), a.data(), a.size());
+  EXPECT_EQ(pc.first_diff, -1) << "prefill: " << pc.str();
+  EXPECT_EQ(pc.nan, 0u);
+  std::vector<float> x(static_cast<size_t>(V_)), y(static_cast<size_t>(V_));
+  for (int k = 0; k < 3; ++k) {
+    const std::span<const int32_t> tok(&next_[size_t(k)], 1);
+    two_->decode_rows(*sa, tok, x);
+    two_->commit(*sa, 1);
+    index_entries_->decode_rows(*sb, tok, y);
+    index_entries_->commit(*sb, 1);
+    const Cmp dc = compare(y.data(), x.data(), size_t(V_));
+    EXPECT_EQ(dc.first_diff, -1) << "decode step " << k << ": " << dc.str();
+  }
+  const int M = two_->max_rows();
+  std::vector<float> ra(size_t(M) * size_t(V_)), rb(size_t(M) * size_t(V_));
+  two_->decode_rows(*sa, std::span<const int32_t>(next_.data(), size_t(M)), ra);
+  index_entries_->decode_rows(*sb, std::span<const int32_t>(next_.data(), size_t(M)), rb);
+  const Cmp vc = compare(rb.data(), ra.data(), ra.size());
+  EXPECT_EQ(vc.first_diff, -1) << M << " verify rows: " << vc.str();
 }
 
 // CudaModelOptions::tp_score_buckets: with the index scratch sized for 64k-token sessions (16385
@@ -409,6 +449,7 @@ TEST(CudaBackendTpBuckets, ScoreBucketsGiveTheSameLogits) {
       o.max_seq = 65536;
       o.tp_score_buckets = buckets;
       o.tp_index_split_entries = entries;
+      o.index_split_min_positions = 0;
       CudaBackend be(tiny_a_dir(), std::vector<int64_t>(map.begin(), map.end()), o);
       Run r;
       r.built = be.model().graph_captures_total();

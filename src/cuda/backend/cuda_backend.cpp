@@ -238,6 +238,13 @@ CudaBackend::CudaBackend(model::ModelConfig cfg, model::Checkpoint ckpt,
   // The plan's own message names the config field that does not divide.
   model::validate_tp(cfg, n,
                      backend_tp_options(opts.tp_split_head, tp_index_heads_split(cfg, opts)));
+  if (tp_index_heads_split(cfg, opts))
+    spdlog::info("TP {}: the indexer split by index heads (the ranks' scores summed)", n);
+  else
+    spdlog::info(
+        "TP {}: the indexer split by entries from {} positions (narrower layers score whole "
+        "rows on every rank)",
+        n, opts.index_split_min_positions);
   const int gpus = device_count();
   UF_CHECK(n <= gpus, "CUDA backend: --tp {} needs {} GPUs but {} are visible to this process", n,
            n, gpus);

@@ -917,16 +917,20 @@ void CudaModel::index_select(int l, int T, const float* const* keys, const int32
   const int Hi = Hi_, ihd = cfg_.index_head_dim;
   UF_CHECK(stride >= 1 && stride <= index_width_,
            "index_select: score stride {} outside 1..{} (the scratch width)", stride, index_width_);
-  if (index_split_) {
+  if (index_split_pays(l, stride)) {
     index_select_split(l, T, keys, vis, width, stride);
     return;
   }
+  // The whole rows on this rank. Split by index heads, the rank's heads give an fp32 partial of
+  // the head sum, rounded to bf16 once after the ranks' sum; a rank that holds every head (the
+  // entry split's weights) scores as one GPU does.
+  const bool head_partial = tp_ > 1 && !index_split_;
   if (role.candidate_restricted && cfg_.candidate_source_layer >= 0 && cand_listed_) {
     // The pool's entries only (EntryList): the same scores and selection as scoring every
     // visible entry and masking the rest, at the pool's size instead of the context's.
     const int cap = int(cand_cap_);
     const EntryList list{cand_list_, cand_n_, cand_cap_};
-    if (tp_ > 1) {
+    if (head_partial) {
       index_scores_list(iq_, iw_, T, Hi, ihd, keys, list, score_, stream_, /*round_sum=*/false);
       all_reduce_round(score_, size_t(T) * size_t(cap));
     } else {
@@ -936,9 +940,7 @@ void CudaModel::index_select(int l, int T, const float* const* keys, const int32
                 index_ws_, cand_list_, cand_cap_);
     return;
   }
-  if (tp_ > 1) {
-    // The rank's heads give an fp32 partial of the head sum; bf16 once after the sum, then every
-    // rank selects from the same scores.
+  if (head_partial) {
     index_scores_partial(iq_, iw_, T, Hi, ihd, keys, vis, width, stride, score_, stream_);
     all_reduce_round(score_, size_t(T) * size_t(stride));
   } else {

@@ -176,10 +176,18 @@ struct CudaModelOptions {
   // maxima (T x entries / block_size). The head split summed T x entries scores per index layer
   // instead (at 1M tokens 1 ms a 7-row step on two ranks and 105 ms a 512-row prefill chunk,
   // session 14), and its selections were an fp32 rank-order sum's; these are one GPU's bit for
-  // bit. Needs candidate_lists where the model has a candidate pool (else the head split). Off by
-  // default until it has run on two GPUs (its ops are tested on one: tests/cuda/test_index_split;
-  // the backend's TP tests run both ways); `bench --synthetic tpN --tp-index-entries`.
-  bool tp_index_split_entries = false;
+  // bit. Needs candidate_lists where the model has a candidate pool (else the head split).
+  // `bench --synthetic tpN --tp-index-heads` for the head split.
+  bool tp_index_split_entries = true;
+  // With the whole indexer on every rank (the entry split, or its simulated ranks), an index layer
+  // with fewer positions than this (a row's entries, or the candidate pool's list, at most the
+  // call's score stride) scores the whole rows on every rank instead: the same selections (the
+  // merge is exact), no gather and no merge. Two TP8-shaped ranks (docs/perf.md session 17): at 8k
+  // context (graph steps at the 4096 bucket, prefill rows ~2k wide) whole rows are ~100 us a
+  // decode step faster and even at prefill; from 128k on (16k-entry pool lists, 32k+ rows) the
+  // split is faster, ~1 ms a 7-row step and 56 ms a 512-row chunk at 1M against the head split.
+  // 0: always split (the tests of the split).
+  int64_t index_split_min_positions = 16384;
   // Tests only: at tp = 1, run the entry-split indexer as this many ranks in turn on the one GPU
   // (each rank's block copied where the gather would put it): selections, hence logits, bitwise
   // the unsplit indexer's, so one GPU checks the split's bookkeeping end to end. 0: off.
@@ -388,7 +396,9 @@ class CudaModel {
   void index_queries(int l, const float* x, const float* qr, int T, int64_t p0, const int64_t* pos);
   void index_select(int l, int T, const float* const* keys, const int32_t* vis,
                     const int32_t* width, int stride);
-  // index_select under TP with the indexer split by entries (cuda_index_split.cpp).
+  // index_select under TP with the indexer split by entries (cuda_index_split.cpp), and whether
+  // layer l's call at this score stride takes it (index_split_min_positions).
+  bool index_split_pays(int l, int stride) const;
   void index_select_split(int l, int T, const float* const* keys, const int32_t* vis,
                           const int32_t* width, int stride);
   // (Re)allocates isplit_ for the scratch width (ensure_index_width) / frees it.
