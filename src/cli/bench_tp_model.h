@@ -35,8 +35,8 @@ struct TpModelArgs {
   int64_t max_seq = 0;
   bool score_buckets = true;
   bool index_split_entries = true;  // CudaModelOptions::tp_index_split_entries
-  // CudaModelOptions::index_split_min_positions (-1: its default).
-  int64_t index_split_min_positions = -1;
+  // CudaModelOptions::index_split_min_work (-1: its default).
+  int64_t index_split_min_work = -1;
 };
 
 // Builds, loads and times; every figure goes into `out` as well as to stdout. Throws

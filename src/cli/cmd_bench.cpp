@@ -94,10 +94,10 @@ struct BenchArgs {
   int chunk = 512;
   int prefill_iters = 2;
   int slice_of = 1;
-  int64_t max_seq = 0;                     // tpN: CudaModelOptions::max_seq (a server's --max-seq)
-  bool no_tp_score_buckets = false;        // tpN: CudaModelOptions::tp_score_buckets off
-  bool tp_index_heads = false;             // tpN: CudaModelOptions::tp_index_split_entries off
-  int64_t index_split_min_positions = -1;  // tpN: CudaModelOptions' (-1: its default)
+  int64_t max_seq = 0;                // tpN: CudaModelOptions::max_seq (a server's --max-seq)
+  bool no_tp_score_buckets = false;   // tpN: CudaModelOptions::tp_score_buckets off
+  bool tp_index_heads = false;        // tpN: CudaModelOptions::tp_index_split_entries off
+  int64_t index_split_min_work = -1;  // tpN: CudaModelOptions' (-1: its default)
   std::string json_file;
   std::string trace_file;
   uint64_t seed = 1;
@@ -446,16 +446,16 @@ int run_tp_model(const BenchArgs& a, int tp, const std::vector<int>& rows) {
   t.max_seq = a.max_seq;
   t.score_buckets = !a.no_tp_score_buckets;
   t.index_split_entries = !a.tp_index_heads;
-  UF_CHECK(a.index_split_min_positions >= -1, "bench: --index-split-min-positions {} must be >= 0",
-           a.index_split_min_positions);
-  t.index_split_min_positions = a.index_split_min_positions;
+  UF_CHECK(a.index_split_min_work >= -1, "bench: --index-split-min-work {} must be >= 0",
+           a.index_split_min_work);
+  t.index_split_min_work = a.index_split_min_work;
   json out = {{"iters", a.iters},
               {"warmup", a.warmup},
               {"seed", a.seed},
               {"max_seq", a.max_seq},
               {"tp_score_buckets", !a.no_tp_score_buckets},
               {"tp_index_split_entries", !a.tp_index_heads},
-              {"index_split_min_positions", a.index_split_min_positions}};
+              {"index_split_min_work", a.index_split_min_work}};
   try {
     bench::run_tp_model_bench(t, out);
   } catch (const std::exception& e) {
@@ -475,12 +475,11 @@ int run_bench(const BenchArgs& a) {
            a.iters, a.warmup);
   if (const int tp = uf::cli::bench::tp_model_ranks(a.synthetic); tp > 0)
     return run_tp_model(a, tp, rows);
-  UF_CHECK(
-      a.contexts.empty() && a.prefill_contexts.empty() && a.slice_of == 1 && a.max_seq == 0 &&
-          !a.no_tp_score_buckets && !a.tp_index_heads && a.index_split_min_positions == -1,
-      "bench: --contexts, --prefill-contexts, --slice-of, --max-seq, --no-tp-score-buckets, "
-      "--tp-index-heads and --index-split-min-positions are options of --synthetic tp2 / tp4 / "
-      "tp8 (tp8-rank: one --context a run; bench-prefill times its prefill)");
+  UF_CHECK(a.contexts.empty() && a.prefill_contexts.empty() && a.slice_of == 1 && a.max_seq == 0 &&
+               !a.no_tp_score_buckets && !a.tp_index_heads && a.index_split_min_work == -1,
+           "bench: --contexts, --prefill-contexts, --slice-of, --max-seq, --no-tp-score-buckets, "
+           "--tp-index-heads and --index-split-min-work are options of --synthetic tp2 / tp4 / "
+           "tp8 (tp8-rank: one --context a run; bench-prefill times its prefill)");
   const ModelConfig cfg = bench_config(a);
   uint64_t bytes = 0;
   for (const auto& e : uf::model::tensor_contract(cfg)) bytes += e.nbytes();
@@ -602,10 +601,10 @@ void setup_bench(CLI::App& app, int& exit_code) {
                 "tpN: split the indexer by index heads (the ranks' scores summed), not by entries "
                 "(CudaModelOptions::tp_index_split_entries off)");
   cmd->add_option(
-      "--index-split-min-positions", a->index_split_min_positions,
-      "tpN: positions (a row's entries or the pool's list) from which an index layer "
+      "--index-split-min-work", a->index_split_min_work,
+      "tpN: rows x positions (a row's entries or the pool's list) from which an index layer "
       "splits them over the ranks; below, every rank scores whole rows (CudaModelOptions::"
-      "index_split_min_positions; 0: always split)");
+      "index_split_min_work; 0: always split)");
   cmd->add_option("--json", a->json_file, "Write every figure to this JSON file");
   cmd->add_option("--trace", a->trace_file,
                   "Trace one more forward per row count (CUPTI kernel timeline) into this file");

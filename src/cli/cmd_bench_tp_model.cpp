@@ -181,7 +181,7 @@ void run_tp_model_bench(const TpModelArgs& a, json& out) {
   o.max_seq = a.max_seq;
   o.tp_score_buckets = a.score_buckets;
   o.tp_index_split_entries = a.index_split_entries;
-  if (a.index_split_min_positions >= 0) o.index_split_min_positions = a.index_split_min_positions;
+  if (a.index_split_min_work >= 0) o.index_split_min_work = a.index_split_min_work;
   spdlog::info("bench: building the synthetic checkpoint and loading {} ranks", N);
   const auto t_load = Clock::now();
   auto be = std::make_unique<cuda::CudaBackend>(cfg, model::synthetic_checkpoint(cfg, a.seed),

@@ -165,8 +165,9 @@ TEST_F(CudaBackendTest, MaxSeqOptionKeepsTheConstructionGraphs) {
 // indexer's, so prefill (all rows), decode and verify logits are bitwise the default backend's.
 // A 300-token prompt gives index rows of 150 / 300 entries against the fixture's top-8 and a
 // pool of 3 blocks of 4, so the ranges, the merge and the pool's blocks all matter. With
-// index_split_min_positions = 200 the prefill's 300-entry rows split while its 150-entry rows and
-// the 12-entry pool lists score whole rows: the two mix within a forward.
+// index_split_min_work = 50000 (rows x positions) the prefill's 300 x 300 layers split while its
+// 300 x 150 ones, its 300 x 12 pool lists and every decode and verify call score whole rows: the
+// two mix within a forward.
 TEST_F(CudaBackendTest, IndexSplitSimulatedRanksIsBitwise) {
   std::vector<int32_t> prompt = prompt_;
   std::mt19937 rng(5);
@@ -190,12 +191,12 @@ TEST_F(CudaBackendTest, IndexSplitSimulatedRanksIsBitwise) {
     return out;
   };
   const auto want = run(*be_);
-  for (const auto& [n, min_positions] : {std::pair{2, 0}, {3, 0}, {8, 0}, {3, 200}}) {
+  for (const auto& [n, min_work] : {std::pair{2, 0}, {3, 0}, {8, 0}, {3, 50000}}) {
     SCOPED_TRACE(::testing::Message()
-                 << n << " simulated ranks, split from " << min_positions << " positions");
+                 << n << " simulated ranks, split from " << min_work << " rows x positions");
     CudaModelOptions mo;
     mo.index_split_simulated_ranks = n;
-    mo.index_split_min_positions = min_positions;
+    mo.index_split_min_work = min_work;
     CudaBackend split(tiny_a_dir(), map_, mo);
     ASSERT_EQ(split.model().index_split_ranks(), n);
     ASSERT_EQ(be_->model().index_split_ranks(), 0);

@@ -16,7 +16,7 @@
 //      whole weight's rows / columns at the rank's offset (dequantised values, bitwise), with the
 //      indexer split by heads and replicated;
 //  (h) the indexer split by index heads (tp_index_split_entries off) and by entries on every
-//      layer (index_split_min_positions = 0; the default scores the fixture's narrow rows whole on
+//      layer (index_split_min_work = 0; the default scores the fixture's narrow rows whole on
 //      every rank): (a), (b), (c) and the score buckets' bitwise logits hold for each; the entry
 //      split's logits are bitwise those of whole rows (its merge is exact), P2P gathers included.
 // Every comparison prints max abs / rms-rel / non-finite count / first differing index.
@@ -69,7 +69,7 @@ class CudaBackendTpTest : public ::testing::Test {
       alt.tp_index_split_entries = false;
       index_heads_ = std::make_unique<CudaBackend>(tiny_a_dir(), map_, alt);
       alt.tp_index_split_entries = true;
-      alt.index_split_min_positions = 0;
+      alt.index_split_min_work = 0;
       index_entries_ = std::make_unique<CudaBackend>(tiny_a_dir(), map_, alt);
     } catch (const std::exception& e) {
       setup_error_ = e.what();  // reported by every test (e.g. NCCL not found)
@@ -398,7 +398,8 @@ TEST_F(CudaBackendTpTest, IndexerSplitsCloseToTp1) {
 // layers at the fixture's widths score whole rows on every rank: prefill, decode, verify rows.
 TEST_F(CudaBackendTpTest, EntrySplitEqualsWholeRowsBitwise) {
   // The default must score the fixture's rows whole, or this compares the split with itself.
-  ASSERT_GT(CudaModelOptions{}.index_split_min_positions, int64_t(prompt_.size() + next_.size()));
+  const int64_t n = int64_t(prompt_.size() + next_.size());
+  ASSERT_GT(CudaModelOptions{}.index_split_min_work, n * n);
   ASSERT_EQ(index_entries_->model().index_split_ranks(), 2);
   ASSERT_EQ(two_->model().index_split_ranks(), 2);
   std::vector<float> a, b;
@@ -449,7 +450,7 @@ TEST(CudaBackendTpBuckets, ScoreBucketsGiveTheSameLogits) {
       o.max_seq = 65536;
       o.tp_score_buckets = buckets;
       o.tp_index_split_entries = entries;
-      o.index_split_min_positions = 0;
+      o.index_split_min_work = 0;
       CudaBackend be(tiny_a_dir(), std::vector<int64_t>(map.begin(), map.end()), o);
       Run r;
       r.built = be.model().graph_captures_total();

@@ -242,9 +242,9 @@ CudaBackend::CudaBackend(model::ModelConfig cfg, model::Checkpoint ckpt,
     spdlog::info("TP {}: the indexer split by index heads (the ranks' scores summed)", n);
   else
     spdlog::info(
-        "TP {}: the indexer split by entries from {} positions (narrower layers score whole "
-        "rows on every rank)",
-        n, opts.index_split_min_positions);
+        "TP {}: the indexer split by entries from {} rows x positions (smaller calls score "
+        "whole rows on every rank)",
+        n, opts.index_split_min_work);
   const int gpus = device_count();
   UF_CHECK(n <= gpus, "CUDA backend: --tp {} needs {} GPUs but {} are visible to this process", n,
            n, gpus);

@@ -14,7 +14,7 @@
 // (at 1M tokens, 250k floats a row per index layer), and every selection is one GPU's bit for bit.
 // At tp = 1 with CudaModelOptions::index_split_simulated_ranks (tests) the ranks' parts run in
 // turn on the one GPU, each "gather" a copy of its block into the rows' columns.
-// Narrow layers (fewer positions than CudaModelOptions::index_split_min_positions) skip all this:
+// Small calls (rows x positions under CudaModelOptions::index_split_min_work) skip all this:
 // every rank holds every index head, so it scores the whole rows as one GPU does, and the
 // selections are the same as the merge's (exact either way).
 #include <algorithm>
@@ -91,16 +91,16 @@ void CudaModel::alloc_index_split(int64_t width) {
     ensure_gather(nccl_scratch);
 }
 
-bool CudaModel::index_split_pays(int l, int stride) const {
+bool CudaModel::index_split_pays(int l, int T, int stride) const {
   if (!index_split_) return false;
   const auto& role = cfg_.role(l);
   const bool listed = role.candidate_restricted && cfg_.candidate_source_layer >= 0;
   // The split scores a pool only as its list; a source that ran whole rows may have left a mask.
   if (listed && !cand_listed_) return false;
   // A pool holds no more of a row's entries than the stride has columns (a graph step's width
-  // bucket): at 8k context its list is 2048 entries long whatever its capacity.
+  // bucket): a short context's list is short whatever its capacity.
   const int64_t positions = listed ? std::min<int64_t>(cand_cap_, stride) : int64_t(stride);
-  return positions >= opts_.index_split_min_positions;
+  return int64_t(T) * positions >= opts_.index_split_min_work;
 }
 
 void CudaModel::index_select_split(int l, int T, const float* const* keys, const int32_t* vis,

@@ -917,7 +917,7 @@ void CudaModel::index_select(int l, int T, const float* const* keys, const int32
   const int Hi = Hi_, ihd = cfg_.index_head_dim;
   UF_CHECK(stride >= 1 && stride <= index_width_,
            "index_select: score stride {} outside 1..{} (the scratch width)", stride, index_width_);
-  if (index_split_pays(l, stride)) {
+  if (index_split_pays(l, T, stride)) {
     index_select_split(l, T, keys, vis, width, stride);
     return;
   }

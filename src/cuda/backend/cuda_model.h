@@ -180,14 +180,14 @@ struct CudaModelOptions {
   // `bench --synthetic tpN --tp-index-heads` for the head split.
   bool tp_index_split_entries = true;
   // With the whole indexer on every rank (the entry split, or its simulated ranks), an index layer
-  // with fewer positions than this (a row's entries, or the candidate pool's list, at most the
-  // call's score stride) scores the whole rows on every rank instead: the same selections (the
-  // merge is exact), no gather and no merge. Two TP8-shaped ranks (docs/perf.md session 17): at 8k
-  // context (graph steps at the 4096 bucket, prefill rows ~2k wide) whole rows are ~100 us a
-  // decode step faster and even at prefill; from 128k on (16k-entry pool lists, 32k+ rows) the
-  // split is faster, ~1 ms a 7-row step and 56 ms a 512-row chunk at 1M against the head split.
-  // 0: always split (the tests of the split).
-  int64_t index_split_min_positions = 16384;
+  // call whose rows x positions (a row's entries, or the candidate pool's list capped at the
+  // call's score stride) fall below this scores the whole rows on every rank instead: the same
+  // selections (the merge is exact), no gather and no merge. Two TP8-shaped ranks (docs/perf.md
+  // session 17): an 8k context's graph steps (16384-entry width bucket, <= 8 rows: <= 131072)
+  // are ~100 us faster with whole rows; from 128k the steps' full-width layers (1M positions at a
+  // 1M-capable server) are faster split (~350 us a 1-row step at 128k), and prefill chunks (512
+  // rows) gain from the split from 128k on (8k: even). 0: always split (the tests of the split).
+  int64_t index_split_min_work = int64_t(1) << 18;
   // Tests only: at tp = 1, run the entry-split indexer as this many ranks in turn on the one GPU
   // (each rank's block copied where the gather would put it): selections, hence logits, bitwise
   // the unsplit indexer's, so one GPU checks the split's bookkeeping end to end. 0: off.
@@ -397,8 +397,8 @@ class CudaModel {
   void index_select(int l, int T, const float* const* keys, const int32_t* vis,
                     const int32_t* width, int stride);
   // index_select under TP with the indexer split by entries (cuda_index_split.cpp), and whether
-  // layer l's call at this score stride takes it (index_split_min_positions).
-  bool index_split_pays(int l, int stride) const;
+  // layer l's call of T rows at this score stride takes it (index_split_min_work).
+  bool index_split_pays(int l, int T, int stride) const;
   void index_select_split(int l, int T, const float* const* keys, const int32_t* vis,
                           const int32_t* width, int stride);
   // (Re)allocates isplit_ for the scratch width (ensure_index_width) / frees it.
