@@ -184,9 +184,9 @@ struct CudaModelOptions {
   // call's score stride) fall below this scores the whole rows on every rank instead: the same
   // selections (the merge is exact), no gather and no merge. Two TP8-shaped ranks (docs/perf.md
   // session 17): an 8k context's graph steps (16384-entry width bucket, <= 8 rows: <= 131072)
-  // are ~100 us faster with whole rows; from 128k the steps' full-width layers (1M positions at a
-  // 1M-capable server) are faster split (~350 us a 1-row step at 128k), and prefill chunks (512
-  // rows) gain from the split from 128k on (8k: even). 0: always split (the tests of the split).
+  // are ~100 us faster with whole rows; from 128k the steps' full-width layers (262144 positions
+  // and up) are faster split (~350 us a 1-row step at 128k), and prefill chunks (512 rows) gain
+  // from the split from 128k on (8k: even). 0: always split (the tests of the split).
   int64_t index_split_min_work = int64_t(1) << 18;
   // Tests only: at tp = 1, run the entry-split indexer as this many ranks in turn on the one GPU
   // (each rank's block copied where the gather would put it): selections, hence logits, bitwise
