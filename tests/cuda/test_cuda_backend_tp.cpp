@@ -27,6 +27,7 @@
 #include <memory>
 #include <string>
 #include <unordered_map>
+#include <utility>
 
 #include "../cpu/tiny_a.h"
 #include "backend_test_util.h"
@@ -114,6 +115,28 @@ class CudaBackendTpTest : public ::testing::Test {
           << r0.size() << " bytes)";
     }
   }
+  using SessionPair =
+      std::pair<std::unique_ptr<engine::SessionState>, std::unique_ptr<engine::SessionState>>;
+  // The prompt (all rows) and `steps` single-row decode steps on a and b: bitwise equal logits.
+  // Returns the two sessions, each after its steps.
+  SessionPair expect_same_logits(CudaBackend& a, CudaBackend& b, int steps) {
+    std::vector<float> la, lb;
+    SessionPair s{prefilled(a, &la), prefilled(b, &lb)};
+    const Cmp pc = compare(lb.data(), la.data(), la.size());
+    EXPECT_EQ(pc.first_diff, -1) << "prefill: " << pc.str();
+    EXPECT_EQ(pc.nan, 0u);
+    std::vector<float> x(static_cast<size_t>(V_)), y(static_cast<size_t>(V_));
+    for (int k = 0; k < steps; ++k) {
+      const std::span<const int32_t> tok(&next_[size_t(k)], 1);
+      a.decode_rows(*s.first, tok, x);
+      a.commit(*s.first, 1);
+      b.decode_rows(*s.second, tok, y);
+      b.commit(*s.second, 1);
+      const Cmp dc = compare(y.data(), x.data(), size_t(V_));
+      EXPECT_EQ(dc.first_diff, -1) << "decode step " << k << ": " << dc.str();
+    }
+    return s;
+  }
   static inline std::vector<int64_t> map_;
   static inline std::unique_ptr<CudaBackend> one_, two_, ordered_, split_head_, index_heads_,
       index_entries_;
@@ -177,44 +200,14 @@ TEST_F(CudaBackendTpTest, Tp2MatchesTp1) {
 
 // At 2 ranks the ordered gather-sum (the path of tp > 2) and NCCL's all-reduce both compute a + b:
 // bitwise equal logits, prefill and decode.
-TEST_F(CudaBackendTpTest, OrderedSumEqualsNcclSumAtTp2) {
-  std::vector<float> a, b;
-  auto sa = prefilled(*two_, &a);
-  auto sb = prefilled(*ordered_, &b);
-  const Cmp pc = compare(b.data(), a.data(), a.size());
-  EXPECT_EQ(pc.first_diff, -1) << "prefill: " << pc.str();
-  std::vector<float> x(static_cast<size_t>(V_)), y(static_cast<size_t>(V_));
-  for (int k = 0; k < 3; ++k) {
-    const std::span<const int32_t> tok(&next_[size_t(k)], 1);
-    two_->decode_rows(*sa, tok, x);
-    two_->commit(*sa, 1);
-    ordered_->decode_rows(*sb, tok, y);
-    ordered_->commit(*sb, 1);
-    const Cmp dc = compare(y.data(), x.data(), size_t(V_));
-    EXPECT_EQ(dc.first_diff, -1) << "decode step " << k << ": " << dc.str();
-  }
-}
+TEST_F(CudaBackendTpTest, OrderedSumEqualsNcclSumAtTp2) { expect_same_logits(*two_, *ordered_, 3); }
 
 // The head split by vocab rows (CudaModelOptions::tp_split_head) computes every logit with the
 // same fp32 dot product as the replicated head (one output feature per lane group, K order), so
 // the gathered logits are bitwise those of the replicated head: prefill, decode, a DSpark round.
 TEST_F(CudaBackendTpTest, SplitHeadEqualsReplicatedHeadAtTp2) {
-  std::vector<float> a, b;
-  auto sa = prefilled(*two_, &a);
-  auto sb = prefilled(*split_head_, &b);
-  const Cmp pc = compare(b.data(), a.data(), a.size());
-  EXPECT_EQ(pc.first_diff, -1) << "prefill: " << pc.str();
-  EXPECT_EQ(pc.nan, 0u);
-  std::vector<float> x(static_cast<size_t>(V_)), y(static_cast<size_t>(V_));
-  for (int k = 0; k < 2; ++k) {
-    const std::span<const int32_t> tok(&next_[size_t(k)], 1);
-    two_->decode_rows(*sa, tok, x);
-    two_->commit(*sa, 1);
-    split_head_->decode_rows(*sb, tok, y);
-    split_head_->commit(*sb, 1);
-    const Cmp dc = compare(y.data(), x.data(), size_t(V_));
-    EXPECT_EQ(dc.first_diff, -1) << "decode step " << k << ": " << dc.str();
-  }
+  auto [sa, sb] = expect_same_logits(*two_, *split_head_, 2);
+  std::vector<float> y(static_cast<size_t>(V_));
   // Verify rows through the split head equal plain rows of the same backend (spec == plain).
   const auto snap = split_head_->snapshot(*sb);
   auto sv = split_head_->new_session(128);
@@ -402,22 +395,7 @@ TEST_F(CudaBackendTpTest, EntrySplitEqualsWholeRowsBitwise) {
   ASSERT_GT(CudaModelOptions{}.index_split_min_work, n * n);
   ASSERT_EQ(index_entries_->model().index_split_ranks(), 2);
   ASSERT_EQ(two_->model().index_split_ranks(), 2);
-  std::vector<float> a, b;
-  auto sa = prefilled(*two_, &a);
-  auto sb = prefilled(*index_entries_, &b);
-  const Cmp pc = compare(b.data(), a.data(), a.size());
-  EXPECT_EQ(pc.first_diff, -1) << "prefill: " << pc.str();
-  EXPECT_EQ(pc.nan, 0u);
-  std::vector<float> x(static_cast<size_t>(V_)), y(static_cast<size_t>(V_));
-  for (int k = 0; k < 3; ++k) {
-    const std::span<const int32_t> tok(&next_[size_t(k)], 1);
-    two_->decode_rows(*sa, tok, x);
-    two_->commit(*sa, 1);
-    index_entries_->decode_rows(*sb, tok, y);
-    index_entries_->commit(*sb, 1);
-    const Cmp dc = compare(y.data(), x.data(), size_t(V_));
-    EXPECT_EQ(dc.first_diff, -1) << "decode step " << k << ": " << dc.str();
-  }
+  auto [sa, sb] = expect_same_logits(*two_, *index_entries_, 3);
   const int M = two_->max_rows();
   std::vector<float> ra(size_t(M) * size_t(V_)), rb(size_t(M) * size_t(V_));
   two_->decode_rows(*sa, std::span<const int32_t>(next_.data(), size_t(M)), ra);
