@@ -20,7 +20,9 @@
 // --trace FILE traces one more call of each timed forward with CUPTI (cuda/trace/kernel_trace.h:
 // every kernel's device start / end inside the graph replay) and writes the per-kernel summary
 // and the raw records there; the table goes to stdout too. It also traces one device draft round
-// of each sampling mode.
+// of each sampling mode. The traces run after every timing: once CUPTI is initialised, every
+// launch of the process is slower (a traced run's 8k step read 4470 / 7013 us at 1 / 7 rows
+// against 4105 / 6599 untraced, session 17).
 // --no-graphs sets CudaModelOptions::cuda_graphs = false (the verify spans then launch eagerly);
 // --no-branches clears CudaModelOptions::graph_branches (one stream, the launches in order);
 // --no-candidate-lists clears candidate_lists.
@@ -276,13 +278,12 @@ int run_cuda(const BenchArgs& a, const ModelConfig& cfg, const std::vector<int>&
   UF_CUDA_CHECK(cudaMallocHost(&host_logits, size_t(8) * size_t(V) * sizeof(float)));
   std::mt19937_64 rng(a.seed + 17);
 
-  std::unique_ptr<uf::cuda::KernelTrace> trace;
   std::ofstream trace_out;
   if (!a.trace_file.empty()) {
-    trace = std::make_unique<uf::cuda::KernelTrace>();
     trace_out.open(a.trace_file);
     UF_CHECK(bool(trace_out), "bench: cannot write the trace file {}", a.trace_file);
   }
+  std::vector<std::vector<int32_t>> row_tokens;  // each row count's tokens, traced after timing
   std::vector<StepFloor> floors;
   json jrows = json::array();
   std::cout << fmt::format(
@@ -292,6 +293,7 @@ int run_cuda(const BenchArgs& a, const ModelConfig& cfg, const std::vector<int>&
       "x floor");
   for (int T : rows) {
     const auto toks = uf::cli::bench::random_tokens(rng, T, V);
+    row_tokens.push_back(toks);
     spdlog::info("bench: verify T = {}", T);
     const Stats st = time_calls(a.warmup, a.iters, [&] {
       model->forward(*s, toks, /*prefill_layout=*/false, /*all_logits=*/true, host_logits, nullptr,
@@ -302,27 +304,6 @@ int run_cuda(const BenchArgs& a, const ModelConfig& cfg, const std::vector<int>&
     });
     UF_CHECK(s->len == a.context, "bench: the verify forward committed tokens (len {} != {})",
              s->len, a.context);
-    if (trace) {
-      // Probe builds (cmake -DUF_PROBE=ON) also stamp phases inside chosen kernels of the same
-      // call (cuda/probe.h), written after the trace's records.
-      if (uf::cuda::probe::enabled()) uf::cuda::probe::begin(1 << 16);
-      trace->start();
-      model->forward(*s, toks, false, true, host_logits, nullptr, nullptr);
-      const auto recs = trace->stop();
-      const auto probes = uf::cuda::probe::enabled() ? uf::cuda::probe::end()
-                                                     : std::vector<uf::cuda::probe::Record>{};
-      const std::string table = uf::cuda::summarize_trace(recs, 40);
-      std::cout << fmt::format("trace of one {}-row verify forward (logits to the host):\n{}", T,
-                               table);
-      trace_out << fmt::format("== {} rows\n{}", T, table) << uf::cuda::trace_records_text(recs);
-      if (!probes.empty()) {
-        // The first kernel's start on both clocks, to line the probes up with the records.
-        trace_out << fmt::format(
-                         "== {} rows probes (first record start {} ns, first probe {} ns)\n", T,
-                         recs.empty() ? 0 : recs[0].start_ns, probes[0].t[0])
-                  << uf::cuda::probe::probe_text(probes);
-      }
-    }
     const auto f = uf::model::step_floor(cfg, T, a.context, floor_opts(a));
     double head_bytes = 0;
     for (const auto& i : f.verify)
@@ -365,18 +346,30 @@ int run_cuda(const BenchArgs& a, const ModelConfig& cfg, const std::vector<int>&
   // The serving path: the Markov loop, the transform and the draft sampling on the device
   // (CudaModel::draft_on_device, one graph): greedy, sampled, and sampled with top-p. Random
   // weights give near-flat logits, the worst case of top-p (the nucleus is most of the vocab).
+  struct DraftMode {
+    uf::sampling::SamplingParams params;
+    const char* name;
+    const char* key;
+  };
+  std::vector<DraftMode> draft_modes;
+  for (const int mode : {0, 1, 2}) {
+    DraftMode m{{},
+                mode == 0   ? "greedy"
+                : mode == 1 ? "temperature 1"
+                            : "temperature 1, top-p 0.95",
+                mode == 0   ? "draft_device_greedy"
+                : mode == 1 ? "draft_device_sampled"
+                            : "draft_device_top_p"};
+    m.params.temperature = mode == 0 ? 0.0f : 1.0f;
+    m.params.top_p = mode == 2 ? 0.95f : 1.0f;
+    draft_modes.push_back(m);
+  }
+  uint64_t step = 0;
   if (model->device_draft_available()) {
-    for (const int mode : {0, 1, 2}) {
-      uf::sampling::SamplingParams sp;
-      sp.temperature = mode == 0 ? 0.0f : 1.0f;
-      sp.top_p = mode == 2 ? 0.95f : 1.0f;
-      const char* name = mode == 0   ? "greedy"
-                         : mode == 1 ? "temperature 1"
-                                     : "temperature 1, top-p 0.95";
-      const char* key = mode == 0   ? "draft_device_greedy"
-                        : mode == 1 ? "draft_device_sampled"
-                                    : "draft_device_top_p";
-      uint64_t step = 0;
+    for (const DraftMode& m : draft_modes) {
+      const auto& sp = m.params;
+      const char* name = m.name;
+      const char* key = m.key;
       const Stats dd = time_calls(a.warmup, a.iters, [&] {
         drafted = model->draft_on_device(*s, anchor, sp, a.seed, ++step).tokens.size();
       });
@@ -384,15 +377,6 @@ int run_cuda(const BenchArgs& a, const ModelConfig& cfg, const std::vector<int>&
           "DSpark draft on the device, {} ({} tokens): {:.1f} us median, {:.1f} min; x floor "
           "{:.2f}\n",
           name, drafted, dd.median_us, dd.min_us, dd.median_us / dfl);
-      if (trace) {
-        trace->start();
-        (void)model->draft_on_device(*s, anchor, sp, a.seed, ++step);
-        const auto recs = trace->stop();
-        const std::string table = uf::cuda::summarize_trace(recs, 24);
-        std::cout << fmt::format("trace of one device draft round, {}:\n{}", name, table);
-        trace_out << fmt::format("== draft {}\n{}", name, table)
-                  << uf::cuda::trace_records_text(recs);
-      }
       out[key] = {{"time", stats_json(dd)}, {"x_floor", dd.median_us / dfl}};
     }
   }
@@ -406,6 +390,45 @@ int run_cuda(const BenchArgs& a, const ModelConfig& cfg, const std::vector<int>&
                   {"commit_components", floor_json(f1.commit, bwg)}};
   print_components(floors, bwg, cfg.dspark_block_size);
   std::cout << fmt::format("\nCUDA graphs captured: {}\n", model->graphs_captured());
+  if (trace_out.is_open()) {
+    // After every timed call: CUPTI, once initialised, slows every launch of the process (~10% of
+    // a decode step), so the traces come last and the figures above are untraced.
+    uf::cuda::KernelTrace trace;
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const int T = rows[i];
+      const auto& toks = row_tokens[i];
+      // Probe builds (cmake -DUF_PROBE=ON) also stamp phases inside chosen kernels of the same
+      // call (cuda/probe.h), written after the trace's records.
+      if (uf::cuda::probe::enabled()) uf::cuda::probe::begin(1 << 16);
+      trace.start();
+      model->forward(*s, toks, false, true, host_logits, nullptr, nullptr);
+      const auto recs = trace.stop();
+      const auto probes = uf::cuda::probe::enabled() ? uf::cuda::probe::end()
+                                                     : std::vector<uf::cuda::probe::Record>{};
+      const std::string table = uf::cuda::summarize_trace(recs, 40);
+      std::cout << fmt::format("trace of one {}-row verify forward (logits to the host):\n{}", T,
+                               table);
+      trace_out << fmt::format("== {} rows\n{}", T, table) << uf::cuda::trace_records_text(recs);
+      if (!probes.empty()) {
+        // The first kernel's start on both clocks, to line the probes up with the records.
+        trace_out << fmt::format(
+                         "== {} rows probes (first record start {} ns, first probe {} ns)\n", T,
+                         recs.empty() ? 0 : recs[0].start_ns, probes[0].t[0])
+                  << uf::cuda::probe::probe_text(probes);
+      }
+    }
+    if (model->device_draft_available()) {
+      for (const DraftMode& m : draft_modes) {
+        trace.start();
+        (void)model->draft_on_device(*s, anchor, m.params, a.seed, ++step);
+        const auto recs = trace.stop();
+        const std::string table = uf::cuda::summarize_trace(recs, 24);
+        std::cout << fmt::format("trace of one device draft round, {}:\n{}", m.name, table);
+        trace_out << fmt::format("== draft {}\n{}", m.name, table)
+                  << uf::cuda::trace_records_text(recs);
+      }
+    }
+  }
   out["graphs_captured"] = model->graphs_captured();
   UF_CUDA_CHECK(cudaFreeHost(host_logits));
   return 0;

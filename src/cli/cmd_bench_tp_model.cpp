@@ -18,7 +18,9 @@
 //    round produced;
 //  - one traced forward of the largest T (CUPTI, every GPU): per rank the collective kernels'
 //    count and advance (the time the chain waited for them, their wait for the slowest rank
-//    included), beside the count the backend's code implies (model::tp_verify_collectives).
+//    included), beside the count the backend's code implies (model::tp_verify_collectives);
+//    every context's after all the timings (and --trace FILE's prefill chunks), because CUPTI,
+//    once initialised, slows every later launch of the process by ~10%.
 // Floors: the ranks run at once and each reads its own slice (model::rank_slice_config(cfg, N),
 // the head split N ways), so a step's floor is one rank's bytes over the copy bandwidth measured
 // on device 0.
@@ -212,7 +214,7 @@ void run_tp_model_bench(const TpModelArgs& a, json& out) {
   const int t_max = *std::max_element(a.rows.begin(), a.rows.end());
 
   json jctx = json::array();
-  // One context: the draft, the forwards and the served steps of every T, one traced forward.
+  // One context: the draft, the forwards and the served steps of every T.
   auto time_context = [&](int64_t ctx) {
     const int64_t cap = ctx + 64;
     spdlog::info("bench: context {}: fast-forwarding {} ranks", ctx, N);
@@ -283,26 +285,6 @@ void run_tp_model_bench(const TpModelArgs& a, json& out) {
     json jc = {{"context", ctx},
                {"draft", {{"time", stats_json(dr)}, {"tokens", drafted}, {"floor_us", dfl}}},
                {"rows", jrows}};
-    {
-      const auto toks = random_tokens(rng, t_max, V);
-      be->decode_rows(*s, toks, std::span<float>());  // warm, untraced
-      cuda::KernelTrace trace;
-      trace.start();
-      be->decode_rows(*s, toks, std::span<float>());
-      const auto recs = trace.stop();
-      std::cout << fmt::format("collectives in one traced {}-row forward (kept logits):\n", t_max);
-      const int expected = model::total_calls(model::tp_verify_collectives(cfg, N, t_max, cap));
-      jc["trace"] = collective_table(recs, N, expected);
-      jc["trace"]["rows"] = t_max;
-      if (!a.trace_file.empty()) {
-        const auto r0 = records_of(recs, 0);
-        std::ofstream f(a.trace_file, std::ios::app);
-        UF_CHECK(f.good(), "bench: cannot write the trace file {}", a.trace_file);
-        f << fmt::format("== context {}, {} rows, rank 0\n{}", ctx, t_max,
-                         cuda::summarize_trace(r0, 40))
-          << cuda::trace_records_text(r0);
-      }
-    }
     return jc;
   };
   for (int64_t ctx : a.contexts) {
@@ -340,17 +322,6 @@ void run_tp_model_bench(const TpModelArgs& a, json& out) {
         const double upt = st.median_us / C;
         std::cout << fmt::format("{:>9} {:>11.2f} {:>12.2f} {:>12.0f}\n", c, st.median_us * 1e-3,
                                  upt, 1e6 / upt);
-        if (!a.trace_file.empty()) {  // one more chunk traced: where a TP chunk's time goes
-          auto s = session_at(*be, c, c + C + 64, a.seed);
-          cuda::KernelTrace trace;
-          trace.start();
-          be->prefill(*s, toks, po, logits);
-          const auto recs = trace.stop();
-          std::ofstream f(a.trace_file, std::ios::app);
-          for (int r = 0; r < N; ++r)
-            f << fmt::format("== prefill chunk of {} rows at context {}, rank {}\n{}", C, c, r,
-                             cuda::summarize_trace(records_of(recs, r), 30));
-        }
         pts.push_back({c, upt});
         jp.push_back({{"context", c}, {"chunk", stats_json(st)}, {"us_per_token", upt}});
       } catch (const std::exception& ex) {
@@ -369,6 +340,54 @@ void run_tp_model_bench(const TpModelArgs& a, json& out) {
         proj.push_back({{"tokens", n}, {"seconds", sec}});
       }
     out["prefill"] = {{"chunk", C}, {"points", jp}, {"prompts", proj}};
+  }
+  // The traces last: CUPTI, once initialised, slows every launch of the process (~10% of a
+  // decode step), so every figure above is untraced.
+  for (size_t i = 0; i < a.contexts.size(); ++i) {
+    if (jctx[i].contains("error")) continue;
+    const int64_t ctx = a.contexts[i];
+    const int64_t cap = ctx + 64;
+    auto s = session_at(*be, ctx, cap, a.seed);
+    const auto toks = random_tokens(rng, t_max, V);
+    be->decode_rows(*s, toks, std::span<float>());  // warm, untraced
+    cuda::KernelTrace trace;
+    trace.start();
+    be->decode_rows(*s, toks, std::span<float>());
+    const auto recs = trace.stop();
+    std::cout << fmt::format(
+        "\ncontext {}: collectives in one traced {}-row forward (kept logits):\n", ctx, t_max);
+    const int expected = model::total_calls(model::tp_verify_collectives(cfg, N, t_max, cap));
+    json& jc = jctx[i];
+    jc["trace"] = collective_table(recs, N, expected);
+    jc["trace"]["rows"] = t_max;
+    if (!a.trace_file.empty()) {
+      const auto r0 = records_of(recs, 0);
+      std::ofstream f(a.trace_file, std::ios::app);
+      UF_CHECK(f.good(), "bench: cannot write the trace file {}", a.trace_file);
+      f << fmt::format("== context {}, {} rows, rank 0\n{}", ctx, t_max,
+                       cuda::summarize_trace(r0, 40))
+        << cuda::trace_records_text(r0);
+    }
+  }
+  out["contexts"] = jctx;
+  if (!a.trace_file.empty() && !a.prefill_contexts.empty()) {
+    // One more chunk a context, traced: where a TP chunk's time goes.
+    const int C = std::min(a.chunk, be->model(0).max_span_rows());
+    const auto toks = random_tokens(rng, C, V);
+    std::vector<float> logits(static_cast<size_t>(V));
+    engine::PrefillOptions po;
+    po.chunk = C;
+    for (int64_t c : a.prefill_contexts) {
+      auto s = session_at(*be, c, c + C + 64, a.seed);
+      cuda::KernelTrace trace;
+      trace.start();
+      be->prefill(*s, toks, po, logits);
+      const auto recs = trace.stop();
+      std::ofstream f(a.trace_file, std::ios::app);
+      for (int r = 0; r < N; ++r)
+        f << fmt::format("== prefill chunk of {} rows at context {}, rank {}\n{}", C, c, r,
+                         cuda::summarize_trace(records_of(recs, r), 30));
+    }
   }
   be.reset();
 }
