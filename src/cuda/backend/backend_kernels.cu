@@ -5,6 +5,7 @@
 
 #include "cuda/backend/backend_kernels.h"
 #include "cuda/cuda_check.h"
+#include "cuda/kernels/common.cuh"
 #include "cuda/ops/attention.h"
 
 namespace uf::cuda {
@@ -33,6 +34,8 @@ __global__ void sum_ranks_kernel(const float* g, int n_ranks, int64_t n, float* 
 __global__ void window_slots_kernel(const int64_t* pos, const int64_t* p0_ref, int W,
                                     const float* const* ring_ref, int ring_slots,
                                     const float* local, int hd, const float** out) {
+  detail::pdl_wait();  // PDL-launched: the previous kernel's outputs are read below
+  detail::pdl_trigger();
   const int t = blockIdx.y;
   const int j = blockIdx.x * blockDim.x + threadIdx.x;
   if (j >= W) return;
@@ -48,6 +51,8 @@ __global__ void window_slots_kernel(const int64_t* pos, const int64_t* p0_ref, i
 
 __global__ void draft_slots_kernel(const int64_t* p_ref, int W, int B, const float* const* ring_ref,
                                    int ring_slots, const float* local, int hd, const float** out) {
+  detail::pdl_wait();  // PDL-launched: the previous kernel's outputs are read below
+  detail::pdl_trigger();
   const int row = blockIdx.y, n = W + B;
   const int j = blockIdx.x * blockDim.x + threadIdx.x;
   if (j >= n) return;
@@ -65,6 +70,8 @@ __global__ void draft_slots_kernel(const int64_t* p_ref, int W, int B, const flo
 
 __global__ void put_ring_rows_kernel(const float* src, int T, int width, const int64_t* pos,
                                      float* const* ring_ref, int ring_slots) {
+  detail::pdl_wait();  // PDL-launched: the previous kernel's outputs are read below
+  detail::pdl_trigger();
   const int t = blockIdx.y;
   if (t < T - ring_slots) return;  // a later row of the span takes the same slot
   float* dst = *ring_ref + (pos[t] % ring_slots) * width;
@@ -91,7 +98,8 @@ void build_window_slots(const int64_t* pos, const int64_t* p0, int T, int W,
   if (T <= 0 || W <= 0) return;
   constexpr int kThreads = 128;
   const dim3 grid(unsigned((W + kThreads - 1) / kThreads), unsigned(T));
-  window_slots_kernel<<<grid, kThreads, 0, stream>>>(pos, p0, W, ring, ring_slots, local, hd, out);
+  detail::launch_pdl(window_slots_kernel, grid, dim3(kThreads), 0, stream, pos, p0, W, ring,
+                     ring_slots, local, hd, out);
   UF_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -100,7 +108,8 @@ void build_draft_slots(const int64_t* p_ref, int W, int B, const float* const* r
   if (B <= 0) return;
   constexpr int kThreads = 128;
   const dim3 grid(unsigned((W + B + kThreads - 1) / kThreads), unsigned(B));
-  draft_slots_kernel<<<grid, kThreads, 0, stream>>>(p_ref, W, B, ring, ring_slots, local, hd, out);
+  detail::launch_pdl(draft_slots_kernel, grid, dim3(kThreads), 0, stream, p_ref, W, B, ring,
+                     ring_slots, local, hd, out);
   UF_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -109,7 +118,8 @@ void put_ring_rows(const float* src, int T, int width, const int64_t* pos, float
   if (T <= 0 || width <= 0) return;
   constexpr int kThreads = 256;
   const dim3 grid(unsigned(std::min(8, (width + kThreads - 1) / kThreads)), unsigned(T));
-  put_ring_rows_kernel<<<grid, kThreads, 0, stream>>>(src, T, width, pos, ring, ring_slots);
+  detail::launch_pdl(put_ring_rows_kernel, grid, dim3(kThreads), 0, stream, src, T, width, pos,
+                     ring, ring_slots);
   UF_CUDA_CHECK(cudaGetLastError());
 }
 

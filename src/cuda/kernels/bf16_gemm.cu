@@ -136,7 +136,8 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
   const int S = gridDim.z;
   const int kbeg = blockIdx.z * p.kps, kend = min(p.k, kbeg + p.kps);
   const int ntiles = kend > kbeg ? (kend - kbeg + kBK - 1) / kBK : 0;
-  pdl_wait();  // a is the previous kernel's output
+  pdl_wait();     // a is the previous kernel's output
+  pdl_trigger();  // the next kernel may launch (it waits for this one's end before reading)
 
   // One K tile into a stage: A's BM rows and W's 128, 8 chunks of 16 bytes each.
   auto load = [&](int stage, int kt) {
@@ -266,6 +267,8 @@ __device__ __forceinline__ uint32_t qdq_bf16_bits(uint8_t code, float s) {
 // dequantised value.
 __global__ void __launch_bounds__(256)
     act_qdq_bf16_kernel(const float* x, long long x_stride, int m, int k, uint16_t* out) {
+  pdl_wait();  // PDL-launched: the previous kernel's outputs are read below
+  pdl_trigger();
   const int nkb = k / 32;
   const long long item = (long long)blockIdx.x * 8 + (threadIdx.x >> 5);
   if (item >= (long long)m * nkb) return;  // warp-uniform
@@ -281,6 +284,8 @@ __global__ void __launch_bounds__(256)
 // its 8 lanes (a max is exact in any order), then warp_quant_fp8_block's scale and conversion.
 __global__ void __launch_bounds__(256)
     act_qdq_bf16_vec_kernel(const float* x, long long x_stride, int m, int k, uint16_t* out) {
+  pdl_wait();  // PDL-launched: the previous kernel's outputs are read below
+  pdl_trigger();
   const int nq = k / 128;
   const long long item = (long long)blockIdx.x * 8 + (threadIdx.x >> 5);
   if (item >= (long long)m * nq) return;  // warp-uniform
@@ -303,6 +308,8 @@ __device__ __forceinline__ uint32_t bf16_exact_bits(float v) {
   return (__uint_as_float(uint32_t(b) << 16) == v || v != v) ? b : 0x7fc0u;
 }
 __global__ void bf16_exact_kernel(const float* x, long long x_stride, int m, int k, uint16_t* out) {
+  pdl_wait();  // PDL-launched: the previous kernel's outputs are read below
+  pdl_trigger();
   const long long n = (long long)m * k;
   for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
        i += (long long)gridDim.x * blockDim.x) {
@@ -313,6 +320,8 @@ __global__ void bf16_exact_kernel(const float* x, long long x_stride, int m, int
 
 // The same, 4 values a thread (k % 4 == 0, 16-byte aligned rows): block (x, row).
 __global__ void bf16_exact_vec_kernel(const float* x, long long x_stride, int k, uint16_t* out) {
+  pdl_wait();  // PDL-launched: the previous kernel's outputs are read below
+  pdl_trigger();
   const int r = blockIdx.y, c = (blockIdx.x * blockDim.x + threadIdx.x) * 4;
   if (c >= k) return;
   const float4 v = *reinterpret_cast<const float4*>(x + r * x_stride + c);
@@ -409,10 +418,12 @@ void act_qdq_fp8_bf16_rows(const float* x, long long x_stride, int m, int k, uin
   if (k % 128 == 0 && x_stride % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
       reinterpret_cast<uintptr_t>(out) % 8 == 0) {
     const long long items = (long long)m * (k / 128);
-    act_qdq_bf16_vec_kernel<<<unsigned((items + 7) / 8), 256, 0, stream>>>(x, x_stride, m, k, out);
+    launch_pdl(act_qdq_bf16_vec_kernel, dim3(unsigned((items + 7) / 8)), dim3(256), 0, stream, x,
+               x_stride, m, k, out);
   } else {
     const long long items = (long long)m * (k / 32);
-    act_qdq_bf16_kernel<<<unsigned((items + 7) / 8), 256, 0, stream>>>(x, x_stride, m, k, out);
+    launch_pdl(act_qdq_bf16_kernel, dim3(unsigned((items + 7) / 8)), dim3(256), 0, stream, x,
+               x_stride, m, k, out);
   }
   UF_CUDA_CHECK(cudaGetLastError());
 }
@@ -425,11 +436,11 @@ void bf16_exact_rows(const float* x, long long x_stride, int m, int k, uint16_t*
   if (k % 4 == 0 && x_stride % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
       reinterpret_cast<uintptr_t>(out) % 8 == 0 && m <= 65535) {
     const dim3 grid(unsigned((k / 4 + 255) / 256), unsigned(m));
-    bf16_exact_vec_kernel<<<grid, 256, 0, stream>>>(x, x_stride, k, out);
+    launch_pdl(bf16_exact_vec_kernel, grid, dim3(256), 0, stream, x, x_stride, k, out);
   } else {
     const long long n = (long long)m * k;
     const unsigned blocks = unsigned(std::min<long long>((n + 255) / 256, 8192));
-    bf16_exact_kernel<<<blocks, 256, 0, stream>>>(x, x_stride, m, k, out);
+    launch_pdl(bf16_exact_kernel, dim3(blocks), dim3(256), 0, stream, x, x_stride, m, k, out);
   }
   UF_CUDA_CHECK(cudaGetLastError());
 }

@@ -100,6 +100,8 @@ size_t plan_smem_bytes(size_t P, int E) {
 __global__ void __launch_bounds__(kPlanThreads)
     prefill_plan_kernel(const int* topk_idx, int P, int E, int cols, int* sorted, int* items,
                         int* n_items) {
+  pdl_wait();  // PDL-launched: the previous kernel's outputs are read below
+  pdl_trigger();
   extern __shared__ int psm[];
   int* s_e = psm;                // [P] expert of each pair (-1: invalid)
   int* s_off = psm + P;          // [E + 1] first sorted position of each expert
@@ -191,6 +193,8 @@ __global__ void __launch_bounds__(kPlanThreads)
 // x fp32 [m, k] -> codes / scales: act_quant_kernel's operations (one warp per (row, 32-block)).
 __global__ void __launch_bounds__(256)
     prefill_quant_kernel(const float* x, int m, int k, uint8_t* codes, float* scales) {
+  pdl_wait();  // PDL-launched: the previous kernel's outputs are read below
+  pdl_trigger();
   const int nkb = k / 32;
   const int64_t item = int64_t(blockIdx.x) * 8 + (threadIdx.x >> 5);
   if (item >= int64_t(m) * nkb) return;
@@ -316,6 +320,8 @@ __device__ __forceinline__ void weight_steps(const uint8_t* r0, const uint8_t* r
 }
 
 __global__ void __launch_bounds__(kW13Warps * 32) prefill_w13_kernel(const PrefillW13Params p) {
+  pdl_wait();  // PDL-launched: the previous kernel's outputs are read below
+  pdl_trigger();
   extern __shared__ __align__(16) uint8_t stage[];  // 2 x kStageBytes; then the epilogue's s_acc
   __shared__ int s_tok[kCols];
   __shared__ int s_pair[kCols];
@@ -442,6 +448,8 @@ __device__ __forceinline__ void w2_store(const PrefillW2Params& p, const int* s_
 }
 
 __global__ void __launch_bounds__(kW2Warps * 32) prefill_w2_kernel(const PrefillW2Params p) {
+  pdl_wait();  // PDL-launched: the previous kernel's outputs are read below
+  pdl_trigger();
   extern __shared__ __align__(16) uint8_t stage[];  // 2 x kStageBytes
   __shared__ int s_pair[kCols];
   const int item = blockIdx.y;
@@ -688,6 +696,8 @@ __device__ __forceinline__ void f16_load_weights(const uint8_t* r0, uint32_t r1_
 template <int C>
 __global__ void __launch_bounds__(kW13Warps * 32, C == kSmallCols ? kW13SmallBlocks : 3)
     prefill_w13_f16_kernel(const PrefillW13Params p) {
+  pdl_wait();  // PDL-launched: the previous kernel's outputs are read below
+  pdl_trigger();
   using L = F16Layout<true, C>;
   constexpr int G = C / 8;
   // K blocks a straight run of the chunk loop: 4, or kW13SmallQ for 16-column items.
@@ -837,6 +847,8 @@ __device__ __forceinline__ bool w2_item(const PrefillW2Params& p, int* s_pair, i
 template <int C>
 __global__ void __launch_bounds__(kW2Warps * 32, C == kSmallCols ? 3 : 2)
     prefill_w2_f16_kernel(const PrefillW2Params p) {
+  pdl_wait();  // PDL-launched: the previous kernel's outputs are read below
+  pdl_trigger();
   using L = F16Layout<false, C>;
   extern __shared__ __align__(16) uint8_t smem[];  // w2_f16_smem<C>(inter)
   __shared__ int s_pair[C];
@@ -942,6 +954,8 @@ int w2_tiles_smem(int inter) {
 template <int C>
 __global__ void __launch_bounds__(kW2Warps * 32, C == kSmallCols ? 3 : 2)
     prefill_w2_tiles_f16_kernel(const PrefillW2Params p) {
+  pdl_wait();  // PDL-launched: the previous kernel's outputs are read below
+  pdl_trigger();
   constexpr int kRaw = F16Layout<false, C>::kRaw;
   constexpr int kSwW = kW2TilesMaxKb * 16 / 4 / 32;  // a lane's 4-byte words of a tile's scales
   extern __shared__ __align__(16) uint8_t smem[];    // w2_tiles_smem<C>(inter)
@@ -1121,22 +1135,23 @@ void MoeFp4Prefill::experts_impl(const Fp4ExpertsView& w, const QuantActView& x,
           static_cast<long long>(y_row_stride), topk_, dim_);
   const int P = x.m * topk_;
   const int cols = item_cols(x.m);
-  prefill_plan_kernel<<<1, kPlanThreads, size_t(plan_smem_), stream>>>(topk_idx, P, experts_, cols,
-                                                                       sorted_, items_, n_items_);
+  launch_pdl(prefill_plan_kernel, dim3(1), dim3(kPlanThreads), size_t(plan_smem_), stream, topk_idx,
+             P, experts_, cols, sorted_, items_, n_items_);
   UF_CUDA_CHECK(cudaGetLastError());
   // Items needed for this P (<= max_items_): the grid is sized for it, blocks past n_items exit.
   const int items = std::min(max_items_, std::min(experts_, P) + P / cols + 1);
   const PrefillW13Params a{w.w1,     w.w1_scale,   w.w3,     w.w3_scale, dim_,    inter_,
                            topk_,    x.codes,      x.scales, topk_w,     sorted_, items_,
                            n_items_, swiglu_limit, h_codes_, h_scales_};
+  const dim3 w13_grid(inter_ / 32, items), w13_block(kW13Warps * 32);
   if (f16_ && cols == kSmallCols)
-    prefill_w13_f16_kernel<kSmallCols>
-        <<<dim3(inter_ / 32, items), kW13Warps * 32, w13_f16_smem<kSmallCols>(), stream>>>(a);
+    launch_pdl(prefill_w13_f16_kernel<kSmallCols>, w13_grid, w13_block,
+               size_t(w13_f16_smem<kSmallCols>()), stream, a);
   else if (f16_)
-    prefill_w13_f16_kernel<kCols>
-        <<<dim3(inter_ / 32, items), kW13Warps * 32, w13_f16_smem<kCols>(), stream>>>(a);
+    launch_pdl(prefill_w13_f16_kernel<kCols>, w13_grid, w13_block, size_t(w13_f16_smem<kCols>()),
+               stream, a);
   else
-    prefill_w13_kernel<<<dim3(inter_ / 32, items), kW13Warps * 32, 2 * kStageBytes, stream>>>(a);
+    launch_pdl(prefill_w13_kernel, w13_grid, w13_block, size_t(2 * kStageBytes), stream, a);
   UF_CUDA_CHECK(cudaGetLastError());
   const PrefillW2Params b{w.w2,     w.w2_scale, dim_,      inter_, topk_,        sorted_, items_,
                           n_items_, h_codes_,   h_scales_, y,      y_row_stride, round_w2};
@@ -1144,19 +1159,21 @@ void MoeFp4Prefill::experts_impl(const Fp4ExpertsView& w, const QuantActView& x,
   const dim3 w2_grid((tiles + kW2Warps - 1) / kW2Warps, items);
   const dim3 w2_tiles_grid((tiles + kW2Warps * kW2Tiles - 1) / (kW2Warps * kW2Tiles), items);
   const bool w2_tiles = inter_ / 32 <= kW2TilesMaxKb;
+  const dim3 w2_block(kW2Warps * 32);
   if (f16_ && w2_tiles && cols == kSmallCols)
-    prefill_w2_tiles_f16_kernel<kSmallCols>
-        <<<w2_tiles_grid, kW2Warps * 32, w2_tiles_smem<kSmallCols>(inter_), stream>>>(b);
+    launch_pdl(prefill_w2_tiles_f16_kernel<kSmallCols>, w2_tiles_grid, w2_block,
+               size_t(w2_tiles_smem<kSmallCols>(inter_)), stream, b);
   else if (f16_ && w2_tiles)
-    prefill_w2_tiles_f16_kernel<kCols>
-        <<<w2_tiles_grid, kW2Warps * 32, w2_tiles_smem<kCols>(inter_), stream>>>(b);
+    launch_pdl(prefill_w2_tiles_f16_kernel<kCols>, w2_tiles_grid, w2_block,
+               size_t(w2_tiles_smem<kCols>(inter_)), stream, b);
   else if (f16_ && cols == kSmallCols)
-    prefill_w2_f16_kernel<kSmallCols>
-        <<<w2_grid, kW2Warps * 32, w2_f16_smem<kSmallCols>(inter_), stream>>>(b);
+    launch_pdl(prefill_w2_f16_kernel<kSmallCols>, w2_grid, w2_block,
+               size_t(w2_f16_smem<kSmallCols>(inter_)), stream, b);
   else if (f16_)
-    prefill_w2_f16_kernel<kCols><<<w2_grid, kW2Warps * 32, w2_f16_smem<kCols>(inter_), stream>>>(b);
+    launch_pdl(prefill_w2_f16_kernel<kCols>, w2_grid, w2_block, size_t(w2_f16_smem<kCols>(inter_)),
+               stream, b);
   else
-    prefill_w2_kernel<<<w2_grid, kW2Warps * 32, 2 * kStageBytes, stream>>>(b);
+    launch_pdl(prefill_w2_kernel, w2_grid, w2_block, size_t(2 * kStageBytes), stream, b);
   UF_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -1197,7 +1214,8 @@ void moe_act_quant_rows(const float* x, int m, int k, uint8_t* codes, float* sca
   require(m >= 1 && k % 32 == 0, "moe_act_quant_rows: m = %d must be >= 1, k = %d a multiple of 32",
           m, k);
   const int64_t items = int64_t(m) * (k / 32);
-  prefill_quant_kernel<<<unsigned((items + 7) / 8), 256, 0, stream>>>(x, m, k, codes, scales);
+  launch_pdl(prefill_quant_kernel, dim3(unsigned((items + 7) / 8)), dim3(256), 0, stream, x, m, k,
+             codes, scales);
   UF_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -37,6 +37,8 @@ constexpr int kChunkRows = 128;
 // device kernel cannot, so the error shows downstream).
 __global__ void gather_kernel(DeviceWeight table, int64_t row_begin, int64_t rows_total,
                               const int64_t* ids, int n_cols, int head_dim, float* e) {
+  detail::pdl_wait();  // PDL-launched: the previous kernel's outputs are read below
+  detail::pdl_trigger();
   const int item = blockIdx.x;  // t * n_cols + c
   const int64_t row = ids[item];
   float* dst = e + int64_t(item) * head_dim;
@@ -60,6 +62,8 @@ constexpr int kGateChunk = 1024;
 __global__ void __launch_bounds__(kGateThreads)
     gate_kernel(const float* X, const float* kv, const float* wt, int hc, int D, float eps,
                 float dim_scale, float* out) {
+  detail::pdl_wait();  // PDL-launched: the previous kernel's outputs are read below
+  detail::pdl_trigger();
   __shared__ float4 sh[kGateChunk / 4], sk[kGateChunk / 4], sw[kGateChunk / 4];
   __shared__ float s_hh[8], s_kk[8], s_hk[8];
   __shared__ float s_gate;
@@ -201,15 +205,15 @@ void DeviceEngram::apply(const int64_t* ids, const float* X, int T, float* out, 
           static_cast<long long>(m.s.rows_total));
   for (int t0 = 0; t0 < T; t0 += kChunkRows) {
     const int rows = std::min(kChunkRows, T - t0);
-    gather_kernel<<<rows * m.s.n_cols, 128, 0, stream>>>(m.table, m.s.row_begin, m.s.rows_total,
-                                                         ids + int64_t(t0) * m.s.n_cols, m.s.n_cols,
-                                                         m.s.head_dim, m.e);
+    detail::launch_pdl(gather_kernel, dim3(unsigned(rows * m.s.n_cols)), dim3(128), 0, stream,
+                       m.table, m.s.row_begin, m.s.rows_total, ids + int64_t(t0) * m.s.n_cols,
+                       m.s.n_cols, m.s.head_dim, m.e);
     UF_CUDA_CHECK(cudaGetLastError());
     if (reduce) reduce(m.e, size_t(rows) * size_t(gathered_floats_per_row()));
     m.wkv.apply(m.e, rows, m.kv, stream);
     const int64_t off = int64_t(t0) * hc * D;
-    gate_kernel<<<rows * hc, kGateThreads, 0, stream>>>(X + off, m.kv, m.wt, hc, D, m.s.norm_eps,
-                                                        m.dim_scale, out + off);
+    detail::launch_pdl(gate_kernel, dim3(unsigned(rows * hc)), dim3(kGateThreads), 0, stream,
+                       X + off, m.kv, m.wt, hc, D, m.s.norm_eps, m.dim_scale, out + off);
     UF_CUDA_CHECK(cudaGetLastError());
   }
 }

@@ -93,6 +93,8 @@ template <int HC, int TERMS>
 __global__ void __launch_bounds__(kThreads)
     post_mixes_mma_kernel(int T, int D, const float* x, const float* R, const float* post,
                           const float* comb, float* out, const uint16_t* fnw, float* partial) {
+  detail::pdl_wait();  // PDL-launched: the previous kernel's outputs are read below
+  detail::pdl_trigger();
   using L = Layout<HC, TERMS>;
   constexpr int HH = HC * HC, CP = L::kCp, kMix = L::kMix, M1 = kMix + 1;
   extern __shared__ __align__(16) uint8_t sm[];
@@ -215,7 +217,8 @@ void launch(const HcShape& p, const float* x, const float* R, const float* post,
   static PerDeviceOnce once;
   once([&] { raise_smem(kernel, L::kBytes); });
   const dim3 grid(unsigned((p.dim + kChannels - 1) / kChannels), unsigned((T + kRows - 1) / kRows));
-  kernel<<<grid, kThreads, L::kBytes, stream>>>(T, p.dim, x, R, post, comb, out, fn.w, partial);
+  detail::launch_pdl(kernel, grid, dim3(kThreads), size_t(L::kBytes), stream, T, p.dim, x, R, post,
+                     comb, out, fn.w, partial);
   UF_CUDA_CHECK(cudaGetLastError());
 }
 
