@@ -4,8 +4,10 @@
 // on one GPU by `ultrafast bench --synthetic tp8-rank --json FILE` (read with --step-json), plus
 // the collectives a real TP8 rank adds, which that bench does not run. The collectives are
 // counted from the CUDA backend's code (model::tp_verify_collectives / tp_draft_collectives: the
-// CudaModel::all_reduce_round call sites, 88 per verify step and 6 per draft round, plus the split
-// head's logit gather in each) with their
+// CudaModel::all_reduce_round call sites, 82 per verify step (wo_b, MoE, the Engram row-split
+// tables) and 6 per draft round, the index layers' gathers of the entry-split indexer (the
+// backend's defaults: none in a decode step at 8k, 5 at 1M), plus the split head's logit gather
+// in each) with their
 // message sizes; the backend runs each as one kernel of the one-shot P2P all-reduce where the
 // GPUs have peer access (tp_p2p_allreduce), else at tp > 2 as an NCCL all-gather of the fp32
 // partials plus an fp32 sum in rank order (tp_ordered_sum), at tp = 2 as an NCCL all-reduce.
@@ -324,11 +326,12 @@ int run_tp(const TpArgs& a) {
   print_calls("draft round", dcalls);
   int index_calls = 0;
   for (const auto& c : vcalls)
-    if (c.what.rfind("index scores", 0) == 0) index_calls += c.calls;
+    if (c.what.rfind("index", 0) == 0 || c.what.rfind("candidate", 0) == 0) index_calls += c.calls;
   std::cout << fmt::format(
-      "per backbone layer: 2 (wo_b, MoE) + 1 (index scores; the candidate pool's list on the "
-      "Reindex layers) on the {} index-source layers; per DSpark stage: 2\n",
-      index_calls);
+      "per backbone layer: 2 (wo_b, MoE); the Engram layers' row-split tables: 1; the indexer "
+      "split by entries: {} gathers (index-layer calls of >= {} rows x positions); per DSpark "
+      "stage: 2\n",
+      index_calls, uf::model::kDefaultIndexSplitMinWork);
   json out = {{"tp", a.tp},
               {"rows", a.rows},
               {"context", sf.context},

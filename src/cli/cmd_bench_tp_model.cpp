@@ -356,7 +356,9 @@ void run_tp_model_bench(const TpModelArgs& a, json& out) {
     const auto recs = trace.stop();
     std::cout << fmt::format(
         "\ncontext {}: collectives in one traced {}-row forward (kept logits):\n", ctx, t_max);
-    const int expected = model::total_calls(model::tp_verify_collectives(cfg, N, t_max, cap));
+    const model::TpIndexSplit split{o.tp_index_split_entries, o.index_split_min_work};
+    const int expected =
+        model::total_calls(model::tp_verify_collectives(cfg, N, t_max, cap, split));
     json& jc = jctx[i];
     jc["trace"] = collective_table(recs, N, expected);
     jc["trace"]["rows"] = t_max;

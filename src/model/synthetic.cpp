@@ -11,6 +11,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <numeric>
 
 #include "core/dtypes.h"
 #include "core/error.h"
@@ -483,33 +484,50 @@ int64_t index_score_width(const ModelConfig& c, int64_t capacity) {
 }
 
 std::vector<CollectiveCall> tp_verify_collectives(const ModelConfig& c, int tp, int rows,
-                                                  int64_t capacity) {
+                                                  int64_t capacity, TpIndexSplit index) {
   UF_CHECK(tp >= 1 && rows >= 1, "tp_verify_collectives: tp {} and rows {} must be >= 1", tp, rows);
   if (tp == 1) return {};
   // index_select runs on every index-source layer; the candidate-restricted ones (Reindex) score
-  // and sum only the candidate pool's list (CudaModelOptions::candidate_lists): topk_blocks *
-  // block_size entries a row, or the width rounded up to whole blocks when that is less.
-  int full = 0, pooled = 0;
-  for (int l = 0; l < c.n_layers; ++l) {
-    const auto& r = c.role(l);
-    if (!r.index_source) continue;
-    if (r.candidate_restricted && c.candidate_source_layer >= 0)
-      ++pooled;
-    else
-      ++full;
-  }
+  // only the candidate pool's list (CudaModelOptions::candidate_lists): topk_blocks * block_size
+  // entries a row, or the width rounded up to whole blocks when that is less.
   const int64_t width = index_score_width(c, capacity);
   const int64_t bs = std::max(c.candidate_block_size, 1);
   const int64_t pool =
       std::min<int64_t>(int64_t(c.candidate_topk_blocks) * bs, (width + bs - 1) / bs * bs);
+  int full = 0, pooled = 0, picks = 0, maxima = 0;
+  for (int l = 0; l < c.n_layers; ++l) {
+    const auto& r = c.role(l);
+    if (!r.index_source) continue;
+    const bool listed = r.candidate_restricted && c.candidate_source_layer >= 0;
+    if (!index.by_entries) {
+      ++(listed ? pooled : full);
+    } else if (int64_t(rows) * (listed ? pool : width) >= index.min_work) {
+      ++picks;
+      if (r.candidate_source) ++maxima;
+    }
+  }
   const int64_t d = int64_t(rows) * c.dim;
   std::vector<CollectiveCall> v = {{"wo_b partial (attention output)", c.n_layers, d},
                                    {"MoE partial", c.n_layers, d}};
+  // Engram tables split by rows (cuda_tp.cpp): each rank gathers the rows it holds, +0 for the
+  // others, summed over the ranks: (max_ngram - 1) x n_heads ids a row, head_dim values each.
+  if (!c.engram_layer_ids.empty())
+    v.push_back(
+        {"Engram rows (row-split tables)", int(c.engram_layer_ids.size()),
+         int64_t(rows) * (c.engram_max_ngram_size - 1) * c.engram_n_heads * c.engram_head_dim});
   if (full > 0) v.push_back({"index scores", full, int64_t(rows) * width});
   if (pooled > 0) v.push_back({"index scores (candidate pool)", pooled, int64_t(rows) * pool});
+  if (picks > 0)
+    v.push_back({"index picks (entry split, gather)", picks, int64_t(rows) * 2 * c.index_topk});
+  if (maxima > 0) {
+    // A rank's range of a row: ceil(width / tp) rounded up to whole 16-byte groups of blocks.
+    const int64_t align = std::lcm<int64_t>(4, 4 * bs);
+    const int64_t len = ((width + tp - 1) / tp + align - 1) / align * align;
+    v.push_back(
+        {"candidate block maxima (entry split, gather)", maxima, int64_t(rows) * (len / bs)});
+  }
   // The vocab-split head (CudaModelOptions::tp_split_head, on where the vocab divides): one
-  // all-gather of the rows' logit slices, modelled as a sum of the same per-rank size (the P2P
-  // gather pushes and reads the same bytes as the P2P sum of a slice).
+  // all-gather of the rows' logit slices.
   if (c.vocab_size % tp == 0)
     v.push_back({"head logits (gather)", 1, int64_t(rows) * (c.vocab_size / tp)});
   return v;

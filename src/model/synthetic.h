@@ -30,6 +30,7 @@
 #include "model/checkpoint.h"
 #include "model/config.h"
 #include "model/tensor_contract.h"
+#include "model/tp_plan.h"
 
 namespace uf::model {
 
@@ -123,10 +124,11 @@ namespace uf::model {
 int64_t index_score_width(const ModelConfig& c, int64_t capacity);
 
 // One kind of collective of a TP step: the CudaModel::all_reduce_round call sites
-// (cuda/backend: output_proj after wo_b, moe after the expert partials, index_select after the
-// index-score partials), each a sum of `elements` fp32 values per rank. At tp > 2 the backend
-// does each as an all-gather of those values plus an fp32 sum in rank order
-// (CudaModelOptions::tp_ordered_sum), at tp = 2 as an NCCL all-reduce.
+// (cuda/backend: output_proj after wo_b, moe after the expert partials, the Engram gathers of
+// row-split tables, index_select after the index-score partials) and its gathers (the split
+// head's logits, the entry-split indexer's picks and block maxima), each moving `elements` fp32
+// values per rank (a gather modelled as a sum of the same per-rank size: the P2P kernels push and
+// read the same bytes).
 struct CollectiveCall {
   std::string what;
   int calls = 0;         // per step
@@ -135,7 +137,7 @@ struct CollectiveCall {
 };
 // One verify forward of `rows` rows on a session of `capacity` tokens (empty at tp = 1).
 std::vector<CollectiveCall> tp_verify_collectives(const ModelConfig& c, int tp, int rows,
-                                                  int64_t capacity);
+                                                  int64_t capacity, TpIndexSplit index = {});
 // One DSpark draft round (dspark_block_size rows through every stage; empty at tp = 1).
 std::vector<CollectiveCall> tp_draft_collectives(const ModelConfig& c, int tp);
 int total_calls(const std::vector<CollectiveCall>& v);

@@ -61,6 +61,17 @@ struct TpOptions {
   bool split_engram_wkv = true;     // engram.wkv by rows (all-gather after)
 };
 
+// How a TP step's indexer communicates (CudaModelOptions::tp_index_split_entries and
+// index_split_min_work, whose defaults these are). By entries: an index-layer call of rows x
+// positions (a row's entries, or the candidate pool's list) >= min_work gathers every rank's best
+// index_topk (score, entry) pairs, and the candidate source also its block maxima; a smaller call
+// none (every rank scores whole rows). By index heads: every call sums rows x positions scores.
+inline constexpr int64_t kDefaultIndexSplitMinWork = int64_t(1) << 18;
+struct TpIndexSplit {
+  bool by_entries = true;
+  int64_t min_work = kDefaultIndexSplitMinWork;
+};
+
 struct TensorShard {
   std::string name;
   core::DType dtype;

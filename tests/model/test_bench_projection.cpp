@@ -2,6 +2,9 @@
 // per-call time table, tokens per second and the prefill integration.
 #include <gtest/gtest.h>
 
+#include <string>
+#include <vector>
+
 #include "core/error.h"
 #include "model/synthetic.h"
 
@@ -13,40 +16,79 @@ const ModelConfig& released() {
   return c;
 }
 
-// Counted by hand from the call sites: wo_b and MoE on each of the 40 backbone layers, the index
-// scores on the 8 index-source layers: the whole width on 2, 8, 14, 20, the candidate pool's
-// list on the Reindex layers 24, 28, 32, 36 (2048 blocks of 8, or the width in whole blocks);
-// widths from new_session: the ratio-1 indexers (20..36) need capacity + 1 entries per row.
+// Counted by hand from the call sites: wo_b and MoE on each of the 40 backbone layers, the Engram
+// row-split tables' sums on layers 1 and 14 (3 x 8 ids of 256 values a row), the index layers:
+// by index heads (TpIndexSplit{false}) a sum of the scores on 2, 8, 14, 20 (the whole width) and
+// on the Reindex layers 24, 28, 32, 36 (the candidate pool's list: 2048 blocks of 8, or the width
+// in whole blocks); widths from new_session: the ratio-1 indexers (20..36) need capacity + 1
+// entries per row. Two TP8-shaped ranks measured 91 (head split) and 83 / 92 (entry split, whole
+// rows / every layer split) collective kernels in a 7-row step at 8k (docs/perf.md session 17).
 TEST(TpCollectives, VerifyStepOfTheReleasedModel) {
-  const auto v = tp_verify_collectives(released(), 8, 7, 8256);
-  ASSERT_EQ(v.size(), 5u);
+  const TpIndexSplit heads{false};
+  const auto v = tp_verify_collectives(released(), 8, 7, 8256, heads);
+  ASSERT_EQ(v.size(), 6u);
   EXPECT_EQ(v[0].calls, 40);
   EXPECT_EQ(v[0].elements, 7 * 5120);
   EXPECT_EQ(v[1].calls, 40);
   EXPECT_EQ(v[1].elements, 7 * 5120);
-  EXPECT_EQ(v[2].what, "index scores");
-  EXPECT_EQ(v[2].calls, 4);
-  EXPECT_EQ(v[2].elements, 7 * (8256 + 1));
-  EXPECT_EQ(v[3].what, "index scores (candidate pool)");
+  EXPECT_EQ(v[2].what, "Engram rows (row-split tables)");
+  EXPECT_EQ(v[2].calls, 2);
+  EXPECT_EQ(v[2].elements, 7 * 3 * 8 * 256);
+  EXPECT_EQ(v[3].what, "index scores");
   EXPECT_EQ(v[3].calls, 4);
-  EXPECT_EQ(v[3].elements, 7 * 8264);  // 8257 entries in whole blocks of 8 (under 2048 blocks)
-  const auto at_1m = tp_verify_collectives(released(), 8, 7, 1000064);
-  EXPECT_EQ(at_1m[2].elements, 7 * 1000065);
-  EXPECT_EQ(at_1m[3].elements, 7 * 16384);  // the pool: 2048 x 8
+  EXPECT_EQ(v[3].elements, 7 * (8256 + 1));
+  EXPECT_EQ(v[4].what, "index scores (candidate pool)");
+  EXPECT_EQ(v[4].calls, 4);
+  EXPECT_EQ(v[4].elements, 7 * 8264);  // 8257 entries in whole blocks of 8 (under 2048 blocks)
+  const auto at_1m = tp_verify_collectives(released(), 8, 7, 1000064, heads);
+  EXPECT_EQ(at_1m[3].elements, 7 * 1000065);
+  EXPECT_EQ(at_1m[4].elements, 7 * 16384);  // the pool: 2048 x 8
   // The split head's logit slices: 129280 / 8 per row, gathered once.
-  EXPECT_EQ(v[4].calls, 1);
-  EXPECT_EQ(v[4].elements, 7 * 16160);
-  EXPECT_EQ(total_calls(v), 89);
+  EXPECT_EQ(v[5].calls, 1);
+  EXPECT_EQ(v[5].elements, 7 * 16160);
+  EXPECT_EQ(total_calls(v), 91);
   EXPECT_DOUBLE_EQ(v[0].bytes(), 4.0 * 7 * 5120);
   EXPECT_EQ(index_score_width(released(), 1000064), 1000065);
   // The rank slice has the same layers and dims: the same collectives.
-  EXPECT_EQ(total_calls(tp_verify_collectives(rank_slice_config(released(), 8), 8, 1, 100)), 89);
+  EXPECT_EQ(total_calls(tp_verify_collectives(rank_slice_config(released(), 8), 8, 1, 100, heads)),
+            91);
   // A vocab that does not divide keeps the head replicated: no gather.
   ModelConfig odd = released();
   odd.vocab_size = 129281;
-  EXPECT_EQ(total_calls(tp_verify_collectives(odd, 8, 7, 8256)), 88);
+  EXPECT_EQ(total_calls(tp_verify_collectives(odd, 8, 7, 8256, heads)), 90);
   EXPECT_TRUE(tp_verify_collectives(released(), 1, 7, 8256).empty());
   EXPECT_THROW(tp_verify_collectives(released(), 8, 0, 8256), core::Error);
+}
+
+// The indexer split by entries (the default): a call of rows x positions >= min_work gathers the
+// ranks' 2 x 512 picks a row (and layer 20, the candidate source, its block maxima); below, none.
+TEST(TpCollectives, EntrySplitIndexer) {
+  auto calls_named = [](const std::vector<CollectiveCall>& v, const std::string& what) {
+    for (const auto& c : v)
+      if (c.what == what) return c;
+    return CollectiveCall{what, 0, 0};
+  };
+  const std::string picks = "index picks (entry split, gather)";
+  const std::string maxima = "candidate block maxima (entry split, gather)";
+  // 8k, 7 rows: 7 x 8257 and 7 x 8264 are under 2^18: whole rows, no index collective.
+  const auto at_8k = tp_verify_collectives(released(), 2, 7, 8256);
+  EXPECT_EQ(total_calls(at_8k), 83);
+  EXPECT_EQ(calls_named(at_8k, picks).calls, 0);
+  // min_work 0: every index layer gathers its picks, the source also its maxima.
+  const auto split = tp_verify_collectives(released(), 2, 7, 8256, TpIndexSplit{true, 0});
+  EXPECT_EQ(total_calls(split), 92);
+  EXPECT_EQ(calls_named(split, picks).calls, 8);
+  EXPECT_EQ(calls_named(split, picks).elements, 7 * 2 * 512);
+  EXPECT_EQ(calls_named(split, maxima).calls, 1);
+  // A rank's range of 8257 entries over 2 ranks: 4129 rounded up to 32 = 4160, 520 blocks of 8.
+  EXPECT_EQ(calls_named(split, maxima).elements, 7 * 520);
+  // 1M, 1 row: the full-width layers (1000065 positions) split, the pool lists (16384) do not.
+  const auto at_1m = tp_verify_collectives(released(), 8, 1, 1000064);
+  EXPECT_EQ(calls_named(at_1m, picks).calls, 4);
+  EXPECT_EQ(calls_named(at_1m, maxima).calls, 1);
+  EXPECT_EQ(calls_named(at_1m, "index scores").calls, 0);
+  // A 512-row prefill chunk at 8k splits every layer (512 x 8264 >= 2^18).
+  EXPECT_EQ(calls_named(tp_verify_collectives(released(), 8, 512, 8256), picks).calls, 8);
 }
 
 TEST(TpCollectives, DraftRound) {

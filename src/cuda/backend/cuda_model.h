@@ -187,7 +187,7 @@ struct CudaModelOptions {
   // are ~100 us faster with whole rows; from 128k the steps' full-width layers (262144 positions
   // and up) are faster split (~350 us a 1-row step at 128k), and prefill chunks (512 rows) gain
   // from the split from 128k on (8k: even). 0: always split (the tests of the split).
-  int64_t index_split_min_work = int64_t(1) << 18;
+  int64_t index_split_min_work = model::kDefaultIndexSplitMinWork;  // 2^18
   // Tests only: at tp = 1, run the entry-split indexer as this many ranks in turn on the one GPU
   // (each rank's block copied where the gather would put it): selections, hence logits, bitwise
   // the unsplit indexer's, so one GPU checks the split's bookkeeping end to end. 0: off.
