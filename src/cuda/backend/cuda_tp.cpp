@@ -6,11 +6,11 @@
 //    FP8 activation quantisation is per 32 inputs and the split is at 32-column blocks, so the
 //    quantised inputs are the same), fp32 sum over ranks, one bf16 rounding: only the fp32
 //    summation order differs.
-//  - index scores with tp_index_split_entries (off until run on two GPUs): each rank scores its
-//    range of entries with every head, so every score and selection is one GPU's bit for bit
-//    (cuda_index_split.cpp). Split by heads (the default): per-rank fp32 sums of the same
-//    per-head bf16 terms, fp32 sum, one bf16 rounding: only the fp32 order differs. Every rank
-//    then selects from identical scores.
+//  - index scores with tp_index_split_entries (the default): each rank scores its range of
+//    entries with every head (or, for calls under index_split_min_work, whole rows), so every
+//    score and selection is one GPU's bit for bit (cuda_index_split.cpp). Split by heads: per-rank
+//    fp32 sums of the same per-head bf16 terms, fp32 sum, one bf16 rounding: only the fp32 order
+//    differs. Every rank then selects from identical scores.
 //  - MoE: DeviceMoe::apply_partial, the rank's routed + shared output in fp32 with no rounding
 //    after w2 (SwiGLU and its FP8 quantisation are per 32 intermediate features and the split keeps
 //    those blocks whole, so they are one GPU's), fp32 sum over ranks, one bf16 rounding. It drops
