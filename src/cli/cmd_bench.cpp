@@ -469,7 +469,8 @@ int run_tp_model(const BenchArgs& a, int tp, const std::vector<int>& rows) {
   t.max_seq = a.max_seq;
   t.score_buckets = !a.no_tp_score_buckets;
   t.index_split_entries = !a.tp_index_heads;
-  UF_CHECK(a.index_split_min_work >= -1, "bench: --index-split-min-work {} must be >= 0",
+  UF_CHECK(a.index_split_min_work >= -1,
+           "bench: --index-split-min-work {} must be >= 0 (-1: the default)",
            a.index_split_min_work);
   t.index_split_min_work = a.index_split_min_work;
   json out = {{"iters", a.iters},

@@ -25,6 +25,8 @@
 //      the activations staged once a CTA and kW2Tiles tiles a warp (the default there).
 //   4. moe_combine_rows (moe_fp4.cu): out[t] = sum over t's valid experts in ascending id of y
 //      (fp32, from 0).
+// Every kernel is PDL-launched: it waits for its predecessor first, then lets its dependents
+// launch, so a chunk's eager launches leave no launch gap between them (~3-4 us each otherwise).
 //
 // Activations are staged: per split of kStageKb K blocks, the CTA's threads copy the item's
 // columns (FP8 codes in 16-byte pieces, and their scales) into shared memory with cp.async, two
