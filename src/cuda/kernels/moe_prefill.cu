@@ -224,6 +224,35 @@ struct PrefillW13Params {
   float* h_scales;   // [P, inter / 32]
 };
 
+// The w13 epilogue, moe_w13_kernel's: s_acc[warp][column group][128] holds the four warps'
+// accumulator tiles (w1 rows 0-15 / 16-31, w3 rows 0-15 / 16-31 of row group `group`); one warp a
+// column c < n, lane = row within the group: g = bf16(w1 x), u = bf16(w3 x), the clamps,
+// h = bf16(w * silu(g) * u), its FP8 code and the scale of the 32 rows, at sorted position pos0 +
+// c.
+template <int G>
+__device__ __forceinline__ void w13_store(const PrefillW13Params& p, const float (*s_acc)[G][128],
+                                          const int* s_pair, int n, int pos0, int group) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int rr = lane & 15, half = lane >> 4;
+  for (int c = warp; c < n; c += kW13Warps) {
+    const int cg = c >> 3, cc = c & 7;
+    const int idx = ((rr & 7) * 4 + (cc >> 1)) * 4 + (rr >> 3) * 2 + (cc & 1);
+    float gate = round_bf16(s_acc[half][cg][idx]);
+    float upv = round_bf16(s_acc[2 + half][cg][idx]);
+    if (p.limit > 0.f) {
+      upv = fminf(fmaxf(upv, -p.limit), p.limit);
+      gate = fminf(gate, p.limit);
+    }
+    const float silu = gate / (1.0f + expf(-gate));
+    const float h = round_bf16(p.topk_w[s_pair[c]] * (silu * upv));
+    float sc;
+    const uint8_t code = warp_quant_fp8_block(h, &sc);
+    const size_t pos = size_t(pos0) + c;
+    p.h_codes[pos * p.inter + group * 32 + lane] = code;
+    if (lane == 0) p.h_scales[pos * (p.inter / 32) + group] = sc;
+  }
+}
+
 // Stages K blocks [kb0, kb0 + kbn) of the columns c < ncols (column c: activation row act_row(c),
 // -1 = none: zeros) into stage with cp.async (one commit group; the caller waits for it and
 // synchronises): codes at c * kStageRow, then the scales [kCols][kStageKb] as stored (the caller
@@ -387,25 +416,7 @@ __global__ void __launch_bounds__(kW13Warps * 32) prefill_w13_kernel(const Prefi
       for (int i = 0; i < 4; ++i) s_acc[warp][cg][lane * 4 + i] = total[cg][i];
   __syncthreads();
 
-  // Epilogue as moe_w13_kernel's: one warp per column, lane = row within the 32-row group.
-  const int rr = lane & 15, half = lane >> 4;
-  for (int c = warp; c < n; c += kW13Warps) {
-    const int cg = c >> 3, cc = c & 7;
-    const int idx = ((rr & 7) * 4 + (cc >> 1)) * 4 + (rr >> 3) * 2 + (cc & 1);
-    float gate = round_bf16(s_acc[half][cg][idx]);
-    float upv = round_bf16(s_acc[2 + half][cg][idx]);
-    if (p.limit > 0.f) {
-      upv = fminf(fmaxf(upv, -p.limit), p.limit);
-      gate = fminf(gate, p.limit);
-    }
-    const float silu = gate / (1.0f + expf(-gate));
-    const float h = round_bf16(p.topk_w[s_pair[c]] * (silu * upv));
-    float sc;
-    const uint8_t code = warp_quant_fp8_block(h, &sc);
-    const size_t pos = size_t(pos0) + c;
-    p.h_codes[pos * p.inter + group * 32 + lane] = code;
-    if (lane == 0) p.h_scales[pos * (p.inter / 32) + group] = sc;
-  }
+  w13_store(p, s_acc, s_pair, n, pos0, group);
 }
 
 struct PrefillW2Params {
@@ -812,25 +823,7 @@ __global__ void __launch_bounds__(kW13Warps * 32, C == kSmallCols ? kW13SmallBlo
   });
   __syncthreads();
 
-  // Epilogue: prefill_w13_kernel's, unchanged.
-  const int rr = lane & 15, half = lane >> 4;
-  for (int c = warp; c < n; c += kW13Warps) {
-    const int cg = c >> 3, cc = c & 7;
-    const int idx = ((rr & 7) * 4 + (cc >> 1)) * 4 + (rr >> 3) * 2 + (cc & 1);
-    float gate = round_bf16(s_acc[half][cg][idx]);
-    float upv = round_bf16(s_acc[2 + half][cg][idx]);
-    if (p.limit > 0.f) {
-      upv = fminf(fmaxf(upv, -p.limit), p.limit);
-      gate = fminf(gate, p.limit);
-    }
-    const float silu = gate / (1.0f + expf(-gate));
-    const float h = round_bf16(p.topk_w[s_pair[c]] * (silu * upv));
-    float sc;
-    const uint8_t code = warp_quant_fp8_block(h, &sc);
-    const size_t pos = size_t(pos0) + c;
-    p.h_codes[pos * p.inter + group * 32 + lane] = code;
-    if (lane == 0) p.h_scales[pos * (p.inter / 32) + group] = sc;
-  }
+  w13_store(p, s_acc, s_pair, n, pos0, group);
 }
 
 // The f16 w2 kernels' work item (blockIdx.y; false past the plan's count): its expert, first
