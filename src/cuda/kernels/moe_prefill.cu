@@ -253,23 +253,22 @@ __device__ __forceinline__ void w13_store(const PrefillW13Params& p, const float
   }
 }
 
-// Stages K blocks [kb0, kb0 + kbn) of the columns c < ncols (column c: activation row act_row(c),
-// -1 = none: zeros) into stage with cp.async (one commit group; the caller waits for it and
-// synchronises): codes at c * kStageRow, then the scales [kCols][kStageKb] as stored (the caller
-// applies kE2M1ToE4M3Rescale, as the unstaged kernel did). A missing column is zero-filled by a
-// cp.async of source size 0. All threads of the CTA.
+// A cp.async of 16 bytes (common.cuh's cp16_zfill) or 4 to shared dst; !valid zero-fills it.
 __device__ __forceinline__ void cp_async_zfill(void* dst, const void* src, int bytes, bool valid) {
   const uint32_t d = uint32_t(__cvta_generic_to_shared(dst));
   if (bytes == 16)
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src),
-                 "r"(valid ? 16 : 0)
-                 : "memory");
+    cp16_zfill(d, src, valid);
   else
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(d), "l"(src),
                  "r"(valid ? 4 : 0)
                  : "memory");
 }
 
+// Stages K blocks [kb0, kb0 + kbn) of the columns c < ncols (column c: activation row act_row(c),
+// -1 = none: zeros) into stage with cp.async (one commit group; the caller waits for it and
+// synchronises): codes at c * kStageRow, then the scales [kCols][kStageKb] as stored (the caller
+// applies kE2M1ToE4M3Rescale, as the unstaged kernel did). A missing column is zero-filled by a
+// cp.async of source size 0. All threads of the CTA.
 template <typename RowOf>
 __device__ __forceinline__ void stage_act(uint8_t* stage, int ncols, RowOf act_row,
                                           const uint8_t* act, const float* act_s, int act_k,
