@@ -11,7 +11,6 @@
 #include <map>
 #include <memory>
 #include <mutex>
-#include <numeric>
 
 #include "core/dtypes.h"
 #include "core/error.h"
@@ -520,9 +519,8 @@ std::vector<CollectiveCall> tp_verify_collectives(const ModelConfig& c, int tp, 
   if (picks > 0)
     v.push_back({"index picks (entry split, gather)", picks, int64_t(rows) * 2 * c.index_topk});
   if (maxima > 0) {
-    // A rank's range of a row: ceil(width / tp) rounded up to whole 16-byte groups of blocks.
-    const int64_t align = std::lcm<int64_t>(4, 4 * bs);
-    const int64_t len = ((width + tp - 1) / tp + align - 1) / align * align;
+    // The blocks of a rank's range of a row (the backend's split_blocks).
+    const int64_t len = rank_position_range(width, tp, 0, index_split_align(c)).len;
     v.push_back(
         {"candidate block maxima (entry split, gather)", maxima, int64_t(rows) * (len / bs)});
   }

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <numeric>
 #include <string_view>
 
 #include "core/error.h"
@@ -272,6 +273,23 @@ void copy_shard(const TensorShard& s, const void* full, void* dst) {
   const uint64_t part = uint64_t(s.end - s.begin) * inner;
   for (uint64_t o = 0; o < outer; ++o)
     std::memcpy(out + o * part, src + o * full_span + uint64_t(s.begin) * inner, part);
+}
+
+PositionRange rank_position_range(int64_t positions, int n_ranks, int rank, int64_t align) {
+  UF_CHECK(
+      n_ranks >= 1 && rank >= 0 && rank < n_ranks && align >= 4 && align % 4 == 0 && positions >= 0,
+      "rank_position_range: rank {} of {}, {} positions, align {}", rank, n_ranks, positions,
+      align);
+  const int64_t per = (positions + n_ranks - 1) / n_ranks;
+  PositionRange r;
+  r.len = std::max<int64_t>(align, (per + align - 1) / align * align);
+  r.begin = int64_t(rank) * r.len;
+  return r;
+}
+
+int64_t index_split_align(const ModelConfig& c) {
+  const int64_t bs = c.candidate_source_layer >= 0 ? std::max(c.candidate_block_size, 1) : 1;
+  return std::lcm<int64_t>(4, 4 * bs);
 }
 
 }  // namespace uf::model

@@ -71,6 +71,18 @@ struct TpIndexSplit {
   bool by_entries = true;
   int64_t min_work = kDefaultIndexSplitMinWork;
 };
+// The entry split's ranges (cuda/ops/index_split.h): a row's positions [begin, begin + len) on a
+// rank, len a multiple of 4 (16-byte rows).
+struct PositionRange {
+  int64_t begin = 0;
+  int64_t len = 0;
+};
+// Rank r of n's range of `positions` (ranges of ceil(positions / n) rounded up to `align`, a
+// positive multiple of 4). Throws uf::core::Error on a bad rank, count or alignment.
+PositionRange rank_position_range(int64_t positions, int n_ranks, int rank, int64_t align);
+// What a full-width row's ranges are a multiple of: they start on a candidate block and hold
+// whole 16-byte groups of positions and of block maxima (the P2P gather's vector path).
+int64_t index_split_align(const ModelConfig& c);
 
 struct TensorShard {
   std::string name;

@@ -217,6 +217,21 @@ TEST(TpPlan, ReplicatedIndexerKeepsWholeIndexWeights) {
   EXPECT_NO_THROW(uf::model::validate_tp(odd, 8, o));
 }
 
+// The entry split's ranges: ceil(positions / n) rounded up to the alignment, rank r at r * len
+// (the last range may run past the row: its positions are clamped by the row's width); a full-width
+// row's alignment is a candidate block of 8 in whole 16-byte groups of its maxima: lcm(4, 32).
+TEST(TpPlan, EntrySplitRanges) {
+  const auto c = ModelConfig::deepseek_v41_flash();
+  EXPECT_EQ(uf::model::index_split_align(c), 32);
+  const auto r1 = uf::model::rank_position_range(8257, 2, 1, 32);
+  EXPECT_EQ(r1.len, 4160);  // 4129 rounded up to 32
+  EXPECT_EQ(r1.begin, 4160);
+  EXPECT_EQ(uf::model::rank_position_range(0, 8, 0, 4).len, 4);  // never empty
+  EXPECT_EQ(uf::model::rank_position_range(16384, 8, 7, 4).begin, 7 * 2048);
+  EXPECT_THROW(uf::model::rank_position_range(100, 2, 2, 4), uf::core::Error);
+  EXPECT_THROW(uf::model::rank_position_range(100, 2, 0, 6), uf::core::Error);
+}
+
 TEST(TpPlan, UndividedConfigsFailNamingTheCause) {
   const auto tiny = ModelConfig::load(kTinyA);  // 4 heads, 2 output groups
   const std::string e4 = error_of(tiny, 4);

@@ -18,7 +18,6 @@
 // every rank holds every index head, so it scores the whole rows as one GPU does, and the
 // selections are the same as the merge's (exact either way).
 #include <algorithm>
-#include <numeric>
 
 #include "core/error.h"
 #include "cuda/backend/cuda_model.h"
@@ -39,13 +38,6 @@ T* device_alloc(size_t n) {
 }
 
 }  // namespace
-
-int64_t CudaModel::index_split_align() const {
-  // Ranges of a full-width row start on a candidate block, and hold whole 16-byte groups of
-  // positions and of block maxima (the P2P gather's vector path).
-  const int64_t bs = cfg_.candidate_source_layer >= 0 ? std::max(cfg_.candidate_block_size, 1) : 1;
-  return std::lcm<int64_t>(4, 4 * bs);
-}
 
 void CudaModel::free_index_split() {
   auto& s = isplit_;
@@ -78,7 +70,8 @@ void CudaModel::alloc_index_split(int64_t width) {
   size_t nccl_scratch = T * 2 * k;  // gather_columns without P2P: [tp, rows, cols]
   if (cfg_.candidate_source_layer >= 0) {
     const int64_t bs = std::max(cfg_.candidate_block_size, 1);
-    s.split_blocks = rank_position_range(width, split_ranks_, 0, index_split_align()).len / bs;
+    s.split_blocks =
+        rank_position_range(width, split_ranks_, 0, model::index_split_align(cfg_)).len / bs;
     const size_t nb = size_t(s.split_blocks), tb = size_t(cfg_.candidate_topk_blocks);
     s.bmax = device_alloc<float>(T * nb);
     s.bgathered = device_alloc<float>(T * N * nb);
@@ -112,7 +105,7 @@ void CudaModel::index_select_split(int l, int T, const float* const* keys, const
   const int64_t bs = std::max(cfg_.candidate_block_size, 1);
   // A full row's ranges (the candidate source's hold whole blocks), or the pool list's.
   const int64_t positions = listed ? cand_cap_ : int64_t(stride);
-  const int64_t align = listed ? 4 : index_split_align();
+  const int64_t align = listed ? 4 : model::index_split_align(cfg_);
   const int64_t len = rank_position_range(positions, N, 0, align).len;
   const int64_t nb = role.candidate_source ? len / bs : 0;
   UF_CHECK(len <= std::max(index_width_, cand_cap_) && nb <= s.split_blocks,

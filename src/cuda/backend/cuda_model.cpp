@@ -420,7 +420,8 @@ void CudaModel::ensure_index_width(int64_t width) {
   int64_t cols = std::max(width, cand_cap_);
   // A rank's range of the entry-split indexer may round past a short width.
   if (index_split_)
-    cols = std::max(cols, rank_position_range(width, split_ranks_, 0, index_split_align()).len);
+    cols = std::max(
+        cols, rank_position_range(width, split_ranks_, 0, model::index_split_align(cfg_)).len);
   const size_t n = size_t(tmax_) * size_t(cols);
   UF_CUDA_CHECK(cudaMalloc(&score_, n * sizeof(float)));
   UF_CUDA_CHECK(cudaMalloc(&keep_, size_t(tmax_) * size_t(width)));

@@ -403,7 +403,6 @@ class CudaModel {
                           const int32_t* width, int stride);
   // (Re)allocates isplit_ for the scratch width (ensure_index_width) / frees it.
   void alloc_index_split(int64_t width);
-  int64_t index_split_align() const;  // the positions a full-width range is a multiple of
   void free_index_split();
   // TP: every rank's src [rows, cols] into dst row t's columns [q * cols, (q + 1) * cols) on every
   // rank (dst row stride ld): the P2P gather kernel, or NCCL all-gather into scratch ([tp, rows,

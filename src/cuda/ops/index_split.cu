@@ -135,18 +135,6 @@ __global__ void expand_blocks_kernel(const int32_t* blocks, const int32_t* n_blo
 
 }  // namespace
 
-PositionRange rank_position_range(int64_t positions, int n_ranks, int rank, int64_t align) {
-  require(
-      n_ranks >= 1 && rank >= 0 && rank < n_ranks && align >= 4 && align % 4 == 0 && positions >= 0,
-      "rank_position_range: rank %d of %d, %lld positions, align %lld", rank, n_ranks,
-      (long long)positions, (long long)align);
-  const int64_t per = (positions + n_ranks - 1) / n_ranks;
-  PositionRange r;
-  r.len = std::max<int64_t>(align, (per + align - 1) / align * align);
-  r.begin = int64_t(rank) * r.len;
-  return r;
-}
-
 void index_range_rows(const int32_t* vis, const int32_t* width, const float* const* keys, int T,
                       PositionRange range, int head_dim, const RangeRows& out,
                       cudaStream_t stream) {

@@ -16,15 +16,14 @@
 
 #include <cstdint>
 
+#include "model/tp_plan.h"
+
 namespace uf::cuda {
 
-// A row's positions [begin, begin + len) on this rank (len a multiple of 4: 16-byte rows).
-struct PositionRange {
-  int64_t begin = 0;
-  int64_t len = 0;
-};
-// Rank r of n's range of `positions` (ranges of ceil(positions / n) rounded up to `align`).
-PositionRange rank_position_range(int64_t positions, int n_ranks, int rank, int64_t align);
+// A row's positions on this rank, and rank r of n's range (model/tp_plan.h: host arithmetic the
+// collective count of model/synthetic.h shares).
+using model::PositionRange;
+using model::rank_position_range;
 
 // Row t's view of the range: vis_l[t] = clamp(vis[t] - begin, 0, len), width_l likewise; keys_l
 // (optional, with keys) = keys[t] + begin * head_dim. Blocks (optional, block_size > 0): vis_b[t]
