@@ -118,12 +118,14 @@ class MoeFp4 {
                bool round_out, float* out, cudaStream_t stream) const;
   int dim_, inter_, topk_, splits_, kb_per_split_;
   int sm_count_ = 0;
-  bool w2_streamed_ = true;     // moe_w2_kernel fits; false: the per-tile w2 kernel (large inter)
-  bool unit_ok_ = false;        // the unit kernels' shared memory fits (and splits <= 16)
-  bool legacy_ = true;          // run the earlier persistent kernels
-  bool f16_ = true;             // f16 HMMAs instead of the (emulated) e4m3 mma.sync
-  int unit_max_rows_ = 2;       // the unit kernels up to this many rows
-  int pre_b_max_ = 0;           // f16 persistent w2 with h pre-converted: dynamic smem limit
+  bool w2_streamed_ = true;  // moe_w2_kernel fits; false: the per-tile w2 kernel (large inter)
+  bool unit_ok_ = false;     // the unit kernels' shared memory fits (and splits <= 16)
+  bool legacy_ = true;       // run the earlier persistent kernels
+  bool f16_ = true;          // f16 HMMAs instead of the (emulated) e4m3 mma.sync
+  int unit_max_rows_ = 2;    // the unit kernels up to this many rows
+  // f16 persistent w2 with h pre-converted: its dynamic shared memory limit beside a w13 CTA of
+  // m rows (index m), so that a w2 CTA can start during the w13 kernel's tail.
+  int pre_b_max_[kMaxDecodeRows + 1] = {};
   float* h_vals_ = nullptr;     // [8 * topk pairs][inter] bf16 values of h (unit kernels)
   uint8_t* h_codes_ = nullptr;  // [8 * topk pairs][inter]
   float* h_scales_ = nullptr;   // [pairs][inter / 32]

@@ -24,7 +24,10 @@
 // the contiguous unit range [gw * N / W, (gw + 1) * N / W), so every warp streams the same number
 // of bytes (+- one unit) whatever the routing, and N (known only on the device) needs no host sync.
 // Each warp streams weights AND their UE8M0 scales through its own cp.async ring that runs across
-// unit boundaries (the next unit's bytes are in flight while this one finishes).
+// unit boundaries (the next unit's bytes are in flight while this one finishes). The w13 CTA first
+// copies the whole input (m rows of FP8 codes and scales) into its shared memory, so a chunk's
+// activations are shared-memory reads; its ring is 2 chunks deep, which the weights' DRAM latency
+// never waited on (ncu, session 18), and which keeps a w2 CTA's room beside it at 7 rows.
 //
 // Kernel 1, w13 (+ SwiGLU + quant): unit = (slot u, 32-row group grp of I, tile tau, K split s),
 //   s fastest: tau 0/1 = w1 rows 0-15/16-31 of the group, tau 2/3 = w3 rows 0-15/16-31; split s
@@ -216,9 +219,11 @@ constexpr int kW13Warps = UF_MOE_W13_WARPS;
 static_assert(kW13Warps >= 2 && 16 % kW13Warps == 0, "w13 CTAs of 2, 4, 8 or 16 warps");
 constexpr int kW13CtasPerSm = 16 / kW13Warps;  // the grid: 16 warps an SM
 // Ring depths (chunks a warp has in flight); UF_MOE_W13_STAGES / UF_MOE_W2_STAGES override them
-// for benchmarks (the outputs do not depend on them).
+// for benchmarks (the outputs do not depend on them). w13: 2 since its input moved to shared
+// memory (session 18, 7-row step at 8k: 6638-6652 us before, 6427-6459 with 2, 6547-6550 with 3,
+// whose CTA leaves no room for a w2 CTA).
 #ifndef UF_MOE_W13_STAGES
-#define UF_MOE_W13_STAGES 3
+#define UF_MOE_W13_STAGES 2
 #endif
 #ifndef UF_MOE_W2_STAGES
 #define UF_MOE_W2_STAGES 3
@@ -232,7 +237,21 @@ constexpr int kW13StageBytes = kW13ScaleOff + 16 * 8;
 constexpr int kW13SwStride = 8;
 constexpr int kW13SwBytes = 16 * kW13SwStride * 4;
 constexpr int kW13SwOff = kPlanBytes + kW13Warps * kW13Stages * kW13StageBytes;
-constexpr int kW13Smem = kW13SwOff + kW13Warps * kW13SwBytes;
+// The CTA's copy of the input (after the warps' regions): the scales times 2^6 [8][dim / 32 + 4]
+// fp32 (room for 8 rows, so the codes' offset depends on dim only; rows 16 bytes apart mod 128:
+// the 16-byte reads of 4 tokens in a quarter-warp hit distinct banks), then the FP8 codes
+// [m][dim + 32] (rows 32 bytes apart mod 128: the 8-byte fragment reads of 4 tokens x 4 lanes in a
+// half-warp hit distinct banks). A chunk's activations are then shared-memory reads: read from
+// global memory, their L2 latency was the kernel's largest stall (ncu source counters, session
+// 18: ~13% of the warps' samples on the first use of a scale).
+constexpr int kW13ActOff = kW13SwOff + kW13Warps * kW13SwBytes;
+__host__ __device__ constexpr int w13_code_stride(int dim) { return dim + 32; }
+__host__ __device__ constexpr int w13_scale_stride(int dim) { return dim / 32 + 4; }
+__host__ __device__ constexpr int w13_codes_off(int dim) {
+  return kW13ActOff + kMaxDecodeRows * w13_scale_stride(dim) * 4;
+}
+// The persistent w13 kernel's dynamic shared memory for m input rows.
+constexpr int w13_smem(int m, int dim) { return w13_codes_off(dim) + m * w13_code_stride(dim); }
 constexpr int kEpiBatch = 10;  // splits loaded per round trip in the group reduction
 
 struct W13Params {
@@ -348,6 +367,22 @@ __global__ void __maxnreg__(96) moe_w13_kernel(const W13Params p) {
   UF_PROBE_MARK(probe, 2);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int S = p.splits, kbps = p.kb_per_split, nkb = p.dim / 32, groups = p.inter / 32;
+  // The input into shared memory (kW13ActOff): the codes by cp.async (the oldest commit group,
+  // waited for below with the ring's first chunk), the scales times 2^6 by plain loads.
+  {
+    const int m = p.pairs / p.topk, pieces = p.dim / 16;
+    uint8_t* xa = smem + w13_codes_off(p.dim);
+    for (int i = threadIdx.x; i < m * pieces; i += blockDim.x) {
+      const int row = i / pieces, c = i - row * pieces;
+      moe_cp16(xa + row * w13_code_stride(p.dim) + c * 16, p.x + size_t(row) * p.dim + c * 16);
+    }
+    cp_async_commit();
+    float* xsa = reinterpret_cast<float*>(smem + kW13ActOff);
+    for (int i = threadIdx.x; i < m * nkb; i += blockDim.x) {
+      const int row = i / nkb;
+      xsa[row * w13_scale_stride(p.dim) + (i - row * nkb)] = __ldg(p.xs + i) * kE2M1ToE4M3Rescale;
+    }
+  }
   const int upg = 4 * S;  // units per group
   const int n_units = plan.n_unique * groups * upg;
   const int W = gridDim.x * kW13Warps, gw = blockIdx.x * kW13Warps + warp;
@@ -402,6 +437,8 @@ __global__ void __maxnreg__(96) moe_w13_kernel(const W13Params p) {
   };
 #pragma unroll
   for (int c = 0; c < kW13Stages - 1; ++c) issue();
+  cp_async_wait<kW13Stages - 1>();  // this thread's input pieces (the oldest group) have landed
+  __syncthreads();                  // ... and every thread's, and the scales
 
   int consumed = 0, pending = 0;
   W13Cursor cur = w13_cursor(lo, S, groups);
@@ -410,9 +447,11 @@ __global__ void __maxnreg__(96) moe_w13_kernel(const W13Params p) {
     const SlotPlan& r = plan.slot[cur.u];
     const int count = r.count;
     // Absent columns read a present one (fp4_mma_block); only valid columns are stored.
-    const uint8_t* act_g = p.x + size_t(r.tok[min(g, count - 1)]) * p.dim + t * 8;
-    const float* as0 = p.xs + size_t(r.tok[min(2 * t, count - 1)]) * nkb;
-    const float* as1 = p.xs + size_t(r.tok[min(2 * t + 1, count - 1)]) * nkb;
+    const uint8_t* act_g =
+        smem + w13_codes_off(p.dim) + r.tok[min(g, count - 1)] * w13_code_stride(p.dim) + t * 8;
+    const float* xsa = reinterpret_cast<const float*>(smem + kW13ActOff);
+    const float* as0 = xsa + r.tok[min(2 * t, count - 1)] * w13_scale_stride(p.dim);
+    const float* as1 = xsa + r.tok[min(2 * t + 1, count - 1)] * w13_scale_stride(p.dim);
     const int kbe = min(nkb, (s + 1) * kbps);
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
     for (int kb = s * kbps; kb < kbe; kb += 8) {
@@ -420,18 +459,23 @@ __global__ void __maxnreg__(96) moe_w13_kernel(const W13Params p) {
       // A chunk is 8 K blocks or, at the end of K, 4 (K % 128 == 0): two halves of 4, the second
       // skipped as a whole (a warp-uniform branch, not one per block).
       const bool full = kbe - kb >= 8;
-      // This chunk's activations, loaded before waiting on its weights.
+      // This chunk's activations (shared memory), read before waiting on its weights.
       uint2 av[8];
       float sa0[8], sa1[8];
 #pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float4 q0 = make_float4(0.f, 0.f, 0.f, 0.f), q1 = q0;
+        if (h == 0 || full) {
+          q0 = *reinterpret_cast<const float4*>(as0 + kb + 4 * h);
+          q1 = *reinterpret_cast<const float4*>(as1 + kb + 4 * h);
+        }
+        sa0[4 * h] = q0.x, sa0[4 * h + 1] = q0.y, sa0[4 * h + 2] = q0.z, sa0[4 * h + 3] = q0.w;
+        sa1[4 * h] = q1.x, sa1[4 * h + 1] = q1.y, sa1[4 * h + 2] = q1.z, sa1[4 * h + 3] = q1.w;
+      }
+#pragma unroll
       for (int uu = 0; uu < 8; ++uu) {
         av[uu] = make_uint2(0u, 0u);
-        sa0[uu] = sa1[uu] = 0.f;
-        if (uu < 4 || full) {
-          av[uu] = __ldg(reinterpret_cast<const uint2*>(act_g + (kb + uu) * 32));
-          sa0[uu] = __ldg(as0 + kb + uu) * kE2M1ToE4M3Rescale;
-          sa1[uu] = __ldg(as1 + kb + uu) * kE2M1ToE4M3Rescale;
-        }
+        if (uu < 4 || full) av[uu] = *reinterpret_cast<const uint2*>(act_g + (kb + uu) * 32);
       }
       cp_async_wait<kW13Stages - 1>();
       __syncwarp();
@@ -1184,8 +1228,9 @@ MoeFp4::MoeFp4(int dim, int inter, int topk, int sm_count)
     UF_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device));
   const int slots = kMaxDecodeRows * topk;
   const int w2_max = w2_layout(inter, slots, false).total;
-  require(kW13Smem <= optin && kW2TileSmem <= optin,
-          "MoeFp4: shared memory plan (w13 %d B) exceeds the device's %d B", kW13Smem, optin);
+  const int w13_max = w13_smem(kMaxDecodeRows, dim);
+  require(w13_max <= optin && kW2TileSmem <= optin,
+          "MoeFp4: shared memory plan (w13 %d B) exceeds the device's %d B", w13_max, optin);
   w2_streamed_ = w2_max <= optin;  // else the per-tile w2 kernel (large inter)
   const int w13_unit_max = w13_unit_layout(dim, kMaxDecodeRows, splits_).total;
   const int w2_unit_max = std::max(w2_unit_layout(inter, kMaxDecodeRows, false).total,
@@ -1214,16 +1259,19 @@ MoeFp4::MoeFp4(int dim, int inter, int topk, int sm_count)
     UF_CUDA_CHECK(cudaFuncGetAttributes(&f2, moe_w2_kernel<true, true>));
     // A CTA's shared memory = dynamic + static + the reservation, in 128-byte units.
     auto cta = [&](size_t dyn, size_t stat) { return (dyn + stat + reserved + 127) / 128 * 128; };
-    pre_b_max_ = sm_smem - int(cta(kW13Smem, f13.sharedSizeBytes)) - int(f2.sharedSizeBytes) -
-                 reserved - 127;  // w2's dynamic bytes up to this fit beside a w13 CTA
-    pre_b_max_ = std::min(pre_b_max_, optin);
-    if (pre_b_max_ > 0) {
-      raise_smem(moe_w2_kernel<true, true>, pre_b_max_);
+    int raise = 0;
+    for (int m = 1; m <= kMaxDecodeRows; ++m) {  // w2's dynamic bytes up to this fit beside w13
+      pre_b_max_[m] = std::min(optin, sm_smem - int(cta(w13_smem(m, dim), f13.sharedSizeBytes)) -
+                                          int(f2.sharedSizeBytes) - reserved - 127);
+      raise = std::max(raise, pre_b_max_[m]);
+    }
+    if (raise > 0) {
+      raise_smem(moe_w2_kernel<true, true>, raise);
       prefer_shared_carveout(moe_w2_kernel<true, true>);
     }
   }
   for_both_paths([&](auto f16) {
-    raise_smem(moe_w13_kernel<f16>, kW13Smem);
+    raise_smem(moe_w13_kernel<f16>, w13_max);
     if (w2_streamed_) raise_smem(moe_w2_kernel<f16, false>, w2_max);
     raise_smem(moe_w2_tile_kernel<f16>, kW2TileSmem);
     prefer_shared_carveout(moe_w13_kernel<f16>);
@@ -1265,10 +1313,10 @@ void MoeFp4::run_experts_impl(const Fp4ExpertsView& w, const QuantActView& x, co
     return reinterpret_cast<uintptr_t>(ptr) % a == 0;
   };
   require(aligned(w.w1, 16) && aligned(w.w3, 16) && aligned(w.w2, 16) && aligned(w.w1_scale, 4) &&
-              aligned(w.w3_scale, 4) && aligned(w.w2_scale, 16) && aligned(x.codes, 8) &&
+              aligned(w.w3_scale, 4) && aligned(w.w2_scale, 16) && aligned(x.codes, 16) &&
               aligned(x.scales, 4),
           "MoeFp4::run: weights must be 16-byte aligned (w1 / w3 scales 4, w2 scales 16) and the "
-          "FP8 input 8-byte aligned (cp.async and vector loads)");
+          "FP8 input codes 16-byte aligned (cp.async and vector loads)");
   // Grids: enough CTAs for the largest unit count of this M (P distinct experts), at most the
   // resident ones. The unit split inside depends on the routing; the arithmetic never does.
   // The unit kernels win at few rows, the persistent ones from ~5 rows (H200, bench_cuda_moe,
@@ -1307,8 +1355,8 @@ void MoeFp4::launch_experts(const Fp4ExpertsView& w, const QuantActView& x, cons
               inter_,        x.codes,      x.scales, topk_idx,   topk_w,        P,
               topk_,         swiglu_limit, h_codes_, h_scales_,  partials_,     counters_,
               kb_per_split_, splits_,      nullptr};
-  launch_pdl(moe_w13_kernel<kF16>, dim3(w13_grid), dim3(kW13Warps * 32), size_t(kW13Smem), stream,
-             a);
+  launch_pdl(moe_w13_kernel<kF16>, dim3(w13_grid), dim3(kW13Warps * 32),
+             size_t(w13_smem(x.m, dim_)), stream, a);
   W2Params b{w.w2,  w.w2_scale, w.num_experts, dim_, inter_,       topk_idx, topk_w, P,
              topk_, h_codes_,   h_scales_,     y,    y_row_stride, round_w2, nullptr};
   if (!w2_streamed_) {
@@ -1320,7 +1368,7 @@ void MoeFp4::launch_experts(const Fp4ExpertsView& w, const QuantActView& x, cons
   const int w2_grid =
       std::max(1, std::min(kW2CtasPerSm * sm_count_, (w2_units + kW2Warps - 1) / kW2Warps));
   const int pre_b_bytes = w2_layout(inter_, P, true).total;
-  if (kF16 && pre_b_bytes <= pre_b_max_)
+  if (kF16 && pre_b_bytes <= pre_b_max_[x.m])
     launch_pdl(moe_w2_kernel<true, true>, dim3(w2_grid), dim3(kW2Warps * 32), size_t(pre_b_bytes),
                stream, b);
   else
