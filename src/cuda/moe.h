@@ -40,8 +40,8 @@ struct Fp4ExpertsView {
 
 // One MoE shape with its workspace. Constraints: dim % 128 == 0, inter % 32 == 0, M <= 8,
 // M * topk <= 64, each row's expert ids distinct; weights 16-byte aligned (w1 / w3 scales 4), the
-// FP8 input 8-byte aligned. Default kernels: the unit kernels (moe_fp4.cu: w13 grid M * topk *
-// inter / 8 CTAs of 43.5 KB of weights each at dim 5120, w2 grid M * topk * dim / 128 CTAs);
+// FP8 input codes 16-byte aligned. Default kernels: the unit kernels (moe_fp4.cu: w13 grid M * topk
+// * inter / 8 CTAs of 43.5 KB of weights each at dim 5120, w2 grid M * topk * dim / 128 CTAs);
 // shapes whose unit shared-memory plan exceeds the device's opt-in limit run the persistent ones.
 // Construction allocates; run() does not (graph-capturable; one run at a time per object: the
 // w13 group counters live in its workspace). topk_idx must be complete when the w13 kernel's

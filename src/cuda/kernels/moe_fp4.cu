@@ -378,10 +378,12 @@ __global__ void __maxnreg__(96) moe_w13_kernel(const W13Params p) {
     }
     cp_async_commit();
     float* xsa = reinterpret_cast<float*>(smem + kW13ActOff);
-    for (int i = threadIdx.x; i < m * nkb; i += blockDim.x) {
-      const int row = i / nkb;
-      xsa[row * w13_scale_stride(p.dim) + (i - row * nkb)] = __ldg(p.xs + i) * kE2M1ToE4M3Rescale;
-    }
+    batched_copy<4, float>(
+        m * nkb, threadIdx.x, blockDim.x, [&](int i) { return __ldg(p.xs + i); },
+        [&](int i, float v) {
+          const int row = i / nkb;
+          xsa[row * w13_scale_stride(p.dim) + (i - row * nkb)] = v * kE2M1ToE4M3Rescale;
+        });
   }
   const int upg = 4 * S;  // units per group
   const int n_units = plan.n_unique * groups * upg;
@@ -644,21 +646,25 @@ __global__ void __maxnreg__(64) moe_w2_kernel(const W2Params p) {
     if constexpr (kPreB) {
       // As the f16 B operands, converted once per CTA instead of per warp: a group of 8 codes
       // (a lane's share of a K block) -> 16 bytes, b_e4m3_to_f16 of its fragment registers.
-      const int n8 = p.pairs * p.inter / 8;
-      for (int i = tid; i < n8; i += blockDim.x) {
-        const uint2 v = __ldcg(reinterpret_cast<const uint2*>(p.h_codes) + i);
-        reinterpret_cast<uint4*>(smem + L.h_off)[i] =
-            b_e4m3_to_f16x8(__byte_perm(v.x, v.y, 0x6420), __byte_perm(v.x, v.y, 0x7531));
-      }
+      batched_copy<8, uint2>(
+          p.pairs * p.inter / 8, tid, blockDim.x,
+          [&](int i) { return __ldcg(reinterpret_cast<const uint2*>(p.h_codes) + i); },
+          [&](int i, uint2 v) {
+            reinterpret_cast<uint4*>(smem + L.h_off)[i] =
+                b_e4m3_to_f16x8(__byte_perm(v.x, v.y, 0x6420), __byte_perm(v.x, v.y, 0x7531));
+          });
     } else {
-      const int n16 = p.pairs * p.inter / 16;
-      for (int i = tid; i < n16; i += blockDim.x)
-        reinterpret_cast<uint4*>(smem + L.h_off)[i] =
-            __ldcg(reinterpret_cast<const uint4*>(p.h_codes) + i);
+      batched_copy<4, uint4>(
+          p.pairs * p.inter / 16, tid, blockDim.x,
+          [&](int i) { return __ldcg(reinterpret_cast<const uint4*>(p.h_codes) + i); },
+          [&](int i, uint4 v) { reinterpret_cast<uint4*>(smem + L.h_off)[i] = v; });
     }
     // Scales times 2^6 (fp4_mma_step's sa): only ever used so.
-    for (int i = tid; i < p.pairs * nkb; i += blockDim.x)
-      reinterpret_cast<float*>(smem + L.hs_off)[i] = __ldcg(p.h_scales + i) * kE2M1ToE4M3Rescale;
+    batched_copy<4, float>(
+        p.pairs * nkb, tid, blockDim.x, [&](int i) { return __ldcg(p.h_scales + i); },
+        [&](int i, float v) {
+          reinterpret_cast<float*>(smem + L.hs_off)[i] = v * kE2M1ToE4M3Rescale;
+        });
   }
   __syncthreads();
 
