@@ -1203,9 +1203,11 @@ void for_both_paths(Fn&& fn) {
 
 }  // namespace
 
-// The unit kernels up to this many rows, the persistent ones above (bitwise the same). Session 7's
-// bench_cuda_moe on the H200 (routed experts, us, persistent / unit): 1 row 21.4 / 22.0, 2 rows
-// 31.6 / 29.1, 4 rows 46.8 / 53.5 (session 6, before both sets lost instructions: 4).
+// The unit kernels up to this many rows, the persistent ones above (bitwise the same). Alone
+// (bench_cuda_moe, H200, session 18) the persistent kernels are faster at every row count (1 / 2
+// rows 18.6 / 25.6 us against 21.2 / 28.3), but in the decode step the unit kernels win up to 2
+// rows: their weights load before the PDL wait (8k step, 1 / 2 rows: 4062-4096 / 4606-4631 us
+// with 2 here, 4212-4216 / 4693-4709 with 0).
 #ifndef UF_MOE_UNIT_MAX_ROWS  // benchmarks may override it (bitwise the same outputs either way)
 #define UF_MOE_UNIT_MAX_ROWS 2
 #endif
@@ -1325,9 +1327,8 @@ void MoeFp4::run_experts_impl(const Fp4ExpertsView& w, const QuantActView& x, co
           "FP8 input codes 16-byte aligned (cp.async and vector loads)");
   // Grids: enough CTAs for the largest unit count of this M (P distinct experts), at most the
   // resident ones. The unit split inside depends on the routing; the arithmetic never does.
-  // The unit kernels win at few rows, the persistent ones from ~5 rows (H200, bench_cuda_moe,
-  // routed experts, us: unit 23.7 / 31.1 / 52.3 / 95.0 / 106.3 against persistent 25.4 / 38.7 /
-  // 63.2 / 88.9 / 102.9 at 1 / 2 / 4 / 7 / 8 rows). Bitwise the same outputs either way.
+  // The unit kernels up to unit_max_rows_ (kUnitMaxRowsFaster says why), the persistent ones
+  // above. Bitwise the same outputs either way.
   if (f16_)
     launch_experts<true>(w, x, topk_idx, topk_w, swiglu_limit, round_w2, y, y_row_stride, stream);
   else
