@@ -213,6 +213,35 @@ TEST(CudaMoeFp4, RowResultIndependentOfOtherRows) {
   }
 }
 
+// The persistent w13 kernel copies the input codes into shared memory with 16-byte cp.async
+// pieces: a misaligned input is refused with a clear error instead of a fault or wrong reads.
+TEST(CudaMoeFp4, RefusesMisalignedInputCodes) {
+  UF_REQUIRE_GPU();
+  std::mt19937 rng(23);
+  const int topk = 6;
+  const Experts x = random_experts(8, 1024, 64, rng);
+  const DeviceExperts dx(x);
+  MoeFp4 moe(x.dim, x.inter, topk, device_sm_count());
+  std::vector<uint8_t> codes;
+  std::vector<float> scales, wts;
+  std::vector<int> idx;
+  random_inputs(4, x.dim, x.E, topk, rng, codes, scales, idx, wts);
+  codes.resize(codes.size() + 16);
+  DeviceBuffer<uint8_t> a(codes);
+  DeviceBuffer<float> as(scales);
+  DeviceBuffer<int> di(idx);
+  DeviceBuffer<float> dw(wts);
+  DeviceBuffer<float> out(size_t(4) * x.dim);
+  const Fp4ExpertsView w = dx.view(x);
+  EXPECT_THROW(moe.run(w, QuantActView{a.get() + 8, as.get(), 4, x.dim}, di.get(), dw.get(), kLimit,
+                       out.get(), nullptr),
+               std::exception);
+  // The aligned input still runs.
+  moe.run(w, QuantActView{a.get(), as.get(), 4, x.dim}, di.get(), dw.get(), kLimit, out.get(),
+          nullptr);
+  sync_and_check();
+}
+
 TEST(CudaSwigluQuant, MatchesCpu) {
   UF_REQUIRE_GPU();
   std::mt19937 rng(23);
