@@ -69,9 +69,9 @@ struct Iadd {
 struct Ffma {
   static constexpr int kInstr = 1;
   __device__ static void step(uint32_t& r, uint32_t k) {
-    asm volatile("fma.rn.f32 %0, %0, %1, %1;"
-                 : "+f"(*reinterpret_cast<float*>(&r))
-                 : "f"(__uint_as_float(k)));
+    float f = __uint_as_float(r);
+    asm volatile("fma.rn.f32 %0, %0, %1, %1;" : "+f"(f) : "f"(__uint_as_float(k)));
+    r = __float_as_uint(f);
   }
 };
 struct Hfma2 {
