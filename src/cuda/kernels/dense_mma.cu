@@ -1004,14 +1004,14 @@ void launch_resident(const ResArgs& a, const ResPlan& r, cudaStream_t stream) {
   UF_CUDA_CHECK(cudaLaunchKernelEx(&cfg, dense_mma_resident_kernel<kFp8>, a));
 }
 
-// S: doubles while the grid has fewer than 3 warps' tiles per SM, with whole chunks per part and
-// at least 2 chunks a part. Depends on (tiles, K, SM count) only.
 // Warps a split plan aims at, in units of the SM count (a build-time knob for benchmarks; it sets
 // the split count, so the sum's grouping, never per call). 6 (wo_a [1024, 4096]: S 8 -> 16, CTAs
 // of 8 warps) made the 8k step 20-50 us slower at 1 / 7 rows (session 18, H200).
 #ifndef UF_DENSE_SPLIT_WAVES
 #define UF_DENSE_SPLIT_WAVES 3
 #endif
+// S: doubles while the grid has fewer than UF_DENSE_SPLIT_WAVES warps' tiles per SM, with whole
+// chunks per part and at least 2 chunks a part. Depends on (tiles, K, SM count) only.
 int split_count(int64_t tiles, int64_t cols, int sms) {
   const int64_t nck = cols / kChunkK;
   int s = 1;
