@@ -10,8 +10,8 @@
 // Method: one 1024-thread CTA per SM, each thread runs 8 independent chains of the operation
 // (latency hidden by 32 warps x 8 chains) for `iters` rounds; thread 0 reads clock64 around the
 // loop (after a CTA barrier), so the figure is per SM clock whatever the clock rate. The chains
-// feed their results back so nothing is dead code; the feedback adds one LOP3 per chain and round
-// to the composite rows (stated beside them).
+// feed their results back so nothing is dead code; the feedback adds two logic ops per chain and
+// round to the composite rows (the same two to both).
 //
 //   bench_cuda_pipes [--iters N]
 
@@ -222,7 +222,7 @@ int main(int argc, char** argv) {
       {"HMMA.16816.F32", rate<Hmma>(sms, iters, sink, cycles)},
   };
   for (const Row& r : rows) std::printf("  %-28s %6.3f\n", r.name, r.v);
-  std::printf("8 E2M1 -> 4 f16x2 operands, f16x2 outputs per SM per clock (+1 LOP3 feedback):\n");
+  std::printf("8 E2M1 -> 4 f16x2 operands, f16x2 outputs per SM per clock (+2 feedback ops):\n");
   std::printf("  %-28s %6.3f\n", "via e4m3 + F2FP", rate<ViaE4m3>(sms, iters, sink, cycles));
   std::printf("  %-28s %6.3f\n", "direct bit placement", rate<Direct>(sms, iters, sink, cycles));
   UF_CUDA_CHECK(cudaFree(sink));
