@@ -212,46 +212,7 @@ __device__ __forceinline__ void w2_tile_k_loop(const uint8_t* w, int rs, const f
 }
 
 // ---- Kernel 1: w13 ----
-#ifndef UF_MOE_W13_WARPS  // benchmarks may override it (the outputs do not depend on it)
-#define UF_MOE_W13_WARPS 16
-#endif
-constexpr int kW13Warps = UF_MOE_W13_WARPS;
-static_assert(kW13Warps >= 2 && 16 % kW13Warps == 0, "w13 CTAs of 2, 4, 8 or 16 warps");
-constexpr int kW13CtasPerSm = 16 / kW13Warps;  // the grid: 16 warps an SM
-// Ring depths (chunks a warp has in flight); UF_MOE_W13_STAGES / UF_MOE_W2_STAGES override them
-// for benchmarks (the outputs do not depend on them). w13: 2 since its input moved to shared
-// memory (session 18, 7-row step at 8k: 6638-6652 us before, 6427-6459 with 2, 6547-6550 with 3,
-// whose CTA leaves no room for a w2 CTA).
-#ifndef UF_MOE_W13_STAGES
-#define UF_MOE_W13_STAGES 2
-#endif
-#ifndef UF_MOE_W2_STAGES
-#define UF_MOE_W2_STAGES 3
-#endif
-constexpr int kW13Stages = UF_MOE_W13_STAGES;
-constexpr int kW13RowStride = 144;  // 128 B of a row + 16: conflict-free 4-byte fragment reads
-constexpr int kW13ScaleOff = 16 * kW13RowStride;
-constexpr int kW13StageBytes = kW13ScaleOff + 16 * 8;
-// A chunk's weight scales as fp32 [16 rows][8] per warp (LDS.128 reads: a quarter warp = rows g,
-// g + 1, distinct banks).
-constexpr int kW13SwStride = 8;
-constexpr int kW13SwBytes = 16 * kW13SwStride * 4;
-constexpr int kW13SwOff = kPlanBytes + kW13Warps * kW13Stages * kW13StageBytes;
-// The CTA's copy of the input (after the warps' regions): the scales times 2^6 [8][dim / 32 + 4]
-// fp32 (room for 8 rows, so the codes' offset depends on dim only; rows 16 bytes apart mod 128:
-// the 16-byte reads of 4 tokens in a quarter-warp hit distinct banks), then the FP8 codes
-// [m][dim + 32] (rows 32 bytes apart mod 128: the 8-byte fragment reads of 4 tokens x 4 lanes in a
-// half-warp hit distinct banks). A chunk's activations are then shared-memory reads: read from
-// global memory, their L2 latency was the kernel's largest stall (ncu source counters, session
-// 18: ~13% of the warps' samples on the first use of a scale).
-constexpr int kW13ActOff = kW13SwOff + kW13Warps * kW13SwBytes;
-__host__ __device__ constexpr int w13_code_stride(int dim) { return dim + 32; }
-__host__ __device__ constexpr int w13_scale_stride(int dim) { return dim / 32 + 4; }
-__host__ __device__ constexpr int w13_codes_off(int dim) {
-  return kW13ActOff + kMaxDecodeRows * w13_scale_stride(dim) * 4;
-}
-// The persistent w13 kernel's dynamic shared memory for m input rows.
-constexpr int w13_smem(int m, int dim) { return w13_codes_off(dim) + m * w13_code_stride(dim); }
+// Warps, ring depths and the shared-memory plan: moe_layout.h (kW13*, w13_smem).
 constexpr int kEpiBatch = 10;  // splits loaded per round trip in the group reduction
 
 struct W13Params {
@@ -534,29 +495,7 @@ __global__ void __maxnreg__(96) moe_w13_kernel(const W13Params p) {
 }
 
 // ---- Kernel 2: w2 ----
-constexpr int kW2Warps = 8;
-constexpr int kW2Stages = UF_MOE_W2_STAGES;
-constexpr int kW2CtasPerSm = 2;
-
-struct W2Layout {
-  int rs, stage_sc, stage_bytes, h_off, hs_off, stage_off, sws, sw_off, total;
-};
-// f16 (moe_w2_kernel<true, true>): h is held as the mma's f16 B operands (2 bytes an element).
-__host__ __device__ __forceinline__ W2Layout w2_layout(int inter, int pairs, bool f16) {
-  W2Layout l;
-  const int nkb = inter / 32;
-  // Row stride = 16 mod 32 bytes: the 8 rows g of a 4-byte fragment read hit distinct banks.
-  l.rs = inter / 2 + ((inter / 2) % 32 == 0 ? 16 : 0);
-  l.stage_sc = 16 * l.rs;
-  l.stage_bytes = (l.stage_sc + 16 * nkb + 15) / 16 * 16;
-  l.h_off = kPlanBytes;
-  l.hs_off = l.h_off + (pairs * inter * (f16 ? 2 : 1) + 15) / 16 * 16;
-  l.stage_off = l.hs_off + (pairs * nkb * 4 + 15) / 16 * 16;
-  l.sws = nkb | 1;  // odd: the 8 rows g of a scale read hit distinct banks
-  l.sw_off = l.stage_off + kW2Warps * kW2Stages * l.stage_bytes;
-  l.total = l.sw_off + kW2Warps * 16 * l.sws * 4;  // + per warp: the unit's fp32 weight scales
-  return l;
-}
+// Warps, ring depth and the shared-memory plan: moe_layout.h (kW2*, w2_layout).
 
 // Copies 16 rows x `pieces` 16-byte pieces, contiguous at src, to rows of stride rs at dst
 // (cp.async, piece i by lane i % 32): the lane's row / column are counted from its first piece
@@ -1257,20 +1196,17 @@ MoeFp4::MoeFp4(int dim, int inter, int topk, int sm_count)
   // The f16 w2 kernel with h pre-converted (kPreB): only where its plan and a w13 CTA fit on one
   // SM together (launch_experts), so a w2 CTA can still start during the w13 kernel's tail.
   {
-    int sm_smem = 0, reserved = 0;
+    SmShared sm{0, 0, optin};
     UF_CUDA_CHECK(
-        cudaDeviceGetAttribute(&sm_smem, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
-    UF_CUDA_CHECK(
-        cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, device));
+        cudaDeviceGetAttribute(&sm.per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
+    UF_CUDA_CHECK(cudaDeviceGetAttribute(&sm.reserved_per_block,
+                                         cudaDevAttrReservedSharedMemoryPerBlock, device));
     cudaFuncAttributes f13{}, f2{};
     UF_CUDA_CHECK(cudaFuncGetAttributes(&f13, moe_w13_kernel<true>));
     UF_CUDA_CHECK(cudaFuncGetAttributes(&f2, moe_w2_kernel<true, true>));
-    // A CTA's shared memory = dynamic + static + the reservation, in 128-byte units.
-    auto cta = [&](size_t dyn, size_t stat) { return (dyn + stat + reserved + 127) / 128 * 128; };
     int raise = 0;
-    for (int m = 1; m <= kMaxDecodeRows; ++m) {  // w2's dynamic bytes up to this fit beside w13
-      pre_b_max_[m] = std::min(optin, sm_smem - int(cta(w13_smem(m, dim), f13.sharedSizeBytes)) -
-                                          int(f2.sharedSizeBytes) - reserved - 127);
+    for (int m = 1; m <= kMaxDecodeRows; ++m) {
+      pre_b_max_[m] = w2_beside_w13(m, dim, sm, int(f13.sharedSizeBytes), int(f2.sharedSizeBytes));
       raise = std::max(raise, pre_b_max_[m]);
     }
     if (raise > 0) {

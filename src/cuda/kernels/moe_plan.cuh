@@ -8,25 +8,11 @@
 
 #include <cstdint>
 
+#include "cuda/kernels/moe_layout.h"
+
 namespace uf::cuda::detail {
 
-constexpr int kMaxPairs = 64;
-
-// The routing plan of one MoE call: the distinct experts of the P (row, expert) pairs ranked by
-// expert id, each with its columns (rows in ascending order).
-struct SlotPlan {
-  int expert;
-  int count;
-  int pair[8];  // pair index (row * topk + k) of each column
-  int tok[8];
-  float weight[8];
-};
-struct MoePlan {
-  int n_unique;
-  int pad[3];
-  SlotPlan slot[kMaxPairs];
-};
-constexpr int kPlanBytes = int((sizeof(MoePlan) + 127) / 128 * 128);
+// kMaxPairs, SlotPlan, MoePlan, kPlanBytes: moe_layout.h.
 
 __device__ __forceinline__ void moe_cp16(void* dst, const void* src) {
   asm volatile(
