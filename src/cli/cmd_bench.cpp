@@ -351,33 +351,27 @@ int run_cuda(const BenchArgs& a, const ModelConfig& cfg, const std::vector<int>&
     const char* name;
     const char* key;
   };
-  std::vector<DraftMode> draft_modes;
-  for (const int mode : {0, 1, 2}) {
-    DraftMode m{{},
-                mode == 0   ? "greedy"
-                : mode == 1 ? "temperature 1"
-                            : "temperature 1, top-p 0.95",
-                mode == 0   ? "draft_device_greedy"
-                : mode == 1 ? "draft_device_sampled"
-                            : "draft_device_top_p"};
-    m.params.temperature = mode == 0 ? 0.0f : 1.0f;
-    m.params.top_p = mode == 2 ? 0.95f : 1.0f;
-    draft_modes.push_back(m);
-  }
+  auto draft_mode = [](float temperature, float top_p, const char* name, const char* key) {
+    DraftMode m{{}, name, key};
+    m.params.temperature = temperature;
+    m.params.top_p = top_p;
+    return m;
+  };
+  const DraftMode draft_modes[] = {
+      draft_mode(0.0f, 1.0f, "greedy", "draft_device_greedy"),
+      draft_mode(1.0f, 1.0f, "temperature 1", "draft_device_sampled"),
+      draft_mode(1.0f, 0.95f, "temperature 1, top-p 0.95", "draft_device_top_p")};
   uint64_t step = 0;
   if (model->device_draft_available()) {
     for (const DraftMode& m : draft_modes) {
-      const auto& sp = m.params;
-      const char* name = m.name;
-      const char* key = m.key;
       const Stats dd = time_calls(a.warmup, a.iters, [&] {
-        drafted = model->draft_on_device(*s, anchor, sp, a.seed, ++step).tokens.size();
+        drafted = model->draft_on_device(*s, anchor, m.params, a.seed, ++step).tokens.size();
       });
       std::cout << fmt::format(
           "DSpark draft on the device, {} ({} tokens): {:.1f} us median, {:.1f} min; x floor "
           "{:.2f}\n",
-          name, drafted, dd.median_us, dd.min_us, dd.median_us / dfl);
-      out[key] = {{"time", stats_json(dd)}, {"x_floor", dd.median_us / dfl}};
+          m.name, drafted, dd.median_us, dd.min_us, dd.median_us / dfl);
+      out[m.key] = {{"time", stats_json(dd)}, {"x_floor", dd.median_us / dfl}};
     }
   }
   out["draft"] = {{"time", stats_json(ds)},

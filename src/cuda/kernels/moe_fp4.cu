@@ -773,7 +773,7 @@ struct W13UnitLayout {
 };
 __host__ __device__ __forceinline__ W13UnitLayout w13_unit_layout(int dim, int cols, int splits) {
   W13UnitLayout l;
-  l.xs_stride = dim + 32;  // = 32 mod 128: the 8-byte B fragment reads are conflict-free
+  l.xs_stride = w13_code_stride(dim);  // the persistent kernel's input rows: conflict-free
   l.x_off = kPlanBytes;
   l.xsc_off = l.x_off + cols * l.xs_stride;
   l.split_off = l.xsc_off + round16(cols * (dim / 32) * 4);
