@@ -536,6 +536,14 @@ struct W2Params {
   const float* h_vals;  // unit kernel: h as moe_w13_unit_kernel wrote it
 };
 
+// Where column c of slot r writes output rows row0.. of its pair (t, k) = (tok, pair - tok *
+// topk): y + t * y_row_stride + k * dim. The plan's row index instead of pair / topk: a runtime
+// division was ~30 instructions a unit.
+__device__ __forceinline__ float* w2_out(const W2Params& p, const SlotPlan& r, int c, int row0) {
+  const int tok = r.tok[c], k = r.pair[c] - tok * p.topk;
+  return p.y + tok * p.y_row_stride + size_t(k) * p.dim + row0;
+}
+
 // kPreB (with kF16; where shared memory allows, MoeFp4::launch_experts): h held as the f16 B
 // operands, converted once per CTA in the prologue.
 template <bool kF16, bool kPreB>
@@ -636,16 +644,13 @@ __global__ void __maxnreg__(64) moe_w2_kernel(const W2Params p) {
       tile = 0;
       ++u;
     }
-    auto out = [&](int pair) {
-      return p.y + (pair / p.topk) * p.y_row_stride + size_t(pair % p.topk) * p.dim + row0;
-    };
     if (pair0 >= 0) {
-      float* y = out(pair0);
+      float* y = w2_out(p, r, 2 * t, row0);
       y[g] = p.round ? round_bf16(acc[0]) : acc[0];
       y[g + 8] = p.round ? round_bf16(acc[2]) : acc[2];
     }
     if (pair1 >= 0) {
-      float* y = out(pair1);
+      float* y = w2_out(p, r, 2 * t + 1, row0);
       y[g] = p.round ? round_bf16(acc[1]) : acc[1];
       y[g + 8] = p.round ? round_bf16(acc[3]) : acc[3];
     }
@@ -719,16 +724,13 @@ __global__ void __launch_bounds__(kW2Warps * 32) moe_w2_tile_kernel(const W2Para
     __syncwarp();
   }
   cp_async_wait<0>();
-  auto out = [&](int pair) {
-    return p.y + (pair / p.topk) * p.y_row_stride + size_t(pair % p.topk) * p.dim + tile * 16;
-  };
   if (2 * t < r.count) {
-    float* y = out(r.pair[2 * t]);
+    float* y = w2_out(p, r, 2 * t, tile * 16);
     y[g] = p.round ? round_bf16(acc[0]) : acc[0];
     y[g + 8] = p.round ? round_bf16(acc[2]) : acc[2];
   }
   if (2 * t + 1 < r.count) {
-    float* y = out(r.pair[2 * t + 1]);
+    float* y = w2_out(p, r, 2 * t + 1, tile * 16);
     y[g] = p.round ? round_bf16(acc[1]) : acc[1];
     y[g + 8] = p.round ? round_bf16(acc[3]) : acc[3];
   }
@@ -988,16 +990,13 @@ __global__ void __launch_bounds__(kW2UnitWarps * 32, 4)
   const float* as1 = hs + min(2 * t + 1, count - 1) * nkb;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   w2_tile_k_loop<kF16, kF16>(wsm + t * 4, L.rs, swf, L.sws, act_g, as0, as1, nkb, acc);
-  auto out = [&](int pair) {
-    return p.y + (pair / p.topk) * p.y_row_stride + size_t(pair % p.topk) * p.dim + row_out;
-  };
   if (2 * t < count) {
-    float* y = out(r.pair[2 * t]);
+    float* y = w2_out(p, r, 2 * t, row_out);
     y[g] = p.round ? round_bf16(acc[0]) : acc[0];
     y[g + 8] = p.round ? round_bf16(acc[2]) : acc[2];
   }
   if (2 * t + 1 < count) {
-    float* y = out(r.pair[2 * t + 1]);
+    float* y = w2_out(p, r, 2 * t + 1, row_out);
     y[g] = p.round ? round_bf16(acc[1]) : acc[1];
     y[g + 8] = p.round ? round_bf16(acc[3]) : acc[3];
   }
