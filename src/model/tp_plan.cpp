@@ -275,6 +275,16 @@ void copy_shard(const TensorShard& s, const void* full, void* dst) {
     std::memcpy(out + o * part, src + o * full_span + uint64_t(s.begin) * inner, part);
 }
 
+const uint8_t* shard_view(const TensorShard& s, const void* full) {
+  const auto* src = static_cast<const uint8_t*>(full);
+  if (s.mode == ShardMode::kReplicated) return src;
+  uint64_t inner = core::dtype_size(s.dtype), outer = 1;
+  for (size_t d = size_t(s.dim) + 1; d < s.full_shape.size(); ++d)
+    inner *= uint64_t(s.full_shape[d]);
+  for (size_t d = 0; d < size_t(s.dim); ++d) outer *= uint64_t(s.full_shape[d]);
+  return outer == 1 ? src + uint64_t(s.begin) * inner : nullptr;
+}
+
 PositionRange rank_position_range(int64_t positions, int n_ranks, int rank, int64_t align) {
   UF_CHECK(
       n_ranks >= 1 && rank >= 0 && rank < n_ranks && align >= 4 && align % 4 == 0 && positions >= 0,

@@ -469,11 +469,15 @@ TEST(CudaTpShards, ShardsAreTheWholeWeightsSlices) {
         auto full = model::bind_weights(cfg, ckpt);
         const auto fw = tp_split_weights(full, split_head, index_heads);
         auto part = model::bind_weights(cfg, ckpt);
-        std::vector<std::vector<uint8_t>> storage;
+        HostShards storage;
         std::unordered_map<std::string, int64_t> row0;
-        const size_t n =
+        const ShardResult n =
             shard_model_weights(part, cfg, tp, rank, storage, split_head, &row0, index_heads);
-        EXPECT_GT(n, 0u);
+        EXPECT_GT(n.tensors, 0u);
+        // Column slices are copies, row ranges views: both kinds occur in every plan.
+        EXPECT_EQ(storage.size() > 0, n.copied_bytes > 0);
+        EXPECT_GT(n.copied_bytes, 0u);
+        EXPECT_GT(n.viewed_bytes, 0u);
         const auto pw = tp_split_weights(part, split_head, index_heads);
         ASSERT_EQ(pw.size(), fw.size());
         // A replicated indexer keeps its whole weights (the plan and the model agree).

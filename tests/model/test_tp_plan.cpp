@@ -3,6 +3,7 @@
 // configs that do not divide fail naming what does not divide.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <map>
 #include <string>
@@ -285,6 +286,14 @@ TEST(TpPlan, CopyShardReassemblesTheTensor) {
       const TensorShard& s = find(p, name);
       std::vector<uint8_t> part(s.nbytes);
       uf::model::copy_shard(s, full.data(), part.data());
+      // A row range (or the whole tensor) is a view with the same bytes; a column slice is not.
+      const uint8_t* view = uf::model::shard_view(s, full.data());
+      if (s.mode == ShardMode::kReplicated || s.dim == 0) {
+        ASSERT_NE(view, nullptr);
+        EXPECT_TRUE(std::equal(part.begin(), part.end(), view));
+      } else {
+        EXPECT_EQ(view, nullptr);
+      }
       if (s.mode == ShardMode::kReplicated) {
         ASSERT_EQ(part, full);
         back = part;

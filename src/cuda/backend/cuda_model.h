@@ -65,15 +65,22 @@ model::TpOptions backend_tp_options(bool split_head = false, bool split_index_he
 std::vector<model::Weight*> tp_split_weights(model::ModelWeights& w, bool split_head = false,
                                              bool split_index_heads = true);
 // Replaces the split weights of `w` (bound on the whole checkpoint) by rank's shards of the
-// backend_tp_options() plan: host copies appended to `storage` (they must outlive the views),
-// rows / cols narrowed. Returns the tensors copied (weights and scales); throws when the plan
-// splits a tensor this path does not place. Host only (no GPU needed). row_begin (optional):
-// for every weight split by rows, its first row in the whole tensor (Engram tables split
-// unevenly, so a rank's offset is not rank * rows).
-size_t shard_model_weights(model::ModelWeights& w, const model::ModelConfig& cfg, int tp, int rank,
-                           std::vector<std::vector<uint8_t>>& storage, bool split_head = false,
-                           std::unordered_map<std::string, int64_t>* row_begin = nullptr,
-                           bool split_index_heads = true);
+// backend_tp_options() plan, rows / cols narrowed: a row range as a view into the whole tensor,
+// a column slice as a host copy appended to `storage` (which must outlive the weights; the copies
+// run on up to 16 threads). Returns the tensors placed (weights and scales) and their bytes;
+// throws when the plan splits a tensor this path does not place. Host only (no GPU needed).
+// row_begin (optional): for every weight split by rows, its first row in the whole tensor
+// (Engram tables split unevenly, so a rank's offset is not rank * rows).
+using HostShards = std::vector<std::unique_ptr<uint8_t[]>>;
+struct ShardResult {
+  size_t tensors = 0;         // weights and scales placed
+  uint64_t copied_bytes = 0;  // column slices, copied into `storage`
+  uint64_t viewed_bytes = 0;  // row ranges, read in place
+};
+ShardResult shard_model_weights(model::ModelWeights& w, const model::ModelConfig& cfg, int tp,
+                                int rank, HostShards& storage, bool split_head = false,
+                                std::unordered_map<std::string, int64_t>* row_begin = nullptr,
+                                bool split_index_heads = true);
 
 struct CudaModelOptions;
 // Whether a TP model with these options splits its indexer by index heads (the weights split,
@@ -451,7 +458,7 @@ class CudaModel {
   // Rank-local counts (the whole model's at tp = 1): heads, output groups, index heads, expert
   // intermediate width.
   int H_ = 0, G_ = 0, Hi_ = 0, inter_ = 0;
-  std::vector<std::vector<uint8_t>> shard_bytes_;        // TP: host shards, freed after the upload
+  HostShards shard_bytes_;  // TP: host copies of column slices, freed after the upload
   std::unordered_map<std::string, int64_t> shard_row0_;  // TP: first row of row-split weights
   size_t engram_gather_ = 0;  // the largest Engram gather per row (floats)
   bool ordered_sum_ = false;
