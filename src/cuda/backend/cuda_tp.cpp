@@ -161,8 +161,7 @@ ShardResult shard_model_weights(model::ModelWeights& weights, const model::Model
     }
   };
   for (model::Weight* x : tp_split_weights(weights, split_head, split_index_heads)) shard(*x);
-  // The copies, largest first, over up to 16 threads (each its own page faults: one thread
-  // copied a TP4 rank's 74 GB in 40-83 s on the H200 hosts).
+  // The copies, largest first, over up to 16 threads (each takes its own page faults).
   std::sort(copies.begin(), copies.end(),
             [](const Copy& a, const Copy& b) { return a.s->nbytes > b.s->nbytes; });
   const int threads = int(std::min<size_t>(
@@ -188,7 +187,7 @@ ShardResult shard_model_weights(model::ModelWeights& weights, const model::Model
 void CudaModel::shard_weights() {
   // Row ranges are views; column slices are host copies on up to 16 threads (the released model
   // at TP 8: 50.5 GB of rank 0's split bytes read in place, 12.6 GB copied; session 19). Before,
-  // every split tensor was copied on one thread: 40-83 s a TP 4 rank on the H200 hosts.
+  // every split tensor was copied, one thread a rank: 40-83 s at TP 4 (docs/perf.md, session 12).
   spdlog::info("rank {}: placing its shards of the split tensors (host)", rank_);
   const auto t0 = std::chrono::steady_clock::now();
   const ShardResult r = shard_model_weights(w_, cfg_, tp_, rank_, shard_bytes_, split_head_,
