@@ -64,13 +64,14 @@ int run_tp_plan(const TpPlanArgs& a) {
   for (int r = 0; r < a.tp; ++r) {
     const auto p = uf::model::make_tp_plan(cfg, a.tp, r, o);
     std::map<std::string, uint64_t> by_kind;
-    uint64_t split = 0, repl = 0;
+    uint64_t split = 0, repl = 0, strided = 0;
     size_t n_split = 0;
     for (const auto& s : p.shards) {
       by_kind[uf::model::tensor_kind_name(s.kind)] += s.nbytes;
       if (s.mode == uf::model::ShardMode::kSplit) {
         split += s.nbytes;
         ++n_split;
+        if (!uf::model::shard_contiguous(s)) strided += s.nbytes;
       } else {
         repl += s.nbytes;
       }
@@ -79,6 +80,10 @@ int run_tp_plan(const TpPlanArgs& a) {
     out << fmt::format("rank {}: {} ({} bytes) = split {} ({} tensors) + replicated {} ({})\n", r,
                        gib(p.total_bytes()), p.total_bytes(), gib(split), n_split, gib(repl),
                        p.shards.size() - n_split);
+    // How a rank places them at load (the CUDA backend's shard_model_weights): row ranges are
+    // read in place from the checkpoint, column slices copied on the host first.
+    out << fmt::format("  split: {} row ranges (read in place), {} column slices (host copies)\n",
+                       gib(split - strided), gib(strided));
     for (const auto& [k, b] : by_kind) out << fmt::format("  {:<13} {}\n", k, gib(b));
     if (r == 0 && a.top > 0) {
       std::vector<const uf::model::TensorShard*> order;

@@ -275,14 +275,21 @@ void copy_shard(const TensorShard& s, const void* full, void* dst) {
     std::memcpy(out + o * part, src + o * full_span + uint64_t(s.begin) * inner, part);
 }
 
+bool shard_contiguous(const TensorShard& s) {
+  if (s.mode == ShardMode::kReplicated) return true;
+  uint64_t outer = 1;
+  for (size_t d = 0; d < size_t(s.dim); ++d) outer *= uint64_t(s.full_shape[d]);
+  return outer == 1;
+}
+
 const uint8_t* shard_view(const TensorShard& s, const void* full) {
   const auto* src = static_cast<const uint8_t*>(full);
+  if (!shard_contiguous(s)) return nullptr;
   if (s.mode == ShardMode::kReplicated) return src;
-  uint64_t inner = core::dtype_size(s.dtype), outer = 1;
+  uint64_t inner = core::dtype_size(s.dtype);
   for (size_t d = size_t(s.dim) + 1; d < s.full_shape.size(); ++d)
     inner *= uint64_t(s.full_shape[d]);
-  for (size_t d = 0; d < size_t(s.dim); ++d) outer *= uint64_t(s.full_shape[d]);
-  return outer == 1 ? src + uint64_t(s.begin) * inner : nullptr;
+  return src + uint64_t(s.begin) * inner;
 }
 
 PositionRange rank_position_range(int64_t positions, int n_ranks, int rank, int64_t align) {

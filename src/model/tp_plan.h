@@ -117,8 +117,10 @@ TpPlan make_tp_plan(const ModelConfig& c, int tp, int rank, const TpOptions& o =
 // full_shape of dtype, as the safetensors bytes) into `dst` (s.nbytes, row-major s.shape).
 // Rows: one contiguous block; cols: a strided copy per row; replicated: the whole tensor.
 void copy_shard(const TensorShard& s, const void* full, void* dst);
-// The shard as a view into the whole tensor where its s.nbytes bytes are contiguous there
-// (replicated, or split along the outermost dimension: a row range), else nullptr (a column
+// Whether the shard's s.nbytes bytes are contiguous in the whole tensor: replicated, or split
+// along the outermost dimension (a row range); a column split is strided.
+bool shard_contiguous(const TensorShard& s);
+// The shard as a view into the whole tensor where it is contiguous there, else nullptr (a column
 // split: copy_shard). The bytes are those copy_shard writes.
 const uint8_t* shard_view(const TensorShard& s, const void* full);
 

@@ -288,6 +288,7 @@ TEST(TpPlan, CopyShardReassemblesTheTensor) {
       uf::model::copy_shard(s, full.data(), part.data());
       // A row range (or the whole tensor) is a view with the same bytes; a column slice is not.
       const uint8_t* view = uf::model::shard_view(s, full.data());
+      EXPECT_EQ(uf::model::shard_contiguous(s), view != nullptr);
       if (s.mode == ShardMode::kReplicated || s.dim == 0) {
         ASSERT_NE(view, nullptr);
         EXPECT_TRUE(std::equal(part.begin(), part.end(), view));
