@@ -544,6 +544,23 @@ __device__ __forceinline__ float* w2_out(const W2Params& p, const SlotPlan& r, i
   return p.y + tok * p.y_row_stride + size_t(k) * p.dim + row0;
 }
 
+// A 16-row w2 tile's fragment (lane (g, t): rows g, g + 8 of columns 2t, 2t + 1) into y at rows
+// row0.., the first `count` columns of slot r only (bf16-rounded when p.round): every w2 kernel's
+// store.
+__device__ __forceinline__ void w2_store(const W2Params& p, const SlotPlan& r, int count, int row0,
+                                         int g, int t, const float (&acc)[4]) {
+  if (2 * t < count) {
+    float* y = w2_out(p, r, 2 * t, row0);
+    y[g] = p.round ? round_bf16(acc[0]) : acc[0];
+    y[g + 8] = p.round ? round_bf16(acc[2]) : acc[2];
+  }
+  if (2 * t + 1 < count) {
+    float* y = w2_out(p, r, 2 * t + 1, row0);
+    y[g] = p.round ? round_bf16(acc[1]) : acc[1];
+    y[g + 8] = p.round ? round_bf16(acc[3]) : acc[3];
+  }
+}
+
 // kPreB (with kF16; where shared memory allows, MoeFp4::launch_experts): h held as the f16 B
 // operands, converted once per CTA in the prologue.
 template <bool kF16, bool kPreB>
@@ -627,8 +644,6 @@ __global__ void __maxnreg__(64) moe_w2_kernel(const W2Params p) {
                            t * (kPreB ? 16 : 8);
     const float* as0 = hs + r.pair[min(2 * t, r.count - 1)] * nkb;
     const float* as1 = hs + r.pair[min(2 * t + 1, r.count - 1)] * nkb;
-    const int pair0 = 2 * t < r.count ? r.pair[2 * t] : -1;
-    const int pair1 = 2 * t + 1 < r.count ? r.pair[2 * t + 1] : -1;
     issue();
     cp_async_wait<kW2Stages - 1>();
     __syncwarp();
@@ -644,16 +659,7 @@ __global__ void __maxnreg__(64) moe_w2_kernel(const W2Params p) {
       tile = 0;
       ++u;
     }
-    if (pair0 >= 0) {
-      float* y = w2_out(p, r, 2 * t, row0);
-      y[g] = p.round ? round_bf16(acc[0]) : acc[0];
-      y[g + 8] = p.round ? round_bf16(acc[2]) : acc[2];
-    }
-    if (pair1 >= 0) {
-      float* y = w2_out(p, r, 2 * t + 1, row0);
-      y[g] = p.round ? round_bf16(acc[1]) : acc[1];
-      y[g + 8] = p.round ? round_bf16(acc[3]) : acc[3];
-    }
+    w2_store(p, r, r.count, row0, g, t, acc);
   }
   cp_async_wait<0>();
 }
@@ -724,16 +730,7 @@ __global__ void __launch_bounds__(kW2Warps * 32) moe_w2_tile_kernel(const W2Para
     __syncwarp();
   }
   cp_async_wait<0>();
-  if (2 * t < r.count) {
-    float* y = w2_out(p, r, 2 * t, tile * 16);
-    y[g] = p.round ? round_bf16(acc[0]) : acc[0];
-    y[g + 8] = p.round ? round_bf16(acc[2]) : acc[2];
-  }
-  if (2 * t + 1 < r.count) {
-    float* y = w2_out(p, r, 2 * t + 1, tile * 16);
-    y[g] = p.round ? round_bf16(acc[1]) : acc[1];
-    y[g + 8] = p.round ? round_bf16(acc[3]) : acc[3];
-  }
+  w2_store(p, r, r.count, tile * 16, g, t, acc);
 }
 
 // ---- Unit kernels (the default): one work unit per CTA, all of its bytes in flight at once ----
@@ -990,16 +987,7 @@ __global__ void __launch_bounds__(kW2UnitWarps * 32, 4)
   const float* as1 = hs + min(2 * t + 1, count - 1) * nkb;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   w2_tile_k_loop<kF16, kF16>(wsm + t * 4, L.rs, swf, L.sws, act_g, as0, as1, nkb, acc);
-  if (2 * t < count) {
-    float* y = w2_out(p, r, 2 * t, row_out);
-    y[g] = p.round ? round_bf16(acc[0]) : acc[0];
-    y[g + 8] = p.round ? round_bf16(acc[2]) : acc[2];
-  }
-  if (2 * t + 1 < count) {
-    float* y = w2_out(p, r, 2 * t + 1, row_out);
-    y[g] = p.round ? round_bf16(acc[1]) : acc[1];
-    y[g + 8] = p.round ? round_bf16(acc[3]) : acc[3];
-  }
+  w2_store(p, r, count, row_out, g, t, acc);
 }
 
 // out[t][n] = sum over t's valid experts in ascending id of y[pair][n]. grid (dim/256, m).
