@@ -577,6 +577,10 @@ __global__ void __launch_bounds__(kMergeWarps * 32)
   // rcs[w] (one call a thread: no value lives across the double sincos's slow-path call), read by
   // warp 0 after the barrier before the final sum. ld.global.cg: no line an earlier grid left in
   // L1 is read.
+  // The next kernel may launch now (session 20: wo_a's 4 MB of weights then land while this
+  // runs, not after: 7-row step -75 us, 1 row -60, 4 rows +40): whatever follows reads before its
+  // wait only weights (wo_a, DenseMma), or nothing (the next row chunk's scores kernel).
+  detail::pdl_trigger();
   const float sink_h = __ldcg(sink + h);
   const int r0 = hd - rope.rope_dim;
   const bool rot = rope.freqs && col && 4 * f >= r0;  // this column holds rotated channels
@@ -590,7 +594,6 @@ __global__ void __launch_bounds__(kMergeWarps * 32)
 
   detail::pdl_wait();
   UF_PROBE_MARK(probe, 1);
-  detail::pdl_trigger();
   const int c0 = warp * nc / kMergeWarps, c1 = (warp + 1) * nc / kMergeWarps;
   // The (M_b, psum) pairs of chunks lane and lane + 32 load first (the max waits on them), then the
   // chunk records (64-bit loads: the pair is 8-byte aligned); longer lists load the rest in the
