@@ -41,7 +41,9 @@
 //     chunk order, the quarters added in order: M = max M_b (= the CPU's final max),
 //     w_c = exp(M_b - M), den = butterfly sum of w_c * psum_c + exp(sink - M),
 //     out = bf16(sum_c w_c acc_c / den), then the inverse rope with (cos, sin) computed before
-//     the PDL wait.
+//     the PDL wait. It triggers its dependents at its start, so wo_a's weight copies (before its
+//     own wait) run under it; kernels 1 and 2 trigger after their waits (kernel 2 reads slot
+//     pointers and KV rows before its wait; an early P.V trigger measured slower: docs/perf.md).
 //  Every p_j and bf16(p_j) equals the CPU's (up to the glibc expf vs correctly rounded exp
 //  difference of the reference path); only the fp32 sums are re-associated (chunk weights
 //  instead of the CPU's running products exp(m - m_new), FMA P.V), which flips a bf16 output
