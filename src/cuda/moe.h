@@ -66,10 +66,11 @@ class MoeFp4 {
                    const float* topk_w, float swiglu_limit, float* out, cudaStream_t stream) const;
   // No combine: each (row t, k) pair's unrounded fp32 w2 accumulator goes to
   // out[t * row_stride + k * dim + n] (row_stride >= topk * dim floats), k in topk_idx order.
-  // Pairs whose expert id is invalid (< 0 or >= num_experts) are not written.
+  // Pairs whose expert id is invalid (< 0 or >= num_experts) are not written. after_w13: as
+  // run_add's.
   void run_experts(const Fp4ExpertsView& w, const QuantActView& x, const int* topk_idx,
                    const float* topk_w, float swiglu_limit, float* out, int64_t row_stride,
-                   cudaStream_t stream) const;
+                   cudaStream_t stream, const std::function<void()>& after_w13 = {}) const;
 
   // run / run_partial with an epilogue folded into the combine: out[t] = r(routed[t] + add[t])
   // where routed[t] is run()'s (partial = false) or run_partial()'s (partial = true) fp32 sum and
@@ -78,10 +79,13 @@ class MoeFp4 {
   // called once the expert kernels are enqueued, right before the combine: the caller makes
   // `add` ready there on `stream` (enqueues its producer, or waits on its event). DeviceMoe
   // enqueues the shared expert there, so its weights stream in behind the routed experts' (PDL).
+  // after_w13 (may be empty) is called once the w13 kernel is enqueued, before w2: DeviceMoe
+  // enqueues its forked shared expert there for the unit kernels (uses_unit_kernels), so that a
+  // captured graph places w13's CTAs before the shared GEMVs' (ops/moe_ops.cu says why).
   void run_add(const Fp4ExpertsView& w, const QuantActView& x, const int* topk_idx,
                const float* topk_w, float swiglu_limit, bool partial, const float* add,
                bool round_out, const std::function<void()>& before_combine, float* out,
-               cudaStream_t stream) const;
+               cudaStream_t stream, const std::function<void()>& after_w13 = {}) const;
 
   // K splits of the w13 products (ceil(dim / 32 / 16)): a function of dim only.
   int w13_splits() const { return splits_; }
@@ -103,17 +107,21 @@ class MoeFp4 {
   // The unit kernels run for calls of up to this many rows (default 2, where they are faster),
   // the persistent ones above; bitwise the same outputs. Tests set 8 to cover both at every M.
   void set_unit_max_rows(int rows) { unit_max_rows_ = rows; }
+  // Whether an m-row call runs the unit kernels (else the persistent ones).
+  bool uses_unit_kernels(int m) const { return !legacy_ && m <= unit_max_rows_; }
 
  private:
   // w13 + w2 (kernels 1, 2): w2 outputs of pair (t, k) to y[t * y_row_stride + k * dim],
   // bf16-rounded when round_w2.
   void run_experts_impl(const Fp4ExpertsView& w, const QuantActView& x, const int* topk_idx,
                         const float* topk_w, float swiglu_limit, bool round_w2, float* y,
-                        int64_t y_row_stride, cudaStream_t stream) const;
+                        int64_t y_row_stride, cudaStream_t stream,
+                        const std::function<void()>* after_w13 = nullptr) const;
   template <bool kF16>
   void launch_experts(const Fp4ExpertsView& w, const QuantActView& x, const int* topk_idx,
                       const float* topk_w, float swiglu_limit, bool round_w2, float* y,
-                      int64_t y_row_stride, cudaStream_t stream) const;
+                      int64_t y_row_stride, cudaStream_t stream,
+                      const std::function<void()>* after_w13) const;
   void combine(const float* y, const int* topk_idx, int m, int num_experts, const float* add,
                bool round_out, float* out, cudaStream_t stream) const;
   int dim_, inter_, topk_, splits_, kb_per_split_;

@@ -1232,7 +1232,8 @@ MoeFp4::~MoeFp4() {
 
 void MoeFp4::run_experts_impl(const Fp4ExpertsView& w, const QuantActView& x, const int* topk_idx,
                               const float* topk_w, float swiglu_limit, bool round_w2, float* y,
-                              int64_t y_row_stride, cudaStream_t stream) const {
+                              int64_t y_row_stride, cudaStream_t stream,
+                              const std::function<void()>* after_w13) const {
   require(w.dim == dim_ && w.inter == inter_ && x.k == dim_ && x.m >= 1 && x.m <= kMaxDecodeRows,
           "MoeFp4::run: experts [dim %d, inter %d] / input [%d, %d] do not match the plan "
           "[dim %d, inter %d]",
@@ -1253,18 +1254,24 @@ void MoeFp4::run_experts_impl(const Fp4ExpertsView& w, const QuantActView& x, co
   // The unit kernels up to unit_max_rows_ (kUnitMaxRowsFaster says why), the persistent ones
   // above. Bitwise the same outputs either way.
   if (f16_)
-    launch_experts<true>(w, x, topk_idx, topk_w, swiglu_limit, round_w2, y, y_row_stride, stream);
+    launch_experts<true>(w, x, topk_idx, topk_w, swiglu_limit, round_w2, y, y_row_stride, stream,
+                         after_w13);
   else
-    launch_experts<false>(w, x, topk_idx, topk_w, swiglu_limit, round_w2, y, y_row_stride, stream);
+    launch_experts<false>(w, x, topk_idx, topk_w, swiglu_limit, round_w2, y, y_row_stride, stream,
+                          after_w13);
 }
 
 template <bool kF16>
 void MoeFp4::launch_experts(const Fp4ExpertsView& w, const QuantActView& x, const int* topk_idx,
                             const float* topk_w, float swiglu_limit, bool round_w2, float* y,
-                            int64_t y_row_stride, cudaStream_t stream) const {
+                            int64_t y_row_stride, cudaStream_t stream,
+                            const std::function<void()>* after_w13) const {
   const int P = x.m * topk_;
+  const auto w13_enqueued = [&] {
+    if (after_w13 && *after_w13) (*after_w13)();
+  };
   const int groups = inter_ / 32;
-  if (!legacy_ && x.m <= unit_max_rows_) {
+  if (uses_unit_kernels(x.m)) {
     W13Params a{w.w1,          w.w1_scale,   w.w3,     w.w3_scale, w.num_experts, dim_,
                 inter_,        x.codes,      x.scales, topk_idx,   topk_w,        P,
                 topk_,         swiglu_limit, nullptr,  nullptr,    nullptr,       nullptr,
@@ -1272,6 +1279,7 @@ void MoeFp4::launch_experts(const Fp4ExpertsView& w, const QuantActView& x, cons
     launch_pdl(moe_w13_unit_kernel<kF16>, dim3(P * (inter_ / 8)),
                dim3(w13_unit_warps(splits_) * 32),
                size_t(w13_unit_layout(dim_, x.m, splits_).total), stream, a, x.m);
+    w13_enqueued();
     W2Params b{w.w2,  w.w2_scale, w.num_experts, dim_, inter_,       topk_idx, topk_w, P,
                topk_, nullptr,    nullptr,       y,    y_row_stride, round_w2, h_vals_};
     launch_pdl(moe_w2_unit_kernel<kF16>, dim3(P * (dim_ / kW2UnitRows)), dim3(kW2UnitWarps * 32),
@@ -1287,6 +1295,7 @@ void MoeFp4::launch_experts(const Fp4ExpertsView& w, const QuantActView& x, cons
               kb_per_split_, splits_,      nullptr};
   launch_pdl(moe_w13_kernel<kF16>, dim3(w13_grid), dim3(kW13Warps * 32),
              size_t(w13_smem(x.m, dim_)), stream, a);
+  w13_enqueued();
   W2Params b{w.w2,  w.w2_scale, w.num_experts, dim_, inter_,       topk_idx, topk_w, P,
              topk_, h_codes_,   h_scales_,     y,    y_row_stride, round_w2, nullptr};
   if (!w2_streamed_) {
@@ -1316,10 +1325,10 @@ void MoeFp4::run(const Fp4ExpertsView& w, const QuantActView& x, const int* topk
 void MoeFp4::run_add(const Fp4ExpertsView& w, const QuantActView& x, const int* topk_idx,
                      const float* topk_w, float swiglu_limit, bool partial, const float* add,
                      bool round_out, const std::function<void()>& before_combine, float* out,
-                     cudaStream_t stream) const {
+                     cudaStream_t stream, const std::function<void()>& after_w13) const {
   require(add != nullptr, "MoeFp4::run_add: no addend");
   run_experts_impl(w, x, topk_idx, topk_w, swiglu_limit, /*round_w2=*/!partial, y_,
-                   int64_t(topk_) * dim_, stream);
+                   int64_t(topk_) * dim_, stream, &after_w13);
   if (before_combine) before_combine();
   combine(y_, topk_idx, x.m, w.num_experts, add, round_out, out, stream);
 }
@@ -1353,9 +1362,9 @@ void MoeFp4::run_partial(const Fp4ExpertsView& w, const QuantActView& x, const i
 
 void MoeFp4::run_experts(const Fp4ExpertsView& w, const QuantActView& x, const int* topk_idx,
                          const float* topk_w, float swiglu_limit, float* out, int64_t row_stride,
-                         cudaStream_t stream) const {
+                         cudaStream_t stream, const std::function<void()>& after_w13) const {
   run_experts_impl(w, x, topk_idx, topk_w, swiglu_limit, /*round_w2=*/false, out, row_stride,
-                   stream);
+                   stream, &after_w13);
 }
 
 void swiglu_quant_fp8(const float* gu, int m, int inter, float swiglu_limit, uint8_t* codes,

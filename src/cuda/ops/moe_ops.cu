@@ -1024,12 +1024,19 @@ void DeviceMoe::run_chunk(const float* x, int t0, int rows, Out mode, float* out
   // the router, which every routed expert waits for); a prefill chunk at the MoE's start.
   const bool fork = !m.legacy && m.fork_shared;
   cudaStream_t ss = fork ? m.side : stream;
-  const bool fork_late = fork && !pf && g_shared_after_router;
+  // With the unit w13 kernel (1-2 rows) the fork still follows the router, but its kernels are
+  // enqueued once w13 is (MoeFp4::run_add's after_w13): the captured graph then places w13's
+  // CTAs, which copy their weights before their PDL wait, ahead of the shared GEMVs' CTAs that
+  // became ready with them (session 20, H200: 1 / 2 rows -105 / -55 us a step). Not for the
+  // persistent w13 (3+ rows): the GEMVs then find no room until w13's CTAs leave and meet its w2
+  // instead (+70 / +260 us at 4 / 7 rows).
+  const bool fork_w13 = fork && !pf && g_shared_after_router && m.moe->uses_unit_kernels(rows);
+  const bool fork_late = fork && !pf && g_shared_after_router && !fork_w13;
   auto fork_here = [&] {
     UF_CUDA_CHECK(cudaEventRecord(m.fork, stream));
     UF_CUDA_CHECK(cudaStreamWaitEvent(ss, m.fork, 0));
   };
-  if (fork && !fork_late) fork_here();
+  if (fork && !fork_late && !fork_w13) fork_here();
   const int64_t slot_row = int64_t(K + 1) * D;  // kPartialSlots: floats per row of `out`
   auto shared_expert = [&] {
     const LinearCall gate_up[] = {{&m.sw1, g}, {&m.sw3, u}};
@@ -1062,7 +1069,7 @@ void DeviceMoe::run_chunk(const float* x, int t0, int rows, Out mode, float* out
     else
       shared_expert();
   };
-  if (fork && !fork_late) shared_expert();
+  if (fork && !fork_late && !fork_w13) shared_expert();
 
   // The routed experts.
   const bool router =
@@ -1073,6 +1080,9 @@ void DeviceMoe::run_chunk(const float* x, int t0, int rows, Out mode, float* out
     fork_here();
     shared_expert();
   }
+  if (fork_w13) fork_here();  // the side stream waits for the router only
+  const std::function<void()> after_w13 =
+      fork_w13 ? std::function<void()>(shared_expert) : std::function<void()>();
   if (router) {
     // gate, routing and act quant: one launch
   } else if (!pf && E <= 32 * kRoutePerLane && D % 32 == 0) {
@@ -1096,19 +1106,18 @@ void DeviceMoe::run_chunk(const float* x, int t0, int rows, Out mode, float* out
                           stream);
     else
       m.moe->run_experts(experts, act, gi, gw, m.s.swiglu_limit, out + t0 * slot_row, slot_row,
-                         stream);
+                         stream, after_w13);
     join();
     return;
   }
   if (combine_adds) {  // the combine adds the shared expert (combine_kernel's operations)
-    auto run_add = [&](const auto& moe) {
-      moe.run_add(experts, act, gi, gw, m.s.swiglu_limit, mode == Out::kPartialSum, shared,
-                  mode == Out::kRounded, join, out + int64_t(t0) * D, stream);
-    };
+    const bool partial = mode == Out::kPartialSum, round_out = mode == Out::kRounded;
     if (pf)
-      run_add(*w->moe);
+      w->moe->run_add(experts, act, gi, gw, m.s.swiglu_limit, partial, shared, round_out, join,
+                      out + int64_t(t0) * D, stream);
     else
-      run_add(*m.moe);
+      m.moe->run_add(experts, act, gi, gw, m.s.swiglu_limit, partial, shared, round_out, join,
+                     out + int64_t(t0) * D, stream, after_w13);
     return;
   }
   if (pf) {
