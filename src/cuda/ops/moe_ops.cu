@@ -17,7 +17,8 @@
 //      (h = bf16(silu(min(g, L)) * clamp(u, -L, L))), DeviceLinear w2 (bf16 output); on the
 //      object's own stream (forked from the caller's by an event, joined back by another before
 //      the combine; CUDA graph capture records the fork and the join): a decode chunk forks it
-//      after the router, so it runs beside steps 2-3, a prefill chunk at the start;
+//      after the router, so it runs beside steps 2-3 (with the unit w13 kernel its launches are
+//      enqueued after w13's: run_chunk says why), a prefill chunk at the start;
 //   5. combine: y = bf16(routed + shared), folded into MoeFp4's combine kernel (MoeFp4::run_add,
 //      and MoeFp4Prefill::run_add for prefill chunks; combine_kernel's operations).
 //      set_legacy(true): the earlier order (4 after 3 on the caller's stream, a separate
