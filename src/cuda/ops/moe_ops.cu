@@ -1028,7 +1028,7 @@ void DeviceMoe::run_chunk(const float* x, int t0, int rows, Out mode, float* out
   // With the unit w13 kernel (1-2 rows) the fork still follows the router, but its kernels are
   // enqueued once w13 is (MoeFp4::run_add's after_w13): the captured graph then places w13's
   // CTAs, which copy their weights before their PDL wait, ahead of the shared GEMVs' CTAs that
-  // became ready with them (session 20, H200: 1 / 2 rows -105 / -55 us a step). Not for the
+  // became ready with them (session 20, H200: 1 / 2 rows -106 / -35 us a step). Not for the
   // persistent w13 (3+ rows): the GEMVs then find no room until w13's CTAs leave and meet its w2
   // instead (+70 / +260 us at 4 / 7 rows).
   const bool fork_w13 = fork && !pf && g_shared_after_router && m.moe->uses_unit_kernels(rows);
