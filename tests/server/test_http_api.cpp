@@ -260,31 +260,33 @@ StubEngineConfig slow_stub(int step_delay_us) {
 TEST(ServerHttp, QueueFullGets429) {
   ServerConfig cfg;
   cfg.max_queue = 1;
-  // ~1.5 s a request (300 tokens x 5 ms): the second request must be seen queued while the first
-  // still runs. At 150 x 2 ms a loaded 2-core CI machine once finished the first before the second
-  // was even accepted (the window was 0.3 s).
+  // The first request runs ~3 s (600 tokens x 5 ms): the second must be seen queued while it still
+  // runs, on a loaded 2-core CI machine too (a 0.3 s window once closed before the second request
+  // was accepted, a 1.5 s one once closed too). The second is sent only once the first has left the
+  // queue for the engine: sent while the first still waited there, it met a full queue itself.
   StubEngineConfig stub = slow_stub(5000);
   auto ts = start_test_server(cfg, &stub);
   ASSERT_TRUE(ts);
-  std::vector<std::thread> bg;
+  auto& m = ts->server->metrics();
   std::atomic<int> ok{0};
-  for (int i = 0; i < 2; ++i) {
-    bg.emplace_back([&] {
-      httplib::Client c("127.0.0.1", ts->port);
-      auto r = post(c, user_chat("long", {{"max_tokens", 300}}));
+  std::vector<std::jthread> bg;  // joined on every exit path, an assertion's included
+  auto send = [&](int max_tokens) {
+    bg.emplace_back([&ok, port = ts->port, max_tokens] {
+      httplib::Client c("127.0.0.1", port);
+      auto r = post(c, user_chat("long", {{"max_tokens", max_tokens}}));
       if (r && r->status == 200) ++ok;
     });
-    // One running, then one queued.
-    ASSERT_TRUE(wait_until([&] {
-      auto& m = ts->server->metrics();
-      return m.running_requests.value() + m.queue_depth.value() >= i + 1;
-    }));
-  }
+  };
+  send(600);
+  ASSERT_TRUE(wait_until(
+      [&] { return m.running_requests.value() == 1.0 && m.queue_depth.value() == 0.0; }));
+  send(20);
+  ASSERT_TRUE(wait_until([&] { return m.queue_depth.value() == 1.0; }));
   httplib::Client c("127.0.0.1", ts->port);
   auto r = post(c, user_chat("one more"));
   expect_error(r, 429, "queue_full");
   EXPECT_EQ(r->get_header_value("Retry-After"), "1");
-  for (auto& t : bg) t.join();
+  bg.clear();  // joins
   EXPECT_EQ(ok.load(), 2);
 }
 
