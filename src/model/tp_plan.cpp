@@ -257,6 +257,21 @@ TpPlan make_tp_plan(const ModelConfig& c, int tp, int rank, const TpOptions& o) 
   return plan;
 }
 
+namespace {
+// A split shard's place in the whole tensor: `inner` bytes per index step along s.dim (the
+// product of the later dims), `outer` repetitions (the product of the earlier ones).
+struct ShardSpan {
+  uint64_t inner, outer;
+};
+ShardSpan shard_span(const TensorShard& s) {
+  ShardSpan r{core::dtype_size(s.dtype), 1};
+  for (size_t d = size_t(s.dim) + 1; d < s.full_shape.size(); ++d)
+    r.inner *= uint64_t(s.full_shape[d]);
+  for (size_t d = 0; d < size_t(s.dim); ++d) r.outer *= uint64_t(s.full_shape[d]);
+  return r;
+}
+}  // namespace
+
 void copy_shard(const TensorShard& s, const void* full, void* dst) {
   const auto* src = static_cast<const uint8_t*>(full);
   auto* out = static_cast<uint8_t*>(dst);
@@ -264,11 +279,7 @@ void copy_shard(const TensorShard& s, const void* full, void* dst) {
     std::memcpy(out, src, s.nbytes);
     return;
   }
-  // Bytes of one index step along `dim` (the product of the later dims) and the outer count.
-  uint64_t inner = core::dtype_size(s.dtype), outer = 1;
-  for (size_t d = size_t(s.dim) + 1; d < s.full_shape.size(); ++d)
-    inner *= uint64_t(s.full_shape[d]);
-  for (size_t d = 0; d < size_t(s.dim); ++d) outer *= uint64_t(s.full_shape[d]);
+  const auto [inner, outer] = shard_span(s);
   const uint64_t full_span = uint64_t(s.full_shape[size_t(s.dim)]) * inner;
   const uint64_t part = uint64_t(s.end - s.begin) * inner;
   for (uint64_t o = 0; o < outer; ++o)
@@ -276,20 +287,14 @@ void copy_shard(const TensorShard& s, const void* full, void* dst) {
 }
 
 bool shard_contiguous(const TensorShard& s) {
-  if (s.mode == ShardMode::kReplicated) return true;
-  uint64_t outer = 1;
-  for (size_t d = 0; d < size_t(s.dim); ++d) outer *= uint64_t(s.full_shape[d]);
-  return outer == 1;
+  return s.mode == ShardMode::kReplicated || shard_span(s).outer == 1;
 }
 
 const uint8_t* shard_view(const TensorShard& s, const void* full) {
   const auto* src = static_cast<const uint8_t*>(full);
-  if (!shard_contiguous(s)) return nullptr;
   if (s.mode == ShardMode::kReplicated) return src;
-  uint64_t inner = core::dtype_size(s.dtype);
-  for (size_t d = size_t(s.dim) + 1; d < s.full_shape.size(); ++d)
-    inner *= uint64_t(s.full_shape[d]);
-  return src + uint64_t(s.begin) * inner;
+  const auto [inner, outer] = shard_span(s);
+  return outer == 1 ? src + uint64_t(s.begin) * inner : nullptr;
 }
 
 PositionRange rank_position_range(int64_t positions, int n_ranks, int rank, int64_t align) {

@@ -108,7 +108,6 @@ ShardResult shard_model_weights(model::ModelWeights& weights, const model::Model
     if (s.mode == model::ShardMode::kSplit) ++n_split;
   }
   ShardResult res;
-  size_t& applied = res.tensors;
   // Column slices are strided in the whole tensor: copied afterwards by several threads.
   struct Copy {
     const model::TensorShard* s;
@@ -125,7 +124,7 @@ ShardResult shard_model_weights(model::ModelWeights& weights, const model::Model
   // A row range is a view into the whole tensor (the checkpoint's mapping, which outlives the
   // upload), so only column slices take host memory and a copy.
   auto place = [&](const model::TensorShard& s, const uint8_t* full) -> const uint8_t* {
-    ++applied;
+    ++res.tensors;
     if (const uint8_t* view = model::shard_view(s, full)) {
       res.viewed_bytes += s.nbytes;
       return view;
@@ -177,10 +176,10 @@ ShardResult shard_model_weights(model::ModelWeights& weights, const model::Model
   for (auto& th : pool) th.join();
   // Every split tensor of the plan (weights and their scales) must have been placed: a tensor the
   // plan splits but the model kept whole would silently compute with the wrong slice count.
-  UF_CHECK(applied == n_split,
+  UF_CHECK(res.tensors == n_split,
            "CUDA TP rank {}: the plan splits {} tensors but the CUDA model sharded {}; a split "
            "tensor (engram.wkv, wq_a?) is not supported by the CUDA TP path yet",
-           rank_, n_split, applied);
+           rank_, n_split, res.tensors);
   return res;
 }
 
