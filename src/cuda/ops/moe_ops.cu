@@ -1031,13 +1031,15 @@ void DeviceMoe::run_chunk(const float* x, int t0, int rows, Out mode, float* out
   // became ready with them (session 20, H200: 1 / 2 rows -106 / -35 us a step). Not for the
   // persistent w13 (3+ rows): the GEMVs then find no room until w13's CTAs leave and meet its w2
   // instead (+70 / +260 us at 4 / 7 rows).
-  const bool fork_w13 = fork && !pf && g_shared_after_router && m.moe->uses_unit_kernels(rows);
-  const bool fork_late = fork && !pf && g_shared_after_router && !fork_w13;
+  enum class SharedAt { kInline, kStart, kAfterRouter, kAfterW13 };
+  const SharedAt at = !fork                            ? SharedAt::kInline
+                      : pf || !g_shared_after_router   ? SharedAt::kStart
+                      : m.moe->uses_unit_kernels(rows) ? SharedAt::kAfterW13
+                                                       : SharedAt::kAfterRouter;
   auto fork_here = [&] {
     UF_CUDA_CHECK(cudaEventRecord(m.fork, stream));
     UF_CUDA_CHECK(cudaStreamWaitEvent(ss, m.fork, 0));
   };
-  if (fork && !fork_late && !fork_w13) fork_here();
   const int64_t slot_row = int64_t(K + 1) * D;  // kPartialSlots: floats per row of `out`
   auto shared_expert = [&] {
     const LinearCall gate_up[] = {{&m.sw1, g}, {&m.sw3, u}};
@@ -1070,20 +1072,21 @@ void DeviceMoe::run_chunk(const float* x, int t0, int rows, Out mode, float* out
     else
       shared_expert();
   };
-  if (fork && !fork_late && !fork_w13) shared_expert();
+  if (at == SharedAt::kStart) {
+    fork_here();
+    shared_expert();
+  }
 
   // The routed experts.
   const bool router =
       !pf && !m.legacy &&
       launch_router(g_router_variant, m.gate.weight(), m.func, m.s, m.bias, xc, rows, scores,
                     m.probs, m.router_counter, gi, gw, xcodes, xscales, stream);
-  if (fork_late) {
-    fork_here();
-    shared_expert();
-  }
-  if (fork_w13) fork_here();  // the side stream waits for the router only
+  // After the router: the side stream waits for it; its launches now, or once w13 is enqueued.
+  if (at == SharedAt::kAfterRouter || at == SharedAt::kAfterW13) fork_here();
+  if (at == SharedAt::kAfterRouter) shared_expert();
   const std::function<void()> after_w13 =
-      fork_w13 ? std::function<void()>(shared_expert) : std::function<void()>();
+      at == SharedAt::kAfterW13 ? std::function<void()>(shared_expert) : std::function<void()>();
   if (router) {
     // gate, routing and act quant: one launch
   } else if (!pf && E <= 32 * kRoutePerLane && D % 32 == 0) {
