@@ -20,14 +20,14 @@
 //
 // Fast (chunked) path (a scratch buffer given; the decode callers): three PDL launches (each
 // starts with griddepcontrol.wait), reproducing the CPU's p values and bf16 roundings exactly.
-//  1. scores: one CTA of 128 threads per (16 slots, row, group of 8 heads; 4 when that grid is
-//     small, same bits) stages the slots' KV rows in shared memory (16-byte cp.async) and writes
-//     s_j = dot8(q_h, k_j) * scale for its heads (-inf for empty slots) to the scratch [T, H,
-//     n_slots]: the CPU's dot8 lanes in the CPU's order with __fmul_rn / __fadd_rn, so every s_j
-//     has the CPU's bits; and the max of the 16 scores per head (so that kernel 2 reads 40 maxes,
-//     not 640 scores, for its base).
-//  2. P.V: one CTA of 256 threads per (chunk of S = 16 slots, row, head group of 8, or of 4 when
-//     twice that grid fits the SMs: same bits; 32 slots is kept for benchmarks,
+//  1. scores: one CTA of 128 threads per (16 slots, row, group of 8 heads; 4 while the 4-head
+//     grid stays within 3 waves of the SMs, same bits) stages the slots' KV rows in shared memory
+//     (16-byte cp.async) and writes s_j = dot8(q_h, k_j) * scale for its heads (-inf for empty
+//     slots) to the scratch [T, H, n_slots]: the CPU's dot8 lanes in the CPU's order with __fmul_rn
+//     / __fadd_rn, so every s_j has the CPU's bits; and the max of the 16 scores per head (so that
+//     kernel 2 reads 40 maxes, not 640 scores, for its base).
+//  2. P.V: one CTA of 256 threads per (chunk of S = 16 slots, row, head group of 8, or of 4 on
+//     the scores' rule: same bits; 32 slots is kept for benchmarks,
 //     sparse_attn_chunk_override). Its slot pointers and KV rows are read BEFORE its PDL wait
 //     (written by kernels that completed before kernel 1's wait returned; see the kernel). A chunk
 //     lies in one 64-slot block b of the CPU loop; warp h takes the CPU's running max after that
@@ -857,9 +857,14 @@ void sparse_attn(const float* q, int T, int H, int hd, const float* const* windo
       fast_chunks(n_slots) <= 2048 && merge_rope) {
     const int nc = fast_chunks(n_slots);
     const unsigned n16 = unsigned((n_slots + kScoreChunk - 1) / kScoreChunk);
-    // CTAs of 4 heads when even twice the 8-head grid fits the SMs at once (1 row of 640
-    // slots): each CTA does half the dot products. Same bits either way.
-    const bool four = int64_t(2) * n16 * T * ((H + 7) / 8) <= sm_count();
+    // CTAs of 4 heads (each half the dot products, more CTAs) while their grid stays within 3
+    // waves of the SMs: 1-4 rows of 640 slots at a TP8 rank's 8 heads (80-320 CTAs on 132 SMs);
+    // from 5 rows the 8-head CTAs, whose staged KV rows serve twice the heads. Same bits either
+    // way. Measured with P.V on the same rule (docs/perf.md, session 21): 2 rows -200 us a step,
+    // 4 rows -40, 7 rows +250 on 4-head CTAs; the old rule (twice the 8-head grid within one
+    // wave) took them at 1 row only.
+    const int64_t four_waves = 3 * int64_t(sm_count()), heads4 = (H + 3) / 4;
+    const bool four = int64_t(n16) * T * heads4 <= four_waves;
     float* scores = split_scratch + scratch_scores(T, H, hd, nc);
     float* cmax = split_scratch + scratch_cmax(T, H, hd, nc, n_slots);
     if (four)
@@ -870,7 +875,7 @@ void sparse_attn(const float* q, int T, int H, int hd, const float* const* windo
                        scores, cmax, stream);
     // P.V CTAs of 4 heads on the same rule (1 row: 80 CTAs, not 40): each thread's P.V sums are
     // half as many, each head's the same bits (its own p, slots and order either way).
-    const bool pv4 = int64_t(2) * nc * T * ((H + 7) / 8) <= sm_count();
+    const bool pv4 = int64_t(nc) * T * heads4 <= four_waves;
     const auto pv = fast_chunk(n_slots) == 16 ? (pv4 ? launch_pv<16, 4> : launch_pv<16, 8>)
                                               : (pv4 ? launch_pv<32, 4> : launch_pv<32, 8>);
     pv(T, H, hd, window, n_window, topk, k, ckv, ckv_ref, split_scratch, stream);
