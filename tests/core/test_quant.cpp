@@ -62,3 +62,31 @@ TEST(Quant, Fp4ScalesAndGrid) {
   EXPECT_EQ(w[0], 12.f);
   EXPECT_EQ(w[1], 4.f);
 }
+
+// The header's promise that every dequantized value is exact in bf16 (e4m3: 4 significant bits
+// times a power of two; E2M1 x e4m3 scale: at most 6; E2M1 x ue8m0: 2), over blocks whose
+// magnitudes span 2^-60 .. 2^60 (the floors and clamps included). A KV store in bf16 rests on it.
+TEST(Quant, DequantizedValuesAreBf16Exact) {
+  std::mt19937 rng(11);
+  std::normal_distribution<float> n(0.f, 1.f);
+  std::uniform_int_distribution<int> ex(-60, 60);
+  const size_t blocks = 4096;
+  std::vector<float> x(blocks * 32);
+  for (size_t b = 0; b < blocks; ++b) {
+    const float s = std::ldexp(1.0f, ex(rng));
+    for (int i = 0; i < 32; ++i) x[b * 32 + i] = (i % 11 == 5) ? 0.f : n(rng) * s;
+  }
+  auto check = [&](const char* what, auto&& quant) {
+    std::vector<float> y = x;
+    quant(y);
+    for (size_t i = 0; i < y.size(); ++i) {
+      ASSERT_TRUE(std::isfinite(y[i])) << what << " value " << i;
+      ASSERT_EQ(round_bf16(y[i]), y[i]) << what << " value " << i << " from " << x[i];
+    }
+  };
+  check("fp8 / 32", [](std::vector<float>& y) { fake_quant_fp8(y.data(), y.size(), 32); });
+  check("fp4 e4m3 / 16",
+        [](std::vector<float>& y) { fake_quant_fp4_e4m3_scale(y.data(), y.size(), 16); });
+  check("fp4 ue8m0 / 32",
+        [](std::vector<float>& y) { fake_quant_fp4_e8m0_scale(y.data(), y.size(), 32); });
+}
