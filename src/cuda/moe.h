@@ -116,12 +116,12 @@ class MoeFp4 {
   void run_experts_impl(const Fp4ExpertsView& w, const QuantActView& x, const int* topk_idx,
                         const float* topk_w, float swiglu_limit, bool round_w2, float* y,
                         int64_t y_row_stride, cudaStream_t stream,
-                        const std::function<void()>* after_w13 = nullptr) const;
+                        const std::function<void()>& after_w13 = {}) const;
   template <bool kF16>
   void launch_experts(const Fp4ExpertsView& w, const QuantActView& x, const int* topk_idx,
                       const float* topk_w, float swiglu_limit, bool round_w2, float* y,
                       int64_t y_row_stride, cudaStream_t stream,
-                      const std::function<void()>* after_w13) const;
+                      const std::function<void()>& after_w13) const;
   void combine(const float* y, const int* topk_idx, int m, int num_experts, const float* add,
                bool round_out, float* out, cudaStream_t stream) const;
   int dim_, inter_, topk_, splits_, kb_per_split_;

@@ -1233,7 +1233,7 @@ MoeFp4::~MoeFp4() {
 void MoeFp4::run_experts_impl(const Fp4ExpertsView& w, const QuantActView& x, const int* topk_idx,
                               const float* topk_w, float swiglu_limit, bool round_w2, float* y,
                               int64_t y_row_stride, cudaStream_t stream,
-                              const std::function<void()>* after_w13) const {
+                              const std::function<void()>& after_w13) const {
   require(w.dim == dim_ && w.inter == inter_ && x.k == dim_ && x.m >= 1 && x.m <= kMaxDecodeRows,
           "MoeFp4::run: experts [dim %d, inter %d] / input [%d, %d] do not match the plan "
           "[dim %d, inter %d]",
@@ -1265,10 +1265,10 @@ template <bool kF16>
 void MoeFp4::launch_experts(const Fp4ExpertsView& w, const QuantActView& x, const int* topk_idx,
                             const float* topk_w, float swiglu_limit, bool round_w2, float* y,
                             int64_t y_row_stride, cudaStream_t stream,
-                            const std::function<void()>* after_w13) const {
+                            const std::function<void()>& after_w13) const {
   const int P = x.m * topk_;
   const auto w13_enqueued = [&] {
-    if (after_w13 && *after_w13) (*after_w13)();
+    if (after_w13) after_w13();
   };
   const int groups = inter_ / 32;
   if (uses_unit_kernels(x.m)) {
@@ -1328,7 +1328,7 @@ void MoeFp4::run_add(const Fp4ExpertsView& w, const QuantActView& x, const int* 
                      cudaStream_t stream, const std::function<void()>& after_w13) const {
   require(add != nullptr, "MoeFp4::run_add: no addend");
   run_experts_impl(w, x, topk_idx, topk_w, swiglu_limit, /*round_w2=*/!partial, y_,
-                   int64_t(topk_) * dim_, stream, &after_w13);
+                   int64_t(topk_) * dim_, stream, after_w13);
   if (before_combine) before_combine();
   combine(y_, topk_idx, x.m, w.num_experts, add, round_out, out, stream);
 }
@@ -1364,7 +1364,7 @@ void MoeFp4::run_experts(const Fp4ExpertsView& w, const QuantActView& x, const i
                          const float* topk_w, float swiglu_limit, float* out, int64_t row_stride,
                          cudaStream_t stream, const std::function<void()>& after_w13) const {
   run_experts_impl(w, x, topk_idx, topk_w, swiglu_limit, /*round_w2=*/false, out, row_stride,
-                   stream, &after_w13);
+                   stream, after_w13);
 }
 
 void swiglu_quant_fp8(const float* gu, int m, int inter, float swiglu_limit, uint8_t* codes,
