@@ -6,7 +6,7 @@
 // the floor at 4.1 TB/s. "no-ws us": the selection called without a workspace (eager): the
 // one-CTA-per-row kernels where rounds would need one (128k, 1M), else the same one-round path.
 //
-// Bytes: index_scores reads the key bank once (width x 128 x 4) and writes T x width scores;
+// Bytes: index_scores reads the bf16 key bank once (width x 128 x 2) and writes T x width scores;
 // topk_select reads T x width scores; candidate_mask reads T x width scores and writes T x width
 // keep bytes. At 8k the whole bank fits in L2, so replays read it from there. index_scores runs
 // on the tensor cores (the default) and on the fp32 kernel (set_index_scores_mma(false)).
@@ -110,13 +110,13 @@ int main() {
   constexpr int kMaxT = 8, kMaxWidth = 262144;
   cudaStream_t s;
   UF_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  float* bank = dev_alloc<float>(size_t(kMaxWidth) * kHd);
+  uint16_t* bank = dev_alloc<uint16_t>(size_t(kMaxWidth) * kHd);  // bf16, as sessions store it
   float* q = dev_alloc<float>(size_t(kMaxT) * kHi * kHd);
   float* w = dev_alloc<float>(size_t(kMaxT) * kHi);
-  fill_random_f32(bank, size_t(kMaxWidth) * kHd, 1, 1.f, s);
+  fill_random_bf16(bank, size_t(kMaxWidth) * kHd, 1, 1.f, s);
   fill_random_f32(q, size_t(kMaxT) * kHi * kHd, 2, 1.f, s);
   fill_random_f32(w, size_t(kMaxT) * kHi, 3, 0.1f, s);
-  const float** keys = dev_alloc<const float*>(kMaxT);
+  const uint16_t** keys = dev_alloc<const uint16_t*>(kMaxT);
   int32_t* vis = dev_alloc<int32_t>(kMaxT);
   int32_t* wid = dev_alloc<int32_t>(kMaxT);
   float* score = dev_alloc<float>(size_t(kMaxT) * kMaxWidth);
@@ -126,8 +126,8 @@ int main() {
       std::max(topk_select_workspace_bytes(kMaxT, kMaxWidth, kTopk),
                candidate_mask_workspace_bytes(kMaxT, kMaxWidth, kCandBlocks, kCandBlock));
   void* ws = dev_alloc<uint8_t>(ws_bytes);
-  const std::vector<const float*> kp(kMaxT, bank);
-  UF_CUDA_CHECK(cudaMemcpy(keys, kp.data(), sizeof(float*) * kMaxT, cudaMemcpyHostToDevice));
+  const std::vector<const uint16_t*> kp(kMaxT, bank);
+  UF_CUDA_CHECK(cudaMemcpy(keys, kp.data(), sizeof(void*) * kMaxT, cudaMemcpyHostToDevice));
 
   for (const int width : {2048, 32768, 262144}) {
     const std::vector<int32_t> v(kMaxT, width);
@@ -152,7 +152,7 @@ int main() {
       const double leg_m = eager_us(s, legacy_calls, [&] {
         candidate_mask(score, T, width, wid, vis, kCandBlocks, kCandBlock, keep, s);
       });
-      const double sc_bytes = double(width) * kHd * 4 + double(T) * width * 4;
+      const double sc_bytes = double(width) * kHd * 2 + double(T) * width * 4;  // bf16 keys
       row("index_scores", width, T, us_s, sc_bytes, 0);
       row("  (fp32 kernel)", width, T, us_f, sc_bytes, 0);
       row("topk_select", width, T, us_t, double(T) * width * 4, leg_t);

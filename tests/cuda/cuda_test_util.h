@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 #include <random>
+#include <stdexcept>
 #include <vector>
 
 #include "core/dtypes.h"
@@ -100,6 +101,25 @@ inline std::vector<float> normal_bf16(size_t n, std::mt19937& rng, float sd) {
 inline std::vector<float> fp4_qdq(std::vector<float> v, size_t offset = 0) {
   core::fake_quant_fp4_e8m0_scale(v.data() + offset, (v.size() - offset) / 32 * 32, 32);
   return v;
+}
+
+// bf16 bits as fp32 values (exact).
+inline std::vector<float> bf16_values(const std::vector<uint16_t>& v) {
+  std::vector<float> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = core::bf16_to_float(v[i]);
+  return out;
+}
+
+// bf16-exact fp32 values as the bf16 bits the session stores index keys in (cuda_session.h);
+// a value bf16 cannot hold is a broken test input.
+inline std::vector<uint16_t> bf16_bits(const std::vector<float>& v) {
+  std::vector<uint16_t> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) {
+    out[i] = core::float_to_bf16(v[i]);
+    if (core::bf16_to_float(out[i]) != v[i])
+      throw std::runtime_error("bf16_bits: test value not exact in bf16");
+  }
+  return out;
 }
 
 }  // namespace uf::cuda::test

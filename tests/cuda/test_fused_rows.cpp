@@ -438,11 +438,13 @@ TEST_P(CudaFusedRows, CompressorEntriesBitwise) {
           // The fused launches (kv_program's).
           DeviceBuffer<float> e2(r == 1 ? wkv_rows : std::vector<float>(size_t(G) * hd));
           if (r > 1) e2.poison();
-          DeviceBuffer<float> k2(keys_in), ckv2(size_t(G) * hd), ik2(size_t(G) * ihd);
+          DeviceBuffer<float> k2(keys_in), ckv2(size_t(G) * hd);
+          DeviceBuffer<uint16_t> ik2(size_t(G) * ihd);
+          ik2.poison();
           DeviceBuffer<float> rk2(rk0), rg2(rg0);
           ckv2.poison();
-          ik2.poison();
-          PtrCell<float*> ckv2c(ckv2.get()), ik2c(ik2.get()), rk2c(rk2.get()), rg2c(rg2.get());
+          PtrCell<float*> ckv2c(ckv2.get()), rk2c(rk2.get()), rg2c(rg2.get());
+          PtrCell<uint16_t*> ik2c(ik2.get());
           RowChain src, lat, put[2], fin[2];
           src.rows = G;
           src.n = hd;
@@ -501,7 +503,7 @@ TEST_P(CudaFusedRows, CompressorEntriesBitwise) {
             fin[0].qdq = QdqKind::kFp4E8m0;
             fin[0].qdq_block = 32;
             fin[0].copy_n = dn.get();
-            fin[0].copy_dst = ik2c.get();
+            fin[0].copy_dst_bf16 = ik2c.get();  // the session's bf16 index keys
             fin[1] = lat;
             row_chains(fin, 2, nullptr, nullptr);
           }
@@ -513,8 +515,17 @@ TEST_P(CudaFusedRows, CompressorEntriesBitwise) {
           EXPECT_TRUE(same_bits(what + " raw gate ring", rg2.download(), rg1.download()));
           if (keys) {
             EXPECT_TRUE(same_bits(what + " keys", k2.download(), k1.download()));
-            EXPECT_TRUE(same_bits(what + " ikeys copy", ik2.download(), ik1.download(),
-                                  size_t(n_emit) * ihd));
+            // The bf16 copy holds the fp32 keys exactly (FP4 QDQ values); rows past n_emit stay.
+            const auto ik = ik2.download();
+            const size_t ne = size_t(n_emit) * ihd;
+            auto want = ik1.download();
+            want.resize(ne);
+            EXPECT_TRUE(same_bits(what + " ikeys copy",
+                                  bf16_values(std::vector<uint16_t>(ik.begin(), ik.begin() + ne)),
+                                  want));
+            EXPECT_TRUE(std::all_of(ik.begin() + int64_t(ne), ik.end(),
+                                    [](uint16_t v) { return v == 0xFFFFu; }))
+                << what << ": ikeys past the emitted rows were written";
           }
         }
 }
@@ -533,6 +544,7 @@ TEST_P(CudaFusedRows, EntriesStrideBitwise) {
       const int64_t p0 = 4 * 77, stride = 4;
       const auto lat = randn(size_t(T) * d.hd, rng), keys = randn(size_t(T) * d.ihd, rng);
       DeviceBuffer<float> l1(lat), k1(keys), l2(lat), k2(keys);
+      DeviceBuffer<uint16_t> kb(size_t(T) * d.ihd);  // finish_entries' bf16 keys
       rms_norm(kn.dw, 1e-6f, k1.get(), T, d.ihd, k1.get(), nullptr);
       rope(freqs.get(), d.rope_dim, k1.get(), T, 1, d.ihd, p0, stride, false, nullptr);
       qdq_fp4_e8m0_scale(k1.get(), T, d.ihd, 32, nullptr);
@@ -545,6 +557,7 @@ TEST_P(CudaFusedRows, EntriesStrideBitwise) {
       c[0].eps = 1e-6f;
       c[0].qdq = QdqKind::kFp4E8m0;
       c[0].qdq_block = 32;
+      c[0].y_bf16 = kb.get();
       c[1].n = d.hd;
       c[1].y = l2.get();
       c[1].qdq = QdqKind::kFp4E4m3;
@@ -559,6 +572,7 @@ TEST_P(CudaFusedRows, EntriesStrideBitwise) {
       row_chains(c, 2, nullptr, nullptr);
       sync_and_check();
       EXPECT_TRUE(same_bits(what + " keys", k2.download(), k1.download()));
+      EXPECT_TRUE(same_bits(what + " bf16 keys", bf16_values(kb.download()), k1.download()));
       EXPECT_TRUE(same_bits(what + " latents", l2.download(), l1.download()));
     }
 }

@@ -492,10 +492,11 @@ void check_index_scores(const IndexCase& c, uint32_t seed) {
   // layers' keys; a prefill chunk's rows read one bank).
   const auto bank0 = operand(normal_bf16(size_t(max_vis) * hd, rng, 1.f));
   const auto bank1 = operand(normal_bf16(size_t(max_vis) * hd, rng, 1.f));
-  DeviceBuffer<float> dq(q), dw(w), db0(bank0), db1(bank1);
-  std::vector<const float*> kp(static_cast<size_t>(T));
+  DeviceBuffer<float> dq(q), dw(w);
+  DeviceBuffer<uint16_t> db0(bf16_bits(bank0)), db1(bf16_bits(bank1));
+  std::vector<const uint16_t*> kp(static_cast<size_t>(T));
   for (int t = 0; t < T; ++t) kp[size_t(t)] = (t / c.bank_run) % 2 ? db1.get() : db0.get();
-  DeviceBuffer<const float*> dkeys(kp);
+  DeviceBuffer<const uint16_t*> dkeys(kp);
   DeviceBuffer<int32_t> dvis(std::vector<int32_t>(c.vis.begin(), c.vis.end()));
   DeviceBuffer<int32_t> dwidth(std::vector<int32_t>(c.width.begin(), c.width.end()));
   DeviceBuffer<float> dscore(size_t(T) * max_width);

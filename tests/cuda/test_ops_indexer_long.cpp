@@ -34,7 +34,7 @@ struct ScoreCase {
   int n_heads;
   std::vector<int> vis, width;
   int banks;        // rows read bank t % banks (1: the decode case, every row one bank)
-  bool misaligned;  // banks start 4 bytes past a 16-byte boundary (scalar key loads)
+  bool misaligned;  // banks start 2 bytes past an 8-byte boundary (2-byte key loads)
   bool spec_plain;  // also check each row alone
 };
 
@@ -82,11 +82,12 @@ void check_scores_with(const ScoreCase& c, uint32_t seed, bool mma, bool qdq) {
   for (int b = 0; b < c.banks; ++b)
     banks.push_back(operand(normal_bf16(size_t(max_vis) * hd + off, rng, 1.f), size_t(off)));
   DeviceBuffer<float> dq(q), dw(w);
-  std::vector<std::unique_ptr<DeviceBuffer<float>>> dbanks;
-  for (const auto& b : banks) dbanks.push_back(std::make_unique<DeviceBuffer<float>>(b));
-  std::vector<const float*> kp(static_cast<size_t>(T));
+  std::vector<std::unique_ptr<DeviceBuffer<uint16_t>>> dbanks;
+  for (const auto& b : banks)
+    dbanks.push_back(std::make_unique<DeviceBuffer<uint16_t>>(bf16_bits(b)));
+  std::vector<const uint16_t*> kp(static_cast<size_t>(T));
   for (int t = 0; t < T; ++t) kp[size_t(t)] = dbanks[size_t(t % c.banks)]->get() + off;
-  DeviceBuffer<const float*> dkeys(kp);
+  DeviceBuffer<const uint16_t*> dkeys(kp);
   DeviceBuffer<int32_t> dvis(std::vector<int32_t>(c.vis.begin(), c.vis.end()));
   DeviceBuffer<int32_t> dwidth(std::vector<int32_t>(c.width.begin(), c.width.end()));
   DeviceBuffer<float> dscore(size_t(T) * max_width);
@@ -496,8 +497,9 @@ void check_candidate_list(const ListCase& c, uint32_t seed) {
     for (int i = c.distinct; i < max_vis; ++i)
       std::copy_n(bank.begin() + int64_t(pick(rng)) * hd, hd, bank.begin() + int64_t(i) * hd);
   }
-  DeviceBuffer<float> dq1(q1), dq2(q2), dw1(w1), dw2(w2), dbank(bank);
-  DeviceBuffer<const float*> dkeys(std::vector<const float*>(size_t(T), dbank.get()));
+  DeviceBuffer<float> dq1(q1), dq2(q2), dw1(w1), dw2(w2);
+  DeviceBuffer<uint16_t> dbank(bf16_bits(bank));
+  DeviceBuffer<const uint16_t*> dkeys(std::vector<const uint16_t*>(size_t(T), dbank.get()));
   DeviceBuffer<int32_t> dvis(std::vector<int32_t>(c.vis.begin(), c.vis.end()));
   DeviceBuffer<int32_t> dwidth(std::vector<int32_t>(c.width.begin(), c.width.end()));
   const int64_t cap = int64_t(c.topk_blocks) * c.block_size;
@@ -629,8 +631,9 @@ TEST(CudaIndexerLong, GraphCapture) {
   const auto q = fp4_qdq(normal_bf16(size_t(T) * Hi * hd, rng, 1.f));
   const auto w = normal_bf16(size_t(T) * Hi, rng, 0.1f);
   const auto bank = fp4_qdq(normal_bf16(size_t(width) * hd, rng, 1.f));
-  DeviceBuffer<float> dq(q), dw(w), dbank(bank);
-  DeviceBuffer<const float*> dkeys(std::vector<const float*>(T, dbank.get()));
+  DeviceBuffer<float> dq(q), dw(w);
+  DeviceBuffer<uint16_t> dbank(bf16_bits(bank));
+  DeviceBuffer<const uint16_t*> dkeys(std::vector<const uint16_t*>(T, dbank.get()));
   std::vector<int32_t> vis(T), wid(T, width);
   for (int t = 0; t < T; ++t) vis[size_t(t)] = width - 13 * t;
   DeviceBuffer<int32_t> dvis(vis), dwidth(wid);

@@ -142,7 +142,7 @@ void sum_ranks_round_bf16(const float* gathered, int n_ranks, int64_t n, float* 
 }
 
 void index_scores_partial(const float* q, const float* w, int T, int n_heads, int head_dim,
-                          const float* const* keys, const int32_t* vis, const int32_t* width,
+                          const uint16_t* const* keys, const int32_t* vis, const int32_t* width,
                           int max_width, float* score, cudaStream_t stream) {
   // The op's kernels (ops/indexer.cu) without the final rounding of the head sum.
   index_scores(q, w, T, n_heads, head_dim, keys, vis, width, max_width, score, stream,

@@ -48,7 +48,7 @@ void copy_rows_to(const float* src, int max_rows, int width, const int32_t* n, f
                   cudaStream_t stream);
 
 void index_scores_partial(const float* q, const float* w, int T, int n_heads, int head_dim,
-                          const float* const* keys, const int32_t* vis, const int32_t* width,
+                          const uint16_t* const* keys, const int32_t* vis, const int32_t* width,
                           int max_width, float* score, cudaStream_t stream);
 
 }  // namespace uf::cuda

@@ -3,9 +3,11 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <exception>
 
+#include "core/dtypes.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "cuda/backend/rank_workers.h"
@@ -19,6 +21,24 @@ namespace uf::cuda {
 namespace {
 // CpuBackend's magic: the byte format is the same.
 constexpr uint32_t kSnapshotMagic = 0x55464331;  // "UFC1"
+
+// The session's bf16 index keys (cuda_session.h) in the snapshot's fp32 format and back. A value
+// that bf16 cannot hold exactly is refused: the CPU backend's keys are FP4 QDQ values, so such a
+// snapshot was not made by this model, and rounding it would change the scores silently.
+std::vector<float> bf16_to_f32(const std::vector<uint16_t>& v) {
+  std::vector<float> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = core::bf16_to_float(v[i]);
+  return out;
+}
+std::vector<uint16_t> f32_to_bf16_exact(const std::vector<float>& v, const char* what, size_t l) {
+  std::vector<uint16_t> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) {
+    out[i] = core::float_to_bf16(v[i]);
+    UF_CHECK(core::bf16_to_float(out[i]) == v[i] || std::isnan(v[i]),
+             "restore: layer {} {} value {} (index {}) is not exact in bf16", l, what, v[i], i);
+  }
+  return out;
+}
 }  // namespace
 
 CudaTpSession::~CudaTpSession() {
@@ -118,8 +138,7 @@ std::vector<uint8_t> snapshot_rank(CudaModel& m, const CudaSession& sess) {
     }
     buf = download(L.ckv, size_t(L.ckv_n) * size_t(hd));
     w.put_vec(buf);
-    buf = download(L.ikeys, size_t(L.ikeys_n) * size_t(ihd));
-    w.put_vec(buf);
+    w.put_vec(bf16_to_f32(download(L.ikeys, size_t(L.ikeys_n) * size_t(ihd))));
   }
   UF_CUDA_CHECK(cudaGetLastError());
   return w.take();
@@ -172,9 +191,11 @@ void restore_rank(CudaModel& m, CudaSession& sess, std::span<const uint8_t> byte
                  (buf.empty() || (L.ikeys && int64_t(buf.size() / size_t(ihd)) <= L.ckv_cap)),
              "restore: layer {} index keys of {} values do not fit", l, buf.size());
     L.ikeys_n = int64_t(buf.size() / size_t(ihd));
-    if (!buf.empty())
+    if (!buf.empty()) {
+      const std::vector<uint16_t> keys = f32_to_bf16_exact(buf, "index key", l);
       UF_CUDA_CHECK(
-          cudaMemcpy(L.ikeys, buf.data(), buf.size() * sizeof(float), cudaMemcpyHostToDevice));
+          cudaMemcpy(L.ikeys, keys.data(), keys.size() * sizeof(uint16_t), cudaMemcpyHostToDevice));
+    }
   }
   UF_CHECK(r.done(), "restore: {} trailing bytes after the snapshot", "some");
   s->len = len;

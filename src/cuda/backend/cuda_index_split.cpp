@@ -60,7 +60,7 @@ void CudaModel::alloc_index_split(int64_t width) {
   s.width = device_alloc<int32_t>(T);
   s.vis_blocks = device_alloc<int32_t>(T);
   s.width_blocks = device_alloc<int32_t>(T);
-  s.keys = device_alloc<const float*>(T);
+  s.keys = device_alloc<const uint16_t*>(T);
   s.sel = device_alloc<int32_t>(T * k);
   s.pairs = device_alloc<float>(T * 2 * k);
   s.gathered = device_alloc<float>(T * N * 2 * k);
@@ -96,7 +96,7 @@ bool CudaModel::index_split_pays(int l, int T, int stride) const {
   return int64_t(T) * positions >= opts_.index_split_min_work;
 }
 
-void CudaModel::index_select_split(int l, int T, const float* const* keys, const int32_t* vis,
+void CudaModel::index_select_split(int l, int T, const uint16_t* const* keys, const int32_t* vis,
                                    const int32_t* width, int stride) {
   const auto& role = cfg_.role(l);
   const int ihd = cfg_.index_head_dim, k = cfg_.index_topk, N = split_ranks_;

@@ -259,7 +259,7 @@ CudaModel::CudaModel(model::ModelConfig cfg, const model::Checkpoint& ckpt,
   win_ptrs_ = arena_.alloc<const float*>(T * size_t(cfg_.window_size + std::max(B, 0) + 1));
   pool_kv_ptrs_ = arena_.alloc<const float*>(T * size_t(max_ratio));
   pool_gate_ptrs_ = arena_.alloc<const float*>(T * size_t(max_ratio));
-  key_ptrs_ = arena_.alloc<const float*>(T);
+  key_ptrs_ = arena_.alloc<const uint16_t*>(T);
   mix_scratch_ = arena_.alloc<float>(hc_mixes_scratch_floats(hc_, tmax_));
   // Every span attends in split mode (attend): for steps and draft blocks T * H CTAs alone would
   // leave most SMs idle, and for prefill chunks the split kernels stage each KV row once for 8
@@ -471,7 +471,7 @@ std::unique_ptr<CudaSession> CudaModel::new_session(int64_t max_seq) {
       L.ckv_cap = max_seq / r.compress_ratio + 1;
       L.ckv = s->arena.alloc<float>(size_t(L.ckv_cap) * size_t(cfg_.head_dim));
       if (r.index_source)
-        L.ikeys = s->arena.alloc<float>(size_t(L.ckv_cap) * size_t(cfg_.index_head_dim));
+        L.ikeys = s->arena.alloc<uint16_t>(size_t(L.ckv_cap) * size_t(cfg_.index_head_dim));
     }
   }
   s->pending_main_hidden =
@@ -837,7 +837,7 @@ void CudaModel::kv_path(Span& sp, int l, const float* x) {
                  e0 * r, r, nullptr);
 }
 
-void CudaModel::finish_entries(int l, float* lat, int n, float* keys, int64_t p0, int64_t stride,
+void CudaModel::finish_entries(int l, float* lat, int n, uint16_t* keys, int64_t p0, int64_t stride,
                                const int64_t* pos) {
   const auto& op = *layers_[size_t(l)];
   // The keys' rms_norm + rope + FP4 (UE8M0 scales, blocks of 32) and the latents' rope + FP4 (E4M3
@@ -855,9 +855,12 @@ void CudaModel::finish_entries(int l, float* lat, int n, float* keys, int64_t p0
     e.positions = pos;
   };
   if (cfg_.role(l).index_source) {
-    op.i_wk.apply(lat, n, keys, stream_);
+    // The keys in fp32 scratch (emit_keys_: n <= tmax rows), then as bf16 into the session.
+    UF_CHECK(n <= tmax_, "finish_entries: {} entries exceed the key scratch of {}", n, tmax_);
+    op.i_wk.apply(lat, n, emit_keys_, stream_);
     RowChain& k = c[nc++];
-    entries(k, keys, cfg_.index_head_dim);
+    entries(k, emit_keys_, cfg_.index_head_dim);
+    k.y_bf16 = keys;
     k.norm = op.i_k_norm;
     k.eps = float(cfg_.norm_eps);
     k.qdq = QdqKind::kFp4E8m0;
@@ -912,7 +915,7 @@ int CudaModel::score_stride(int64_t widest) const {
   return int(std::min<int64_t>(index_width_, std::max<int64_t>(4, (widest + 3) / 4 * 4)));
 }
 
-void CudaModel::index_select(int l, int T, const float* const* keys, const int32_t* vis,
+void CudaModel::index_select(int l, int T, const uint16_t* const* keys, const int32_t* vis,
                              const int32_t* width, int stride) {
   const auto& role = cfg_.role(l);
   const int Hi = Hi_, ihd = cfg_.index_head_dim;
@@ -970,7 +973,7 @@ void CudaModel::indexer(Span& sp, int l, const float* x, const float* qr) {
   const int src = role.index_keys_from;
   const auto& owner = sp.s->layers[size_t(src)];
   std::vector<int32_t> vis(static_cast<size_t>(T)), width(static_cast<size_t>(T));
-  std::vector<const float*> keys(static_cast<size_t>(T), owner.ikeys);
+  std::vector<const uint16_t*> keys(static_cast<size_t>(T), owner.ikeys);
   for (int t = 0; t < T; ++t) {
     const int64_t p = sp.pos[size_t(t)];
     const int v = int(visible(p, r));

@@ -398,15 +398,15 @@ class CudaModel {
   //     Graph-captured steps use index_width_ (fixed per graph); eager spans (prefill chunks) the
   //     span's widest row (score_stride), so that a TP rank's all-reduce of the scores moves the
   //     live columns, not the session's capacity (512 rows x 250k columns at a 1M capacity).
-  void finish_entries(int l, float* lat, int n, float* keys, int64_t p0, int64_t stride,
+  void finish_entries(int l, float* lat, int n, uint16_t* keys, int64_t p0, int64_t stride,
                       const int64_t* pos);
   void index_queries(int l, const float* x, const float* qr, int T, int64_t p0, const int64_t* pos);
-  void index_select(int l, int T, const float* const* keys, const int32_t* vis,
+  void index_select(int l, int T, const uint16_t* const* keys, const int32_t* vis,
                     const int32_t* width, int stride);
   // index_select under TP with the indexer split by entries (cuda_index_split.cpp), and whether
   // layer l's call of T rows at this score stride takes it (index_split_min_work).
   bool index_split_pays(int l, int T, int stride) const;
-  void index_select_split(int l, int T, const float* const* keys, const int32_t* vis,
+  void index_select_split(int l, int T, const uint16_t* const* keys, const int32_t* vis,
                           const int32_t* width, int stride);
   // (Re)allocates isplit_ for the scratch width (ensure_index_width) / frees it.
   void alloc_index_split(int64_t width);
@@ -529,7 +529,7 @@ class CudaModel {
   const float** win_ptrs_ = nullptr;        // [tmax * max(window + block, window)]
   const float** pool_kv_ptrs_ = nullptr;    // [tmax * max ratio]
   const float** pool_gate_ptrs_ = nullptr;  // [tmax * max ratio]
-  const float** key_ptrs_ = nullptr;        // [tmax]
+  const uint16_t** key_ptrs_ = nullptr;     // [tmax]
   std::vector<int32_t*> topk_;              // [layer] [tmax, index_topk] (index sources)
   // Index scores and the candidate pool: [tmax, index_width_] (grown with session capacity).
   int64_t index_width_ = 0;
@@ -553,7 +553,7 @@ class CudaModel {
   int split_ranks_ = 1;  // tp_, or opts_.index_split_simulated_ranks at tp = 1
   struct IndexSplitScratch {
     int32_t *vis = nullptr, *width = nullptr, *vis_blocks = nullptr, *width_blocks = nullptr;
-    const float** keys = nullptr;
+    const uint16_t** keys = nullptr;
     int32_t* sel = nullptr;
     float *pairs = nullptr, *gathered = nullptr, *merge_score = nullptr;
     int32_t *merge_entries = nullptr, *merge_n = nullptr;

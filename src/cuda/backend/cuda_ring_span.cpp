@@ -171,7 +171,7 @@ void CudaModel::plan_ring_span(Span& sp, SpanBlock& b, std::span<const int32_t> 
                  e0 + n - 1);
         *b.at<int32_t>(h, L.n_emit) = n;
         *b.at<float*>(h, L.ckv_dst) = st.ckv + e0 * hd;
-        if (role.index_source) *b.at<float*>(h, L.ikey_dst) = st.ikeys + e0 * ihd;
+        if (role.index_source) *b.at<uint16_t*>(h, L.ikey_dst) = st.ikeys + e0 * ihd;
         if (n > 0) {
           sp.emits_any[size_t(l)] = 1;
           st.ckv_n = std::max(st.ckv_n, e0 + n);
@@ -198,7 +198,7 @@ void CudaModel::plan_ring_span(Span& sp, SpanBlock& b, std::span<const int32_t> 
           b.at<int32_t>(h, L.vis)[t] = v;
           b.at<int32_t>(h, L.width)[t] = v;
           widest = std::max<int64_t>(widest, v);
-          b.at<const float*>(h, L.keys)[t] = owner.ikeys;
+          b.at<const uint16_t*>(h, L.keys)[t] = owner.ikeys;
           if (role.candidate_source) sp.cand_width[size_t(t)] = v;
         }
         sp.topk_valid[size_t(l)] = 1;
@@ -319,7 +319,7 @@ void CudaModel::attention_program(const SpanBlock& b, int l, const float* x, flo
     fork(1);
     index_queries(l, x, qr_, T, 0, pos);
     if (kv_branch) join(0);  // this layer's new index keys
-    index_select(l, T, b.at<const float*>(block_dev_, L.keys), b.at<int32_t>(block_dev_, L.vis),
+    index_select(l, T, b.at<const uint16_t*>(block_dev_, L.keys), b.at<int32_t>(block_dev_, L.vis),
                  b.at<int32_t>(block_dev_, L.width), b.score_stride);
     unfork();
   }
@@ -434,7 +434,7 @@ void CudaModel::kv_program(const SpanBlock& b, int l, const float* x) {
   entries(fin[0]);
   fin[0].qdq = QdqKind::kFp4E8m0;
   fin[0].qdq_block = 32;
-  fin[0].copy_dst = b.at<float*>(block_dev_, L.ikey_dst);
+  fin[0].copy_dst_bf16 = b.at<uint16_t*>(block_dev_, L.ikey_dst);
   fin[1] = lat;
   row_chains(fin, 2, nullptr, stream_);
 }
@@ -604,7 +604,8 @@ void CudaModel::fast_forward(CudaSession& s, int64_t len, uint64_t seed) {
       st.ckv_n = std::min(st.ckv_cap, len / std::max(role.compress_ratio, 1));
     }
     if (st.ikeys) {
-      random(st.ikeys, size_t(st.ckv_cap) * size_t(cfg_.index_head_dim));
+      fill_random_bf16(st.ikeys, size_t(st.ckv_cap) * size_t(cfg_.index_head_dim), ++fill_seed,
+                       1.0f, stream_);
       st.ikeys_n = st.ckv_n;
     }
   }

@@ -77,8 +77,11 @@ struct CudaLayerState {
   DeviceRing window;            // window KV (FP8 QDQ values); DSpark stages: main_kv ring
   DeviceRing raw_kv, raw_gate;  // ratio > 1 KV sources: pre-pool compressor rows (fp32)
   float* ckv = nullptr;         // KV sources: compressed entries [ckv_cap, head_dim] (FP4 QDQ)
-  float* ikeys = nullptr;       // KV sources with an indexer: [ckv_cap, index_head_dim]
-  int64_t ckv_cap = 0;          // entries allocated
+  // KV sources with an indexer: [ckv_cap, index_head_dim] as bf16 bits. The keys are FP4 QDQ
+  // values, exact in bf16 (core/quant.h), so this holds the CPU's fp32 keys at half the bytes
+  // that the indexer streams every step (at 1M tokens: every visible key of 4 layers a step).
+  uint16_t* ikeys = nullptr;
+  int64_t ckv_cap = 0;  // entries allocated
   // Entries ever written (the CPU vectors' sizes: its snapshot writes that many).
   int64_t ckv_n = 0;
   int64_t ikeys_n = 0;

@@ -76,6 +76,15 @@ __device__ __forceinline__ uint32_t bf16x2_bits(__nv_bfloat162 v) {
   return u;
 }
 
+// bf16 storage back to fp32 (a shift; exact): the KV store's index keys (cuda_session.h).
+__device__ __forceinline__ float bf16_bits_to_f32(uint32_t h) { return __uint_as_float(h << 16); }
+__device__ __forceinline__ float bf16_at(const uint16_t* p) { return bf16_bits_to_f32(__ldg(p)); }
+// Four consecutive bf16 (an 8-byte load: .x holds elements 0, 1) as a float4.
+__device__ __forceinline__ float4 bf16x4_to_float4(uint2 v) {
+  return make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u),
+                     __uint_as_float(v.y << 16), __uint_as_float(v.y & 0xffff0000u));
+}
+
 // Streaming weight loads: read once per step, so keep them out of L1.
 __device__ __forceinline__ uint2 ld_stream_u2(const void* p) {
   uint2 v;

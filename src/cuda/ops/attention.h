@@ -73,8 +73,8 @@ void sparse_attn_chunk_override(int slots);
 // head sum is left unrounded. Limits: T <= 65535, head_dim <= 160. head_dim 128: the tensor-core
 // kernel (set_index_scores_mma below) or the fp32 one (keys in registers, shared by up to 8 rows).
 void index_scores(const float* q, const float* w, int T, int n_heads, int head_dim,
-                  const float* const* keys, const int32_t* vis, const int32_t* width, int max_width,
-                  float* score, cudaStream_t stream, bool round_sum = true);
+                  const uint16_t* const* keys, const int32_t* vis, const int32_t* width,
+                  int max_width, float* score, cudaStream_t stream, bool round_sum = true);
 // index_scores' head_dim-128 kernel: true (default) = the tensor cores (bf16 mma.sync; bitwise
 // the CPU when every dot product is exact in fp32, as for the model's FP4 QDQ operands:
 // ops/index_scores_mma.cu), false = the fp32 kernel in the CPU's summation order (bitwise for any
@@ -94,7 +94,7 @@ struct EntryList {
 // same per-entry arithmetic) for j < n[t]; the rest of the row [n[t], cap) is left untouched.
 // score: [T, list.cap]. head_dim 128 only (the model's index head dim).
 void index_scores_list(const float* q, const float* w, int T, int n_heads, int head_dim,
-                       const float* const* keys, const EntryList& list, float* score,
+                       const uint16_t* const* keys, const EntryList& list, float* score,
                        cudaStream_t stream, bool round_sum = true);
 
 // cpu::candidate_mask per row (row t: score[t, 0..width[t]), compress_len = vis[t]) into

@@ -149,8 +149,11 @@ void compress_pool(const float* const* kv, const float* const* gate, int n_group
 //   4. rope (freqs set): rope(freqs, rope_dim, y, rows, count, n / count, p0, stride, inverse,
 //      positions): `count` vectors of n / count channels per row;
 //   5. qdq (not kNone): qdq_fp8 / qdq_fp4_e4m3_scale / qdq_fp4_e8m0_scale(y, rows, n, qdq_block);
-//   6. copy (copy_dst set): copy_rows_to(y, rows, n, copy_n, copy_dst) (backend_kernels.h);
-//   7. ring (ring set): put_ring_rows(y, rows, n, ring_pos, ring, ring_slots).
+//   6. copy (copy_dst set): copy_rows_to(y, rows, n, copy_n, copy_dst) (backend_kernels.h); with
+//      copy_dst_bf16 instead, the same rows as bf16 (round to nearest even: exact for the QDQ
+//      values the session stores this way, cuda_session.h);
+//   7. ring (ring set): put_ring_rows(y, rows, n, ring_pos, ring, ring_slots);
+//   8. y_bf16 (set): every row as bf16 to y_bf16 [rows, n] as well (a plain device pointer).
 // Chains must not overlap one another's rows or destinations, and no chain may read what another
 // writes (the blocks of one launch run in any order); a chain reading ring rows that another
 // chain's ring stage writes needs the caller's argument that the slots differ.
@@ -178,9 +181,11 @@ struct RowChain {
   int qdq_block = 0;
   const int32_t* copy_n = nullptr;
   float* const* copy_dst = nullptr;
+  uint16_t* const* copy_dst_bf16 = nullptr;
   const int64_t* ring_pos = nullptr;
   float* const* ring = nullptr;
   int ring_slots = 0;
+  uint16_t* y_bf16 = nullptr;
 };
 // build_window_slots (backend_kernels.h) as a job of the same launch.
 struct WindowSlotsJob {

@@ -121,6 +121,10 @@ __device__ void qdq_stage(float* y, int n, int block) {
 __device__ void copy_row(float* dst, const float* src, int n) {
   for (int i = threadIdx.x; i < n; i += kThreads) dst[i] = src[i];
 }
+__device__ void copy_row_bf16(uint16_t* dst, const float* src, int n) {
+  for (int i = threadIdx.x; i < n; i += kThreads)
+    dst[i] = __bfloat16_as_ushort(__float2bfloat16_rn(src[i]));
+}
 
 __global__ void __launch_bounds__(kThreads)
     row_chains_kernel(const __grid_constant__ ChainParams p) {
@@ -213,8 +217,10 @@ __global__ void __launch_bounds__(kThreads)
   }
   __syncthreads();
   if (c.copy_dst && row < *c.copy_n) copy_row(*c.copy_dst + int64_t(row) * n, y, n);
+  if (c.copy_dst_bf16 && row < *c.copy_n) copy_row_bf16(*c.copy_dst_bf16 + int64_t(row) * n, y, n);
   if (c.ring && row >= c.rows - c.ring_slots)  // a later row of the chain takes the same slot
     copy_row(*c.ring + (c.ring_pos[row] % c.ring_slots) * n, y, n);
+  if (c.y_bf16) copy_row_bf16(c.y_bf16 + int64_t(row) * n, y, n);
 }
 
 // ---- row_chains_fast_kernel ----
@@ -260,6 +266,8 @@ __device__ void fast_chain(const RowChain& c, int row, float* srow, float* red, 
     ring_dst = *c.ring + (c.ring_pos[row] % c.ring_slots) * n;
   float* copy_dst = nullptr;
   if (c.copy_dst && row < *c.copy_n) copy_dst = *c.copy_dst + int64_t(row) * n;
+  uint16_t* copy_bf16 = c.y_bf16 ? c.y_bf16 + int64_t(row) * n : nullptr;
+  if (c.copy_dst_bf16 && row < *c.copy_n) copy_bf16 = *c.copy_dst_bf16 + int64_t(row) * n;
   const int half = c.rope_dim / 2;
   if (c.freqs) {
     const int64_t pos = c.positions ? c.positions[row] : c.p0 + int64_t(row) * c.stride;
@@ -348,10 +356,11 @@ __device__ void fast_chain(const RowChain& c, int row, float* srow, float* red, 
     }
     __syncthreads();
   }
-  // 6, 7. The row's one write, its copy and its ring slot.
+  // 6, 7, 8. The row's one write, its copy and its ring slot; its bf16 copy.
   row_from_smem(y, srow, n);
   if (copy_dst) row_from_smem(copy_dst, srow, n);
   if (ring_dst) row_from_smem(ring_dst, srow, n);
+  if (copy_bf16) copy_row_bf16(copy_bf16, srow, n);
 }
 
 __global__ void __launch_bounds__(kThreads)
@@ -425,7 +434,10 @@ void row_chains(const RowChain* chains, int n_chains, const WindowSlotsJob* slot
       require(c.qdq_block > 0 && c.n % c.qdq_block == 0 &&
                   ((c.qdq_block < 32 && 32 % c.qdq_block == 0) || c.qdq_block % 32 == 0),
               "row_chains: chain %d quantises blocks of %d in rows of %d", k, c.qdq_block, c.n);
-    if (c.copy_dst) require(c.copy_n, "row_chains: chain %d copies without a row count", k);
+    if (c.copy_dst || c.copy_dst_bf16)
+      require(c.copy_n, "row_chains: chain %d copies without a row count", k);
+    require(!(c.copy_dst_bf16 && c.y_bf16),
+            "row_chains: chain %d has both a bf16 copy and a bf16 row output", k);
     if (c.ring)
       require(c.ring_pos && c.ring_slots > 0, "row_chains: chain %d puts into a ring of %d slots",
               k, c.ring_slots);

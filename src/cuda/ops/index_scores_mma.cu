@@ -18,7 +18,8 @@
 // Tiles: a CTA = 8 warps x 16 key entries (128 entries, kEntries) x the row group's columns
 // (column c = row r * n_heads + head h, up to kMaxCols = 64: rows per CTA = min(8, 64 /
 // n_heads)). A warp's 16 entries x 128 dims are loaded once, first (the kernel's memory traffic:
-// one float4 per entry and k-step a thread, 16 in flight), as the mma A operand (fp32 -> bf16x2);
+// 8 bytes (4 bf16) per entry and k-step a thread, 16 in flight), as the mma A operand directly
+// (the session stores index keys as bf16: cuda_session.h);
 // the K order inside a k-step puts dims 4t..4t+3 at the fragment positions 2t, 2t+1, 2t+8, 2t+9
 // of thread t, and q is staged in that order (bf16 [column][128 + 8]: conflict-free B reads) with
 // w in shared memory while the keys are in flight. Per group of 4 column tiles: 8 k-steps x 4 mma;
@@ -50,9 +51,17 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kEntries = kWarps * 16;
 constexpr int kMaxCols = 64;
 constexpr int kMaxRows = 8;
+#ifndef UF_IDX_MMA_MIN_BLOCKS
+#define UF_IDX_MMA_MIN_BLOCKS 3
+#endif
+// The decode kernel's CTAs an SM. With bf16 keys a thread's 16 key loads hold half the bytes, and
+// the kernel is latency-bound (load, score, store once a CTA): 3 CTAs an SM (80 registers, no
+// spill; 4 would spill) put more loads in flight. The 1M step at 1 / 7 rows: 4429 / 7265 us at 2,
+// 4390 / 7157 at 3 (docs/perf.md, session 22).
+constexpr int kDecodeMinBlocks = UF_IDX_MMA_MIN_BLOCKS;
 constexpr int kQStride = kHd + 8;  // bf16 per q column in shared memory (272 B: 4 mod 32 words)
 
-// Two fp32 values (exact in bf16 for the model's operands) as one bf16x2 operand register.
+// Two fp32 values (q: exact in bf16 for the model's operands) as one bf16x2 operand register.
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   return detail::bf16x2_bits(__floats2bfloat162_rn(lo, hi));
 }
@@ -69,40 +78,36 @@ __host__ __device__ constexpr size_t span_smem_bytes(int cols) {
 }
 
 // The A operand's loads (the kernel's memory traffic): entries ew + g (x[.][0]) and ew + g + 8
-// (x[.][1]) of the bank, zeros at or past nv. K order inside a k-step (A and B alike): fragment
-// positions 2t, 2t + 1, 2t + 8, 2t + 9 hold dims 16 ks + 4t + 0..3, so a thread loads one float4
-// per entry and k-step (the q staging permutes q the same).
-__device__ __forceinline__ void load_keys(float4 (&x)[8][2], const float* bank, int ew, int nv,
+// (x[.][1]) of the bank (bf16, as the session stores index keys), zeros at or past nv. K order
+// inside a k-step (A and B alike): fragment positions 2t, 2t + 1, 2t + 8, 2t + 9 hold dims
+// 16 ks + 4t + 0..3, so a thread loads 8 bytes (4 bf16) per entry and k-step: .x is the bf16x2
+// of positions 2t, 2t + 1, .y that of 2t + 8, 2t + 9 (the q staging permutes q the same).
+__device__ __forceinline__ uint2 load_key4(const uint16_t* k, bool al) {
+  if (al) return __ldg(reinterpret_cast<const uint2*>(k));
+  return make_uint2(uint32_t(__ldg(k)) | uint32_t(__ldg(k + 1)) << 16,
+                    uint32_t(__ldg(k + 2)) | uint32_t(__ldg(k + 3)) << 16);
+}
+__device__ __forceinline__ void load_keys(uint2 (&x)[8][2], const uint16_t* bank, int ew, int nv,
                                           int g, int t) {
   const int ea = ew + g, eb = ew + g + 8;
-  const float* ka = bank + int64_t(ea) * kHd + 4 * t;
-  const float* kb = bank + int64_t(eb) * kHd + 4 * t;
+  const uint16_t* ka = bank + int64_t(ea) * kHd + 4 * t;
+  const uint16_t* kb = bank + int64_t(eb) * kHd + 4 * t;
   const bool va = ea < nv, vb = eb < nv;
-  const bool al = (reinterpret_cast<uintptr_t>(bank) & 15u) == 0;
+  const bool al = (reinterpret_cast<uintptr_t>(bank) & 7u) == 0;  // else: 2-byte loads
 #pragma unroll
   for (int ks = 0; ks < 8; ++ks) {
-    x[ks][0] = x[ks][1] = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (al) {
-      if (va) x[ks][0] = __ldg(reinterpret_cast<const float4*>(ka + 16 * ks));
-      if (vb) x[ks][1] = __ldg(reinterpret_cast<const float4*>(kb + 16 * ks));
-    } else {  // a bank not 16-byte aligned: scalar loads
-      if (va)
-        x[ks][0] = make_float4(__ldg(ka + 16 * ks), __ldg(ka + 16 * ks + 1),
-                               __ldg(ka + 16 * ks + 2), __ldg(ka + 16 * ks + 3));
-      if (vb)
-        x[ks][1] = make_float4(__ldg(kb + 16 * ks), __ldg(kb + 16 * ks + 1),
-                               __ldg(kb + 16 * ks + 2), __ldg(kb + 16 * ks + 3));
-    }
+    x[ks][0] = va ? load_key4(ka + 16 * ks, al) : make_uint2(0u, 0u);
+    x[ks][1] = vb ? load_key4(kb + 16 * ks, al) : make_uint2(0u, 0u);
   }
 }
 
-__device__ __forceinline__ void keys_to_a(uint32_t (&a)[8][4], const float4 (&x)[8][2]) {
+__device__ __forceinline__ void keys_to_a(uint32_t (&a)[8][4], const uint2 (&x)[8][2]) {
 #pragma unroll
   for (int ks = 0; ks < 8; ++ks) {
-    a[ks][0] = pack_bf16x2(x[ks][0].x, x[ks][0].y);
-    a[ks][1] = pack_bf16x2(x[ks][1].x, x[ks][1].y);
-    a[ks][2] = pack_bf16x2(x[ks][0].z, x[ks][0].w);
-    a[ks][3] = pack_bf16x2(x[ks][1].z, x[ks][1].w);
+    a[ks][0] = x[ks][0].x;
+    a[ks][1] = x[ks][1].x;
+    a[ks][2] = x[ks][0].y;
+    a[ks][3] = x[ks][1].y;
   }
 }
 
@@ -169,11 +174,13 @@ __device__ __forceinline__ void score_rows(const uint32_t (&a)[8][4], bool live,
 // Decode (and short calls): a CTA = one group of `rows` rows x 128 entries; runs of rows reading
 // one key bank each load their keys, q staged under the loads. Kept as written before the span
 // kernel (session 10), not on the helpers above: the same code through them measured 40 / 110 us
-// slower in the 1M decode step at 1 / 7 rows (session 13, same-run A/B).
+// slower in the 1M decode step at 1 / 7 rows (session 13, same-run A/B). The same holds for the
+// bf16 loads: with the alignment test inside the loop (load_key4 per load) the 1M step was 185 /
+// 250 us slower than with it outside, as here (session 22).
 template <bool kRound>
-__global__ void __launch_bounds__(kThreads, 2)
+__global__ void __launch_bounds__(kThreads, kDecodeMinBlocks)
     index_scores_mma_kernel(const float* __restrict__ q, const float* __restrict__ w, int T,
-                            int n_heads, int rows, const float* const* keys,
+                            int n_heads, int rows, const uint16_t* const* keys,
                             const int32_t* __restrict__ vis, const int32_t* __restrict__ width,
                             int max_width, float* __restrict__ score) {
   detail::pdl_wait();  // PDL: every input comes from an earlier kernel
@@ -188,36 +195,31 @@ __global__ void __launch_bounds__(kThreads, 2)
 
   for (int r0 = 0; r0 < nr;) {
     // A run: rows [r0, r1) of one key bank.
-    const float* bank = keys[t0 + r0];
+    const uint16_t* bank = keys[t0 + r0];
     int r1 = r0 + 1, nv_max = 0;
     while (r1 < nr && keys[t0 + r1] == bank) ++r1;
     for (int r = r0; r < r1; ++r) nv_max = max(nv_max, min(vis[t0 + r], width[t0 + r]));
     const int cols = (r1 - r0) * n_heads, tiles = (cols + 7) / 8;
     // The A operand first (its loads are the kernel's memory traffic; q is staged under them):
-    // entries ew + g (a[.][0], a[.][2]) and ew + g + 8 (a[.][1], a[.][3]). K order inside a k-step
-    // (A and B alike): fragment positions 2t, 2t + 1, 2t + 8, 2t + 9 hold dims 16 ks + 4t + 0..3,
-    // so a thread loads one float4 per entry and k-step (the staging below permutes q the same).
-    float4 x[8][2];
+    // entries ew + g (a[.][0], a[.][2]) and ew + g + 8 (a[.][1], a[.][3]), load_keys' K order
+    // (the staging below permutes q the same).
+    uint2 x[8][2];
     const bool live = ew < nv_max;  // uniform over the warp
     if (live) {
       const int ea = ew + g, eb = ew + g + 8;
-      const float* ka = bank + int64_t(ea) * kHd + 4 * t;
-      const float* kb = bank + int64_t(eb) * kHd + 4 * t;
+      const uint16_t* ka = bank + int64_t(ea) * kHd + 4 * t;
+      const uint16_t* kb = bank + int64_t(eb) * kHd + 4 * t;
       const bool va = ea < nv_max, vb = eb < nv_max;
-      const bool al = (reinterpret_cast<uintptr_t>(bank) & 15u) == 0;
+      const bool al = (reinterpret_cast<uintptr_t>(bank) & 7u) == 0;
 #pragma unroll
       for (int ks = 0; ks < 8; ++ks) {
-        x[ks][0] = x[ks][1] = make_float4(0.f, 0.f, 0.f, 0.f);
+        x[ks][0] = x[ks][1] = make_uint2(0u, 0u);
         if (al) {
-          if (va) x[ks][0] = __ldg(reinterpret_cast<const float4*>(ka + 16 * ks));
-          if (vb) x[ks][1] = __ldg(reinterpret_cast<const float4*>(kb + 16 * ks));
-        } else {  // a bank not 16-byte aligned: scalar loads
-          if (va)
-            x[ks][0] = make_float4(__ldg(ka + 16 * ks), __ldg(ka + 16 * ks + 1),
-                                   __ldg(ka + 16 * ks + 2), __ldg(ka + 16 * ks + 3));
-          if (vb)
-            x[ks][1] = make_float4(__ldg(kb + 16 * ks), __ldg(kb + 16 * ks + 1),
-                                   __ldg(kb + 16 * ks + 2), __ldg(kb + 16 * ks + 3));
+          if (va) x[ks][0] = __ldg(reinterpret_cast<const uint2*>(ka + 16 * ks));
+          if (vb) x[ks][1] = __ldg(reinterpret_cast<const uint2*>(kb + 16 * ks));
+        } else {  // a bank not 8-byte aligned: 2-byte loads
+          if (va) x[ks][0] = load_key4(ka + 16 * ks, false);
+          if (vb) x[ks][1] = load_key4(kb + 16 * ks, false);
         }
       }
     }
@@ -248,10 +250,10 @@ __global__ void __launch_bounds__(kThreads, 2)
     uint32_t a[8][4];
 #pragma unroll
     for (int ks = 0; ks < 8; ++ks) {
-      a[ks][0] = pack_bf16x2(x[ks][0].x, x[ks][0].y);
-      a[ks][1] = pack_bf16x2(x[ks][1].x, x[ks][1].y);
-      a[ks][2] = pack_bf16x2(x[ks][0].z, x[ks][0].w);
-      a[ks][3] = pack_bf16x2(x[ks][1].z, x[ks][1].w);
+      a[ks][0] = x[ks][0].x;
+      a[ks][1] = x[ks][1].x;
+      a[ks][2] = x[ks][0].y;
+      a[ks][3] = x[ks][1].y;
     }
     const int ts = cols + 1;  // term row stride
     for (int n0 = 0; n0 < tiles; n0 += 4) {
@@ -304,7 +306,7 @@ __global__ void __launch_bounds__(kThreads, 2)
 template <bool kRound>
 __global__ void __launch_bounds__(kThreads, 2)
     index_scores_mma_span_kernel(const float* __restrict__ q, const float* __restrict__ w, int T,
-                                 int n_heads, int rows, int span, const float* const* keys,
+                                 int n_heads, int rows, int span, const uint16_t* const* keys,
                                  const int32_t* __restrict__ vis, const int32_t* __restrict__ width,
                                  int max_width, float* __restrict__ score) {
   detail::pdl_wait();  // PDL: every input comes from an earlier kernel
@@ -323,7 +325,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     __syncthreads();  // the previous run's run_end / run_nv / q / w / terms are read
     if (threadIdx.x == 0) run_end = te, run_nv = 0;
     __syncthreads();
-    const float* bank = keys[r0];
+    const uint16_t* bank = keys[r0];
     for (int r = r0 + 1 + threadIdx.x; r < te; r += kThreads)
       if (keys[r] != bank) atomicMin(&run_end, r);
     __syncthreads();
@@ -337,7 +339,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     const bool live = ew < nv_max;  // uniform over the warp
     uint32_t a[8][4];
     {
-      float4 x[8][2];
+      uint2 x[8][2];
       if (live) load_keys(x, bank, ew, nv_max, lane >> 2, lane & 3);
       if (live) keys_to_a(a, x);
     }
@@ -381,38 +383,28 @@ __global__ void __launch_bounds__(kThreads, 2)
 }
 
 // Lists (index_scores_list: the candidate pool's entries of each row; prefill calls): a CTA = one
-// row x 128 list positions. A warp gathers its 16 entries' keys (one float4 per entry and k-step,
+// row x 128 list positions. A warp gathers its 16 entries' keys (4 bf16 per entry and k-step,
 // load_keys' order) and scores them against the row's heads through score_rows (columns = the
 // heads); a gap (entry -1) scores -inf, as the fp32 kernel. Rows have no keys in common (each its
 // own pool), so nothing is shared across rows.
-__device__ __forceinline__ void load_list_keys(float4 (&x)[8][2], const float* bank,
+__device__ __forceinline__ void load_list_keys(uint2 (&x)[8][2], const uint16_t* bank,
                                                const int32_t* row, int ew, int n, int g, int t) {
   const int pa = ew + g, pb = ew + g + 8;
   const int ea = pa < n ? row[pa] : -1, eb = pb < n ? row[pb] : -1;
-  const float* ka = bank + int64_t(max(ea, 0)) * kHd + 4 * t;
-  const float* kb = bank + int64_t(max(eb, 0)) * kHd + 4 * t;
-  const bool al = (reinterpret_cast<uintptr_t>(bank) & 15u) == 0;
+  const uint16_t* ka = bank + int64_t(max(ea, 0)) * kHd + 4 * t;
+  const uint16_t* kb = bank + int64_t(max(eb, 0)) * kHd + 4 * t;
+  const bool al = (reinterpret_cast<uintptr_t>(bank) & 7u) == 0;
 #pragma unroll
   for (int ks = 0; ks < 8; ++ks) {
-    x[ks][0] = x[ks][1] = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (al) {
-      if (ea >= 0) x[ks][0] = __ldg(reinterpret_cast<const float4*>(ka + 16 * ks));
-      if (eb >= 0) x[ks][1] = __ldg(reinterpret_cast<const float4*>(kb + 16 * ks));
-    } else {  // a bank not 16-byte aligned: scalar loads
-      if (ea >= 0)
-        x[ks][0] = make_float4(__ldg(ka + 16 * ks), __ldg(ka + 16 * ks + 1),
-                               __ldg(ka + 16 * ks + 2), __ldg(ka + 16 * ks + 3));
-      if (eb >= 0)
-        x[ks][1] = make_float4(__ldg(kb + 16 * ks), __ldg(kb + 16 * ks + 1),
-                               __ldg(kb + 16 * ks + 2), __ldg(kb + 16 * ks + 3));
-    }
+    x[ks][0] = ea >= 0 ? load_key4(ka + 16 * ks, al) : make_uint2(0u, 0u);
+    x[ks][1] = eb >= 0 ? load_key4(kb + 16 * ks, al) : make_uint2(0u, 0u);
   }
 }
 
 template <bool kRound>
 __global__ void __launch_bounds__(kThreads, 2)
     index_scores_mma_list_kernel(const float* __restrict__ q, const float* __restrict__ w,
-                                 int n_heads, const float* const* keys,
+                                 int n_heads, const uint16_t* const* keys,
                                  const int32_t* __restrict__ entries, const int32_t* __restrict__ n,
                                  int cap, float* __restrict__ score) {
   detail::pdl_wait();  // PDL: every input comes from an earlier kernel
@@ -429,7 +421,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   const bool live = ew < nt;  // uniform over the warp
   uint32_t a[8][4];
   {
-    float4 x[8][2];
+    uint2 x[8][2];
     if (live) load_list_keys(x, keys[t], row, ew, nt, lane >> 2, lane & 3);
     if (live) keys_to_a(a, x);
   }
@@ -461,9 +453,9 @@ bool g_index_scores_mma = true;
 
 void set_index_scores_mma(bool on) { g_index_scores_mma = on; }
 
-bool index_scores_mma(const float* q, const float* w, int T, int n_heads, const float* const* keys,
-                      const int32_t* vis, const int32_t* width, int max_width, float* score,
-                      cudaStream_t stream, bool round_sum) {
+bool index_scores_mma(const float* q, const float* w, int T, int n_heads,
+                      const uint16_t* const* keys, const int32_t* vis, const int32_t* width,
+                      int max_width, float* score, cudaStream_t stream, bool round_sum) {
   if (!g_index_scores_mma || n_heads < 1 || n_heads > kMaxCols) return false;
   const int64_t chunks = (int64_t(max_width) + kEntries - 1) / kEntries;
   if (chunks > 65535) return false;
@@ -505,7 +497,7 @@ bool index_scores_mma(const float* q, const float* w, int T, int n_heads, const 
 }
 
 bool index_scores_mma_list(const float* q, const float* w, int T, int n_heads,
-                           const float* const* keys, const int32_t* entries, const int32_t* n,
+                           const uint16_t* const* keys, const int32_t* entries, const int32_t* n,
                            int cap, float* score, cudaStream_t stream, bool round_sum) {
   if (!g_index_scores_mma || n_heads < 1 || n_heads > kMaxCols) return false;
   const int64_t chunks = (int64_t(cap) + kEntries - 1) / kEntries;

@@ -20,7 +20,7 @@ __device__ __forceinline__ int clamp_range(int v, int64_t begin, int64_t len) {
 }
 
 __global__ void range_rows_kernel(const int32_t* vis, const int32_t* width,
-                                  const float* const* keys, int T, PositionRange range,
+                                  const uint16_t* const* keys, int T, PositionRange range,
                                   int head_dim, RangeRows out) {
   detail::pdl_wait();
   detail::pdl_trigger();
@@ -135,7 +135,7 @@ __global__ void expand_blocks_kernel(const int32_t* blocks, const int32_t* n_blo
 
 }  // namespace
 
-void index_range_rows(const int32_t* vis, const int32_t* width, const float* const* keys, int T,
+void index_range_rows(const int32_t* vis, const int32_t* width, const uint16_t* const* keys, int T,
                       PositionRange range, int head_dim, const RangeRows& out,
                       cudaStream_t stream) {
   require(out.vis && out.width && (out.block_size == 0 || (out.vis_blocks && out.width_blocks)),

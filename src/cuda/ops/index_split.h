@@ -32,12 +32,12 @@ using model::rank_position_range;
 struct RangeRows {
   int32_t* vis = nullptr;
   int32_t* width = nullptr;
-  const float** keys = nullptr;
+  const uint16_t** keys = nullptr;
   int block_size = 0;
   int32_t* vis_blocks = nullptr;
   int32_t* width_blocks = nullptr;
 };
-void index_range_rows(const int32_t* vis, const int32_t* width, const float* const* keys, int T,
+void index_range_rows(const int32_t* vis, const int32_t* width, const uint16_t* const* keys, int T,
                       PositionRange range, int head_dim, const RangeRows& out, cudaStream_t stream);
 
 // The pairs a rank contributes: for row t and slot j < k, sel[t, j] = p (a range position from

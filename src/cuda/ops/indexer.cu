@@ -82,7 +82,7 @@ constexpr int kBlockMaxThreads = 256;
 template <bool kRound, bool kList = false>
 __global__ void __launch_bounds__(kFastThreads, 2)
     index_scores_hd128_kernel(const float* __restrict__ q, const float* __restrict__ w, int T,
-                              int n_heads, int rows, const float* const* keys,
+                              int n_heads, int rows, const uint16_t* const* keys,
                               const int32_t* __restrict__ vis, const int32_t* __restrict__ width,
                               int max_width, float* __restrict__ score,
                               const int32_t* __restrict__ list = nullptr) {
@@ -105,7 +105,7 @@ __global__ void __launch_bounds__(kFastThreads, 2)
   float4 kv[kU];
 #pragma unroll
   for (int u = 0; u < kU; ++u) kv[u] = make_float4(0.f, 0.f, 0.f, 0.f);
-  const float* loaded = nullptr;  // the key bank kv holds entry i of
+  const uint16_t* loaded = nullptr;  // the key bank kv holds entry i of
   for (int r = 0; r < nr; ++r) {
     const int t = t0 + r;
     const int wd = width[t];
@@ -118,17 +118,20 @@ __global__ void __launch_bounds__(kFastThreads, 2)
     }
     const int ent = !kList ? i : i < nv ? __ldg(list + int64_t(t) * max_width + i) : -1;
     const bool act = i < nv && ent >= 0;
-    const float* kp = keys[t];
+    const uint16_t* kp = keys[t];
     if (act && (kList || kp != loaded)) {
-      const float* kr = kp + int64_t(ent) * kFastHd + 4 * j;
-      if ((reinterpret_cast<uintptr_t>(kr) & 15u) == 0) {
+      const uint16_t* kr = kp + int64_t(ent) * kFastHd + 4 * j;
+      if ((reinterpret_cast<uintptr_t>(kr) & 7u) == 0) {
+        uint2 raw[kU];  // every load in flight before the first conversion
 #pragma unroll
-        for (int u = 0; u < kU; ++u) kv[u] = __ldg(reinterpret_cast<const float4*>(kr + 8 * u));
+        for (int u = 0; u < kU; ++u) raw[u] = __ldg(reinterpret_cast<const uint2*>(kr + 8 * u));
+#pragma unroll
+        for (int u = 0; u < kU; ++u) kv[u] = detail::bf16x4_to_float4(raw[u]);
       } else {
 #pragma unroll
         for (int u = 0; u < kU; ++u)
-          kv[u] = make_float4(__ldg(kr + 8 * u), __ldg(kr + 8 * u + 1), __ldg(kr + 8 * u + 2),
-                              __ldg(kr + 8 * u + 3));
+          kv[u] = make_float4(detail::bf16_at(kr + 8 * u), detail::bf16_at(kr + 8 * u + 1),
+                              detail::bf16_at(kr + 8 * u + 2), detail::bf16_at(kr + 8 * u + 3));
       }
       loaded = kp;
     }
@@ -169,7 +172,7 @@ __global__ void __launch_bounds__(kFastThreads, 2)
 template <bool kRound>
 __global__ void __launch_bounds__(kEnt)
     index_scores_kernel(const float* __restrict__ q, const float* __restrict__ w, int n_heads,
-                        int hd, const float* const* keys, const int32_t* __restrict__ vis,
+                        int hd, const uint16_t* const* keys, const int32_t* __restrict__ vis,
                         const int32_t* __restrict__ width, int max_width, float* score) {
   detail::pdl_wait();  // PDL: every input comes from an earlier kernel
   detail::pdl_trigger();
@@ -182,13 +185,13 @@ __global__ void __launch_bounds__(kEnt)
   if (n_load > 0) {
     // Eight loads in flight before their shared-memory stores (a load per store serialises on
     // memory latency: 128 round trips per thread).
-    const float* kb = keys[t] + int64_t(e0) * hd;
+    const uint16_t* kb = keys[t] + int64_t(e0) * hd;
     const int total = n_load * hd;
     int idx = tid;
     for (; idx + 7 * kEnt < total; idx += 8 * kEnt) {
       float v[8];
 #pragma unroll
-      for (int u = 0; u < 8; ++u) v[u] = kb[idx + u * kEnt];
+      for (int u = 0; u < 8; ++u) v[u] = detail::bf16_at(kb + idx + u * kEnt);
 #pragma unroll
       for (int u = 0; u < 8; ++u) {
         const int i = idx + u * kEnt, e = i / hd;
@@ -197,7 +200,7 @@ __global__ void __launch_bounds__(kEnt)
     }
     for (; idx < total; idx += kEnt) {
       const int e = idx / hd, d = idx - e * hd;
-      ks[e * (hd + 1) + d] = kb[int64_t(e) * hd + d];
+      ks[e * (hd + 1) + d] = detail::bf16_at(kb + int64_t(e) * hd + d);
     }
   }
   __syncthreads();
@@ -816,8 +819,8 @@ void run_rounds(RoundArgs a, int T, const WsLayout& w, int64_t list_len, void* w
 }  // namespace
 
 void index_scores(const float* q, const float* w, int T, int n_heads, int head_dim,
-                  const float* const* keys, const int32_t* vis, const int32_t* width, int max_width,
-                  float* score, cudaStream_t stream, bool round_sum) {
+                  const uint16_t* const* keys, const int32_t* vis, const int32_t* width,
+                  int max_width, float* score, cudaStream_t stream, bool round_sum) {
   require(T >= 0 && T <= 65535 && n_heads > 0 && head_dim > 0 && head_dim <= kMaxIndexHeadDim &&
               max_width >= 0,
           "index_scores: unsupported shape T=%d n_heads=%d head_dim=%d max_width=%d "
@@ -859,7 +862,7 @@ void index_scores(const float* q, const float* w, int T, int n_heads, int head_d
 }
 
 void index_scores_list(const float* q, const float* w, int T, int n_heads, int head_dim,
-                       const float* const* keys, const EntryList& list, float* score,
+                       const uint16_t* const* keys, const EntryList& list, float* score,
                        cudaStream_t stream, bool round_sum) {
   const size_t row_smem = size_t(n_heads) * (kFastHd + 1) * sizeof(float);
   const int64_t chunks = (list.cap + kFastEnt - 1) / kFastEnt;
