@@ -96,8 +96,14 @@ __device__ __forceinline__ void load_keys(uint2 (&x)[8][2], const uint16_t* bank
   const bool al = (reinterpret_cast<uintptr_t>(bank) & 7u) == 0;  // else: 2-byte loads
 #pragma unroll
   for (int ks = 0; ks < 8; ++ks) {
-    x[ks][0] = va ? load_key4(ka + 16 * ks, al) : make_uint2(0u, 0u);
-    x[ks][1] = vb ? load_key4(kb + 16 * ks, al) : make_uint2(0u, 0u);
+    x[ks][0] = x[ks][1] = make_uint2(0u, 0u);
+    if (al) {  // the test outside the loads: they all issue before the first use
+      if (va) x[ks][0] = __ldg(reinterpret_cast<const uint2*>(ka + 16 * ks));
+      if (vb) x[ks][1] = __ldg(reinterpret_cast<const uint2*>(kb + 16 * ks));
+    } else {
+      if (va) x[ks][0] = load_key4(ka + 16 * ks, false);
+      if (vb) x[ks][1] = load_key4(kb + 16 * ks, false);
+    }
   }
 }
 
@@ -396,8 +402,14 @@ __device__ __forceinline__ void load_list_keys(uint2 (&x)[8][2], const uint16_t*
   const bool al = (reinterpret_cast<uintptr_t>(bank) & 7u) == 0;
 #pragma unroll
   for (int ks = 0; ks < 8; ++ks) {
-    x[ks][0] = ea >= 0 ? load_key4(ka + 16 * ks, al) : make_uint2(0u, 0u);
-    x[ks][1] = eb >= 0 ? load_key4(kb + 16 * ks, al) : make_uint2(0u, 0u);
+    x[ks][0] = x[ks][1] = make_uint2(0u, 0u);
+    if (al) {
+      if (ea >= 0) x[ks][0] = __ldg(reinterpret_cast<const uint2*>(ka + 16 * ks));
+      if (eb >= 0) x[ks][1] = __ldg(reinterpret_cast<const uint2*>(kb + 16 * ks));
+    } else {
+      if (ea >= 0) x[ks][0] = load_key4(ka + 16 * ks, false);
+      if (eb >= 0) x[ks][1] = load_key4(kb + 16 * ks, false);
+    }
   }
 }
 
