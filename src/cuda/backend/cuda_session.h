@@ -1,9 +1,10 @@
 #pragma once
 // Per-session state of the CUDA backend: the device twin of cpu::CpuSession (cpu/session.h), with
 // the same rules (everything a rejected verify row could touch is keyed by position, so rejection
-// needs no undo). The values live in device memory (fp32, the same QDQ values as the CPU); the
-// position tag of every ring slot lives on the host, where the slot lists are built. Capacity is
-// fixed at creation: every buffer comes from the session's own DeviceArena.
+// needs no undo). The values live in device memory (the same QDQ values as the CPU: fp32, the
+// index keys as their exact bf16); the position tag of every ring slot lives on the host, where
+// the slot lists are built. Capacity is fixed at creation: every buffer comes from the session's
+// own DeviceArena.
 
 #include <cstdint>
 #include <utility>
