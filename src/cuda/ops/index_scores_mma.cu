@@ -82,8 +82,9 @@ __host__ __device__ constexpr size_t span_smem_bytes(int cols) {
 // inside a k-step (A and B alike): fragment positions 2t, 2t + 1, 2t + 8, 2t + 9 hold dims
 // 16 ks + 4t + 0..3, so a thread loads 8 bytes (4 bf16) per entry and k-step: .x is the bf16x2
 // of positions 2t, 2t + 1, .y that of 2t + 8, 2t + 9 (the q staging permutes q the same).
-__device__ __forceinline__ uint2 load_key4(const uint16_t* k, bool al) {
-  if (al) return __ldg(reinterpret_cast<const uint2*>(k));
+// 4 bf16 of a bank that is not 8-byte aligned (2-byte loads); aligned banks take one 8-byte load,
+// the alignment tested once, outside the load loops (see index_scores_mma_kernel).
+__device__ __forceinline__ uint2 load_key4_unaligned(const uint16_t* k) {
   return make_uint2(uint32_t(__ldg(k)) | uint32_t(__ldg(k + 1)) << 16,
                     uint32_t(__ldg(k + 2)) | uint32_t(__ldg(k + 3)) << 16);
 }
@@ -101,8 +102,8 @@ __device__ __forceinline__ void load_keys(uint2 (&x)[8][2], const uint16_t* bank
       if (va) x[ks][0] = __ldg(reinterpret_cast<const uint2*>(ka + 16 * ks));
       if (vb) x[ks][1] = __ldg(reinterpret_cast<const uint2*>(kb + 16 * ks));
     } else {
-      if (va) x[ks][0] = load_key4(ka + 16 * ks, false);
-      if (vb) x[ks][1] = load_key4(kb + 16 * ks, false);
+      if (va) x[ks][0] = load_key4_unaligned(ka + 16 * ks);
+      if (vb) x[ks][1] = load_key4_unaligned(kb + 16 * ks);
     }
   }
 }
@@ -181,7 +182,7 @@ __device__ __forceinline__ void score_rows(const uint32_t (&a)[8][4], bool live,
 // one key bank each load their keys, q staged under the loads. Kept as written before the span
 // kernel (session 10), not on the helpers above: the same code through them measured 40 / 110 us
 // slower in the 1M decode step at 1 / 7 rows (session 13, same-run A/B). The same holds for the
-// bf16 loads: with the alignment test inside the loop (load_key4 per load) the 1M step was 185 /
+// bf16 loads: with the alignment test inside the loop (once per load) the 1M step was 185 /
 // 250 us slower than with it outside, as here (session 22).
 template <bool kRound>
 __global__ void __launch_bounds__(kThreads, kDecodeMinBlocks)
@@ -224,8 +225,8 @@ __global__ void __launch_bounds__(kThreads, kDecodeMinBlocks)
           if (va) x[ks][0] = __ldg(reinterpret_cast<const uint2*>(ka + 16 * ks));
           if (vb) x[ks][1] = __ldg(reinterpret_cast<const uint2*>(kb + 16 * ks));
         } else {  // a bank not 8-byte aligned: 2-byte loads
-          if (va) x[ks][0] = load_key4(ka + 16 * ks, false);
-          if (vb) x[ks][1] = load_key4(kb + 16 * ks, false);
+          if (va) x[ks][0] = load_key4_unaligned(ka + 16 * ks);
+          if (vb) x[ks][1] = load_key4_unaligned(kb + 16 * ks);
         }
       }
     }
@@ -407,8 +408,8 @@ __device__ __forceinline__ void load_list_keys(uint2 (&x)[8][2], const uint16_t*
       if (ea >= 0) x[ks][0] = __ldg(reinterpret_cast<const uint2*>(ka + 16 * ks));
       if (eb >= 0) x[ks][1] = __ldg(reinterpret_cast<const uint2*>(kb + 16 * ks));
     } else {
-      if (ea >= 0) x[ks][0] = load_key4(ka + 16 * ks, false);
-      if (eb >= 0) x[ks][1] = load_key4(kb + 16 * ks, false);
+      if (ea >= 0) x[ks][0] = load_key4_unaligned(ka + 16 * ks);
+      if (eb >= 0) x[ks][1] = load_key4_unaligned(kb + 16 * ks);
     }
   }
 }
