@@ -21,9 +21,9 @@
 #include "../cpu/tiny_a.h"
 #include "backend_test_util.h"
 #include "cpu/cpu_backend.h"
+#include "cpu/session.h"
 #include "cuda/backend/cuda_backend.h"
 #include "cuda_test_util.h"
-#include "engine/bytes.h"
 #include "model/golden.h"
 
 namespace uf::cuda {
@@ -289,53 +289,25 @@ TEST_F(CudaBackendTest, SnapshotRestoreRoundTrip) {
       << snap.size() << " bytes)";
 }
 
-// The snapshot (the CPU backend's byte format: cpu_backend.cpp) with the first nonzero index key
-// scaled by 1 + 2^-10: a value bf16 cannot hold.
-std::vector<uint8_t> with_inexact_index_key(const std::vector<uint8_t>& snap) {
-  engine::ByteReader r(snap);
-  engine::ByteWriter w;
-  w.put(r.get<uint32_t>("magic"));
-  w.put(r.get<int64_t>("length"));
-  w.put(r.get<int64_t>("capacity"));
-  w.put(r.get<int32_t>("publisher"));
-  std::vector<int32_t> toks;
-  r.get_vec(toks, "tokens");
-  w.put_vec(toks);
-  const auto n = r.get<uint64_t>("layer count");
-  w.put(n);
-  bool changed = false;
-  std::vector<float> v;
-  std::vector<int64_t> pos;
-  for (uint64_t l = 0; l < n; ++l) {
-    for (int ring = 0; ring < 3; ++ring) {
-      w.put(r.get<int32_t>("ring slots"));
-      w.put(r.get<int32_t>("ring width"));
-      r.get_vec(v, "ring data");
-      w.put_vec(v);
-      r.get_vec(pos, "ring positions");
-      w.put_vec(pos);
-    }
-    r.get_vec(v, "compressed KV");
-    w.put_vec(v);
-    r.get_vec(v, "index keys");
-    for (float& x : v)
-      if (!changed && x != 0.f) {
-        x *= 1.f + std::ldexp(1.f, -10);
-        changed = true;
-      }
-    w.put_vec(v);
-  }
-  EXPECT_TRUE(r.done());
-  EXPECT_TRUE(changed) << "the snapshot has no nonzero index key";
-  return w.take();
-}
-
 // The session stores index keys as bf16 (cuda_session.h): a snapshot key it cannot hold exactly
 // is refused with a clear error, never rounded; the CPU backend takes the same bytes.
 TEST_F(CudaBackendTest, RestoreRefusesIndexKeysBf16CannotHold) {
   if (be_->config().index_source_layers.empty()) GTEST_SKIP() << "no indexer";
   auto s = prefilled(*be_, nullptr);
-  const auto bad = with_inexact_index_key(be_->snapshot(*s));
+  // The snapshot through a CPU session (the same byte format), its first nonzero index key scaled
+  // by 1 + 2^-10: a value bf16 cannot hold.
+  cpu::CpuBackend cpu_be(tiny_a_dir(), map_);
+  auto cs = cpu_be.new_session(128);
+  cpu_be.restore(*cs, be_->snapshot(*s));
+  bool changed = false;
+  for (auto& L : dynamic_cast<cpu::CpuSession&>(*cs).layers)
+    for (float& x : L.ikeys)
+      if (!changed && x != 0.f) {
+        x *= 1.f + std::ldexp(1.f, -10);
+        changed = true;
+      }
+  ASSERT_TRUE(changed) << "the session has no nonzero index key";
+  const auto bad = cpu_be.snapshot(*cs);
   auto r = be_->new_session(128);
   try {
     be_->restore(*r, bad);
@@ -343,9 +315,8 @@ TEST_F(CudaBackendTest, RestoreRefusesIndexKeysBf16CannotHold) {
   } catch (const std::exception& e) {
     EXPECT_NE(std::string(e.what()).find("not exact in bf16"), std::string::npos) << e.what();
   }
-  cpu::CpuBackend cpu_be(tiny_a_dir(), map_);
-  auto cs = cpu_be.new_session(128);
-  EXPECT_NO_THROW(cpu_be.restore(*cs, bad));
+  auto cs2 = cpu_be.new_session(128);
+  EXPECT_NO_THROW(cpu_be.restore(*cs2, bad));
 }
 
 TEST_F(CudaBackendTest, DraftCloseToCpu) {

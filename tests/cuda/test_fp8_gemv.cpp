@@ -30,12 +30,6 @@ std::vector<float> random_activations(int m, int k, std::mt19937& rng) {
   return x;
 }
 
-std::vector<uint16_t> to_bf16_bits(const std::vector<float>& x) {
-  std::vector<uint16_t> v(x.size());
-  for (size_t i = 0; i < x.size(); ++i) v[i] = core::float_to_bf16(x[i]);
-  return v;
-}
-
 struct Problem {
   int n, k;
   std::vector<uint8_t> w, ws;  // e4m3 [n,k], e8m0 [n/32 (ceil), k/32]
@@ -74,7 +68,7 @@ TEST(CudaActQuant, MatchesCoreQuantBitwise) {
     codes.poison();
     scales.poison();
     if (pass == 0) {
-      DeviceBuffer<uint16_t> xd(to_bf16_bits(x));
+      DeviceBuffer<uint16_t> xd(bf16_bits(x));  // x is bf16-exact
       act_quant_fp8_bf16(xd.get(), m, k, codes.get(), scales.get(), nullptr);
     } else {
       DeviceBuffer<float> xd(x);
