@@ -863,8 +863,8 @@ void sparse_attn(const float* q, int T, int H, int hd, const float* const* windo
     // way. Measured with P.V on the same rule (docs/perf.md, session 21): 2 rows -200 us a step,
     // 4 rows -40, 7 rows +250 on 4-head CTAs; the old rule (twice the 8-head grid within one
     // wave) took them at 1 row only.
-    const int64_t four_waves = 3 * int64_t(sm_count()), heads4 = (H + 3) / 4;
-    const bool four = int64_t(n16) * T * heads4 <= four_waves;
+    const int64_t max_4head_ctas = 3 * int64_t(sm_count()), heads4 = (H + 3) / 4;
+    const bool four = int64_t(n16) * T * heads4 <= max_4head_ctas;
     float* scores = split_scratch + scratch_scores(T, H, hd, nc);
     float* cmax = split_scratch + scratch_cmax(T, H, hd, nc, n_slots);
     if (four)
@@ -875,7 +875,7 @@ void sparse_attn(const float* q, int T, int H, int hd, const float* const* windo
                        scores, cmax, stream);
     // P.V CTAs of 4 heads on the same rule (1 row: 80 CTAs, not 40): each thread's P.V sums are
     // half as many, each head's the same bits (its own p, slots and order either way).
-    const bool pv4 = int64_t(nc) * T * heads4 <= four_waves;
+    const bool pv4 = int64_t(nc) * T * heads4 <= max_4head_ctas;
     const auto pv = fast_chunk(n_slots) == 16 ? (pv4 ? launch_pv<16, 4> : launch_pv<16, 8>)
                                               : (pv4 ? launch_pv<32, 4> : launch_pv<32, 8>);
     pv(T, H, hd, window, n_window, topk, k, ckv, ckv_ref, split_scratch, stream);
