@@ -9,13 +9,13 @@
 // 24, ~100 MB: the caches do not stay in L2 between calls, as in a forward where the weights
 // stream through it), median of --reps replays, divided by the copies. The fast chunked path
 // (split scratch: the decode callers) is timed against the reference path (one CTA per (row,
-// head)); fast: its three launches with chunks of 16 slots (the default), c32: with chunks of 32;
-// mma: sparse_attn_mma (tensor cores, all rows in one launch: what CudaModel::attend runs for
-// prefill spans), timed for the prefill shapes only.
-// The last column: outputs of the fast path that differ from the reference path (the CPU's
-// arithmetic; the fast path has the same bf16(p) values, so only rare fp32 re-association flips
-// are expected: target <= 1%) and the largest difference, a sanity line only
-// (tests/cuda/test_ops_attention.cpp is the check).
+// head)); fast: the default (the chunk records of 16 slots on the tensor cores, one kernel + the
+// merge), cpu16: the CPU-order records (scores + P.V kernels + the merge, set_sparse_attn_chunk_mma
+// (false)), c32: those with chunks of 32; mma: sparse_attn_mma (tensor cores, all rows in one
+// launch: what CudaModel::attend runs for prefill spans), timed for the prefill shapes only. The
+// last column: outputs of the fast path that differ from the reference path (the CPU's arithmetic;
+// the tensor-core records round p against their chunk's max, so many outputs differ by a bf16 ulp)
+// and the largest difference, a sanity line only (tests/cuda/test_ops_attention.cpp is the check).
 // bytes = distinct KV rows touched x hd x 4 + q + out; GB/s = bytes / time; floor = bytes
 // at 4.1 TB/s.
 //
@@ -107,8 +107,9 @@ int main(int argc, char** argv) {
   };
   std::printf("sparse_attn, H=%d hd=%d, %d layer copies, median of %d graph replays\n", kH, kHd,
               copies, reps);
-  std::printf("%-14s %3s %6s %10s %9s %8s %10s %8s %8s %8s %8s\n", "shape", "T", "slots", "bytes",
-              "floor_us", "fast_us", "fast_GB/s", "c32_us", "ref_us", "speedup", "mma_us");
+  std::printf("%-14s %3s %6s %10s %9s %8s %10s %8s %8s %8s %8s %8s\n", "shape", "T", "slots",
+              "bytes", "floor_us", "fast_us", "fast_GB/s", "cpu16_us", "c32_us", "ref_us",
+              "speedup", "mma_us");
   std::mt19937 rng(7);
   for (const Shape& sh : shapes) {
     const int T = sh.T, W = sh.n_window, k = sh.k;
@@ -159,16 +160,18 @@ int main(int argc, char** argv) {
     auto run_all = [&](float* split) {
       for (int c = 0; c < copies; ++c) run_one(c, split);
     };
-    // The three launches with chunks of 16 (the default) and of 32.
-    double us[2];
-    const int chunk[2] = {0, 32};
-    for (int v = 0; v < 2; ++v) {
+    // The default records, the CPU-order ones with chunks of 16, and of 32.
+    double us[3];
+    const int chunk[3] = {0, 0, 32};
+    for (int v = 0; v < 3; ++v) {
       sparse_attn_chunk_override(chunk[v]);
+      set_sparse_attn_chunk_mma(v == 0);
       cudaGraphExec_t g = uf::bench::capture_graph(stream, [&] { run_all(scratch); });
       us[v] = uf::bench::median_replay_us(g, stream, reps) / copies;
       UF_CUDA_CHECK(cudaGraphExecDestroy(g));
     }
     sparse_attn_chunk_override(0);
+    set_sparse_attn_chunk_mma(true);
     const double fast_us = us[0];
     cudaGraphExec_t ref = uf::bench::capture_graph(stream, [&] { run_all(nullptr); });
     const double ref_us = uf::bench::median_replay_us(ref, stream, reps) / copies;
@@ -201,11 +204,11 @@ int main(int argc, char** argv) {
       max_abs = std::max(max_abs, std::fabs(double(o_fast[i]) - o_ref[i]));
     }
     std::printf(
-        "%-14s %3d %6d %10.0f %9.2f %8.2f %10.0f %8.2f %8.2f %7.1fx %8.2f   "
+        "%-14s %3d %6d %10.0f %9.2f %8.2f %10.0f %8.2f %8.2f %8.2f %7.1fx %8.2f   "
         "vs ref %zu/%zu differ (%.2f%%), max %.2e\n",
         sh.name, T, W + k, bytes, bytes / kFloorBytesPerUs, fast_us, bytes / fast_us / 1e3, us[1],
-        ref_us, ref_us / fast_us, mma_us, n_diff, n_out, 100.0 * double(n_diff) / double(n_out),
-        max_abs);
+        us[2], ref_us, ref_us / fast_us, mma_us, n_diff, n_out,
+        100.0 * double(n_diff) / double(n_out), max_abs);
     UF_CUDA_CHECK(cudaGraphExecDestroy(ref));
     for (int c = 0; c < copies; ++c) {
       UF_CUDA_CHECK(cudaFree(dwin[size_t(c)]));

@@ -27,7 +27,9 @@
 // --no-branches clears CudaModelOptions::graph_branches (one stream, the launches in order);
 // --no-candidate-lists clears candidate_lists.
 // --index-scores-fp32 runs index_scores on its fp32 kernel instead of the tensor cores
-// (set_index_scores_mma(false)).
+// (set_index_scores_mma(false)); --attention-cpu-order runs the decode attention's chunk records
+// on the CPU-order scores + P.V kernels instead of the tensor cores
+// (set_sparse_attn_chunk_mma(false)).
 //
 // --floor-only prints the floors (bytes per component) without a GPU.
 #include <fmt/format.h>
@@ -84,6 +86,7 @@ struct BenchArgs {
   bool no_candidate_lists = false;
   bool fold_moe_combine = false;
   bool index_scores_fp32 = false;
+  bool attention_cpu_order = false;
   bool shared_beside_router = false;
   bool floor_only = false;
   // Vocab slices of the head: 8 = rank 0's eighth (TP8 splits the head by vocab rows; the
@@ -233,6 +236,8 @@ int run_cuda(const BenchArgs& a, const ModelConfig& cfg, const std::vector<int>&
   uf::cuda::set_moe_shared_after_router(!a.shared_beside_router);
   uf::cuda::set_index_scores_mma(!a.index_scores_fp32);
   out["index_scores"] = a.index_scores_fp32 ? "fp32" : "tensor cores";
+  uf::cuda::set_sparse_attn_chunk_mma(!a.attention_cpu_order);
+  out["attention_records"] = a.attention_cpu_order ? "cpu order" : "tensor cores";
   opts.candidate_lists = !a.no_candidate_lists;
   opts.head_slice_of = a.head_slices;
   out["cuda_graphs"] = opts.cuda_graphs;
@@ -436,7 +441,7 @@ using uf::cli::bench::write_json;
 int run_tp_model(const BenchArgs& a, int tp, const std::vector<int>& rows) {
   namespace bench = uf::cli::bench;
   UF_CHECK(!a.floor_only && !a.no_branches && !a.no_candidate_lists && !a.fold_moe_combine &&
-               !a.index_scores_fp32 && !a.shared_beside_router,
+               !a.index_scores_fp32 && !a.attention_cpu_order && !a.shared_beside_router,
            "bench: --synthetic tp{} takes --rows, --context(s), --iters, --warmup, --engram-rows, "
            "--no-graphs, the prefill options, --json, --trace and --seed only",
            tp);
@@ -586,6 +591,9 @@ void setup_bench(CLI::App& app, int& exit_code) {
   cmd->add_flag(
       "--index-scores-fp32", a->index_scores_fp32,
       "index_scores on the fp32 kernel (the CPU's summation order), not the tensor cores");
+  cmd->add_flag("--attention-cpu-order", a->attention_cpu_order,
+                "Decode attention's chunk records on the CPU-order scores + P.V kernels, not the "
+                "tensor cores");
   cmd->add_flag("--shared-beside-router", a->shared_beside_router,
                 "Start the forked shared expert with the router (before session 8), not after it");
   cmd->add_flag("--no-candidate-lists", a->no_candidate_lists,

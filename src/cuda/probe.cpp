@@ -52,6 +52,8 @@ const char* tag_name(uint32_t tag) {
       return "sparse_attn_merge";
     case kTagRouterLast:
       return "moe_router2_last";
+    case kTagAttnChunk:
+      return "sparse_attn_chunk_mma";
     default:
       return "?";
   }

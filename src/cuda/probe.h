@@ -34,6 +34,7 @@ enum Tag : uint32_t {
   kTagAttnPv = 12,
   kTagAttnMerge = 13,
   kTagRouterLast = 14,  // moe_router2's last CTA (the routing), its own record
+  kTagAttnChunk = 15,
 };
 
 struct Record {

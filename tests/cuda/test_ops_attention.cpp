@@ -71,29 +71,52 @@ void check_repeat_is_bitwise(const std::vector<float>& got, int T, int H, int hd
 }
 
 // Which sparse_attn path a check runs: the reference kernel (one CTA per (row, head)), the
-// split path (a scratch buffer given: every decode caller), or sparse_attn_mma (prefill spans).
-enum class Path { kReference, kSplit, kMma };
+// split path (a scratch buffer given: every decode caller) with its default chunk records (the
+// tensor-core kernel where it applies) or with the CPU-order ones (set_sparse_attn_chunk_mma
+// (false)), or sparse_attn_mma (prefill spans).
+enum class Path { kReference, kSplit, kSplitCpuOrder, kMma };
 
-// split: the fast chunked path (scores kernel, P.V per chunk of 16 slots for 8 heads, merge in
-// chunk order; ops/attention.cu). It computes every s_j bit for bit as the CPU (dot8 lanes, no
-// FMA), takes each chunk's base from the CPU's running max after its 64-slot block and the same
-// exp, so every bf16(p_j) equals the CPU's; only the fp32 sums are re-associated (P.V with FMAs
-// per chunk, slot groups, chunk weights w_c = exp(M_b - M) instead of the CPU's running products
-// of exp(m - m_new)). Each side's sum has an error below ~80 * 2^-24 of sum_j p_j |v_j[d]| (its
-// longest addition chain is under 80 steps), so the two differ by at most 2^-16 of the weighted
-// mean |v|, on top of which the final bf16 rounding may flip: bound per output 1 bf16 ulp +
-// 2^-16 * sum_j p_j |v_j[d]| / sum_j p_j (exact softmax in double). Such flips are rare (the
-// sums differ by ~1e-6 relative): more than 1% of outputs not bitwise equal to the CPU fails.
-// spec == plain is checked bitwise.
-// mma (sparse_attn_mma, tensor cores): s_j is re-associated (and, for an fp32 q, carries the
-// hi / lo split's 2^-17), ~1e-6 relative, which flips bf16(p_j) by one bf16 ulp (2^-8 relative)
-// for a rare slot: bound per output 1 bf16 ulp + 2^-8 * the p-weighted mean |v| (a flip of the
-// heaviest slot's p at most; a wrong slot, head or block would be off by O(1) of it). Repeats
-// and 1-row calls are checked bitwise (the kernel's result never depends on other rows).
+// Whether the split path's records come from the tensor-core kernel (attention_chunk_mma.cu's
+// rule: hd % 16 == 0, hd <= 512, chunks of 16). ChunkMmaDispatch checks this rule against the
+// kernels' outputs.
+bool chunk_mma_records(Path path, int hd, bool chunks32 = false) {
+  return path == Path::kSplit && hd % 16 == 0 && hd <= 512 && !chunks32;
+}
+
+// Sets the split path's chunk records for one check, restoring the default after.
+class ChunkRecords {
+ public:
+  explicit ChunkRecords(Path path) { set_sparse_attn_chunk_mma(path != Path::kSplitCpuOrder); }
+  ~ChunkRecords() { set_sparse_attn_chunk_mma(true); }
+  ChunkRecords(const ChunkRecords&) = delete;
+  ChunkRecords& operator=(const ChunkRecords&) = delete;
+};
+
+// split, CPU order: the fast chunked path's CPU-order records (scores kernel, P.V per chunk of 16
+// slots for 8 heads, merge in chunk order; ops/attention.cu). It computes every s_j bit for bit as
+// the CPU (dot8 lanes, no FMA), takes each chunk's base from the CPU's running max after its
+// 64-slot block and the same exp, so every bf16(p_j) equals the CPU's; only the fp32 sums are
+// re-associated (P.V with FMAs per chunk, slot groups, chunk weights w_c = exp(M_b - M) instead of
+// the CPU's running products of exp(m - m_new)). Each side's sum has an error below ~80 * 2^-24 of
+// sum_j p_j |v_j[d]| (its longest addition chain is under 80 steps), so the two differ by at most
+// 2^-16 of the weighted mean |v|, on top of which the final bf16 rounding may flip: bound per
+// output 1 bf16 ulp + 2^-16 * sum_j p_j |v_j[d]| / sum_j p_j (exact softmax in double). Such flips
+// are rare (the sums differ by ~1e-6 relative): more than 1% of outputs not bitwise equal to the
+// CPU fails. spec == plain is checked bitwise. mma (sparse_attn_mma, tensor cores; and the split
+// path's tensor-core records, whose bf16(p_j) is taken against the chunk's own max: within 2^-9 of
+// the exact p_j like the CPU's, so at most 2^-8 apart): s_j is re-associated (and, for an fp32 q,
+// carries the hi / lo split's 2^-17), ~1e-6 relative, which flips bf16(p_j) by one bf16 ulp (2^-8
+// relative) for a rare slot: bound per output 1 bf16 ulp + 2^-8 * the p-weighted mean |v| (a flip
+// of the heaviest slot's p at most; a wrong slot, head or block would be off by O(1) of it).
+// Repeats and 1-row calls are checked bitwise (the kernel's result never depends on other rows).
 // fp32_q: q with full fp32 mantissas (the split's lo half is exercised); else bf16 values.
 void check_sparse_attn(const AttnCase& c, uint32_t seed, Path path = Path::kReference,
-                       bool fp32_q = false) {
-  const bool split = path == Path::kSplit, mma = path == Path::kMma;
+                       bool fp32_q = false, bool chunks32 = false) {
+  const bool split = path == Path::kSplit || path == Path::kSplitCpuOrder;
+  // Tensor-core products (the prefill kernel or the split path's records) or the CPU's order.
+  const bool mma = path == Path::kMma || chunk_mma_records(path, c.hd, chunks32);
+  const bool cpu_order = split && !mma;
+  const ChunkRecords records(path);
   SCOPED_TRACE(std::string(c.name) + (split ? " split" : "") + (mma ? " mma" : "") +
                (fp32_q ? " fp32 q" : ""));
   std::mt19937 rng(seed);
@@ -148,7 +171,7 @@ void check_sparse_attn(const AttnCase& c, uint32_t seed, Path path = Path::kRefe
     const float* qt = dq.get() + int64_t(t0) * H * hd;
     const float* const* wt = W > 0 ? dwin.get() + int64_t(t0) * W : nullptr;
     const int32_t* kt = k > 0 ? dtopk.get() + int64_t(t0) * k : nullptr;
-    if (mma)
+    if (path == Path::kMma)
       ASSERT_TRUE(
           sparse_attn_mma(qt, n, H, hd, wt, W, kt, k, dckv.get(), dsink.get(), scale, o, nullptr))
           << "sparse_attn_mma refused the shape";
@@ -247,11 +270,11 @@ void check_sparse_attn(const AttnCase& c, uint32_t seed, Path path = Path::kRefe
   std::printf(
       "[sparse_attn %s%s T=%d] %zu outputs: max %lld bf16 ulp, %lld not bitwise, %lld NaN, %lld "
       "out of bound, worst err/bound %.3f\n",
-      c.name, split ? " split" : (mma ? " mma" : ""), T, got.size(), (long long)max_ulp,
-      (long long)n_diff, (long long)n_nan, (long long)n_bad, worst);
+      c.name, split ? (mma ? " split mma" : " split") : (mma ? " mma" : ""), T, got.size(),
+      (long long)max_ulp, (long long)n_diff, (long long)n_nan, (long long)n_bad, worst);
   EXPECT_EQ(n_nan, 0);
   EXPECT_EQ(n_bad, 0) << (split || mma ? "outputs beyond the bound" : "outputs beyond 1 bf16 ulp");
-  if (split) {  // the split path's p are the CPU's: only rare fp32 re-association flips remain
+  if (cpu_order) {  // the CPU-order records' p are the CPU's: only rare re-association flips
     EXPECT_LE(double(n_diff), 0.01 * double(got.size()))
         << n_diff << " of " << got.size() << " outputs differ from the CPU (more than 1%)";
   }
@@ -293,60 +316,134 @@ TEST(CudaOpsAttention, SparseAttnRealPerRank) {
 
 TEST(CudaOpsAttention, SparseAttnSplitMode) {
   UF_REQUIRE_GPU();
-  check_sparse_attn({"tiny", 10, 4, 128, 8, 8, 40}, 111, Path::kSplit);
-  check_sparse_attn({"real-tp8", 8, 8, 512, 128, 512, 3000}, 112, Path::kSplit);
-  check_sparse_attn({"draft", 5, 8, 512, 133, 0, 1}, 113, Path::kSplit);
+  uint32_t seed = 111;
+  for (Path path : {Path::kSplit, Path::kSplitCpuOrder}) {
+    check_sparse_attn({"tiny", 10, 4, 128, 8, 8, 40}, seed++, path);
+    check_sparse_attn({"real-tp8", 8, 8, 512, 128, 512, 3000}, seed++, path);
+    check_sparse_attn({"draft", 5, 8, 512, 133, 0, 1}, seed++, path);
+  }
+  // The tensor-core records with q of full fp32 mantissas (its lo half is exercised).
+  check_sparse_attn({"real-tp8", 7, 8, 512, 128, 512, 3000}, seed++, Path::kSplit, true);
 }
 
 // The decode shapes of a TP8 rank at every row count 1..8 (128 window + 512 top-k slots, and
-// the window-only layers' 128 slots), plus the chunked path's odd corners: a partial last chunk,
-// head groups of fewer than 8 heads and more than one group, head_dim 100 (odd float4 stride,
-// 4 P.V slot groups) and 1024 (one P.V slot group, the largest shared memory); then the same
-// with chunks of 32 slots forced (the benchmark's variant).
+// the window-only layers' 128 slots), on both kinds of chunk records, plus the chunked path's
+// odd corners: a partial last chunk, head groups of fewer than 8 heads and more than one group,
+// head_dim 100 (odd float4 stride, 4 P.V slot groups; CPU-order records on either setting) and
+// 1024 (one P.V slot group, the largest shared memory; likewise); then the same with chunks of
+// 32 slots forced (the benchmark's variant, CPU-order records).
 TEST(CudaOpsAttention, SparseAttnSplitDecodeShapes) {
   UF_REQUIRE_GPU();
-  for (int T = 1; T <= 8; ++T) {
-    check_sparse_attn({"real-tp8", T, 8, 512, 128, 512, 2000}, 120 + uint32_t(T), Path::kSplit);
-    check_sparse_attn({"window-only", T, 8, 512, 128, 0, 0}, 140 + uint32_t(T), Path::kSplit);
+  for (Path path : {Path::kSplit, Path::kSplitCpuOrder}) {
+    const uint32_t s0 = path == Path::kSplit ? 0 : 1000;
+    for (int T = 1; T <= 8; ++T) {
+      check_sparse_attn({"real-tp8", T, 8, 512, 128, 512, 2000}, s0 + 120 + uint32_t(T), path);
+      check_sparse_attn({"window-only", T, 8, 512, 128, 0, 0}, s0 + 140 + uint32_t(T), path);
+    }
+    check_sparse_attn({"odd", 6, 3, 100, 37, 50, 90}, s0 + 161, path);
+    check_sparse_attn({"12-heads", 3, 12, 256, 20, 300, 400}, s0 + 162, path);
+    check_sparse_attn({"real-64h", 2, 64, 512, 128, 512, 700}, s0 + 163, path);
+    check_sparse_attn({"hd1024", 2, 8, 1024, 40, 300, 500}, s0 + 164, path);
   }
-  check_sparse_attn({"odd", 6, 3, 100, 37, 50, 90}, 161, Path::kSplit);
-  check_sparse_attn({"12-heads", 3, 12, 256, 20, 300, 400}, 162, Path::kSplit);
-  check_sparse_attn({"real-64h", 2, 64, 512, 128, 512, 700}, 163, Path::kSplit);
-  check_sparse_attn({"hd1024", 2, 8, 1024, 40, 300, 500}, 164, Path::kSplit);
   sparse_attn_chunk_override(32);
-  check_sparse_attn({"real-tp8 c32", 7, 8, 512, 128, 512, 2000}, 171, Path::kSplit);
-  check_sparse_attn({"draft c32", 5, 8, 512, 133, 0, 1}, 172, Path::kSplit);
-  check_sparse_attn({"odd c32", 6, 3, 100, 37, 50, 90}, 173, Path::kSplit);
-  check_sparse_attn({"hd1024 c32", 2, 8, 1024, 40, 300, 500}, 174, Path::kSplit);
+  check_sparse_attn({"real-tp8 c32", 7, 8, 512, 128, 512, 2000}, 171, Path::kSplit, false, true);
+  check_sparse_attn({"draft c32", 5, 8, 512, 133, 0, 1}, 172, Path::kSplit, false, true);
+  check_sparse_attn({"odd c32", 6, 3, 100, 37, 50, 90}, 173, Path::kSplit, false, true);
+  check_sparse_attn({"hd1024 c32", 2, 8, 1024, 40, 300, 500}, 174, Path::kSplit, false, true);
   sparse_attn_chunk_override(0);
 }
 
-// The chunked path's corners: 1024 and 1088 slots (16 / 17 blocks of 64), one slot, a last
-// 1-slot chunk (65 slots), 8 rows of hd 128 / 256 / 100 (4 P.V slot groups, odd float4 stride),
-// a second head group of 4 heads.
+// The chunked path's corners, on both kinds of chunk records: 1024 and 1088 slots (16 / 17
+// blocks of 64), one slot, a last 1-slot chunk (65 slots), 8 rows of hd 128 / 256 / 100 (4 P.V
+// slot groups, odd float4 stride), a second head group of 4 heads, head_dim 48 (3 k-steps over
+// the tensor-core kernel's 4 warps).
 TEST(CudaOpsAttention, SparseAttnSplitCorners) {
   UF_REQUIRE_GPU();
-  check_sparse_attn({"1024 slots", 3, 8, 512, 128, 896, 2000}, 181, Path::kSplit);
-  check_sparse_attn({"1088 slots", 2, 8, 512, 128, 960, 2000}, 182, Path::kSplit);
-  check_sparse_attn({"one slot", 4, 8, 512, 1, 0, 0}, 183, Path::kSplit);
-  check_sparse_attn({"65 slots", 5, 8, 256, 60, 5, 30}, 184, Path::kSplit);
-  check_sparse_attn({"tiny T8", 8, 4, 128, 8, 8, 40}, 185, Path::kSplit);
-  check_sparse_attn({"12-heads T8", 8, 12, 256, 20, 300, 400}, 186, Path::kSplit);
-  check_sparse_attn({"odd T8", 8, 3, 100, 37, 50, 90}, 187, Path::kSplit);
+  for (Path path : {Path::kSplit, Path::kSplitCpuOrder}) {
+    const uint32_t s0 = path == Path::kSplit ? 0 : 1000;
+    check_sparse_attn({"1024 slots", 3, 8, 512, 128, 896, 2000}, s0 + 181, path);
+    check_sparse_attn({"1088 slots", 2, 8, 512, 128, 960, 2000}, s0 + 182, path);
+    check_sparse_attn({"one slot", 4, 8, 512, 1, 0, 0}, s0 + 183, path);
+    check_sparse_attn({"65 slots", 5, 8, 256, 60, 5, 30}, s0 + 184, path);
+    check_sparse_attn({"tiny T8", 8, 4, 128, 8, 8, 40}, s0 + 185, path);
+    check_sparse_attn({"12-heads T8", 8, 12, 256, 20, 300, 400}, s0 + 186, path);
+    check_sparse_attn({"odd T8", 8, 3, 100, 37, 50, 90}, s0 + 187, path);
+    check_sparse_attn({"hd48", 5, 8, 48, 30, 40, 100}, s0 + 188, path);
+  }
+}
+
+// Which records the split path runs: the tensor-core kernel's differ from the CPU-order ones
+// (their p_j are rounded against other bases) wherever it applies, and where it does not (hd not
+// a multiple of 16, past 512, chunks of 32) the default call IS the CPU-order one, bit for bit.
+// So chunk_mma_records (the bounds the checks above pick) follows the kernels' real rule.
+TEST(CudaOpsAttention, ChunkMmaDispatch) {
+  UF_REQUIRE_GPU();
+  struct Shape {
+    int hd;
+    bool chunks32;
+  };
+  for (const Shape sh : {Shape{512, false}, Shape{128, false}, Shape{48, false}, Shape{100, false},
+                         Shape{1024, false}, Shape{520, false}, Shape{512, true}}) {
+    const int T = 3, H = 8, hd = sh.hd, W = 40, k = 60, entries = 200;
+    SCOPED_TRACE("hd " + std::to_string(hd) + (sh.chunks32 ? " chunks of 32" : ""));
+    std::mt19937 rng(400 + uint32_t(hd));
+    const auto q = normal_bf16(size_t(T) * H * hd, rng, 2.5f);
+    const auto wbank = normal_bf16(size_t(T) * W * hd, rng, 1.f);
+    const auto ckv = normal_bf16(size_t(entries) * hd, rng, 1.f);
+    const auto sink = normal_bf16(size_t(H), rng, 1.f);
+    std::uniform_int_distribution<int> ent(0, entries - 1);
+    std::vector<int32_t> topk(size_t(T) * k);
+    for (auto& e : topk) e = ent(rng);
+    DeviceBuffer<float> dq(q), dwbank(wbank), dckv(ckv), dsink(sink);
+    std::vector<const float*> wptr(size_t(T) * W);
+    for (size_t i = 0; i < wptr.size(); ++i) wptr[i] = dwbank.get() + int64_t(i) * hd;
+    DeviceBuffer<const float*> dwin(wptr);
+    DeviceBuffer<int32_t> dtopk(topk);
+    DeviceBuffer<float> scratch(sparse_attn_scratch_floats(T, H, hd, W + k));
+    DeviceBuffer<float> def(size_t(T) * H * hd), cpu(size_t(T) * H * hd);
+    const float scale = float(std::pow(double(hd), -0.5));
+    auto run = [&](Path path, float* o) {
+      const ChunkRecords records(path);
+      sparse_attn(dq.get(), T, H, hd, dwin.get(), W, dtopk.get(), k, dckv.get(), dsink.get(), scale,
+                  o, nullptr, nullptr, scratch.get());
+    };
+    if (sh.chunks32) sparse_attn_chunk_override(32);
+    def.poison();
+    cpu.poison();
+    run(Path::kSplit, def.get());
+    run(Path::kSplitCpuOrder, cpu.get());
+    sparse_attn_chunk_override(0);
+    sync_and_check();
+    const auto a = def.download(), b = cpu.download();
+    size_t diff = 0;
+    for (size_t i = 0; i < a.size(); ++i) {
+      ASSERT_FALSE(std::isnan(a[i]) || std::isnan(b[i])) << "NaN at " << i;
+      diff += !bits_equal(a[i], b[i]);
+    }
+    if (chunk_mma_records(Path::kSplit, hd, sh.chunks32))
+      EXPECT_GT(diff, 0u) << "the tensor-core records should differ from the CPU-order ones";
+    else
+      EXPECT_EQ(diff, 0u) << "the CPU-order records should have run";
+  }
 }
 
 // The attention's rotary embedding (AttnRope): q rotated as it is staged, the output rotated back
 // in the split path's merge (the reference path: q's shared copy, then rope()); either way bitwise
 // rope(q) + sparse_attn without it + rope(out, inverse), and q in memory untouched. Shapes: the
 // TP8 rank's (hd 512, rope 64), an odd head_dim whose rotated channels start on a float4
-// (100 / 36: the merge rotates), one that does not (100 / 30: the reference path), device
-// positions and p0 + t positions.
+// (100 / 36: the merge rotates), one that does not (100 / 30: the reference path), hd 128 with
+// two head groups (the tensor-core records' rope at another width), device positions and p0 + t
+// positions; the split path with both kinds of chunk records.
 void check_attn_rope(int T, int H, int hd, int rope_dim, Path path, bool device_pos,
                      uint32_t seed) {
-  const bool split = path == Path::kSplit, mma = path == Path::kMma;
-  SCOPED_TRACE(
-      "T=" + std::to_string(T) + " hd=" + std::to_string(hd) + " rope=" + std::to_string(rope_dim) +
-      (split ? " split" : (mma ? " mma" : " reference")) + (device_pos ? " positions" : " p0"));
+  const bool split = path == Path::kSplit || path == Path::kSplitCpuOrder;
+  const bool mma = path == Path::kMma;
+  const ChunkRecords records(path);
+  SCOPED_TRACE("T=" + std::to_string(T) + " hd=" + std::to_string(hd) +
+               " rope=" + std::to_string(rope_dim) +
+               (split ? (path == Path::kSplit ? " split" : " split cpu-order")
+                      : (mma ? " mma" : " reference")) +
+               (device_pos ? " positions" : " p0"));
   std::mt19937 rng(seed);
   const int W = 40, k = 60, entries = 300;
   const auto q = normal_bf16(size_t(T) * H * hd, rng, 2.5f);
@@ -412,11 +509,12 @@ void check_attn_rope(int T, int H, int hd, int rope_dim, Path path, bool device_
 TEST(CudaOpsAttention, RopeEqualsSeparateRopes) {
   UF_REQUIRE_GPU();
   uint32_t seed = 900;
-  for (Path path : {Path::kSplit, Path::kReference})
+  for (Path path : {Path::kSplit, Path::kSplitCpuOrder, Path::kReference})
     for (bool device_pos : {true, false}) {
       check_attn_rope(7, 8, 512, 64, path, device_pos, seed++);
       check_attn_rope(3, 4, 100, 36, path, device_pos, seed++);
       check_attn_rope(3, 4, 100, 30, path, device_pos, seed++);
+      check_attn_rope(5, 12, 128, 64, path, device_pos, seed++);
     }
   for (bool device_pos : {true, false}) {  // sparse_attn_mma: head_dim a multiple of 32
     check_attn_rope(70, 8, 512, 64, Path::kMma, device_pos, seed++);

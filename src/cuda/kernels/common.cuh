@@ -246,6 +246,20 @@ __device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t (&r)[4]) {
                : "r"(addr));
 }
 
+// The same, each matrix transposed (lane l of matrix i gets its elements (2 (l % 4), l / 4) and
+// (2 (l % 4) + 1, l / 4)): a row-major [k][n] tile as the mma's A or B fragment along k.
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t addr, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+// Two 8 x 8 b16 matrices (lanes 0..15 give the row addresses).
+__device__ __forceinline__ void ldsm_x2(uint32_t addr, uint32_t (&r)[2]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];"
+               : "=r"(r[0]), "=r"(r[1])
+               : "r"(addr));
+}
+
 // ---- Thread-block clusters (sm_90+) ----
 __device__ __forceinline__ uint32_t cluster_ctarank() {
   uint32_t r;

@@ -18,8 +18,12 @@
 // i.e. correctly rounded, so the two agree except when the exact value is within ~0.002 ulp of a
 // rounding boundary. That is the only source of difference from the CPU (tests allow 1 bf16 ulp).
 //
-// Fast (chunked) path (a scratch buffer given; the decode callers): three PDL launches (each
-// starts with griddepcontrol.wait), reproducing the CPU's p values and bf16 roundings exactly.
+// Fast (chunked) path (a scratch buffer given; the decode callers): chunk records of 16 slots,
+// then the merge (3. below). By default the records come from ONE kernel on the tensor cores
+// (attention_chunk_mma.cu: bf16 mma products, each chunk's p against its own max; not the CPU's
+// bits); with set_sparse_attn_chunk_mma(false), or where that kernel does not apply, from the
+// CPU-order kernels 1 and 2 here. Those three PDL launches (each starts with
+// griddepcontrol.wait) reproduce the CPU's p values and bf16 roundings exactly.
 //  1. scores: one CTA of 128 threads per (16 slots, row, group of 8 heads; 4 while the 4-head
 //     grid stays within 3 waves of the SMs, same bits) stages the slots' KV rows in shared memory
 //     (16-byte cp.async) and writes s_j = dot8(q_h, k_j) * scale for its heads (-inf for empty
@@ -67,6 +71,7 @@
 #include "cuda/kernels/probe.cuh"
 #include "cuda/ops/attention.h"
 #include "cuda/ops/attention_slots.cuh"
+#include "cuda/ops/attention_split.cuh"
 #include "cuda/ops/elementwise.h"
 #include "cuda/ops/elementwise_common.cuh"
 
@@ -89,12 +94,16 @@ static_assert(kScoreThreads == kScoreChunk * 2 * 4, "one thread per work item");
 __device__ __forceinline__ float exp_rn(float x) { return float(exp(double(x))); }
 
 int g_chunk_override = 0;  // sparse_attn_chunk_override (benchmarks)
+bool g_chunk_mma = true;   // set_sparse_attn_chunk_mma
 int fast_chunk(int n_slots) {
   (void)n_slots;  // chunks of 16: 40 CTAs a row for 128 + 512 slots
   return g_chunk_override ? g_chunk_override : 16;
 }
 int fast_chunks(int n_slots) { return (n_slots + fast_chunk(n_slots) - 1) / fast_chunk(n_slots); }
-constexpr int kMinChunk = 16;  // the scratch is sized for chunks of 16 (any rule above fits)
+using attn_split::kMinChunk;  // the scratch is sized for chunks of 16 (any rule above fits)
+using attn_split::scratch_cmax;
+using attn_split::scratch_scores;
+using attn_split::scratch_stats;
 static_assert(kBlock % 32 == 0 && kBlock % kMinChunk == 0, "a chunk lies inside one 64-block");
 
 // Row stride of the staged KV rows in float4s: odd, so that 8 lanes reading 8 different rows at
@@ -136,18 +145,6 @@ __host__ __device__ inline PvSmem pv_smem(int S, int hd) {
   m.ps = m.red + size_t(pv_groups(hd / 4) - 1) * kHeadGroup * hd;
   m.total = (m.ps + size_t(S) * kHeadGroup) * sizeof(float);
   return m;
-}
-
-// The scratch: acc [T, H, nc, hd], stats [T, H, nc, 2] (M_b, psum), scores [T, H, n_slots],
-// then the max of each 16-slot score chunk [T, H, n16] (n16 = ceil(n_slots / 16)).
-__host__ __device__ inline size_t scratch_stats(int T, int H, int hd, int nc) {
-  return size_t(T) * H * nc * hd;
-}
-__host__ __device__ inline size_t scratch_scores(int T, int H, int hd, int nc) {
-  return size_t(T) * H * nc * (hd + 2);
-}
-__host__ __device__ inline size_t scratch_cmax(int T, int H, int hd, int nc, int n_slots) {
-  return scratch_scores(T, H, hd, nc) + size_t(T) * H * n_slots;
 }
 
 // The pointer of slot j of row t (nullptr: empty), for the P.V kernel BEFORE its PDL wait: the
@@ -573,15 +570,16 @@ __global__ void __launch_bounds__(kMergeWarps * 32)
   // weights; the positions are the step block's (uploaded before the step's first kernel) and,
   // whoever wrote them, were complete when this grid started: it launches only once every P.V
   // CTA has executed launch_dependents, after its wait, i.e. after the scores kernel completed,
-  // which in turn had waited for every earlier grid. So the inverse rope's (cos, sin) of the
-  // output's two pairs per float4 column (rope_cos_sin: the same call on the same inputs as after
-  // the wait) are computed here, off the chain: lane (warp w < 2, column f) that of pair w, into
-  // rcs[w] (one call a thread: no value lives across the double sincos's slow-path call), read by
-  // warp 0 after the barrier before the final sum. ld.global.cg: no line an earlier grid left in
-  // L1 is read.
-  // The next kernel may launch now (session 20: wo_a's 4 MB of weights then land while this
-  // runs, not after: 7-row step -75 us, 1 row -60, 4 rows +40): whatever follows reads before its
-  // wait only weights (wo_a, DenseMma), or nothing (the next row chunk's scores kernel).
+  // which in turn had waited for every earlier grid (or, on the tensor-core records, once every
+  // attention_chunk_mma CTA has passed its own wait, which returns after every earlier grid). So
+  // the inverse rope's (cos, sin) of the output's two pairs per float4 column (rope_cos_sin: the
+  // same call on the same inputs as after the wait) are computed here, off the chain: lane (warp w
+  // < 2, column f) that of pair w, into rcs[w] (one call a thread: no value lives across the double
+  // sincos's slow-path call), read by warp 0 after the barrier before the final sum. ld.global.cg:
+  // no line an earlier grid left in L1 is read. The next kernel may launch now (session 20: wo_a's
+  // 4 MB of weights then land while this runs, not after: 7-row step -75 us, 1 row -60, 4 rows
+  // +40): whatever follows reads before its wait only weights (wo_a, DenseMma), or nothing (the
+  // next row chunk's scores kernel).
   detail::pdl_trigger();
   const float sink_h = __ldcg(sink + h);
   const int r0 = hd - rope.rope_dim;
@@ -856,6 +854,20 @@ void sparse_attn(const float* q, int T, int H, int hd, const float* const* windo
   if (split_scratch && hd % 4 == 0 && n_slots > 0 && int64_t(T) * H <= 65535 && aligned &&
       fast_chunks(n_slots) <= 2048 && merge_rope) {
     const int nc = fast_chunks(n_slots);
+    const auto merge = [&] {
+      const dim3 grid(unsigned((hd + kMergeCols - 1) / kMergeCols), unsigned(T * H));
+      detail::launch_pdl(sparse_attn_merge_kernel, grid, dim3(kMergeWarps * 32),
+                         size_t(kMergeWarps) * size_t(nc) * sizeof(float), stream,
+                         static_cast<const float*>(split_scratch), T, H, hd, nc, sink, rope, out);
+    };
+    // The chunk records on the tensor cores (attention_chunk_mma.cu), where they apply.
+    static_assert(attn_split::kChunkMmaSlots == 16, "the records of chunks of fast_chunk's 16");
+    if (g_chunk_mma && fast_chunk(n_slots) == attn_split::kChunkMmaSlots &&
+        attn_split::launch_chunk_mma(q, T, H, hd, window, n_window, topk, k, ckv, ckv_ref, scale,
+                                     rope, split_scratch, stream)) {
+      merge();
+      return;
+    }
     const unsigned n16 = unsigned((n_slots + kScoreChunk - 1) / kScoreChunk);
     // CTAs of 4 heads (each half the dot products, more CTAs) while their grid stays within 3
     // waves of the SMs: 1-4 rows of 640 slots at a TP8 rank's 8 heads (80-320 CTAs on 132 SMs);
@@ -879,10 +891,7 @@ void sparse_attn(const float* q, int T, int H, int hd, const float* const* windo
     const auto pv = fast_chunk(n_slots) == 16 ? (pv4 ? launch_pv<16, 4> : launch_pv<16, 8>)
                                               : (pv4 ? launch_pv<32, 4> : launch_pv<32, 8>);
     pv(T, H, hd, window, n_window, topk, k, ckv, ckv_ref, split_scratch, stream);
-    const dim3 grid(unsigned((hd + kMergeCols - 1) / kMergeCols), unsigned(T * H));
-    detail::launch_pdl(sparse_attn_merge_kernel, grid, dim3(kMergeWarps * 32),
-                       size_t(kMergeWarps) * size_t(nc) * sizeof(float), stream,
-                       static_cast<const float*>(split_scratch), T, H, hd, nc, sink, rope, out);
+    merge();
     return;
   }
   const int64_t blocks = int64_t(T) * H;
@@ -903,6 +912,8 @@ size_t sparse_attn_scratch_floats(int T, int H, int hd, int n_slots) {
   // chunk maxes (one a chunk of 16).
   return size_t(std::max(T, 0)) * size_t(H) * chunks * size_t(hd + 2 + kMinChunk + 1);
 }
+
+void set_sparse_attn_chunk_mma(bool on) { g_chunk_mma = on; }
 
 void sparse_attn_chunk_override(int slots) {
   require(slots == 0 || slots == 16 || slots == 32,

@@ -24,13 +24,20 @@ namespace uf::cuda {
 // graphs replayed against different sessions (ckv is then ignored).
 // split_scratch (optional, device, sparse_attn_scratch_floats(T, H, hd, n) floats for any
 // n >= n_window + k, 16-byte aligned; no initial contents needed): the fast chunked path (every
-// span of CudaModel::attend; ops/attention.cu): a scores kernel (the CPU's s_j bits), a P.V kernel
-// per (chunk of 16 slots, row, 8 heads) that rounds p to bf16 relative to the CPU's running max of
-// the chunk's 64-slot block (the CPU's bf16(p) exactly), and a merge in chunk order; all launched
-// with PDL. Its result is the CPU's up to fp32 re-association of the sums (a rare bf16 ulp,
-// tests/cuda/test_ops_attention.cpp states the bound), not bit for bit; every order depends on
-// the slot count and hd only, never on T. hd % 4 != 0, unaligned q / out, or a rope whose rotated
-// channels do not start on a float4 take the reference path.
+// span of CudaModel::attend but prefill spans on sparse_attn_mma): a record per (chunk of 16
+// slots, row, head) and a merge in chunk order, all launched with PDL. The records come from
+//  - by default (hd % 16 == 0, hd <= 512): one kernel on the tensor cores per (chunk, row, 8
+//    heads) (ops/attention_chunk_mma.cu): bf16 mma.sync products (exact for the model's bf16 q
+//    and FP8 / FP4 QDQ KV values), each chunk's p rounded to bf16 against its own max. Within
+//    1 bf16 ulp + 2^-8 of the p-weighted mean |v| of the CPU (the bound sparse_attn_mma's tests
+//    state);
+//  - otherwise, or with set_sparse_attn_chunk_mma(false): a scores kernel (the CPU's s_j bits)
+//    and a P.V kernel that rounds p to bf16 against the CPU's running max of the chunk's 64-slot
+//    block (the CPU's bf16(p) exactly) (ops/attention.cu): the CPU's result up to fp32
+//    re-association of the sums (a rare bf16 ulp, tests/cuda/test_ops_attention.cpp).
+// Either way every order depends on the slot count and hd only, never on T (spec == plain).
+// hd % 4 != 0, unaligned q / out, or a rope whose rotated channels do not start on a float4 take
+// the reference path.
 // rope (optional): the attention's rotary embedding, bitwise rope(freqs, rope_dim, q, T, H, hd,
 // p0, 1, false, positions) on q before and rope(..., out, ..., inverse = true, ...) on the result
 // after: q's rotated channels are rotated as q is staged (q in memory stays as given), the
@@ -62,8 +69,12 @@ bool sparse_attn_mma(const float* q, int T, int H, int hd, const float* const* w
                      float* out, cudaStream_t stream, const float* const* ckv_ref = nullptr,
                      const AttnRope& rope = {});
 // Benchmarks only (not thread-safe): 16 or 32 makes every later chunked call use chunks of that
-// many slots; 0 restores the default (16).
+// many slots on the CPU-order kernels; 0 restores the default (16).
 void sparse_attn_chunk_override(int slots);
+// The split path's chunk records: true (default) = the tensor-core kernel where it applies,
+// false = the CPU-order scores + P.V kernels. Process-wide, for tests and benchmarks (decode
+// rows and the CPU comparison: tests/cuda/test_ops_attention.cpp); not thread-safe.
+void set_sparse_attn_chunk_mma(bool on);
 
 // cpu::index_scores_row for T rows: score[t, i] for i < width[t] (i >= vis[t]: -inf); entries
 // width[t] <= i < max_width are left untouched. q: [T, n_heads, head_dim] (FP4 QDQ values),
