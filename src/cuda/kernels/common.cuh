@@ -76,6 +76,16 @@ __device__ __forceinline__ uint32_t bf16x2_bits(__nv_bfloat162 v) {
   return u;
 }
 
+// Two fp32 values rounded to bf16 (nearest even) as one mma operand register (lo = .x).
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  return bf16x2_bits(__floats2bfloat162_rn(lo, hi));
+}
+
+// A generic pointer into shared memory as its 32-bit shared-window address (ldmatrix, cp.async).
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return uint32_t(__cvta_generic_to_shared(p));
+}
+
 // bf16 storage back to fp32 (a shift; exact): the KV store's index keys (cuda_session.h).
 __device__ __forceinline__ float bf16_bits_to_f32(uint32_t h) { return __uint_as_float(h << 16); }
 __device__ __forceinline__ float bf16_at(const uint16_t* p) { return bf16_bits_to_f32(__ldg(p)); }

@@ -56,6 +56,9 @@
 namespace uf::cuda::attn_split {
 namespace {
 
+using detail::pack_bf16x2;
+using detail::smem_addr;
+
 // Where the kernel lets the merge launch (PDL; a build knob for A/B runs): 0 right after its
 // wait, 1 (default) once the KV rows and q are staged, 2 after the softmax. The merge triggers at
 // its start, so wo_a's CTAs launch with it and copy 4 MB of weights before their wait (and the
@@ -102,8 +105,8 @@ struct GridWalk {
 };
 
 // Shared memory (bytes). kv: the chunk's KV rows, bf16 [16][hd + 8]; qhi / qlo: bf16 [8][hd + 8]
-// (a row is an odd multiple of 8 bytes past a multiple of 32 words, so the 8 rows of an
-// ldmatrix hit distinct banks); s: the warps' S partials fp32 [4][8][17]; p: bf16 [8][24].
+// (with hd % 16 == 0 a row is an odd number of 16-byte units, so the 8 rows of an ldmatrix hit
+// distinct banks); s: the warps' S partials fp32 [8][8][17]; p: bf16 [8][24] (3 units a row).
 struct Smem {
   size_t kv, qhi, qlo, s, p, total;
 };
@@ -119,13 +122,6 @@ __host__ __device__ inline Smem smem_layout(int hd) {
   return m;
 }
 static_assert(size_t(kWarps) * kHeads * kSStride * 4 % 16 == 0, "P stays 16-byte aligned");
-
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-  return detail::bf16x2_bits(__floats2bfloat162_rn(lo, hi));
-}
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return uint32_t(__cvta_generic_to_shared(p));
-}
 
 __global__ void __launch_bounds__(kThreads, kMinBlocks)
     sparse_attn_chunk_mma_kernel(const float* __restrict__ q, int H, int hd,

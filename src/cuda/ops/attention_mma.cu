@@ -51,6 +51,9 @@
 namespace uf::cuda {
 namespace {
 
+using detail::pack_bf16x2;
+using detail::smem_addr;
+
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
 constexpr int kHeads = 8;   // the N of both products: heads per CTA
@@ -87,9 +90,6 @@ static_assert(kBlock * (kMaxHd + 8) * 2 >= kHeads * (kMaxHd + 4) * 4,
 
 __device__ __forceinline__ float exp_rn(float x) { return float(exp(double(x))); }
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return uint32_t(__cvta_generic_to_shared(p));
-}
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -99,9 +99,6 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(smem_addr(p)));
-}
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-  return detail::bf16x2_bits(__floats2bfloat162_rn(lo, hi));
 }
 
 __global__ void __launch_bounds__(kThreads, 2)

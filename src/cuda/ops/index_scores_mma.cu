@@ -45,6 +45,8 @@
 namespace uf::cuda {
 namespace {
 
+using detail::pack_bf16x2;
+
 constexpr int kHd = 128;
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
@@ -60,11 +62,6 @@ constexpr int kMaxRows = 8;
 // 4390 / 7157 at 3 (docs/perf.md, session 22).
 constexpr int kDecodeMinBlocks = UF_IDX_MMA_MIN_BLOCKS;
 constexpr int kQStride = kHd + 8;  // bf16 per q column in shared memory (272 B: 4 mod 32 words)
-
-// Two fp32 values (q: exact in bf16 for the model's operands) as one bf16x2 operand register.
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-  return detail::bf16x2_bits(__floats2bfloat162_rn(lo, hi));
-}
 
 // Shared memory: q [kMaxCols][kQStride] bf16, w [kMaxCols] fp32, per warp terms [16][cols + 1]
 // (16-byte multiple); the span kernel adds the next group's q copy, fp32 [cols][128].
