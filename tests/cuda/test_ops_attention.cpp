@@ -92,23 +92,28 @@ class ChunkRecords {
   ChunkRecords& operator=(const ChunkRecords&) = delete;
 };
 
+// Bounds against the CPU, by the records a check runs:
+//
 // split, CPU order: the fast chunked path's CPU-order records (scores kernel, P.V per chunk of 16
-// slots for 8 heads, merge in chunk order; ops/attention.cu). It computes every s_j bit for bit as
-// the CPU (dot8 lanes, no FMA), takes each chunk's base from the CPU's running max after its
+// slots for 8 heads, merge in chunk order; ops/attention.cu). It computes every s_j bit for bit
+// as the CPU (dot8 lanes, no FMA), takes each chunk's base from the CPU's running max after its
 // 64-slot block and the same exp, so every bf16(p_j) equals the CPU's; only the fp32 sums are
-// re-associated (P.V with FMAs per chunk, slot groups, chunk weights w_c = exp(M_b - M) instead of
-// the CPU's running products of exp(m - m_new)). Each side's sum has an error below ~80 * 2^-24 of
-// sum_j p_j |v_j[d]| (its longest addition chain is under 80 steps), so the two differ by at most
-// 2^-16 of the weighted mean |v|, on top of which the final bf16 rounding may flip: bound per
-// output 1 bf16 ulp + 2^-16 * sum_j p_j |v_j[d]| / sum_j p_j (exact softmax in double). Such flips
-// are rare (the sums differ by ~1e-6 relative): more than 1% of outputs not bitwise equal to the
-// CPU fails. spec == plain is checked bitwise. mma (sparse_attn_mma, tensor cores; and the split
-// path's tensor-core records, whose bf16(p_j) is taken against the chunk's own max: within 2^-9 of
-// the exact p_j like the CPU's, so at most 2^-8 apart): s_j is re-associated (and, for an fp32 q,
-// carries the hi / lo split's 2^-17), ~1e-6 relative, which flips bf16(p_j) by one bf16 ulp (2^-8
-// relative) for a rare slot: bound per output 1 bf16 ulp + 2^-8 * the p-weighted mean |v| (a flip
-// of the heaviest slot's p at most; a wrong slot, head or block would be off by O(1) of it).
-// Repeats and 1-row calls are checked bitwise (the kernel's result never depends on other rows).
+// re-associated (P.V with FMAs per chunk, slot groups, chunk weights w_c = exp(M_b - M) instead
+// of the CPU's running products of exp(m - m_new)). Each side's sum has an error below
+// ~80 * 2^-24 of sum_j p_j |v_j[d]| (its longest addition chain is under 80 steps), so the two
+// differ by at most 2^-16 of the weighted mean |v|, on top of which the final bf16 rounding may
+// flip: bound per output 1 bf16 ulp + 2^-16 * sum_j p_j |v_j[d]| / sum_j p_j (exact softmax in
+// double). Such flips are rare (the sums differ by ~1e-6 relative): more than 1% of outputs not
+// bitwise equal to the CPU fails. spec == plain is checked bitwise.
+//
+// mma (sparse_attn_mma, tensor cores; and the split path's tensor-core records): s_j is
+// re-associated (and, for an fp32 q, carries the hi / lo split's 2^-17), ~1e-6 relative, which
+// flips bf16(p_j) by one bf16 ulp (2^-8 relative) for a rare slot; the split path's records also
+// round p_j against their chunk's own max, not the CPU's running max: each bf16(p_j) is within
+// 2^-9 of the exact p_j, like the CPU's, so the two are at most 2^-8 apart. Bound per output
+// 1 bf16 ulp + 2^-8 * the p-weighted mean |v| (a flip of the heaviest slot's p at most; a wrong
+// slot, head or block would be off by O(1) of it). Repeats and 1-row calls are checked bitwise
+// (the kernels' results never depend on other rows).
 // fp32_q: q with full fp32 mantissas (the split's lo half is exercised); else bf16 values.
 void check_sparse_attn(const AttnCase& c, uint32_t seed, Path path = Path::kReference,
                        bool fp32_q = false, bool chunks32 = false) {
