@@ -49,6 +49,7 @@
 #include "cuda/cuda_check.h"
 #include "cuda/kernels/common.cuh"
 #include "cuda/kernels/probe.cuh"
+#include "cuda/ops/attention_mma_tile.cuh"
 #include "cuda/ops/attention_slots.cuh"
 #include "cuda/ops/attention_split.cuh"
 #include "cuda/ops/elementwise_common.cuh"
@@ -104,22 +105,11 @@ struct GridWalk {
   }
 };
 
-// Shared memory (bytes). kv: the chunk's KV rows, bf16 [16][hd + 8]; qhi / qlo: bf16 [8][hd + 8]
-// (with hd % 16 == 0 a row is an odd number of 16-byte units, so the 8 rows of an ldmatrix hit
-// distinct banks); s: the warps' S partials fp32 [8][8][17]; p: bf16 [8][24] (3 units a row).
-struct Smem {
-  size_t kv, qhi, qlo, s, p, total;
-};
-__host__ __device__ inline Smem smem_layout(int hd) {
-  Smem m{};
-  const size_t row = size_t(hd + 8) * 2;
-  m.kv = 0;
-  m.qhi = m.kv + kChunk * row;
-  m.qlo = m.qhi + kHeads * row;
-  m.s = m.qlo + kHeads * row;
-  m.p = m.s + size_t(kWarps) * kHeads * kSStride * 4;
-  m.total = m.p + size_t(kHeads) * kPStride * 2;
-  return m;
+// Shared memory (attention_mma_tile.cuh): kv the chunk's 16 KV rows, qhi / qlo, s: the warps'
+// S partials fp32 [8][8][17], p: bf16 [8][24] (3 16-byte units a row).
+__host__ __device__ inline AttnMmaSmem smem_layout(int hd) {
+  return attn_mma_smem(hd, kChunk, kHeads, size_t(kWarps) * kHeads * kSStride * 4,
+                       size_t(kHeads) * kPStride * 2);
 }
 static_assert(size_t(kWarps) * kHeads * kSStride * 4 % 16 == 0, "P stays 16-byte aligned");
 
@@ -132,7 +122,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ const float* slot[kChunk];
   __shared__ float2 rope_cs[kMaxHd / 2];  // (cos, sin) of the row's rotated pairs (forward)
-  const Smem L = smem_layout(hd);
+  const AttnMmaSmem L = smem_layout(hd);
   __nv_bfloat16* kv = reinterpret_cast<__nv_bfloat16*>(smem + L.kv);
   __nv_bfloat16* qhi = reinterpret_cast<__nv_bfloat16*>(smem + L.qhi);
   __nv_bfloat16* qlo = reinterpret_cast<__nv_bfloat16*>(smem + L.qlo);
@@ -216,14 +206,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
         const float2 cs = rope_cs[(e + 2 * pr - r0) / 2];
         ew::rope_pair(x + 2 * pr, cs.x, cs.y);
       }
-    const __nv_bfloat162 hi01 = __floats2bfloat162_rn(x[0], x[1]);
-    const __nv_bfloat162 hi23 = __floats2bfloat162_rn(x[2], x[3]);
-    // x - hi is exact in fp32 (hi is x rounded to 8 significant bits).
-    *reinterpret_cast<uint2*>(qhi + h * rs + e) =
-        make_uint2(detail::bf16x2_bits(hi01), detail::bf16x2_bits(hi23));
-    *reinterpret_cast<uint2*>(qlo + h * rs + e) =
-        make_uint2(pack_bf16x2(x[0] - __low2float(hi01), x[1] - __high2float(hi01)),
-                   pack_bf16x2(x[2] - __low2float(hi23), x[3] - __high2float(hi23)));
+    const uint2 a = attn_q_hi_lo(x[0], x[1]), b = attn_q_hi_lo(x[2], x[3]);
+    *reinterpret_cast<uint2*>(qhi + h * rs + e) = make_uint2(a.x, b.x);
+    *reinterpret_cast<uint2*>(qlo + h * rs + e) = make_uint2(a.y, b.y);
   }
   GridWalk wk(tid, hd4);  // (slot, column): the KV items again
 #pragma unroll

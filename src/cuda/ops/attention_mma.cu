@@ -45,6 +45,7 @@
 #include "cuda/cuda_check.h"
 #include "cuda/kernels/common.cuh"
 #include "cuda/ops/attention.h"
+#include "cuda/ops/attention_mma_tile.cuh"
 #include "cuda/ops/attention_slots.cuh"
 #include "cuda/ops/elementwise_common.cuh"
 
@@ -67,39 +68,17 @@ constexpr int kLoadUnroll = 8;
 static_assert(kWarps == kHeads, "softmax: one warp a head");
 static_assert(kBlock == 4 * 16, "S: four 16-slot M tiles, two d halves over the 8 warps");
 
-// Shared memory (bytes). kv: the block's KV rows bf16 [64][hd + 8] (a row is an odd number of
-// 16-byte units: ldmatrix rows hit distinct banks); also q's fp32 staging at the start and the
-// output's at the end. qhi / qlo: bf16 [8][hd + 8]. s: the two d halves' S, fp32 [2][8][68].
+// Shared memory (attention_mma_tile.cuh): kv the block's 64 KV rows (also q's fp32 staging at
+// the start and the output's at the end), qhi / qlo, s: the two d halves' S, fp32 [2][8][68],
 // p: bf16 [8][72].
-struct Smem {
-  size_t kv, qhi, qlo, s, p, total;
-};
-__host__ __device__ inline Smem smem_layout(int hd) {
-  Smem m{};
-  const size_t row = size_t(hd + 8) * 2;
-  m.kv = 0;
-  m.qhi = m.kv + kBlock * row;
-  m.qlo = m.qhi + kHeads * row;
-  m.s = m.qlo + kHeads * row;
-  m.p = m.s + size_t(2) * kHeads * kSStride * 4;
-  m.total = m.p + size_t(kHeads) * kPStride * 2;
-  return m;
+__host__ __device__ inline AttnMmaSmem smem_layout(int hd) {
+  return attn_mma_smem(hd, kBlock, kHeads, size_t(2) * kHeads * kSStride * 4,
+                       size_t(kHeads) * kPStride * 2);
 }
 static_assert(kBlock * (kMaxHd + 8) * 2 >= kHeads * (kMaxHd + 4) * 4,
               "the output's fp32 staging fits the KV tile");
 
 __device__ __forceinline__ float exp_rn(float x) { return float(exp(double(x))); }
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p)));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p)));
-}
 
 __global__ void __launch_bounds__(kThreads, 2)
     sparse_attn_mma_kernel(const float* __restrict__ q, int H, int hd, const float* const* window,
@@ -111,7 +90,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   __shared__ uint32_t present_sh[2];
   __shared__ float sc_sh[kHeads], den_sh[kHeads];
   __shared__ float2 rope_cs[kMaxHd / 2];  // (cos, sin) of the row's rotated pairs (forward)
-  const Smem L = smem_layout(hd);
+  const AttnMmaSmem L = smem_layout(hd);
   __nv_bfloat16* kv = reinterpret_cast<__nv_bfloat16*>(smem + L.kv);
   __nv_bfloat16* qhi = reinterpret_cast<__nv_bfloat16*>(smem + L.qhi);
   __nv_bfloat16* qlo = reinterpret_cast<__nv_bfloat16*>(smem + L.qlo);
@@ -145,10 +124,9 @@ __global__ void __launch_bounds__(kThreads, 2)
   for (int i = tid; i < kHeads * hd / 2; i += kThreads) {
     const int h = i / (hd / 2), e = 2 * (i - h * (hd / 2));
     const float x0 = qf[h * hd + e], x1 = qf[h * hd + e + 1];
-    const __nv_bfloat162 hi = __floats2bfloat162_rn(x0, x1);
-    const float r0 = x0 - __low2float(hi), r1 = x1 - __high2float(hi);  // exact
-    *reinterpret_cast<__nv_bfloat162*>(qhi + h * rs + e) = hi;
-    *reinterpret_cast<__nv_bfloat162*>(qlo + h * rs + e) = __floats2bfloat162_rn(r0, r1);
+    const uint2 hl = attn_q_hi_lo(x0, x1);
+    *reinterpret_cast<uint32_t*>(qhi + h * rs + e) = hl.x;
+    *reinterpret_cast<uint32_t*>(qlo + h * rs + e) = hl.y;
   }
   // (The barrier at the top of the block loop orders these reads before the KV stores.)
 
@@ -214,8 +192,8 @@ __global__ void __launch_bounds__(kThreads, 2)
           (lane < 16 ? qhi : qlo) + (lane & 7) * rs + d0 + 8 * ((lane >> 3) & 1);
       for (int ks = 0; ks < hd / 32; ++ks) {
         uint32_t a[4], b[4];
-        ldmatrix_x4(a, arow + 16 * ks);
-        ldmatrix_x4(b, brow + 16 * ks);
+        detail::ldsm_x4(smem_addr(arow + 16 * ks), a);
+        detail::ldsm_x4(smem_addr(brow + 16 * ks), b);
         detail::mma_bf16(sacc, a[0], a[1], a[2], a[3], b[0], b[1]);  // q hi
         detail::mma_bf16(sacc, a[0], a[1], a[2], a[3], b[2], b[3]);  // q lo
       }
@@ -260,8 +238,8 @@ __global__ void __launch_bounds__(kThreads, 2)
     {
       uint32_t bp[2][4];  // P^T fragments of the 4 k-steps (16 slots each), two a load
       const __nv_bfloat16* prow = ps + (lane & 7) * kPStride + 8 * (lane >> 3);
-      ldmatrix_x4(bp[0], prow);
-      ldmatrix_x4(bp[1], prow + 32);
+      detail::ldsm_x4(smem_addr(prow), bp[0]);
+      detail::ldsm_x4(smem_addr(prow + 32), bp[1]);
       const float sc0 = sc_sh[2 * c], sc1 = sc_sh[2 * c + 1];
       const __nv_bfloat16* vrow = kv + ((lane & 7) + 8 * (lane >> 4)) * rs + 8 * ((lane >> 3) & 1);
 #pragma unroll
@@ -275,7 +253,7 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
         for (int ks = 0; ks < 4; ++ks) {
           uint32_t a[4];
-          ldmatrix_x4_trans(a, vrow + (16 * ks) * rs + 16 * tile);
+          detail::ldsm_x4_trans(smem_addr(vrow + (16 * ks) * rs + 16 * tile), a);
           detail::mma_bf16(acc[i], a[0], a[1], a[2], a[3], bp[ks / 2][2 * (ks % 2)],
                            bp[ks / 2][2 * (ks % 2) + 1]);
         }
@@ -338,7 +316,7 @@ bool sparse_attn_mma(const float* q, int T, int H, int hd, const float* const* w
       n_window + k == 0)
     return false;
   if (T == 0) return true;
-  const Smem L = smem_layout(hd);
+  const AttnMmaSmem L = smem_layout(hd);
   static detail::PerDeviceOnce once;
   once([&] {
     UF_CUDA_CHECK(cudaFuncSetAttribute(sparse_attn_mma_kernel,
