@@ -16,8 +16,8 @@
 // last column: outputs of the fast path that differ from the reference path (the CPU's arithmetic;
 // the tensor-core records round p against their chunk's max, so many outputs differ by a bf16 ulp)
 // and the largest difference, a sanity line only (tests/cuda/test_ops_attention.cpp is the check).
-// bytes = distinct KV rows touched x hd x 4 + q + out; GB/s = bytes / time; floor = bytes
-// at 4.1 TB/s.
+// bytes = distinct KV rows touched x hd x (4: window, 2: top-k bf16) + q + out; GB/s = bytes /
+// time; floor = bytes at 4.1 TB/s.
 //
 //   bench_cuda_attention [--reps N] [--copies N]
 
@@ -53,8 +53,8 @@ constexpr int kPrefillGroup = 64;           // rows per fast-path call of the pr
 constexpr double kFloorBytesPerUs = 4.1e6;  // 4.1 TB/s
 
 struct Layer {
-  float* ring = nullptr;  // [kWindow + kMaxT, kHd]
-  float* ckv = nullptr;   // [kEntries, kHd]
+  float* ring = nullptr;    // [kWindow + kMaxT, kHd]
+  uint16_t* ckv = nullptr;  // [kEntries, kHd] bf16, as sessions store it
 };
 
 struct Shape {
@@ -82,9 +82,9 @@ int main(int argc, char** argv) {
   const int ring_rows = kWindow + kMaxT;
   for (auto& L : layers) {
     UF_CUDA_CHECK(cudaMalloc(&L.ring, size_t(ring_rows) * kHd * sizeof(float)));
-    UF_CUDA_CHECK(cudaMalloc(&L.ckv, size_t(kEntries) * kHd * sizeof(float)));
+    UF_CUDA_CHECK(cudaMalloc(&L.ckv, size_t(kEntries) * kHd * sizeof(uint16_t)));
     fill_random_f32(L.ring, size_t(ring_rows) * kHd, seed++, 1.f, stream);
-    fill_random_f32(L.ckv, size_t(kEntries) * kHd, seed++, 1.f, stream);
+    fill_random_bf16(L.ckv, size_t(kEntries) * kHd, seed++, 1.f, stream);
   }
   float *q, *out, *sink, *scratch;
   const int max_slots = kWindow + 512 + 8;
@@ -116,12 +116,13 @@ int main(int argc, char** argv) {
     // Per copy: window pointers (row t at position P + t sees the W latest ring rows) and top-k.
     std::vector<const float**> dwin(static_cast<size_t>(copies));
     std::vector<int32_t*> dtopk(static_cast<size_t>(copies));
-    size_t rows_touched = 0;
+    double kv_bytes = 0;
     for (int c = 0; c < copies; ++c) {
       const Layer& L = layers[size_t(c)];
       std::vector<const float*> win(size_t(T) * W);
       std::vector<int32_t> topk(size_t(T) * std::max(k, 1), -1);
-      std::set<const float*> distinct;
+      std::set<const float*> distinct;         // window rows (fp32)
+      std::set<const uint16_t*> distinct_ckv;  // top-k rows (bf16)
       for (int t = 0; t < T; ++t) {
         for (int j = 0; j < W; ++j) {
           const float* p = L.ring + int64_t((t + j) % ring_rows) * kHd;
@@ -134,10 +135,11 @@ int main(int argc, char** argv) {
         std::sort(ids.begin(), ids.begin() + k);
         for (int j = 0; j < k; ++j) {
           topk[size_t(t) * k + j] = ids[size_t(j)];
-          distinct.insert(L.ckv + int64_t(ids[size_t(j)]) * kHd);
+          distinct_ckv.insert(L.ckv + int64_t(ids[size_t(j)]) * kHd);
         }
       }
-      if (c == 0) rows_touched = distinct.size();
+      if (c == 0)
+        kv_bytes = double(distinct.size()) * kHd * 4 + double(distinct_ckv.size()) * kHd * 2;
       UF_CUDA_CHECK(cudaMalloc(&dwin[size_t(c)], win.size() * sizeof(const float*)));
       UF_CUDA_CHECK(cudaMemcpy(dwin[size_t(c)], win.data(), win.size() * sizeof(const float*),
                                cudaMemcpyHostToDevice));
@@ -185,8 +187,7 @@ int main(int argc, char** argv) {
       mma_us = uf::bench::median_replay_us(g, stream, reps) / copies;
       UF_CUDA_CHECK(cudaGraphExecDestroy(g));
     }
-    const double bytes =
-        double(rows_touched) * kHd * 4 + 2.0 * double(T) * kH * kHd * 4;  // KV rows + q + out
+    const double bytes = kv_bytes + 2.0 * double(T) * kH * kHd * 4;  // KV rows + q + out
     // Sanity (the tests are the real check): copy 0 on both paths, outputs differing in bf16.
     const size_t n_out = size_t(T) * kH * kHd;
     std::vector<float> o_fast(n_out), o_ref(n_out);

@@ -59,6 +59,35 @@ class CudaBackendTest : public ::testing::Test {
     be.prefill(*s, prompt_, o, all ? std::span<float>(*all) : std::span<float>(last));
     return s;
   }
+  // The session's compressed KV and index keys live on the device as bf16 (cuda_session.h): a
+  // snapshot value bf16 cannot hold is refused with a clear error, never rounded silently. The
+  // snapshot goes through a CPU session (the same byte format), its first nonzero value of
+  // `field` scaled by 1 + 2^-10.
+  void expect_restore_refuses_inexact(std::vector<float> cpu::LayerState::*field,
+                                      const char* what) {
+    auto s = prefilled(*be_, nullptr);
+    cpu::CpuBackend cpu_be(tiny_a_dir(), map_);
+    auto cs = cpu_be.new_session(128);
+    cpu_be.restore(*cs, be_->snapshot(*s));
+    bool changed = false;
+    for (auto& L : dynamic_cast<cpu::CpuSession&>(*cs).layers)
+      for (float& x : L.*field)
+        if (!changed && x != 0.f) {
+          x *= 1.f + std::ldexp(1.f, -10);
+          changed = true;
+        }
+    ASSERT_TRUE(changed) << "the session has no nonzero " << what;
+    const auto bad = cpu_be.snapshot(*cs);
+    auto r = be_->new_session(128);
+    try {
+      be_->restore(*r, bad);
+      ADD_FAILURE() << "a snapshot with a " << what << " bf16 cannot hold was restored";
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find("not exact in bf16"), std::string::npos) << e.what();
+    }
+    auto cs2 = cpu_be.new_session(128);
+    EXPECT_NO_THROW(cpu_be.restore(*cs2, bad));
+  }
   std::vector<int64_t> map_;
   std::unique_ptr<CudaBackend> be_;
   std::vector<int32_t> prompt_, next_;
@@ -293,30 +322,11 @@ TEST_F(CudaBackendTest, SnapshotRestoreRoundTrip) {
 // is refused with a clear error, never rounded; the CPU backend takes the same bytes.
 TEST_F(CudaBackendTest, RestoreRefusesIndexKeysBf16CannotHold) {
   if (be_->config().index_source_layers.empty()) GTEST_SKIP() << "no indexer";
-  auto s = prefilled(*be_, nullptr);
-  // The snapshot through a CPU session (the same byte format), its first nonzero index key scaled
-  // by 1 + 2^-10: a value bf16 cannot hold.
-  cpu::CpuBackend cpu_be(tiny_a_dir(), map_);
-  auto cs = cpu_be.new_session(128);
-  cpu_be.restore(*cs, be_->snapshot(*s));
-  bool changed = false;
-  for (auto& L : dynamic_cast<cpu::CpuSession&>(*cs).layers)
-    for (float& x : L.ikeys)
-      if (!changed && x != 0.f) {
-        x *= 1.f + std::ldexp(1.f, -10);
-        changed = true;
-      }
-  ASSERT_TRUE(changed) << "the session has no nonzero index key";
-  const auto bad = cpu_be.snapshot(*cs);
-  auto r = be_->new_session(128);
-  try {
-    be_->restore(*r, bad);
-    ADD_FAILURE() << "a snapshot with an index key bf16 cannot hold was restored";
-  } catch (const std::exception& e) {
-    EXPECT_NE(std::string(e.what()).find("not exact in bf16"), std::string::npos) << e.what();
-  }
-  auto cs2 = cpu_be.new_session(128);
-  EXPECT_NO_THROW(cpu_be.restore(*cs2, bad));
+  expect_restore_refuses_inexact(&cpu::LayerState::ikeys, "index key");
+}
+
+TEST_F(CudaBackendTest, RestoreRefusesCompressedKvBf16CannotHold) {
+  expect_restore_refuses_inexact(&cpu::LayerState::ckv, "compressed KV value");
 }
 
 TEST_F(CudaBackendTest, DraftCloseToCpu) {

@@ -438,13 +438,14 @@ TEST_P(CudaFusedRows, CompressorEntriesBitwise) {
           // The fused launches (kv_program's).
           DeviceBuffer<float> e2(r == 1 ? wkv_rows : std::vector<float>(size_t(G) * hd));
           if (r > 1) e2.poison();
-          DeviceBuffer<float> k2(keys_in), ckv2(size_t(G) * hd);
-          DeviceBuffer<uint16_t> ik2(size_t(G) * ihd);
+          // The session's compressed KV and index keys are bf16 (cuda_session.h).
+          DeviceBuffer<float> k2(keys_in);
+          DeviceBuffer<uint16_t> ckv2(size_t(G) * hd), ik2(size_t(G) * ihd);
           ik2.poison();
           DeviceBuffer<float> rk2(rk0), rg2(rg0);
           ckv2.poison();
-          PtrCell<float*> ckv2c(ckv2.get()), rk2c(rk2.get()), rg2c(rg2.get());
-          PtrCell<uint16_t*> ik2c(ik2.get());
+          PtrCell<float*> rk2c(rk2.get()), rg2c(rg2.get());
+          PtrCell<uint16_t*> ckv2c(ckv2.get()), ik2c(ik2.get());
           RowChain src, lat, put[2], fin[2];
           src.rows = G;
           src.n = hd;
@@ -466,7 +467,7 @@ TEST_P(CudaFusedRows, CompressorEntriesBitwise) {
           lat.qdq = QdqKind::kFp4E4m3;
           lat.qdq_block = 16;
           lat.copy_n = dn.get();
-          lat.copy_dst = ckv2c.get();
+          lat.copy_dst_bf16 = ckv2c.get();
           if (!keys) {
             src.freqs = lat.freqs;
             src.rope_dim = lat.rope_dim;
@@ -474,7 +475,7 @@ TEST_P(CudaFusedRows, CompressorEntriesBitwise) {
             src.qdq = lat.qdq;
             src.qdq_block = lat.qdq_block;
             src.copy_n = lat.copy_n;
-            src.copy_dst = lat.copy_dst;
+            src.copy_dst_bf16 = lat.copy_dst_bf16;
           }
           put[0].y = dkv.get();
           put[0].ring = rk2c.get();
@@ -509,8 +510,18 @@ TEST_P(CudaFusedRows, CompressorEntriesBitwise) {
           }
           sync_and_check();
           EXPECT_TRUE(same_bits(what + " latents", e2.download(), e1.download()));
-          EXPECT_TRUE(
-              same_bits(what + " ckv copy", ckv2.download(), ckv1.download(), size_t(n_emit) * hd));
+          {  // the bf16 copy holds the fp32 latents exactly (FP4 QDQ values); no row past n_emit
+            const auto cv = ckv2.download();
+            const size_t ne = size_t(n_emit) * hd;
+            auto want = ckv1.download();
+            want.resize(ne);
+            EXPECT_TRUE(same_bits(what + " ckv copy",
+                                  bf16_values(std::vector<uint16_t>(cv.begin(), cv.begin() + ne)),
+                                  want));
+            EXPECT_TRUE(std::all_of(cv.begin() + int64_t(ne), cv.end(),
+                                    [](uint16_t v) { return v == 0xFFFFu; }))
+                << what << ": ckv past the emitted rows was written";
+          }
           EXPECT_TRUE(same_bits(what + " raw kv ring", rk2.download(), rk1.download()));
           EXPECT_TRUE(same_bits(what + " raw gate ring", rg2.download(), rg1.download()));
           if (keys) {
@@ -544,7 +555,8 @@ TEST_P(CudaFusedRows, EntriesStrideBitwise) {
       const int64_t p0 = 4 * 77, stride = 4;
       const auto lat = randn(size_t(T) * d.hd, rng), keys = randn(size_t(T) * d.ihd, rng);
       DeviceBuffer<float> l1(lat), k1(keys), l2(lat), k2(keys);
-      DeviceBuffer<uint16_t> kb(size_t(T) * d.ihd);  // finish_entries' bf16 keys
+      // finish_entries' bf16 keys and latents
+      DeviceBuffer<uint16_t> kb(size_t(T) * d.ihd), lb(size_t(T) * d.hd);
       rms_norm(kn.dw, 1e-6f, k1.get(), T, d.ihd, k1.get(), nullptr);
       rope(freqs.get(), d.rope_dim, k1.get(), T, 1, d.ihd, p0, stride, false, nullptr);
       qdq_fp4_e8m0_scale(k1.get(), T, d.ihd, 32, nullptr);
@@ -562,6 +574,7 @@ TEST_P(CudaFusedRows, EntriesStrideBitwise) {
       c[1].y = l2.get();
       c[1].qdq = QdqKind::kFp4E4m3;
       c[1].qdq_block = 16;
+      c[1].y_bf16 = lb.get();
       for (RowChain& e : c) {
         e.rows = T;
         e.freqs = freqs.get();
@@ -574,6 +587,7 @@ TEST_P(CudaFusedRows, EntriesStrideBitwise) {
       EXPECT_TRUE(same_bits(what + " keys", k2.download(), k1.download()));
       EXPECT_TRUE(same_bits(what + " bf16 keys", bf16_values(kb.download()), k1.download()));
       EXPECT_TRUE(same_bits(what + " latents", l2.download(), l1.download()));
+      EXPECT_TRUE(same_bits(what + " bf16 latents", bf16_values(lb.download()), l1.download()));
     }
 }
 

@@ -161,7 +161,8 @@ void check_sparse_attn(const AttnCase& c, uint32_t seed, Path path = Path::kRefe
     }
   }
 
-  DeviceBuffer<float> dq(q), dwbank(wbank), dckv(ckv), dsink(sink);
+  DeviceBuffer<float> dq(q), dwbank(wbank), dsink(sink);
+  DeviceBuffer<uint16_t> dckv(bf16_bits(ckv));  // the session's compressed KV is bf16
   std::vector<const float*> wptr(std::max<size_t>(1, win.size()), nullptr);
   for (size_t i = 0; i < win.size(); ++i)
     wptr[i] = win[i] >= 0 ? dwbank.get() + int64_t(win[i]) * hd : nullptr;
@@ -399,7 +400,8 @@ TEST(CudaOpsAttention, ChunkMmaDispatch) {
     std::uniform_int_distribution<int> ent(0, entries - 1);
     std::vector<int32_t> topk(size_t(T) * k);
     for (auto& e : topk) e = ent(rng);
-    DeviceBuffer<float> dq(q), dwbank(wbank), dckv(ckv), dsink(sink);
+    DeviceBuffer<float> dq(q), dwbank(wbank), dsink(sink);
+    DeviceBuffer<uint16_t> dckv(bf16_bits(ckv));
     std::vector<const float*> wptr(size_t(T) * W);
     for (size_t i = 0; i < wptr.size(); ++i) wptr[i] = dwbank.get() + int64_t(i) * hd;
     DeviceBuffer<const float*> dwin(wptr);
@@ -429,6 +431,58 @@ TEST(CudaOpsAttention, ChunkMmaDispatch) {
       EXPECT_GT(diff, 0u) << "the tensor-core records should differ from the CPU-order ones";
     else
       EXPECT_EQ(diff, 0u) << "the CPU-order records should have run";
+  }
+}
+
+// The tensor-core chunk records at 1, 2, 4 and 8 heads a CTA (chunk_mma_heads splits a small
+// grid's heads over more CTAs): every split gives bitwise the 8-head CTAs' outputs (each head's
+// records depend on its own q column only), for head counts that leave a partial group (6, 12),
+// row counts on both sides of the rule, and the rule's own pick (override 0). The 8-head outputs
+// are the ones the CPU comparisons above check.
+TEST(CudaOpsAttention, ChunkMmaHeadsPerCtaBitwise) {
+  UF_REQUIRE_GPU();
+  struct Shape {
+    int T, H, hd;
+  };
+  for (const Shape sh : {Shape{1, 8, 512}, Shape{2, 8, 512}, Shape{3, 6, 128}, Shape{7, 12, 64},
+                         Shape{2, 1, 512}}) {
+    const int T = sh.T, H = sh.H, hd = sh.hd, W = 40, k = 60, entries = 200;
+    SCOPED_TRACE("T " + std::to_string(T) + " H " + std::to_string(H) + " hd " +
+                 std::to_string(hd));
+    std::mt19937 rng(500 + uint32_t(T * 100 + H));
+    const auto q = normal_bf16(size_t(T) * H * hd, rng, 2.5f);
+    const auto wbank = normal_bf16(size_t(T) * W * hd, rng, 1.f);
+    const auto ckv = normal_bf16(size_t(entries) * hd, rng, 1.f);
+    const auto sink = normal_bf16(size_t(H), rng, 1.f);
+    std::uniform_int_distribution<int> ent(-1, entries - 1);  // -1: an empty slot
+    std::vector<int32_t> topk(size_t(T) * k);
+    for (auto& e : topk) e = ent(rng);
+    DeviceBuffer<float> dq(q), dwbank(wbank), dsink(sink);
+    DeviceBuffer<uint16_t> dckv(bf16_bits(ckv));
+    std::vector<const float*> wptr(size_t(T) * W);
+    for (size_t i = 0; i < wptr.size(); ++i) wptr[i] = dwbank.get() + int64_t(i) * hd;
+    DeviceBuffer<const float*> dwin(wptr);
+    DeviceBuffer<int32_t> dtopk(topk);
+    DeviceBuffer<float> scratch(sparse_attn_scratch_floats(T, H, hd, W + k));
+    DeviceBuffer<float> out(size_t(T) * H * hd);
+    const float scale = float(std::pow(double(hd), -0.5));
+    auto run = [&](int heads) {
+      sparse_attn_chunk_heads_override(heads);
+      out.poison();
+      sparse_attn(dq.get(), T, H, hd, dwin.get(), W, dtopk.get(), k, dckv.get(), dsink.get(), scale,
+                  out.get(), nullptr, nullptr, scratch.get());
+      sparse_attn_chunk_heads_override(0);
+      sync_and_check();
+      return out.download();
+    };
+    const auto ref = run(8);
+    for (float v : ref) ASSERT_FALSE(std::isnan(v)) << "NaN in the 8-head outputs";
+    for (int heads : {1, 2, 4, 0}) {
+      const auto got = run(heads);
+      size_t diff = 0;
+      for (size_t i = 0; i < got.size(); ++i) diff += !bits_equal(got[i], ref[i]);
+      EXPECT_EQ(diff, 0u) << heads << " heads a CTA (0: the rule)";
+    }
   }
 }
 
@@ -465,7 +519,8 @@ void check_attn_rope(int T, int H, int hd, int rope_dim, Path path, bool device_
   std::vector<int64_t> pos(static_cast<size_t>(T));
   for (auto& p : pos) p = pos_d(rng);
   const int64_t p0 = pos_d(rng);
-  DeviceBuffer<float> dq(q), dwbank(wbank), dckv(ckv), dsink(sink), dfreqs(freqs);
+  DeviceBuffer<float> dq(q), dwbank(wbank), dsink(sink), dfreqs(freqs);
+  DeviceBuffer<uint16_t> dckv(bf16_bits(ckv));
   std::vector<const float*> wptr(size_t(T) * W);
   for (size_t i = 0; i < wptr.size(); ++i) wptr[i] = dwbank.get() + int64_t(i) * hd;
   DeviceBuffer<const float*> dwin(wptr);

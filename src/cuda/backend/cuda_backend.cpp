@@ -22,9 +22,10 @@ namespace {
 // CpuBackend's magic: the byte format is the same.
 constexpr uint32_t kSnapshotMagic = 0x55464331;  // "UFC1"
 
-// The session's bf16 index keys (cuda_session.h) in the snapshot's fp32 format and back. A value
-// that bf16 cannot hold exactly is refused: the CPU backend's keys are FP4 QDQ values, so such a
-// snapshot was not made by this model, and rounding it would change the scores silently.
+// The session's bf16 compressed KV and index keys (cuda_session.h) in the snapshot's fp32 format
+// and back. A value that bf16 cannot hold exactly is refused: the CPU backend's entries are FP4
+// QDQ values, so such a snapshot was not made by this model, and rounding it would change the
+// attention and the scores silently.
 std::vector<float> bf16_to_f32(const std::vector<uint16_t>& v) {
   std::vector<float> out(v.size());
   for (size_t i = 0; i < v.size(); ++i) out[i] = core::bf16_to_float(v[i]);
@@ -136,8 +137,7 @@ std::vector<uint8_t> snapshot_rank(CudaModel& m, const CudaSession& sess) {
       w.put_vec(buf);
       w.put_vec(r->pos);
     }
-    buf = download(L.ckv, size_t(L.ckv_n) * size_t(hd));
-    w.put_vec(buf);
+    w.put_vec(bf16_to_f32(download(L.ckv, size_t(L.ckv_n) * size_t(hd))));
     w.put_vec(bf16_to_f32(download(L.ikeys, size_t(L.ikeys_n) * size_t(ihd))));
   }
   UF_CUDA_CHECK(cudaGetLastError());
@@ -183,9 +183,11 @@ void restore_rank(CudaModel& m, CudaSession& sess, std::span<const uint8_t> byte
              "restore: layer {} compressed KV of {} values does not fit {} entries", l, buf.size(),
              L.ckv_cap);
     L.ckv_n = int64_t(buf.size() / size_t(hd));
-    if (!buf.empty())
+    if (!buf.empty()) {
+      const std::vector<uint16_t> ckv = f32_to_bf16_exact(buf, "compressed KV", l);
       UF_CUDA_CHECK(
-          cudaMemcpy(L.ckv, buf.data(), buf.size() * sizeof(float), cudaMemcpyHostToDevice));
+          cudaMemcpy(L.ckv, ckv.data(), ckv.size() * sizeof(uint16_t), cudaMemcpyHostToDevice));
+    }
     r.get_vec(buf, "index keys");
     UF_CHECK(buf.size() % size_t(ihd) == 0 &&
                  (buf.empty() || (L.ikeys && int64_t(buf.size() / size_t(ihd)) <= L.ckv_cap)),

@@ -469,7 +469,7 @@ std::unique_ptr<CudaSession> CudaModel::new_session(int64_t max_seq) {
     }
     if (r.kv_source && r.compress_ratio > 0) {
       L.ckv_cap = max_seq / r.compress_ratio + 1;
-      L.ckv = s->arena.alloc<float>(size_t(L.ckv_cap) * size_t(cfg_.head_dim));
+      L.ckv = s->arena.alloc<uint16_t>(size_t(L.ckv_cap) * size_t(cfg_.head_dim));
       if (r.index_source)
         L.ikeys = s->arena.alloc<uint16_t>(size_t(L.ckv_cap) * size_t(cfg_.index_head_dim));
     }
@@ -774,17 +774,18 @@ void CudaModel::kv_path(Span& sp, int l, const float* x) {
   auto& st = sp.s->layers[size_t(l)];
   const int hd = cfg_.head_dim, r = role.compress_ratio, T = sp.T;
   const float eps = float(cfg_.norm_eps);
-  // Entries of one span are consecutive (positions, or consecutive group ends), so the latents
-  // are written straight into the compressed KV at entries[0].
+  // Entries of one span are consecutive (positions, or consecutive group ends): the latents are
+  // computed in fp32 scratch (emit_, tmax rows) and go into the compressed KV at entries[0] as
+  // bf16 (finish_entries).
   int64_t e0 = 0;
   int n = 0;
-  float* lat = nullptr;
+  float* lat = emit_;
+  UF_CHECK(T <= tmax_, "layer {}: a span of {} rows exceeds the entry scratch of {}", l, T, tmax_);
   if (r == 1) {
     e0 = sp.pos[0];
     n = T;
     UF_CHECK(e0 + n <= st.ckv_cap, "layer {}: compressed KV of {} entries cannot take entry {}", l,
              st.ckv_cap, e0 + n - 1);
-    lat = st.ckv + e0 * hd;
     op.c_wkv.apply(x, T, lat, stream_);
     rms_norm(op.c_norm, eps, lat, T, hd, lat, stream_);
   } else {
@@ -812,7 +813,6 @@ void CudaModel::kv_path(Span& sp, int l, const float* x) {
       UF_CHECK(entries.back() < st.ckv_cap,
                "layer {}: compressed KV of {} entries cannot take entry {}", l, st.ckv_cap,
                entries.back());
-      lat = st.ckv + e0 * hd;
       to_device(pool_kv_ptrs_, kr);
       to_device(pool_gate_ptrs_, gr);
       compress_pool(pool_kv_ptrs_, pool_gate_ptrs_, n, r, hd, lat, stream_);
@@ -833,12 +833,13 @@ void CudaModel::kv_path(Span& sp, int l, const float* x) {
   const int64_t need = e0 + n;
   st.ckv_n = std::max(st.ckv_n, need);
   if (role.index_source) st.ikeys_n = std::max(st.ikeys_n, need);
-  finish_entries(l, lat, n, role.index_source ? st.ikeys + e0 * cfg_.index_head_dim : nullptr,
-                 e0 * r, r, nullptr);
+  finish_entries(l, lat, n, st.ckv + e0 * hd,
+                 role.index_source ? st.ikeys + e0 * cfg_.index_head_dim : nullptr, e0 * r, r,
+                 nullptr);
 }
 
-void CudaModel::finish_entries(int l, float* lat, int n, uint16_t* keys, int64_t p0, int64_t stride,
-                               const int64_t* pos) {
+void CudaModel::finish_entries(int l, float* lat, int n, uint16_t* lat_out, uint16_t* keys,
+                               int64_t p0, int64_t stride, const int64_t* pos) {
   const auto& op = *layers_[size_t(l)];
   // The keys' rms_norm + rope + FP4 (UE8M0 scales, blocks of 32) and the latents' rope + FP4 (E4M3
   // scales, blocks of 16) in one launch after i_wk (which reads the latents before their rope).
@@ -868,6 +869,7 @@ void CudaModel::finish_entries(int l, float* lat, int n, uint16_t* keys, int64_t
   }
   RowChain& v = c[nc++];
   entries(v, lat, cfg_.head_dim);
+  v.y_bf16 = lat_out;
   v.qdq = QdqKind::kFp4E4m3;
   v.qdq_block = 16;
   row_chains(c, nc, nullptr, stream_);
@@ -1002,7 +1004,7 @@ void CudaModel::indexer(Span& sp, int l, const float* x, const float* qr) {
 }
 
 void CudaModel::attend(int l, int T, const float* const* window, int n_window, const int32_t* topk,
-                       int k, const float* ckv, const float* const* ckv_ref, int64_t p0,
+                       int k, const uint16_t* ckv, const uint16_t* const* ckv_ref, int64_t p0,
                        const int64_t* pos) {
   const auto& op = *layers_[size_t(l)];
   const int H = H_, hd = cfg_.head_dim;
@@ -1040,7 +1042,7 @@ void CudaModel::attention(Span& sp, int l, const float* x, float* out) {
   project_qkv(l, x, T, sp.p0, qr_, q_, kv_);
   const int32_t* topk = nullptr;
   int k = 0;
-  const float* ckv = nullptr;
+  const uint16_t* ckv = nullptr;
   if (role.compress_ratio > 0) {
     if (role.kv_source && !sp.kv_done[size_t(l)]) kv_path(sp, l, x);
     if (role.index_source) indexer(sp, l, x, qr_);

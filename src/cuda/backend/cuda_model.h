@@ -385,21 +385,22 @@ class CudaModel {
   // grows with the rows): decode steps and draft blocks; prefill spans (T > decode_rows_) on the
   // tensor cores (sparse_attn_mma) unless opts_.prefill_attention_mma is off.
   void attend(int l, int T, const float* const* window, int n_window, const int32_t* topk, int k,
-              const float* ckv, const float* const* ckv_ref, int64_t p0, const int64_t* pos);
+              const uint16_t* ckv, const uint16_t* const* ckv_ref, int64_t p0, const int64_t* pos);
   void kv_path(Span& sp, int l, const float* x);
   void indexer(Span& sp, int l, const float* x, const float* qr);
   // Shared by the host-driven path and the span programs. Rows are at positions p0 + t * stride,
   // or pos[t] (device) when pos is given.
-  //   finish_entries: n pooled compressed entries `lat` [n, head_dim] (normed) become index keys
-  //     `keys` [n, index_head_dim] (index sources) and RoPE'd FP4 latents, in place.
+  //   finish_entries: n pooled compressed entries `lat` [n, head_dim] (normed, fp32 scratch)
+  //     become index keys `keys` [n, index_head_dim] (index sources) and RoPE'd FP4 latents (in
+  //     place, and as bf16 to `lat_out`; the keys as bf16 only).
   //   index_queries: the indexer's FP4 queries iq_ and bf16 head weights iw_ of T rows.
   //   index_select: scores against keys[t] (vis / width per row, device), candidate pool, top-k.
   //     stride: the score rows' stride for this call, >= every row's width and <= index_width_.
   //     Graph-captured steps use index_width_ (fixed per graph); eager spans (prefill chunks) the
   //     span's widest row (score_stride), so that a TP rank's all-reduce of the scores moves the
   //     live columns, not the session's capacity (512 rows x 250k columns at a 1M capacity).
-  void finish_entries(int l, float* lat, int n, uint16_t* keys, int64_t p0, int64_t stride,
-                      const int64_t* pos);
+  void finish_entries(int l, float* lat, int n, uint16_t* lat_out, uint16_t* keys, int64_t p0,
+                      int64_t stride, const int64_t* pos);
   void index_queries(int l, const float* x, const float* qr, int T, int64_t p0, const int64_t* pos);
   void index_select(int l, int T, const uint16_t* const* keys, const int32_t* vis,
                     const int32_t* width, int stride);

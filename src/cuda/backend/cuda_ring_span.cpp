@@ -170,7 +170,7 @@ void CudaModel::plan_ring_span(Span& sp, SpanBlock& b, std::span<const int32_t> 
                  "layer {}: compressed KV of {} entries cannot take entry {}", l, st.ckv_cap,
                  e0 + n - 1);
         *b.at<int32_t>(h, L.n_emit) = n;
-        *b.at<float*>(h, L.ckv_dst) = st.ckv + e0 * hd;
+        *b.at<uint16_t*>(h, L.ckv_dst) = st.ckv + e0 * hd;
         if (role.index_source) *b.at<uint16_t*>(h, L.ikey_dst) = st.ikeys + e0 * ihd;
         if (n > 0) {
           sp.emits_any[size_t(l)] = 1;
@@ -206,7 +206,7 @@ void CudaModel::plan_ring_span(Span& sp, SpanBlock& b, std::span<const int32_t> 
       UF_CHECK(role.topk_from < 0 || sp.topk_valid[size_t(role.topk_from)],
                "layer {}: its top-k comes from layer {}, which has not run its indexer", l,
                role.topk_from);
-      *b.at<const float*>(h, L.ckv_src) = s.layers[size_t(role.kv_from)].ckv;
+      *b.at<const uint16_t*>(h, L.ckv_src) = s.layers[size_t(role.kv_from)].ckv;
     }
     if (kv_only) continue;
     // The window rows before the span must still be in the ring; then the span's rows go in.
@@ -326,7 +326,7 @@ void CudaModel::attention_program(const SpanBlock& b, int l, const float* x, flo
   op.wq_b.apply(qr_, T, q_, stream_);
   const int32_t* topk = nullptr;
   int k = 0;
-  const float* const* ckv = nullptr;
+  const uint16_t* const* ckv = nullptr;
   if (kv_branch) join(0);
   if (index_branch) join(1);
   if (role.compress_ratio > 0) {
@@ -334,7 +334,7 @@ void CudaModel::attention_program(const SpanBlock& b, int l, const float* x, flo
       topk = topk_[size_t(role.topk_from)];
       k = cfg_.index_topk;
     }
-    ckv = b.at<const float*>(block_dev_, L.ckv_src);
+    ckv = b.at<const uint16_t*>(block_dev_, L.ckv_src);
   }
   if (!early) build_window_slots(pos, ws.p0, T, W, ring, slots, kv_, hd, win_ptrs_, stream_);
   attend(l, T, win_ptrs_, W, topk, k, nullptr, ckv, 0, pos);
@@ -374,7 +374,7 @@ void CudaModel::kv_program(const SpanBlock& b, int l, const float* x) {
   entries(lat);
   lat.qdq = QdqKind::kFp4E4m3;
   lat.qdq_block = 16;
-  lat.copy_dst = b.at<float*>(block_dev_, L.ckv_dst);
+  lat.copy_dst_bf16 = b.at<uint16_t*>(block_dev_, L.ckv_dst);
   if (!role.index_source) {  // the latents' chain continues the source's
     src.freqs = lat.freqs;
     src.rope_dim = lat.rope_dim;
@@ -382,7 +382,7 @@ void CudaModel::kv_program(const SpanBlock& b, int l, const float* x) {
     src.qdq = lat.qdq;
     src.qdq_block = lat.qdq_block;
     src.copy_n = lat.copy_n;
-    src.copy_dst = lat.copy_dst;
+    src.copy_dst_bf16 = lat.copy_dst_bf16;
   }
   RowChain c[3];
   int nc = 0;
@@ -600,7 +600,8 @@ void CudaModel::fast_forward(CudaSession& s, int64_t len, uint64_t seed) {
     fill(st.raw_kv);
     fill(st.raw_gate);
     if (st.ckv) {
-      random(st.ckv, size_t(st.ckv_cap) * size_t(cfg_.head_dim));
+      fill_random_bf16(st.ckv, size_t(st.ckv_cap) * size_t(cfg_.head_dim), ++fill_seed, 1.0f,
+                       stream_);
       st.ckv_n = std::min(st.ckv_cap, len / std::max(role.compress_ratio, 1));
     }
     if (st.ikeys) {

@@ -77,7 +77,9 @@ struct DeviceRing {
 struct CudaLayerState {
   DeviceRing window;            // window KV (FP8 QDQ values); DSpark stages: main_kv ring
   DeviceRing raw_kv, raw_gate;  // ratio > 1 KV sources: pre-pool compressor rows (fp32)
-  float* ckv = nullptr;         // KV sources: compressed entries [ckv_cap, head_dim] (FP4 QDQ)
+  // KV sources: compressed entries [ckv_cap, head_dim] (FP4 QDQ values) as bf16 bits, exact as
+  // the index keys below: half the bytes the attention gathers for its top-k slots.
+  uint16_t* ckv = nullptr;
   // KV sources with an indexer: [ckv_cap, index_head_dim] as bf16 bits. The keys are FP4 QDQ
   // values, exact in bf16 (core/quant.h), so this holds the CPU's fp32 keys at half the bytes
   // that the indexer streams every step (at 1M tokens: every visible key of 4 layers a step).

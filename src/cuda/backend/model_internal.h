@@ -91,9 +91,9 @@ struct CudaModel::SpanBlock {
     size_t pool_gate = 0;
     size_t n_emit = 0;    // int32: entries this span emits (<= gmax)
     size_t emit_pos = 0;  // int64 [gmax]: RoPE position of each emitted entry (entry * ratio)
-    size_t ckv_dst = 0;   // float*: where the first emitted entry goes in the compressed KV
+    size_t ckv_dst = 0;   // uint16_t*: where the first emitted entry goes in the compressed KV
     size_t ikey_dst = 0;  // uint16_t*: ... in the index keys (bf16)
-    size_t ckv_src = 0;   // const float*: the compressed KV the layer's top-k indexes
+    size_t ckv_src = 0;   // const uint16_t*: the compressed KV (bf16) the layer's top-k indexes
     size_t vis = 0;       // indexer: int32 [T] visible entries, int32 [T] scored width,
     size_t width = 0;     //          const uint16_t* [T] key banks (bf16)
     size_t keys = 0;

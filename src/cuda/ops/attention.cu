@@ -26,10 +26,11 @@
 // griddepcontrol.wait) reproduce the CPU's p values and bf16 roundings exactly.
 //  1. scores: one CTA of 128 threads per (16 slots, row, group of 8 heads; 4 while the 4-head
 //     grid stays within 3 waves of the SMs, same bits) stages the slots' KV rows in shared memory
-//     (16-byte cp.async) and writes s_j = dot8(q_h, k_j) * scale for its heads (-inf for empty
-//     slots) to the scratch [T, H, n_slots]: the CPU's dot8 lanes in the CPU's order with __fmul_rn
-//     / __fadd_rn, so every s_j has the CPU's bits; and the max of the 16 scores per head (so that
-//     kernel 2 reads 40 maxes, not 640 scores, for its base).
+//     (16-byte cp.async; window rows fp32, top-k rows as the session's bf16 into a side buffer,
+//     widened to fp32 once they land) and writes s_j = dot8(q_h, k_j) * scale for its heads (-inf
+//     for empty slots) to the scratch [T, H, n_slots]: the CPU's dot8 lanes in the CPU's order with
+//     __fmul_rn / __fadd_rn, so every s_j has the CPU's bits; and the max of the 16 scores per head
+//     (so that kernel 2 reads 40 maxes, not 640 scores, for its base).
 //  2. P.V: one CTA of 256 threads per (chunk of S = 16 slots, row, head group of 8, or of 4 on
 //     the scores' rule: same bits; 32 slots is kept for benchmarks,
 //     sparse_attn_chunk_override). Its slot pointers and KV rows are read BEFORE its PDL wait
@@ -93,8 +94,9 @@ static_assert(kScoreThreads == kScoreChunk * 2 * 4, "one thread per work item");
 
 __device__ __forceinline__ float exp_rn(float x) { return float(exp(double(x))); }
 
-int g_chunk_override = 0;  // sparse_attn_chunk_override (benchmarks)
-bool g_chunk_mma = true;   // set_sparse_attn_chunk_mma
+int g_chunk_override = 0;        // sparse_attn_chunk_override (benchmarks)
+bool g_chunk_mma = true;         // set_sparse_attn_chunk_mma
+int g_chunk_heads_override = 0;  // sparse_attn_chunk_heads_override (tests)
 int fast_chunk(int n_slots) {
   (void)n_slots;  // chunks of 16: 40 CTAs a row for 128 + 512 slots
   return g_chunk_override ? g_chunk_override : 16;
@@ -129,11 +131,16 @@ __host__ __device__ constexpr int score_q_stride4(int hd4) {
 __host__ __device__ inline size_t score_smem_q(int hd) {
   return size_t(kScoreChunk) * score_kv_stride4(hd / 4) * 4;
 }
-// (+ 2 float4s of slack: the dot loop's last prefetch reads up to 2 columns past a row.)
+// (+ 2 float4s of slack: the dot loop's last prefetch reads up to 2 columns past a row), then the
+// top-k rows' bf16 copies [16][hd] (score_smem_bf16: a 16-byte aligned offset).
 template <int kHeads>
-__host__ __device__ inline size_t score_smem_bytes(int hd) {
+__host__ __device__ inline size_t score_smem_bf16(int hd) {
   return (score_smem_q(hd) + size_t(kHeads) * score_q_stride4<kHeads>(hd / 4) * 4 + 8) *
          sizeof(float);
+}
+template <int kHeads>
+__host__ __device__ inline size_t score_smem_bytes(int hd) {
+  return score_smem_bf16<kHeads>(hd) + size_t(kScoreChunk) * hd * sizeof(uint16_t);
 }
 // Shared memory of the P.V kernel (floats): staged KV rows, the group sums, bf16(p) [S][8].
 struct PvSmem {
@@ -151,13 +158,15 @@ __host__ __device__ inline PvSmem pv_smem(int S, int hd) {
 // loads bypass L1 (ld.global.cg: L2 is the coherence point, so no line an earlier grid left in
 // this SM's L1 can be read), and the values were written by kernels that completed before the
 // scores kernel's wait returned (see sparse_attn_pv_kernel).
-__device__ __forceinline__ const float* ldcg_ptr(const float* const* p) {
-  return reinterpret_cast<const float*>(__ldcg(reinterpret_cast<const unsigned long long*>(p)));
+template <typename T>
+__device__ __forceinline__ const T* ldcg_ptr(const T* const* p) {
+  return reinterpret_cast<const T*>(__ldcg(reinterpret_cast<const unsigned long long*>(p)));
 }
-__device__ __forceinline__ const float* slot_ptr_cg(int t, int j, const float* const* window,
-                                                    int n_window, const int32_t* topk, int k,
-                                                    const float* ckv, const float* const* ckv_ref,
-                                                    int hd) {
+// Window slots point at fp32 rows, top-k slots at bf16 rows (attention_slots.cuh's KvRow).
+__device__ __forceinline__ const void* slot_ptr_cg(int t, int j, const float* const* window,
+                                                   int n_window, const int32_t* topk, int k,
+                                                   const uint16_t* ckv,
+                                                   const uint16_t* const* ckv_ref, int hd) {
   if (j < n_window) return ldcg_ptr(window + int64_t(t) * n_window + j);
   const int32_t e = __ldcg(topk + int64_t(t) * k + (j - n_window));
   if (ckv_ref) ckv = ldcg_ptr(ckv_ref);
@@ -169,41 +178,79 @@ __device__ __forceinline__ void cp_async16(float4* dst, const float4* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
 }
 
-// Stage rows slot[0 .. nb) (present ones) at kv4 + j * st4: 16-byte cp.async (all in flight at
-// once), or plain loads for a row that is not 16-byte aligned. The caller commits and waits.
-__device__ __forceinline__ void stage_rows(float4* kv4, int st4, const float* const* slot, int nb,
-                                           int hd4, int tid, int nthreads) {
-  for (int i = tid; i < nb * hd4; i += nthreads) {
+// Stage rows slot[0 .. nb) (present ones) at kv4 + j * st4: rows j < nfp are fp32 (window
+// slots), the rest bf16 (top-k slots: the session's compressed KV), staged as bf16 at the same row
+// base (a row's region holds 4 hd bytes; the bf16 row uses the first half; its readers take
+// kv_bf16_row). 16-byte cp.async (all in flight at once), or plain loads for a row that is not
+// 16-byte aligned. kCg: loads through L2 only (the P.V kernel's copies before its PDL wait, like
+// the cp.async.cg ones). The caller commits and waits.
+__device__ __forceinline__ void cp_async16_raw(void* dst, const void* src) {
+  const uint32_t d = uint32_t(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+}
+template <bool kCg>
+__device__ __forceinline__ void stage_rows(float4* kv4, int st4, const void* const* slot, int nfp,
+                                           int nb, int hd4, int tid, int nthreads,
+                                           uint16_t* bf16_rows = nullptr) {
+  // Row j's bf16 destination: its own region, or bf16_rows[j] (then widen_rows converts it).
+  const auto bf16_dst = [&](int j) {
+    return bf16_rows ? bf16_rows + j * 4 * hd4 : reinterpret_cast<uint16_t*>(kv4 + j * st4);
+  };
+  for (int i = tid; i < nfp * hd4; i += nthreads) {
     const int j = i / hd4, f = i - j * hd4;
-    const float* p = slot[j];
+    const float* p = static_cast<const float*>(slot[j]);
     if (!p) continue;
     float4* dst = kv4 + j * st4 + f;
-    if ((reinterpret_cast<uintptr_t>(p) & 15u) == 0) {
-      const uint32_t d = uint32_t(__cvta_generic_to_shared(dst));
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(p + 4 * f) : "memory");
-    } else {
+    if ((reinterpret_cast<uintptr_t>(p) & 15u) == 0)
+      cp_async16_raw(dst, p + 4 * f);
+    else if (kCg)
+      *dst = make_float4(__ldcg(p + 4 * f), __ldcg(p + 4 * f + 1), __ldcg(p + 4 * f + 2),
+                         __ldcg(p + 4 * f + 3));
+    else
       *dst = make_float4(p[4 * f], p[4 * f + 1], p[4 * f + 2], p[4 * f + 3]);
+  }
+  // bf16 rows: 16-byte pieces (8 values) when the row allows, else 2-byte copies.
+  const int hd = 4 * hd4, nbf = nb - nfp;
+  if (hd % 8 == 0) {
+    const int hd8 = hd / 8;
+    for (int i = tid; i < nbf * hd8; i += nthreads) {
+      const int j = nfp + i / hd8, f = i % hd8;
+      const uint16_t* p = static_cast<const uint16_t*>(slot[j]);
+      if (!p) continue;
+      uint4* dst = reinterpret_cast<uint4*>(bf16_dst(j)) + f;
+      if ((reinterpret_cast<uintptr_t>(p) & 15u) == 0)
+        cp_async16_raw(dst, p + 8 * f);
+      else
+        for (int e = 0; e < 8; ++e)
+          reinterpret_cast<uint16_t*>(dst)[e] = kCg ? __ldcg(p + 8 * f + e) : p[8 * f + e];
+    }
+  } else {
+    for (int i = tid; i < nbf * hd; i += nthreads) {
+      const int j = nfp + i / hd, e = i % hd;
+      const uint16_t* p = static_cast<const uint16_t*>(slot[j]);
+      if (p) bf16_dst(j)[e] = kCg ? __ldcg(p + e) : p[e];
     }
   }
   detail::cp_async_commit();
 }
 
-// stage_rows for the P.V kernel's copies before its wait: the same copies, the fallback's loads
-// through L2 only (ld.global.cg) like the cp.async.cg ones.
-__device__ __forceinline__ void stage_rows_cg(float4* kv4, int st4, const float* const* slot,
-                                              int nb, int hd4, int tid, int nthreads) {
-  for (int i = tid; i < nb * hd4; i += nthreads) {
-    const int j = i / hd4, f = i - j * hd4;
-    const float* p = slot[j];
-    if (!p) continue;
-    float4* dst = kv4 + j * st4 + f;
-    if ((reinterpret_cast<uintptr_t>(p) & 15u) == 0)
-      cp_async16(dst, reinterpret_cast<const float4*>(p) + f);
-    else
-      *dst = make_float4(__ldcg(p + 4 * f), __ldcg(p + 4 * f + 1), __ldcg(p + 4 * f + 2),
-                         __ldcg(p + 4 * f + 3));
+// Elements 4f .. 4f + 3 of a bf16 row staged by stage_rows at `row` (its fp32 region's base).
+__device__ __forceinline__ float4 kv_bf16_col(const float4* row, int f) {
+  return detail::bf16x4_to_float4(reinterpret_cast<const uint2*>(row)[f]);
+}
+
+// The bf16 rows nfp .. nb - 1 that stage_rows put at bf16_rows, as fp32 rows at kv4 + j * st4
+// (after the copies landed and a barrier; the caller syncs again before reading kv4). Each value
+// is converted once, not once per reading thread.
+__device__ __forceinline__ void widen_rows(float4* kv4, int st4, const uint16_t* bf16_rows,
+                                           const void* const* slot, int nfp, int nb, int hd4,
+                                           int tid, int nthreads) {
+  for (int i = tid; i < (nb - nfp) * hd4; i += nthreads) {
+    const int j = nfp + i / hd4, f = i % hd4;
+    if (slot[j])
+      kv4[j * st4 + f] =
+          detail::bf16x4_to_float4(reinterpret_cast<const uint2*>(bf16_rows + j * 4 * hd4)[f]);
   }
-  detail::cp_async_commit();
 }
 
 // Rotates the rotated channels [hd - rope_dim, hd) of n staged head vectors (stride hd) of row t
@@ -217,6 +264,35 @@ __device__ __forceinline__ void rotate_staged(float* v, int n, int hd, const Att
     float c, s;
     ew::rope_cos_sin(pos, rope.freqs[i], false, &c, &s);
     ew::rope_pair(v + int64_t(h) * hd + (hd - rope.rope_dim) + 2 * i, c, s);
+  }
+}
+
+// The scores kernel's dot loop of one thread: dot8 lanes 4hf .. 4hf + 3 of kHt heads against the
+// staged fp32 row kr. The operands of column f + 2 load while column f's are multiplied (one warp
+// an SM sub-partition at one row: the loads' latency is hidden by this thread's own work). The
+// last prefetch reads past the row into the next one or the slack after q, and is never used.
+template <int kHt>
+__device__ __forceinline__ void score_dot(float (&a)[kHt][4], const float4* kr, const float4* qh,
+                                          int qs4, int hf, int hd4) {
+  const auto col = [kr](int f) { return kr[f]; };
+  float4 x = col(hf), u[kHt];
+#pragma unroll
+  for (int hh = 0; hh < kHt; ++hh) u[hh] = qh[hh * qs4 + hf];
+#pragma unroll 4
+  for (int f = hf; f < hd4; f += 2) {
+    const float4 xn = col(f + 2);
+    float4 un[kHt];
+#pragma unroll
+    for (int hh = 0; hh < kHt; ++hh) un[hh] = qh[hh * qs4 + f + 2];
+#pragma unroll
+    for (int hh = 0; hh < kHt; ++hh) {
+      a[hh][0] = __fadd_rn(a[hh][0], __fmul_rn(u[hh].x, x.x));
+      a[hh][1] = __fadd_rn(a[hh][1], __fmul_rn(u[hh].y, x.y));
+      a[hh][2] = __fadd_rn(a[hh][2], __fmul_rn(u[hh].z, x.z));
+      a[hh][3] = __fadd_rn(a[hh][3], __fmul_rn(u[hh].w, x.w));
+      u[hh] = un[hh];
+    }
+    x = xn;
   }
 }
 
@@ -234,11 +310,11 @@ template <int kHeads>
 __global__ void __launch_bounds__(kScoreThreads)
     sparse_attn_scores_kernel(const float* __restrict__ q, int T, int H, int hd,
                               const float* const* window, int n_window,
-                              const int32_t* __restrict__ topk, int k, const float* ckv,
-                              const float* const* ckv_ref, float scale, AttnRope rope,
+                              const int32_t* __restrict__ topk, int k, const uint16_t* ckv,
+                              const uint16_t* const* ckv_ref, float scale, AttnRope rope,
                               float* __restrict__ scores, float* __restrict__ cmax) {
   extern __shared__ __align__(16) float smem[];
-  __shared__ const float* slot[kScoreChunk];
+  __shared__ const void* slot[kScoreChunk];
   __shared__ float2 rope_cs[kMaxHeadDim / 2];  // (cos, sin) of each rotated pair of row t
   __shared__ float sc[kHeads][kScoreChunk];    // the scores, for the chunk maxes
   constexpr int kHt = kHeads / 4;              // heads a thread
@@ -247,6 +323,7 @@ __global__ void __launch_bounds__(kScoreThreads)
   const int nh = min(kHeads, H - h0), hd4 = hd / 4, st4 = score_kv_stride4(hd4);
   const int qs4 = score_q_stride4<kHeads>(hd4);
   const int n_slots = n_window + k, j0 = c * kScoreChunk, nb = min(kScoreChunk, n_slots - j0);
+  const int nfp = max(0, min(nb, n_window - j0));  // the chunk's window slots (fp32 rows) first
   float4* kv4 = reinterpret_cast<float4*>(smem);
   float4* q4 = reinterpret_cast<float4*>(smem + score_smem_q(hd));
 
@@ -294,9 +371,12 @@ __global__ void __launch_bounds__(kScoreThreads)
     }
   detail::cp_async_commit();  // group 1: q
   if (tid < kScoreChunk)
-    slot[tid] = js < n_window ? wslot : (eid >= 0 ? ckv + int64_t(eid) * hd : nullptr);
+    slot[tid] = js < n_window ? static_cast<const void*>(wslot)
+                              : (eid >= 0 ? ckv + int64_t(eid) * hd : nullptr);
   __syncthreads();
-  stage_rows(kv4, st4, slot, nb, hd4, tid, kScoreThreads);  // group 2: the KV rows
+  uint16_t* kvh = reinterpret_cast<uint16_t*>(reinterpret_cast<uint8_t*>(smem) +
+                                              score_smem_bf16<kHeads>(hd));  // top-k rows (bf16)
+  stage_rows<false>(kv4, st4, slot, nfp, nb, hd4, tid, kScoreThreads, kvh);  // group 2: KV rows
   // The rope angles depend on the row's position and the pair only, not on the head: each
   // (cos, sin) is computed once (rope_cos_sin, the same call on the same inputs as rope_kernel's),
   // while the copies fly.
@@ -314,6 +394,10 @@ __global__ void __launch_bounds__(kScoreThreads)
   UF_PROBE_MARK(probe, 3);
   detail::cp_async_wait<0>();
   __syncthreads();  // the KV rows and the rotated q are visible to every thread
+  if (nfp < nb) {   // the top-k rows widened to fp32 once (uniform over the CTA)
+    widen_rows(kv4, st4, kvh, slot, nfp, nb, hd4, tid, kScoreThreads);
+    __syncthreads();
+  }
   UF_PROBE_MARK(probe, 4);
 
   // Rows of empty or missing slots hold stale shared memory: their sums are computed anyway (no
@@ -324,28 +408,7 @@ __global__ void __launch_bounds__(kScoreThreads)
   for (int hh = 0; hh < kHt; ++hh) a[hh][0] = a[hh][1] = a[hh][2] = a[hh][3] = 0.f;
   const float4* kr = kv4 + j * st4;
   const float4* qh = q4 + hq * kHt * qs4;
-  // The operands of column f + 2 load while column f's are multiplied (one warp an SM
-  // sub-partition at one row: the loads' latency is hidden by this thread's own work). The last
-  // prefetch reads past the row into the next one or the slack after q, and is never used.
-  float4 x = kr[hf], u[kHt];
-#pragma unroll
-  for (int hh = 0; hh < kHt; ++hh) u[hh] = qh[hh * qs4 + hf];
-#pragma unroll 4
-  for (int f = hf; f < hd4; f += 2) {
-    const float4 xn = kr[f + 2];
-    float4 un[kHt];
-#pragma unroll
-    for (int hh = 0; hh < kHt; ++hh) un[hh] = qh[hh * qs4 + f + 2];
-#pragma unroll
-    for (int hh = 0; hh < kHt; ++hh) {
-      a[hh][0] = __fadd_rn(a[hh][0], __fmul_rn(u[hh].x, x.x));
-      a[hh][1] = __fadd_rn(a[hh][1], __fmul_rn(u[hh].y, x.y));
-      a[hh][2] = __fadd_rn(a[hh][2], __fmul_rn(u[hh].z, x.z));
-      a[hh][3] = __fadd_rn(a[hh][3], __fmul_rn(u[hh].w, x.w));
-      u[hh] = un[hh];
-    }
-    x = xn;
-  }
+  score_dot<kHt>(a, kr, qh, qs4, hf, hd4);
   const bool present = j < nb && slot[j];
 #pragma unroll
   for (int hh = 0; hh < kHt; ++hh) {
@@ -382,13 +445,14 @@ __global__ void __launch_bounds__(kScoreThreads)
 template <int kH>
 __device__ __forceinline__ void pv_sum(float4 (&acc)[kH], const float4* kv4, int st4,
                                        const float* ps, uint32_t present, int f, int j_first,
-                                       int step, int nb) {
+                                       int step, int nb, int nfp) {
 #pragma unroll
   for (int h = 0; h < kH; ++h) acc[h] = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll 2
   for (int j = j_first; j < nb; j += step) {
     if (!((present >> j) & 1u)) continue;  // the same for every thread: empty rows were not staged
-    const float4 kf = kv4[j * st4 + f];
+    // Slots j >= nfp hold bf16 rows (stage_rows); j is the same for every thread.
+    const float4 kf = j >= nfp ? kv_bf16_col(kv4 + j * st4, f) : kv4[j * st4 + f];
     const float4* pj = reinterpret_cast<const float4*>(ps + j * kHeadGroup);
     const float4 pa = pj[0], pb = kH > 4 ? pj[1] : pa;
     const float pp[8] = {pa.x, pa.y, pa.z, pa.w, pb.x, pb.y, pb.z, pb.w};
@@ -412,15 +476,16 @@ __device__ __forceinline__ void pv_sum(float4 (&acc)[kH], const float4* kv4, int
 template <int S, int kH>
 __global__ void __launch_bounds__(kFastThreads)
     sparse_attn_pv_kernel(int T, int H, int hd, const float* const* window, int n_window,
-                          const int32_t* __restrict__ topk, int k, const float* ckv,
-                          const float* const* ckv_ref, float* __restrict__ scratch) {
+                          const int32_t* __restrict__ topk, int k, const uint16_t* ckv,
+                          const uint16_t* const* ckv_ref, float* __restrict__ scratch) {
   static_assert(S <= 32 && kBlock % S == 0, "a chunk is at most a warp and inside one block");
   static_assert(kH == kHeadGroup || kH == 4, "8 or 4 heads a CTA");
   extern __shared__ __align__(16) float smem[];
-  __shared__ const float* slot[S];
+  __shared__ const void* slot[S];
   const int c = blockIdx.x, t = blockIdx.y, h0 = blockIdx.z * kH, tid = threadIdx.x;
   const int nh = min(kH, H - h0), hd4 = hd / 4, st4 = kv_stride4(hd4);
   const int n_slots = n_window + k, nc = gridDim.x, j0 = c * S, nb = min(S, n_slots - j0);
+  const int nfp = max(0, min(nb, n_window - j0));  // window slots (fp32 rows), then bf16 rows
   const PvSmem L = pv_smem(S, hd);
   float4* kv4 = reinterpret_cast<float4*>(smem);
   float* ps = smem + L.ps;  // [S][8] bf16(p)
@@ -443,7 +508,7 @@ __global__ void __launch_bounds__(kFastThreads)
     slot[tid] =
         tid < nb ? slot_ptr_cg(t, j0 + tid, window, n_window, topk, k, ckv, ckv_ref, hd) : nullptr;
   __syncthreads();
-  stage_rows_cg(kv4, st4, slot, nb, hd4, tid, kFastThreads);
+  stage_rows<true>(kv4, st4, slot, nfp, nb, hd4, tid, kFastThreads);
   const int lane = tid % 32;
   const bool present = lane < nb && slot[lane] != nullptr;  // the softmax's slot j0 + lane
   const uint32_t present_bits = __ballot_sync(0xffffffffu, present);  // slot j: bit j (S <= 32)
@@ -502,7 +567,7 @@ __global__ void __launch_bounds__(kFastThreads)
   if (ng == 1) {
     for (int f = tid; f < hd4; f += kFastThreads) {
       float4 acc[kH];
-      pv_sum<kH>(acc, kv4, st4, ps, present_bits, f, 0, 1, nb);
+      pv_sum<kH>(acc, kv4, st4, ps, present_bits, f, 0, 1, nb, nfp);
       for (int h = 0; h < nh; ++h) accg[((int64_t(t) * H + h0 + h) * nc + c) * hd4 + f] = acc[h];
     }
     UF_PROBE_MARK(probe, 4);
@@ -513,7 +578,7 @@ __global__ void __launch_bounds__(kFastThreads)
   const int f = tid % hd4, sg = tid / hd4;
   const bool active = tid < hd4 * ng;
   float4 acc[kH];
-  if (active) pv_sum<kH>(acc, kv4, st4, ps, present_bits, f, sg, ng, nb);
+  if (active) pv_sum<kH>(acc, kv4, st4, ps, present_bits, f, sg, ng, nb, nfp);
   float4* red = reinterpret_cast<float4*>(smem + L.red);
   if (active && sg > 0)
 #pragma unroll
@@ -697,14 +762,14 @@ __global__ void __launch_bounds__(kMergeWarps * 32)
 
 __global__ void __launch_bounds__(kThreads)
     sparse_attn_kernel(const float* __restrict__ q, int H, int hd, const float* const* window,
-                       int n_window, const int32_t* __restrict__ topk, int k, const float* ckv,
-                       const float* const* ckv_ref, const float* __restrict__ sink, float scale,
+                       int n_window, const int32_t* __restrict__ topk, int k, const uint16_t* ckv,
+                       const uint16_t* const* ckv_ref, const float* __restrict__ sink, float scale,
                        AttnRope rope, float* __restrict__ out) {
   if (ckv_ref) ckv = *ckv_ref;
   extern __shared__ float smem[];
   float* qs = smem;        // [hd]
   float* acc = smem + hd;  // [hd]
-  __shared__ const float* slot[kBlock];
+  __shared__ KvRow slot[kBlock];
   __shared__ float part[kBlock * 8];
   __shared__ float s[kBlock];
   __shared__ float pb[kBlock];
@@ -733,10 +798,10 @@ __global__ void __launch_bounds__(kThreads)
     // Partial dot products: work item w = (slot j, lane L).
     for (int w = tid; w < nb * 8; w += kThreads) {
       const int j = w >> 3, lane = w & 7;
-      const float* kp = slot[j];
+      const KvRow kp = slot[j];
       float a = 0.f;
       if (kp)
-        for (int i = lane; i < hd; i += 8) a = __fadd_rn(a, __fmul_rn(qs[i], kp[i]));
+        for (int i = lane; i < hd; i += 8) a = __fadd_rn(a, __fmul_rn(qs[i], kp.at(i)));
       part[w] = a;
     }
     __syncthreads();
@@ -772,8 +837,8 @@ __global__ void __launch_bounds__(kThreads)
     for (int d = tid; d < hd; d += kThreads) {
       float tmp = 0.f;
       for (int j = 0; j < nb; ++j) {
-        const float* kp = slot[j];
-        if (kp) tmp = __fadd_rn(tmp, __fmul_rn(pb[j], kp[d]));
+        const KvRow kp = slot[j];
+        if (kp) tmp = __fadd_rn(tmp, __fmul_rn(pb[j], kp.at(d)));
       }
       acc[d] = __fadd_rn(__fmul_rn(acc[d], sc), tmp);
     }
@@ -786,7 +851,7 @@ __global__ void __launch_bounds__(kThreads)
 
 template <int S, int kH>
 void launch_pv(int T, int H, int hd, const float* const* window, int n_window, const int32_t* topk,
-               int k, const float* ckv, const float* const* ckv_ref, float* scratch,
+               int k, const uint16_t* ckv, const uint16_t* const* ckv_ref, float* scratch,
                cudaStream_t stream) {
   const auto kernel = sparse_attn_pv_kernel<S, kH>;
   static detail::PerDeviceOnce once;
@@ -803,8 +868,8 @@ void launch_pv(int T, int H, int hd, const float* const* window, int n_window, c
 
 template <int kHeads>
 void launch_scores(unsigned n16, const float* q, int T, int H, int hd, const float* const* window,
-                   int n_window, const int32_t* topk, int k, const float* ckv,
-                   const float* const* ckv_ref, float scale, const AttnRope& rope, float* scores,
+                   int n_window, const int32_t* topk, int k, const uint16_t* ckv,
+                   const uint16_t* const* ckv_ref, float scale, const AttnRope& rope, float* scores,
                    float* cmax, cudaStream_t stream) {
   const auto kernel = sparse_attn_scores_kernel<kHeads>;
   static detail::PerDeviceOnce once;
@@ -831,9 +896,9 @@ int sm_count() {
 }  // namespace
 
 void sparse_attn(const float* q, int T, int H, int hd, const float* const* window, int n_window,
-                 const int32_t* topk, int k, const float* ckv, const float* sink, float scale,
-                 float* out, cudaStream_t stream, const float* const* ckv_ref, float* split_scratch,
-                 const AttnRope& rope) {
+                 const int32_t* topk, int k, const uint16_t* ckv, const float* sink, float scale,
+                 float* out, cudaStream_t stream, const uint16_t* const* ckv_ref,
+                 float* split_scratch, const AttnRope& rope) {
   require(T >= 0 && H > 0 && hd > 0 && hd <= kMaxHeadDim && n_window >= 0 && k >= 0,
           "sparse_attn: unsupported shape T=%d H=%d hd=%d n_window=%d k=%d (hd <= %d)", T, H, hd,
           n_window, k, kMaxHeadDim);
@@ -863,8 +928,11 @@ void sparse_attn(const float* q, int T, int H, int hd, const float* const* windo
     // The chunk records on the tensor cores (attention_chunk_mma.cu), where they apply.
     static_assert(attn_split::kChunkMmaSlots == 16, "the records of chunks of fast_chunk's 16");
     if (g_chunk_mma && fast_chunk(n_slots) == attn_split::kChunkMmaSlots &&
-        attn_split::launch_chunk_mma(q, T, H, hd, window, n_window, topk, k, ckv, ckv_ref, scale,
-                                     rope, split_scratch, stream)) {
+        attn_split::launch_chunk_mma(
+            q, T, H, hd, window, n_window, topk, k, ckv, ckv_ref, scale, rope,
+            g_chunk_heads_override ? g_chunk_heads_override
+                                   : attn_split::chunk_mma_heads(T, H, nc, sm_count()),
+            split_scratch, stream)) {
       merge();
       return;
     }
@@ -914,6 +982,12 @@ size_t sparse_attn_scratch_floats(int T, int H, int hd, int n_slots) {
 }
 
 void set_sparse_attn_chunk_mma(bool on) { g_chunk_mma = on; }
+
+void sparse_attn_chunk_heads_override(int heads) {
+  require(heads == 0 || heads == 1 || heads == 2 || heads == 4 || heads == 8,
+          "sparse_attn_chunk_heads_override: %d heads (0, 1, 2, 4 or 8)", heads);
+  g_chunk_heads_override = heads;
+}
 
 void sparse_attn_chunk_override(int slots) {
   require(slots == 0 || slots == 16 || slots == 32,

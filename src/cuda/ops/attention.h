@@ -13,8 +13,9 @@ namespace uf::cuda {
 
 // cpu::sparse_attn_row for T rows. Row t's slot list is its n_window window slots
 // window[t * n_window + j] (device pointers to hd floats, nullptr = empty), followed by its k
-// compressed slots topk[t * k + j] (entry ids into ckv [entries, hd]; -1 = empty; topk may be
-// null when k == 0). Slots are visited in blocks of 64 in list order exactly as the CPU does.
+// compressed slots topk[t * k + j] (entry ids into ckv [entries, hd], bf16 bits: the session's
+// compressed KV, FP4 QDQ values that bf16 holds exactly; -1 = empty; topk may be null when
+// k == 0). Slots are visited in blocks of 64 in list order exactly as the CPU does.
 // q: [T, H, hd]; sink: [H]; out: [T, H, hd] (bf16 values). hd <= 1024.
 // Trailing empty slots change nothing (an all-empty block of 64 leaves the running max, sum and
 // accumulator bitwise unchanged), so a top-k row of k slots padded with -1 gives exactly the
@@ -50,8 +51,8 @@ struct AttnRope {
   const int64_t* positions = nullptr;  // device [T], optional: row t at positions[t], else p0 + t
 };
 void sparse_attn(const float* q, int T, int H, int hd, const float* const* window, int n_window,
-                 const int32_t* topk, int k, const float* ckv, const float* sink, float scale,
-                 float* out, cudaStream_t stream, const float* const* ckv_ref = nullptr,
+                 const int32_t* topk, int k, const uint16_t* ckv, const float* sink, float scale,
+                 float* out, cudaStream_t stream, const uint16_t* const* ckv_ref = nullptr,
                  float* split_scratch = nullptr, const AttnRope& rope = {});
 size_t sparse_attn_scratch_floats(int T, int H, int hd, int n_slots);
 
@@ -65,12 +66,15 @@ size_t sparse_attn_scratch_floats(int T, int H, int hd, int n_slots);
 // launching nothing, where it does not apply (hd % 32 != 0, hd > 512, q or out not 16-byte
 // aligned, an empty slot list, an odd rope offset): the caller then runs sparse_attn.
 bool sparse_attn_mma(const float* q, int T, int H, int hd, const float* const* window, int n_window,
-                     const int32_t* topk, int k, const float* ckv, const float* sink, float scale,
-                     float* out, cudaStream_t stream, const float* const* ckv_ref = nullptr,
-                     const AttnRope& rope = {});
+                     const int32_t* topk, int k, const uint16_t* ckv, const float* sink,
+                     float scale, float* out, cudaStream_t stream,
+                     const uint16_t* const* ckv_ref = nullptr, const AttnRope& rope = {});
 // Benchmarks only (not thread-safe): 16 or 32 makes every later chunked call use chunks of that
 // many slots on the CPU-order kernels; 0 restores the default (16).
 void sparse_attn_chunk_override(int slots);
+// Tests only (not thread-safe): 1, 2, 4 or 8 heads a CTA for the tensor-core chunk records
+// (attn_split::chunk_mma_heads picks by the grid's size); 0 restores the rule.
+void sparse_attn_chunk_heads_override(int heads);
 // The split path's chunk records: true (default) = the tensor-core kernel where it applies,
 // false = the CPU-order scores + P.V kernels. Process-wide, for tests and benchmarks (decode
 // rows and the CPU comparison: tests/cuda/test_ops_attention.cpp); not thread-safe.

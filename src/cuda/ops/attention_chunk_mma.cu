@@ -10,12 +10,14 @@
 // mma.sync and each chunk takes its own base, so nothing waits for another chunk: one launch, the
 // KV rows staged once, the merge (attention.cu) unchanged.
 //
-// Tile: one CTA of 8 warps per (chunk c of 16 slots, row t, group of 8 heads): the split path's
-// grid and record layout (attention_split.cuh).
+// Tile: one CTA of 8 warps per (chunk c of 16 slots, row t, group of up to 8 heads): the split
+// path's grid and record layout (attention_split.cuh). A small grid (1-4 rows) takes 2 or 4 heads
+// a CTA (chunk_mma_heads) and the mma's other head columns are zeros: more SMs stage the chunk.
 //  1. After the PDL wait: the chunk's slot pointers (window slots, then top-k entries; empty =
 //     nullptr), q's 8 heads (each thread a float4 column of every head, rotated in registers with
 //     rope_kernel's operations: one (cos, sin) per pair, computed once a CTA) as bf16 hi + lo, and
-//     the 16 KV rows as bf16 in shared memory (empty slots: zeros, so 0 * v is never NaN). All
+//     the 16 KV rows as bf16 in shared memory (window rows converted from fp32, top-k rows copied:
+//     the session's compressed KV is bf16; empty slots: zeros, so 0 * v is never NaN). All
 //     loads of a phase are in flight together (q and the pointers, then the rows).
 //  2. S = K Q^T: the 16 slots are the mma's M, the 8 heads its N, d its K; warp w takes the
 //     k-steps w, w + 8, ... with q hi and q lo in two accumulators (hi + lo at the end), and the
@@ -69,6 +71,11 @@ using detail::smem_addr;
 #ifndef UF_ATTN_CHUNK_TRIGGER
 #define UF_ATTN_CHUNK_TRIGGER 1
 #endif
+// The CTAs a launch may take before its heads stop being split further (chunk_mma_heads), per
+// SM: an A/B knob; 3 = the CTAs an SM holds (kMinBlocks), one wave.
+#ifndef UF_ATTN_CHUNK_CTAS_PER_SM
+#define UF_ATTN_CHUNK_CTAS_PER_SM 3
+#endif
 constexpr int kChunk = kChunkMmaSlots;  // slots a CTA: the M of S, the K of P.V
 constexpr int kHeads = 8;               // heads a CTA: the N of both products
 // 8 warps: a warp's instructions are the kernel's latency (at 1 row one CTA an SM, so the SM's
@@ -116,11 +123,11 @@ static_assert(size_t(kWarps) * kHeads * kSStride * 4 % 16 == 0, "P stays 16-byte
 __global__ void __launch_bounds__(kThreads, kMinBlocks)
     sparse_attn_chunk_mma_kernel(const float* __restrict__ q, int H, int hd,
                                  const float* const* window, int n_window,
-                                 const int32_t* __restrict__ topk, int k, const float* ckv,
-                                 const float* const* ckv_ref, float scale, AttnRope rope,
-                                 float* __restrict__ scratch) {
+                                 const int32_t* __restrict__ topk, int k, const uint16_t* ckv,
+                                 const uint16_t* const* ckv_ref, float scale, AttnRope rope,
+                                 int hpc, float* __restrict__ scratch) {
   extern __shared__ __align__(16) unsigned char smem[];
-  __shared__ const float* slot[kChunk];
+  __shared__ const void* slot[kChunk];  // window rows fp32, top-k rows bf16 (KvRow)
   __shared__ float2 rope_cs[kMaxHd / 2];  // (cos, sin) of the row's rotated pairs (forward)
   const AttnMmaSmem L = smem_layout(hd);
   __nv_bfloat16* kv = reinterpret_cast<__nv_bfloat16*>(smem + L.kv);
@@ -128,9 +135,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   __nv_bfloat16* qlo = reinterpret_cast<__nv_bfloat16*>(smem + L.qlo);
   float* s_part = reinterpret_cast<float*>(smem + L.s);
   __nv_bfloat16* ps = reinterpret_cast<__nv_bfloat16*>(smem + L.p);
-  const int c = blockIdx.x, t = blockIdx.y, h0 = blockIdx.z * kHeads, tid = threadIdx.x;
+  const int c = blockIdx.x, t = blockIdx.y, h0 = blockIdx.z * hpc, tid = threadIdx.x;
   const int warp = tid / 32, lane = tid % 32, g = lane / 4, cq = lane % 4;
-  const int T = gridDim.y, nc = gridDim.x, nh = min(kHeads, H - h0), rs = hd + 8, hd4 = hd / 4;
+  const int T = gridDim.y, nc = gridDim.x, nh = min(hpc, H - h0), rs = hd + 8, hd4 = hd / 4;
+  // hpc < kHeads: q's rows nh .. kHeads - 1 are zeros and their records are not stored.
   const int n_slots = n_window + k, j0 = c * kChunk, nb = min(kChunk, n_slots - j0);
 
   // Probe points: 0 start, 1 PDL wait returned, 2 q staged and the KV rows landed, 3 S, 4 the
@@ -150,11 +158,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   // float4s; warp 0 first computes the rope's (cos, sin) of the row's rotated pairs (a double
   // sincos each, with a slow-path call: whatever a thread has in flight must land before a call,
   // so the warp that makes it holds no loads yet).
-  const float* my_slot = nullptr;
+  const void* my_slot = nullptr;
   if (warp == 1 && lane < nb) {
-    const float* base = ckv;
+    const uint16_t* base = ckv;
     if (ckv_ref && j0 + lane >= n_window) base = *ckv_ref;
-    my_slot = attn_slot(t, j0 + lane, window, n_window, topk, k, base, hd);
+    my_slot = attn_slot(t, j0 + lane, window, n_window, topk, k, base, hd).p;
   }
   const int half = rope.freqs ? rope.rope_dim / 2 : 0;
   if (warp == 0 && half) {
@@ -173,8 +181,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   if (warp == 1 && lane < kChunk) slot[lane] = my_slot;
   __syncthreads();
 
-  // Phase 2: the KV rows (kKvLoads float4 a thread in flight); under them q's rope and split.
-  float4 kvv[kKvLoads];
+  // Phase 2: the KV rows (kKvLoads loads a thread in flight); under them q's rope and split. An
+  // item is 4 values of a row: a float4 of a window row (fp32, converted when stored), or 8 bytes
+  // of a top-k row (the session's compressed KV, bf16: stored as they are). Slots j0 + r <
+  // n_window are the window's.
+  float4 kvv[kKvLoads];  // an fp32 row's 4 values, or a bf16 row's 8 bytes in .x / .y
   {
     GridWalk w(tid, hd4);  // (slot, column)
 #pragma unroll
@@ -182,8 +193,19 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       kvv[u] = make_float4(0.f, 0.f, 0.f, 0.f);
       if (w.r < kChunk) {
         const int f = w.c;
-        const float* p = slot[w.r];
-        if (p) {
+        const void* row = slot[w.r];
+        if (row && j0 + w.r >= n_window) {
+          const uint16_t* p = static_cast<const uint16_t*>(row) + 4 * f;
+          uint2 b;
+          if ((reinterpret_cast<uintptr_t>(p) & 7u) == 0)
+            b = __ldcg(reinterpret_cast<const uint2*>(p));
+          else
+            b = make_uint2(uint32_t(__ldcg(p)) | uint32_t(__ldcg(p + 1)) << 16,
+                           uint32_t(__ldcg(p + 2)) | uint32_t(__ldcg(p + 3)) << 16);
+          kvv[u].x = __uint_as_float(b.x);
+          kvv[u].y = __uint_as_float(b.y);
+        } else if (row) {
+          const float* p = static_cast<const float*>(row);
           if ((reinterpret_cast<uintptr_t>(p) & 15u) == 0)
             kvv[u] = __ldcg(reinterpret_cast<const float4*>(p) + f);
           else
@@ -215,7 +237,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   for (int u = 0; u < kKvLoads; ++u, wk.next())
     if (wk.r < kChunk)
       *reinterpret_cast<uint2*>(kv + wk.r * rs + 4 * wk.c) =
-          make_uint2(pack_bf16x2(kvv[u].x, kvv[u].y), pack_bf16x2(kvv[u].z, kvv[u].w));
+          j0 + wk.r >= n_window
+              ? make_uint2(__float_as_uint(kvv[u].x), __float_as_uint(kvv[u].y))
+              : make_uint2(pack_bf16x2(kvv[u].x, kvv[u].y), pack_bf16x2(kvv[u].z, kvv[u].w));
   __syncthreads();
   UF_PROBE_MARK(probe, 2);
   if (UF_ATTN_CHUNK_TRIGGER == 1) detail::pdl_trigger();
@@ -305,15 +329,26 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
 
 }  // namespace
 
+// H200, a TP8 rank's 8 heads at 640 slots (docs/perf.md, session 24): 2 / 4 rows take 2 / 4 heads
+// a CTA (320 CTAs): -150 / -140 us a step against 8-head CTAs, 1 row (160 CTAs) -30; 1 head a
+// CTA at 1 row (320 CTAs) gained nothing over 2 and is 1.5 us slower alone (bench_cuda_attention),
+// so the rule stops at 2 (1 stays for the tests: sparse_attn_chunk_heads_override).
+int chunk_mma_heads(int T, int H, int nc, int sms) {
+  for (int hpc = 2; hpc < kHeads; hpc *= 2)
+    if (int64_t(nc) * T * ((H + hpc - 1) / hpc) <= int64_t(UF_ATTN_CHUNK_CTAS_PER_SM) * sms)
+      return hpc;
+  return kHeads;
+}
+
 bool launch_chunk_mma(const float* q, int T, int H, int hd, const float* const* window,
-                      int n_window, const int32_t* topk, int k, const float* ckv,
-                      const float* const* ckv_ref, float scale, const AttnRope& rope,
-                      float* scratch, cudaStream_t stream) {
+                      int n_window, const int32_t* topk, int k, const uint16_t* ckv,
+                      const uint16_t* const* ckv_ref, float scale, const AttnRope& rope,
+                      int heads_per_cta, float* scratch, cudaStream_t stream) {
   const int n_slots = n_window + k;
   const bool rope_ok =
       !rope.freqs || (rope.rope_dim > 0 && rope.rope_dim <= hd && (hd - rope.rope_dim) % 2 == 0);
   if (hd % 16 != 0 || hd > kMaxHd || (reinterpret_cast<uintptr_t>(q) & 15u) != 0 || !rope_ok ||
-      n_slots <= 0 || (H + kHeads - 1) / kHeads > 65535 || T > 65535)
+      n_slots <= 0 || H > 65535 || T > 65535 || heads_per_cta < 1 || heads_per_cta > kHeads)
     return false;
   if (T == 0) return true;
   static detail::PerDeviceOnce once;
@@ -323,10 +358,11 @@ bool launch_chunk_mma(const float* q, int T, int H, int hd, const float* const* 
                                        int(smem_layout(kMaxHd).total)));
     detail::prefer_shared_carveout(sparse_attn_chunk_mma_kernel);
   });
+  const int hpc = heads_per_cta;
   const dim3 grid(unsigned((n_slots + kChunk - 1) / kChunk), unsigned(T),
-                  unsigned((H + kHeads - 1) / kHeads));
+                  unsigned((H + hpc - 1) / hpc));
   detail::launch_pdl(sparse_attn_chunk_mma_kernel, grid, dim3(kThreads), smem_layout(hd).total,
-                     stream, q, H, hd, window, n_window, topk, k, ckv, ckv_ref, scale, rope,
+                     stream, q, H, hd, window, n_window, topk, k, ckv, ckv_ref, scale, rope, hpc,
                      scratch);
   return true;
 }

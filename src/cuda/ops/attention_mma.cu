@@ -9,7 +9,8 @@
 // Tile (one CTA of 8 warps per (row t, group of 8 heads)), per 64-slot block of the row's list
 // (the CPU's softmax block, cpu::sparse_attn_row):
 //  1. slot pointers (window slots, then top-k entries; empty = nullptr), then the block's KV rows
-//     loaded as float4, converted to bf16 [64][hd + 8] in shared memory (empty slots: zeros);
+//     loaded as float4 and converted (window rows, fp32) or as 4 bf16 (top-k rows: the session's
+//     compressed KV is stored as bf16) into bf16 [64][hd + 8] in shared memory (empty: zeros);
 //  2. S^T = K Q^T: slots are the mma's M (warp w: slots 16 (w % 4) .. + 15, d half w / 4), the
 //     8 heads its N, d its K. q is staged once as hi = bf16(q), lo = bf16(q - hi), two mma per
 //     k-step: the model's q (bf16 outputs, the rope rounds to bf16) has lo = 0 and its KV values
@@ -82,11 +83,12 @@ __device__ __forceinline__ float exp_rn(float x) { return float(exp(double(x)));
 
 __global__ void __launch_bounds__(kThreads, 2)
     sparse_attn_mma_kernel(const float* __restrict__ q, int H, int hd, const float* const* window,
-                           int n_window, const int32_t* __restrict__ topk, int k, const float* ckv,
-                           const float* const* ckv_ref, const float* __restrict__ sink, float scale,
-                           AttnRope rope, float* __restrict__ out) {
+                           int n_window, const int32_t* __restrict__ topk, int k,
+                           const uint16_t* ckv, const uint16_t* const* ckv_ref,
+                           const float* __restrict__ sink, float scale, AttnRope rope,
+                           float* __restrict__ out) {
   extern __shared__ __align__(16) unsigned char smem[];
-  __shared__ const float* slot[kBlock];
+  __shared__ KvRow slot[kBlock];
   __shared__ uint32_t present_sh[2];
   __shared__ float sc_sh[kHeads], den_sh[kHeads];
   __shared__ float2 rope_cs[kMaxHd / 2];  // (cos, sin) of the row's rotated pairs (forward)
@@ -143,27 +145,41 @@ __global__ void __launch_bounds__(kThreads, 2)
   for (int b0 = 0; b0 < n_slots; b0 += kBlock) {
     const int nb = min(kBlock, n_slots - b0);
     if (tid < kBlock) {
-      const float* p =
-          tid < nb ? attn_slot(t, b0 + tid, window, n_window, topk, k, ckv, hd) : nullptr;
+      const KvRow p = tid < nb ? attn_slot(t, b0 + tid, window, n_window, topk, k, ckv, hd)
+                               : KvRow{nullptr, false};
       slot[tid] = p;
-      const uint32_t bits = __ballot_sync(0xffffffffu, p != nullptr);
+      const uint32_t bits = __ballot_sync(0xffffffffu, p.p != nullptr);
       if (lane == 0) present_sh[warp] = bits;
     }
     __syncthreads();  // slots known; the previous block's P.V (and q's staging) done with kv
 
     // 1. The block's KV rows as bf16 (empty slots and slots past nb: zeros, so 0 * v is never
-    // NaN), kLoadUnroll float4 loads in flight a thread before their stores.
+    // NaN), kLoadUnroll loads in flight a thread before their stores: 4 values of an fp32 row
+    // (window slots) converted, or of a bf16 row (top-k slots) as they are.
     const int items = kBlock * hd4;
     for (int i0 = tid; i0 < items; i0 += kThreads * kLoadUnroll) {
-      float4 v[kLoadUnroll];
+      float4 v[kLoadUnroll];  // an fp32 row's 4 values, or a bf16 row's 8 bytes in .x / .y
+      uint32_t bf = 0;        // bit u: v[u] holds bf16 bits
 #pragma unroll
       for (int u = 0; u < kLoadUnroll; ++u) {
         const int i = i0 + u * kThreads;
         v[u] = make_float4(0.f, 0.f, 0.f, 0.f);
         if (i < items) {
           const int j = i / hd4, f = i - j * hd4;
-          const float* p = slot[j];
-          if (p) {
+          const KvRow r = slot[j];
+          if (r.p && r.bf16) {
+            const uint16_t* p = static_cast<const uint16_t*>(r.p) + 4 * f;
+            uint2 b;
+            if ((reinterpret_cast<uintptr_t>(p) & 7u) == 0)
+              b = __ldcg(reinterpret_cast<const uint2*>(p));
+            else
+              b = make_uint2(uint32_t(p[0]) | uint32_t(p[1]) << 16, uint32_t(p[2]) | uint32_t(p[3])
+                                                                                         << 16);
+            v[u].x = __uint_as_float(b.x);
+            v[u].y = __uint_as_float(b.y);
+            bf |= 1u << u;
+          } else if (r.p) {
+            const float* p = static_cast<const float*>(r.p);
             if ((reinterpret_cast<uintptr_t>(p) & 15u) == 0)
               v[u] = __ldcg(reinterpret_cast<const float4*>(p) + f);
             else
@@ -177,7 +193,8 @@ __global__ void __launch_bounds__(kThreads, 2)
         if (i < items) {
           const int j = i / hd4, f = i - j * hd4;
           *reinterpret_cast<uint2*>(kv + j * rs + 4 * f) =
-              make_uint2(pack_bf16x2(v[u].x, v[u].y), pack_bf16x2(v[u].z, v[u].w));
+              (bf >> u) & 1u ? make_uint2(__float_as_uint(v[u].x), __float_as_uint(v[u].y))
+                             : make_uint2(pack_bf16x2(v[u].x, v[u].y), pack_bf16x2(v[u].z, v[u].w));
         }
       }
     }
@@ -300,8 +317,8 @@ __global__ void __launch_bounds__(kThreads, 2)
 }  // namespace
 
 bool sparse_attn_mma(const float* q, int T, int H, int hd, const float* const* window, int n_window,
-                     const int32_t* topk, int k, const float* ckv, const float* sink, float scale,
-                     float* out, cudaStream_t stream, const float* const* ckv_ref,
+                     const int32_t* topk, int k, const uint16_t* ckv, const float* sink,
+                     float scale, float* out, cudaStream_t stream, const uint16_t* const* ckv_ref,
                      const AttnRope& rope) {
   require(T >= 0 && H > 0 && hd > 0 && n_window >= 0 && k >= 0,
           "sparse_attn_mma: bad shape T=%d H=%d hd=%d n_window=%d k=%d", T, H, hd, n_window, k);
