@@ -444,8 +444,8 @@ TEST(CudaOpsAttention, ChunkMmaHeadsPerCtaBitwise) {
   struct Shape {
     int T, H, hd;
   };
-  for (const Shape sh : {Shape{1, 8, 512}, Shape{2, 8, 512}, Shape{3, 6, 128}, Shape{7, 12, 64},
-                         Shape{2, 1, 512}}) {
+  for (const Shape sh :
+       {Shape{1, 8, 512}, Shape{2, 8, 512}, Shape{3, 6, 128}, Shape{7, 12, 64}, Shape{2, 1, 512}}) {
     const int T = sh.T, H = sh.H, hd = sh.hd, W = 40, k = 60, entries = 200;
     SCOPED_TRACE("T " + std::to_string(T) + " H " + std::to_string(H) + " hd " +
                  std::to_string(hd));

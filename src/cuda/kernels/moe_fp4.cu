@@ -991,42 +991,30 @@ __global__ void __launch_bounds__(kW2UnitWarps * 32, 4)
 }
 
 // out[t][n] = sum over t's valid experts in ascending id of y[pair][n]. grid (dim/256, m).
-// Latency (a decode step runs it once a layer): warp 0's lanes k < topk each load one expert id
-// and take its rank among the row's valid ids by shuffles (equal ids by position: the order the
-// insertion sort it replaces gave), instead of one thread's sort; each thread then issues all of its (<= 8) loads before the first
-// add. The sum is the same: from +0 in ascending id, one fp32 add each.
+// Warp 0 ranks the row's experts (rank_row_experts); every thread then issues all of its loads
+// before the first add (a decode step runs this once a layer, on the chain).
+constexpr int kCombineMaxK = 8;  // experts a row (M * topk <= 64 at M = 8)
 __global__ void __launch_bounds__(256)
     moe_combine_kernel(const float* y, const int* topk_idx, int topk, int E, int dim,
                        const float* add, bool round_out, float* out) {
-  constexpr int kMaxK = 8;  // experts a row (M * topk <= 64 at M = 8)
-  __shared__ int s_pair[kMaxK];
+  __shared__ int s_k[kCombineMaxK];
   __shared__ int s_count;
   pdl_trigger();
   pdl_wait();
-  const int row = blockIdx.y, lane = threadIdx.x & 31;
-  if (threadIdx.x < 32) {
-    const int e = lane < topk ? topk_idx[row * topk + lane] : -1;
-    const bool valid = e >= 0 && e < E;
-    const unsigned vmask = __ballot_sync(0xffffffffu, valid);
-    int rank = 0;
-    for (int j = 0; j < topk; ++j) {  // warp-uniform trip count
-      const int ej = __shfl_sync(0xffffffffu, e, j);
-      rank += ((vmask >> j) & 1u) && (ej < e || (ej == e && j < lane));  // stable, as the sort was
-    }
-    if (valid) s_pair[rank] = row * topk + lane;
-    if (lane == 0) s_count = __popc(vmask);
-  }
+  const int row = blockIdx.y;
+  if (threadIdx.x < 32) rank_row_experts(topk_idx + row * topk, topk, E, s_k, &s_count);
   __syncthreads();
   const int col = blockIdx.x * 256 + threadIdx.x;
   if (col >= dim) return;
   const int n = s_count;
-  float v[kMaxK];
+  float v[kCombineMaxK];
 #pragma unroll
-  for (int j = 0; j < kMaxK; ++j) v[j] = j < n ? y[size_t(s_pair[j]) * dim + col] : 0.f;
+  for (int j = 0; j < kCombineMaxK; ++j)
+    v[j] = j < n ? y[size_t(row * topk + s_k[j]) * dim + col] : 0.f;
   const float a = add ? add[size_t(row) * dim + col] : 0.f;
   float sum = 0.f;
 #pragma unroll
-  for (int j = 0; j < kMaxK; ++j)
+  for (int j = 0; j < kCombineMaxK; ++j)
     if (j < n) sum += v[j];
   if (add) {  // DeviceMoe's combine_kernel: bf16(routed + shared), or unrounded
     const float s2 = __fadd_rn(sum, a);
@@ -1042,36 +1030,18 @@ __global__ void __launch_bounds__(256)
 __global__ void __launch_bounds__(256)
     moe_combine_vec_kernel(const float* y, const int* topk_idx, int topk, int E, int dim,
                            const float* add, bool round_out, float* out) {
-  __shared__ int s_id[8], s_pair[8];
+  __shared__ int s_k[kCombineMaxK];
   __shared__ int s_count;
   pdl_trigger();
   pdl_wait();
   const int row = blockIdx.y;
-  if (threadIdx.x < topk) s_id[threadIdx.x] = topk_idx[row * topk + threadIdx.x];
-  __syncthreads();
-  if (threadIdx.x == 0) {  // moe_combine_kernel's insertion sort
-    int ids[8], pairs[8], n = 0;
-    for (int k = 0; k < topk; ++k) {
-      const int e = s_id[k];
-      if (e < 0 || e >= E) continue;
-      int j = n++;
-      while (j > 0 && ids[j - 1] > e) {
-        ids[j] = ids[j - 1];
-        pairs[j] = pairs[j - 1];
-        --j;
-      }
-      ids[j] = e;
-      pairs[j] = row * topk + k;
-    }
-    for (int j = 0; j < n; ++j) s_pair[j] = pairs[j];
-    s_count = n;
-  }
+  if (threadIdx.x < 32) rank_row_experts(topk_idx + row * topk, topk, E, s_k, &s_count);
   __syncthreads();
   const int col = (blockIdx.x * 256 + threadIdx.x) * 4;
   if (col >= dim) return;
   float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
   for (int j = 0; j < s_count; ++j) {
-    const float4 v = *reinterpret_cast<const float4*>(y + size_t(s_pair[j]) * dim + col);
+    const float4 v = *reinterpret_cast<const float4*>(y + size_t(row * topk + s_k[j]) * dim + col);
     sum.x += v.x;
     sum.y += v.y;
     sum.z += v.z;

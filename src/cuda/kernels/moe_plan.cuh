@@ -14,6 +14,26 @@ namespace uf::cuda::detail {
 
 // kMaxPairs, SlotPlan, MoePlan, kPlanBytes: moe_layout.h.
 
+// The order in which the combine kernels sum a row's experts: ascending expert id, equal ids in
+// k order (a stable insertion sort's order), ids outside [0, E) skipped. Run by one whole warp:
+// lane k < K loads id k and takes its position by shuffles; order[pos] = k, *count = the valid
+// ids (K <= 32). One thread's insertion sort indexed its arrays dynamically (local memory): ~2 us
+// of a decode step's combine (docs/perf.md, session 24).
+__device__ __forceinline__ void rank_row_experts(const int32_t* ids, int K, int E, int* order,
+                                                 int* count) {
+  const int lane = threadIdx.x & 31;
+  const int e = lane < K ? ids[lane] : -1;
+  const bool valid = lane < K && e >= 0 && e < E;
+  const unsigned vmask = __ballot_sync(0xffffffffu, valid);
+  int pos = 0;
+  for (int j = 0; j < K; ++j) {  // warp-uniform trip count
+    const int ej = __shfl_sync(0xffffffffu, e, j);
+    pos += ((vmask >> j) & 1u) && (ej < e || (ej == e && j < lane));
+  }
+  if (valid) order[pos] = lane;
+  if (lane == 0) *count = __popc(vmask);
+}
+
 __device__ __forceinline__ void moe_cp16(void* dst, const void* src) {
   asm volatile(
       "cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(uint32_t(__cvta_generic_to_shared(dst))),

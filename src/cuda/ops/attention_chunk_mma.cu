@@ -127,7 +127,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
                                  const uint16_t* const* ckv_ref, float scale, AttnRope rope,
                                  int hpc, float* __restrict__ scratch) {
   extern __shared__ __align__(16) unsigned char smem[];
-  __shared__ const void* slot[kChunk];  // window rows fp32, top-k rows bf16 (KvRow)
+  __shared__ const void* slot[kChunk];    // window rows fp32, top-k rows bf16 (KvRow)
   __shared__ float2 rope_cs[kMaxHd / 2];  // (cos, sin) of the row's rotated pairs (forward)
   const AttnMmaSmem L = smem_layout(hd);
   __nv_bfloat16* kv = reinterpret_cast<__nv_bfloat16*>(smem + L.kv);

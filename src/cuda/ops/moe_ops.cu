@@ -43,6 +43,7 @@
 #include "cuda/cuda_check.h"
 #include "cuda/gemv.h"
 #include "cuda/kernels/common.cuh"
+#include "cuda/kernels/moe_plan.cuh"
 #include "cuda/kernels/probe.cuh"
 #include "cuda/moe.h"
 #include "cuda/ops/linear_kernels.h"
@@ -627,24 +628,9 @@ __global__ void combine_experts_kernel(const float* slots, const int32_t* gate_i
   __shared__ int s_n;
   const int col = blockIdx.x * blockDim.x + threadIdx.x;
   for (int t = blockIdx.y; t < T; t += gridDim.y) {
-    __syncthreads();  // s_k of the previous row is no longer read
-    if (threadIdx.x == 0) {
-      int ids[kMaxTopK], ks[kMaxTopK], n = 0;
-      for (int k = 0; k < K; ++k) {  // insertion sort by expert id, as moe_combine_kernel
-        const int e = gate_i[int64_t(t) * K + k];
-        if (e < 0 || e >= E) continue;
-        int j = n++;
-        while (j > 0 && ids[j - 1] > e) {
-          ids[j] = ids[j - 1];
-          ks[j] = ks[j - 1];
-          --j;
-        }
-        ids[j] = e;
-        ks[j] = k;
-      }
-      for (int j = 0; j < n; ++j) s_k[j] = ks[j];
-      s_n = n;
-    }
+    __syncthreads();       // s_k of the previous row is no longer read
+    if (threadIdx.x < 32)  // by expert id, as moe_combine_kernel
+      detail::rank_row_experts(gate_i + int64_t(t) * K, K, E, s_k, &s_n);
     __syncthreads();
     if (col < D) {
       const float* row = slots + int64_t(t) * (K + 1) * D + col;
