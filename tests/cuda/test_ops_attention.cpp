@@ -378,6 +378,63 @@ TEST(CudaOpsAttention, SparseAttnSplitCorners) {
   }
 }
 
+// The device inputs of one split-path call: T rows of H heads, W window slots (rows of their own)
+// and k top-k slots into `entries` bf16 compressed-KV rows (empty_slots: some top-k ids are -1),
+// bf16-valued q / KV / sinks from `seed`. run(out) is one sparse_attn call with the split scratch.
+struct SplitInputs {
+  struct Host {
+    std::vector<float> q, wbank, ckv, sink;
+    std::vector<int32_t> topk;
+  };
+  static Host host_inputs(int T, int H, int hd, int W, int k, int entries, uint32_t seed,
+                          bool empty_slots) {
+    std::mt19937 rng(seed);
+    Host h;
+    h.q = normal_bf16(size_t(T) * H * hd, rng, 2.5f);
+    h.wbank = normal_bf16(size_t(T) * W * hd, rng, 1.f);
+    h.ckv = normal_bf16(size_t(entries) * hd, rng, 1.f);
+    h.sink = normal_bf16(size_t(H), rng, 1.f);
+    std::uniform_int_distribution<int> ent(empty_slots ? -1 : 0, entries - 1);
+    h.topk.resize(size_t(T) * k);
+    for (auto& e : h.topk) e = ent(rng);
+    return h;
+  }
+  static std::vector<const float*> window_rows(const float* bank, int n, int hd) {
+    std::vector<const float*> w(static_cast<size_t>(n));
+    for (int i = 0; i < n; ++i) w[size_t(i)] = bank + int64_t(i) * hd;
+    return w;
+  }
+
+  SplitInputs(int T_, int H_, int hd_, int W_, int k_, int entries, uint32_t seed, bool empty_slots)
+      : SplitInputs(T_, H_, hd_, W_, k_,
+                    host_inputs(T_, H_, hd_, W_, k_, entries, seed, empty_slots)) {}
+  SplitInputs(int T_, int H_, int hd_, int W_, int k_, const Host& h)
+      : T(T_),
+        H(H_),
+        hd(hd_),
+        W(W_),
+        k(k_),
+        q(h.q),
+        wbank(h.wbank),
+        sink(h.sink),
+        scratch(sparse_attn_scratch_floats(T_, H_, hd_, W_ + k_)),
+        ckv(bf16_bits(h.ckv)),
+        win(window_rows(wbank.get(), T_ * W_, hd_)),
+        topk(h.topk),
+        scale(float(std::pow(double(hd_), -0.5))) {}
+  void run(float* out) {
+    sparse_attn(q.get(), T, H, hd, win.get(), W, topk.get(), k, ckv.get(), sink.get(), scale, out,
+                nullptr, nullptr, scratch.get());
+  }
+
+  int T, H, hd, W, k;
+  DeviceBuffer<float> q, wbank, sink, scratch;
+  DeviceBuffer<uint16_t> ckv;  // the session's compressed KV is bf16
+  DeviceBuffer<const float*> win;
+  DeviceBuffer<int32_t> topk;
+  float scale;
+};
+
 // Which records the split path runs: the tensor-core kernel's differ from the CPU-order ones
 // (their p_j are rounded against other bases) wherever it applies, and where it does not (hd not
 // a multiple of 16, past 512, chunks of 32) the default call IS the CPU-order one, bit for bit.
@@ -392,27 +449,11 @@ TEST(CudaOpsAttention, ChunkMmaDispatch) {
                          Shape{1024, false}, Shape{520, false}, Shape{512, true}}) {
     const int T = 3, H = 8, hd = sh.hd, W = 40, k = 60, entries = 200;
     SCOPED_TRACE("hd " + std::to_string(hd) + (sh.chunks32 ? " chunks of 32" : ""));
-    std::mt19937 rng(400 + uint32_t(hd));
-    const auto q = normal_bf16(size_t(T) * H * hd, rng, 2.5f);
-    const auto wbank = normal_bf16(size_t(T) * W * hd, rng, 1.f);
-    const auto ckv = normal_bf16(size_t(entries) * hd, rng, 1.f);
-    const auto sink = normal_bf16(size_t(H), rng, 1.f);
-    std::uniform_int_distribution<int> ent(0, entries - 1);
-    std::vector<int32_t> topk(size_t(T) * k);
-    for (auto& e : topk) e = ent(rng);
-    DeviceBuffer<float> dq(q), dwbank(wbank), dsink(sink);
-    DeviceBuffer<uint16_t> dckv(bf16_bits(ckv));
-    std::vector<const float*> wptr(size_t(T) * W);
-    for (size_t i = 0; i < wptr.size(); ++i) wptr[i] = dwbank.get() + int64_t(i) * hd;
-    DeviceBuffer<const float*> dwin(wptr);
-    DeviceBuffer<int32_t> dtopk(topk);
-    DeviceBuffer<float> scratch(sparse_attn_scratch_floats(T, H, hd, W + k));
+    SplitInputs in(T, H, hd, W, k, entries, 400 + uint32_t(hd), false);
     DeviceBuffer<float> def(size_t(T) * H * hd), cpu(size_t(T) * H * hd);
-    const float scale = float(std::pow(double(hd), -0.5));
     auto run = [&](Path path, float* o) {
       const ChunkRecords records(path);
-      sparse_attn(dq.get(), T, H, hd, dwin.get(), W, dtopk.get(), k, dckv.get(), dsink.get(), scale,
-                  o, nullptr, nullptr, scratch.get());
+      in.run(o);
     };
     if (sh.chunks32) sparse_attn_chunk_override(32);
     def.poison();
@@ -449,28 +490,12 @@ TEST(CudaOpsAttention, ChunkMmaHeadsPerCtaBitwise) {
     const int T = sh.T, H = sh.H, hd = sh.hd, W = 40, k = 60, entries = 200;
     SCOPED_TRACE("T " + std::to_string(T) + " H " + std::to_string(H) + " hd " +
                  std::to_string(hd));
-    std::mt19937 rng(500 + uint32_t(T * 100 + H));
-    const auto q = normal_bf16(size_t(T) * H * hd, rng, 2.5f);
-    const auto wbank = normal_bf16(size_t(T) * W * hd, rng, 1.f);
-    const auto ckv = normal_bf16(size_t(entries) * hd, rng, 1.f);
-    const auto sink = normal_bf16(size_t(H), rng, 1.f);
-    std::uniform_int_distribution<int> ent(-1, entries - 1);  // -1: an empty slot
-    std::vector<int32_t> topk(size_t(T) * k);
-    for (auto& e : topk) e = ent(rng);
-    DeviceBuffer<float> dq(q), dwbank(wbank), dsink(sink);
-    DeviceBuffer<uint16_t> dckv(bf16_bits(ckv));
-    std::vector<const float*> wptr(size_t(T) * W);
-    for (size_t i = 0; i < wptr.size(); ++i) wptr[i] = dwbank.get() + int64_t(i) * hd;
-    DeviceBuffer<const float*> dwin(wptr);
-    DeviceBuffer<int32_t> dtopk(topk);
-    DeviceBuffer<float> scratch(sparse_attn_scratch_floats(T, H, hd, W + k));
+    SplitInputs in(T, H, hd, W, k, entries, 500 + uint32_t(T * 100 + H), true);
     DeviceBuffer<float> out(size_t(T) * H * hd);
-    const float scale = float(std::pow(double(hd), -0.5));
     auto run = [&](int heads) {
       sparse_attn_chunk_heads_override(heads);
       out.poison();
-      sparse_attn(dq.get(), T, H, hd, dwin.get(), W, dtopk.get(), k, dckv.get(), dsink.get(), scale,
-                  out.get(), nullptr, nullptr, scratch.get());
+      in.run(out.get());
       sparse_attn_chunk_heads_override(0);
       sync_and_check();
       return out.download();
