@@ -993,7 +993,7 @@ __global__ void __launch_bounds__(kW2UnitWarps * 32, 4)
 // out[t][n] = sum over t's valid experts in ascending id of y[pair][n]. grid (dim/256, m).
 // Warp 0 ranks the row's experts (rank_row_experts); every thread then issues all of its loads
 // before the first add (a decode step runs this once a layer, on the chain).
-constexpr int kCombineMaxK = 8;  // experts a row (M * topk <= 64 at M = 8)
+constexpr int kCombineMaxK = kMaxPairs / kMaxDecodeRows;  // top-k <= 8: the MoeFp4 ctors' check
 __global__ void __launch_bounds__(256)
     moe_combine_kernel(const float* y, const int* topk_idx, int topk, int E, int dim,
                        const float* add, bool round_out, float* out) {
