@@ -64,7 +64,15 @@ constexpr int kFastMaxRows = 8;
 constexpr size_t kFastSmem = 40 * 1024;
 constexpr int kSelThreads = 512;
 constexpr int kSelWarps = kSelThreads / 32;
-constexpr int kKpt = 32;                    // keys per thread in a selection round
+// Keys per thread in a selection round (a build knob for A/B runs: 8, 16 or 32). A CTA's chunk
+// is kSelThreads x kKpt keys: at 32 a row of 16,384 keys is one round on one CTA (~16 us on the
+// H200, docs/perf.md session 24); smaller chunks spread round 1 over more CTAs at the cost of
+// more rounds (a launch each). Results are exact whatever the chunking.
+#ifndef UF_SEL_KPT
+#define UF_SEL_KPT 32
+#endif
+constexpr int kKpt = UF_SEL_KPT;
+static_assert(kKpt == 8 || kKpt == 16 || kKpt == 32, "keys per thread: 8, 16 or 32");
 constexpr int kChunk = kSelThreads * kKpt;  // keys per CTA in a selection round
 constexpr int kMaxFastK = kChunk / 4;       // a round shrinks the list at least ~4x
 constexpr int kSmallKpt = 8;                // one-round lists of <= kSmallList keys
