@@ -64,6 +64,20 @@ std::vector<float> randn(size_t n, std::mt19937& rng, float sd = 1.f) {
                                        << " elements differ, " << nan << " NaN" << buf;
 }
 
+// A bf16 copy that a fused chain wrote into poisoned memory: its first n values hold `want`'s first
+// n exactly (FP4 QDQ values: exact in bf16), and nothing past them was written (still 0xFFFF).
+::testing::AssertionResult bf16_copy_exact(const std::string& what,
+                                           const std::vector<uint16_t>& got,
+                                           std::vector<float> want, size_t n) {
+  want.resize(n);
+  const auto head = same_bits(
+      what, bf16_values(std::vector<uint16_t>(got.begin(), got.begin() + int64_t(n))), want);
+  if (!head) return head;
+  if (!std::all_of(got.begin() + int64_t(n), got.end(), [](uint16_t v) { return v == 0xFFFFu; }))
+    return ::testing::AssertionFailure() << what << ": written past its " << n << " values";
+  return ::testing::AssertionSuccess();
+}
+
 // A norm weight [n, 1] (model::bind_weights binds vectors so) on the device.
 struct NormWeight {
   std::vector<uint8_t> bytes;
@@ -510,33 +524,14 @@ TEST_P(CudaFusedRows, CompressorEntriesBitwise) {
           }
           sync_and_check();
           EXPECT_TRUE(same_bits(what + " latents", e2.download(), e1.download()));
-          {  // the bf16 copy holds the fp32 latents exactly (FP4 QDQ values); no row past n_emit
-            const auto cv = ckv2.download();
-            const size_t ne = size_t(n_emit) * hd;
-            auto want = ckv1.download();
-            want.resize(ne);
-            EXPECT_TRUE(same_bits(what + " ckv copy",
-                                  bf16_values(std::vector<uint16_t>(cv.begin(), cv.begin() + ne)),
-                                  want));
-            EXPECT_TRUE(std::all_of(cv.begin() + int64_t(ne), cv.end(),
-                                    [](uint16_t v) { return v == 0xFFFFu; }))
-                << what << ": ckv past the emitted rows was written";
-          }
+          EXPECT_TRUE(bf16_copy_exact(what + " ckv copy", ckv2.download(), ckv1.download(),
+                                      size_t(n_emit) * hd));
           EXPECT_TRUE(same_bits(what + " raw kv ring", rk2.download(), rk1.download()));
           EXPECT_TRUE(same_bits(what + " raw gate ring", rg2.download(), rg1.download()));
           if (keys) {
             EXPECT_TRUE(same_bits(what + " keys", k2.download(), k1.download()));
-            // The bf16 copy holds the fp32 keys exactly (FP4 QDQ values); rows past n_emit stay.
-            const auto ik = ik2.download();
-            const size_t ne = size_t(n_emit) * ihd;
-            auto want = ik1.download();
-            want.resize(ne);
-            EXPECT_TRUE(same_bits(what + " ikeys copy",
-                                  bf16_values(std::vector<uint16_t>(ik.begin(), ik.begin() + ne)),
-                                  want));
-            EXPECT_TRUE(std::all_of(ik.begin() + int64_t(ne), ik.end(),
-                                    [](uint16_t v) { return v == 0xFFFFu; }))
-                << what << ": ikeys past the emitted rows were written";
+            EXPECT_TRUE(bf16_copy_exact(what + " ikeys copy", ik2.download(), ik1.download(),
+                                        size_t(n_emit) * ihd));
           }
         }
 }
