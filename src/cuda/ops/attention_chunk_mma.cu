@@ -59,7 +59,6 @@
 namespace uf::cuda::attn_split {
 namespace {
 
-using detail::pack_bf16x2;
 using detail::smem_addr;
 
 // Where the kernel lets the merge launch (PDL; a build knob for A/B runs): 0 right after its
@@ -193,25 +192,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       kvv[u] = make_float4(0.f, 0.f, 0.f, 0.f);
       if (w.r < kChunk) {
         const int f = w.c;
-        const void* row = slot[w.r];
-        if (row && j0 + w.r >= n_window) {
-          const uint16_t* p = static_cast<const uint16_t*>(row) + 4 * f;
-          uint2 b;
-          if ((reinterpret_cast<uintptr_t>(p) & 7u) == 0)
-            b = __ldcg(reinterpret_cast<const uint2*>(p));
-          else
-            b = make_uint2(uint32_t(__ldcg(p)) | uint32_t(__ldcg(p + 1)) << 16,
-                           uint32_t(__ldcg(p + 2)) | uint32_t(__ldcg(p + 3)) << 16);
-          kvv[u].x = __uint_as_float(b.x);
-          kvv[u].y = __uint_as_float(b.y);
-        } else if (row) {
-          const float* p = static_cast<const float*>(row);
-          if ((reinterpret_cast<uintptr_t>(p) & 15u) == 0)
-            kvv[u] = __ldcg(reinterpret_cast<const float4*>(p) + f);
-          else
-            kvv[u] = make_float4(__ldcg(p + 4 * f), __ldcg(p + 4 * f + 1), __ldcg(p + 4 * f + 2),
-                                 __ldcg(p + 4 * f + 3));
-        }
+        attn_kv_load4(kvv[u], slot[w.r], j0 + w.r >= n_window, f);
       }
     }
   }
@@ -237,9 +218,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   for (int u = 0; u < kKvLoads; ++u, wk.next())
     if (wk.r < kChunk)
       *reinterpret_cast<uint2*>(kv + wk.r * rs + 4 * wk.c) =
-          j0 + wk.r >= n_window
-              ? make_uint2(__float_as_uint(kvv[u].x), __float_as_uint(kvv[u].y))
-              : make_uint2(pack_bf16x2(kvv[u].x, kvv[u].y), pack_bf16x2(kvv[u].z, kvv[u].w));
+          attn_kv_bf16x4(kvv[u], j0 + wk.r >= n_window);
   __syncthreads();
   UF_PROBE_MARK(probe, 2);
   if (UF_ATTN_CHUNK_TRIGGER == 1) detail::pdl_trigger();

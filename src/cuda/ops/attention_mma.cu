@@ -53,7 +53,6 @@
 namespace uf::cuda {
 namespace {
 
-using detail::pack_bf16x2;
 using detail::smem_addr;
 
 constexpr int kWarps = 8;
@@ -167,24 +166,8 @@ __global__ void __launch_bounds__(kThreads, 2)
         if (i < items) {
           const int j = i / hd4, f = i - j * hd4;
           const KvRow r = slot[j];
-          if (r.p && r.bf16) {
-            const uint16_t* p = static_cast<const uint16_t*>(r.p) + 4 * f;
-            uint2 b;
-            if ((reinterpret_cast<uintptr_t>(p) & 7u) == 0)
-              b = __ldcg(reinterpret_cast<const uint2*>(p));
-            else
-              b = make_uint2(uint32_t(p[0]) | uint32_t(p[1]) << 16, uint32_t(p[2]) | uint32_t(p[3])
-                                                                                         << 16);
-            v[u].x = __uint_as_float(b.x);
-            v[u].y = __uint_as_float(b.y);
-            bf |= 1u << u;
-          } else if (r.p) {
-            const float* p = static_cast<const float*>(r.p);
-            if ((reinterpret_cast<uintptr_t>(p) & 15u) == 0)
-              v[u] = __ldcg(reinterpret_cast<const float4*>(p) + f);
-            else
-              v[u] = make_float4(p[4 * f], p[4 * f + 1], p[4 * f + 2], p[4 * f + 3]);
-          }
+          attn_kv_load4(v[u], r.p, r.bf16, f);
+          if (r.p && r.bf16) bf |= 1u << u;
         }
       }
 #pragma unroll
@@ -192,9 +175,7 @@ __global__ void __launch_bounds__(kThreads, 2)
         const int i = i0 + u * kThreads;
         if (i < items) {
           const int j = i / hd4, f = i - j * hd4;
-          *reinterpret_cast<uint2*>(kv + j * rs + 4 * f) =
-              (bf >> u) & 1u ? make_uint2(__float_as_uint(v[u].x), __float_as_uint(v[u].y))
-                             : make_uint2(pack_bf16x2(v[u].x, v[u].y), pack_bf16x2(v[u].z, v[u].w));
+          *reinterpret_cast<uint2*>(kv + j * rs + 4 * f) = attn_kv_bf16x4(v[u], (bf >> u) & 1u);
         }
       }
     }
