@@ -54,6 +54,8 @@ const char* tag_name(uint32_t tag) {
       return "moe_router2_last";
     case kTagAttnChunk:
       return "sparse_attn_chunk_mma";
+    case kTagSelectRound:
+      return "select_round";
     default:
       return "?";
   }

@@ -25,12 +25,14 @@
 //
 // candidate_mask / topk_select: the best kk of n keys, ties broken by the lower index, with
 // order-preserving uint32 keys of the floats (-0 folded onto +0: the CPU compares values).
-//  Selection rounds (the fast path): a row's key list is cut into chunks of kChunk = 16384 keys,
-//  one CTA of 512 threads per chunk, each thread holding 32 consecutive keys in registers. A CTA
-//  selects its chunk's best min(kk, n) keys exactly (4 radix passes of 8 bits with shared-memory
-//  histograms, then one block scan for the ordered compaction) and writes them, in index order,
-//  with their indices, to the workspace: the union of the chunks' best kk holds the row's best
-//  kk, and the concatenated candidate lists stay in index order, so the tie rule carries over.
+//  Selection rounds (the fast path): a row's key list is cut into chunks of 512 x KPT keys (KPT 8,
+//  16 or 32 keys a thread: the fewest whose chunk holds 4 kk), one CTA of 512 threads per chunk,
+//  each thread holding KPT consecutive keys in registers. A CTA selects its chunk's best
+//  min(kk, n) keys exactly (4 radix passes of 8 bits with shared-memory histograms, 2 for bf16
+//  scores, then one block scan for the ordered compaction; a thread loads its selected keys'
+//  indices before it stores any) and writes them, in index order, with their indices, to the
+//  workspace: the union of the chunks' best kk holds the row's best kk, and the concatenated
+//  candidate lists stay in index order, so the tie rule carries over.
 //  The next round selects from the candidates, until one chunk holds the whole list; that round
 //  writes the result. Each round is one launch. A row's chunking depends only on its own width
 //  and kk (never on T or the other rows): the result is exact whatever the chunking, and rows
@@ -38,7 +40,7 @@
 //  candidate_mask's keys are block maxima (the block of compress_len - 1 pinned to +inf): when
 //  one round suffices they are computed inside it; otherwise a block-max kernel writes them to
 //  the workspace first and zeroes keep, and the last round sets the kept blocks.
-//  Without a workspace where one is needed, or for k > kChunk / 4: one CTA per row (the
+//  Without a workspace where one is needed, or for k > kMaxFastK: one CTA per row (the
 //  original kernels: radix select and ordered compaction reading the scores from global memory).
 
 #include <cuda_runtime.h>
@@ -49,6 +51,7 @@
 #include "cuda/cuda_check.h"
 #include "cuda/gemv.h"
 #include "cuda/kernels/common.cuh"
+#include "cuda/kernels/probe.cuh"
 #include "cuda/ops/attention.h"
 #include "cuda/ops/index_scores_mma.h"
 
@@ -64,18 +67,19 @@ constexpr int kFastMaxRows = 8;
 constexpr size_t kFastSmem = 40 * 1024;
 constexpr int kSelThreads = 512;
 constexpr int kSelWarps = kSelThreads / 32;
-// Keys per thread in a selection round (a build knob for A/B runs: 8, 16 or 32). A CTA's chunk
-// is kSelThreads x kKpt keys: at 32 a row of 16,384 keys is one round on one CTA (~16 us on the
-// H200, docs/perf.md session 24); smaller chunks spread round 1 over more CTAs at the cost of
-// more rounds (a launch each). Results are exact whatever the chunking.
+// Keys per thread in a selection round: the fewest of 8, 16 or 32 (from UF_SEL_KPT, a build knob
+// for A/B runs) whose chunk of kSelThreads x KPT keys holds 4 x m (a round shrinks a list at least
+// ~4x). A CTA's time grows with its chunk: one CTA over a row's 16,384 keys (KPT 32) took ~16 us on
+// the H200, four CTAs of 4,096 and a second round over their 2,048 candidates less (docs/perf.md,
+// session 25). Results are exact whatever the chunking.
 #ifndef UF_SEL_KPT
-#define UF_SEL_KPT 32
+#define UF_SEL_KPT 8
 #endif
-constexpr int kKpt = UF_SEL_KPT;
-static_assert(kKpt == 8 || kKpt == 16 || kKpt == 32, "keys per thread: 8, 16 or 32");
-constexpr int kChunk = kSelThreads * kKpt;  // keys per CTA in a selection round
-constexpr int kMaxFastK = kChunk / 4;       // a round shrinks the list at least ~4x
-constexpr int kSmallKpt = 8;                // one-round lists of <= kSmallList keys
+constexpr int kMinKpt = UF_SEL_KPT;
+static_assert(kMinKpt == 8 || kMinKpt == 16 || kMinKpt == 32, "keys per thread: 8, 16 or 32");
+constexpr int kMaxKpt = 32;
+constexpr int kMaxFastK = kSelThreads * kMaxKpt / 4;
+constexpr int kSmallKpt = 8;  // one-round lists of <= kSmallList keys
 constexpr int kSmallList = kSelThreads * kSmallKpt;
 constexpr int kMaxRounds = 16;
 constexpr int kMaskThreads = 256;
@@ -256,6 +260,29 @@ __device__ __forceinline__ uint32_t bf16_low_bits(uint32_t key) {
 }
 constexpr uint32_t kNegInfKey = ~0xff800000u;  // order_key(-inf)
 constexpr uint32_t kPosInfKey = 0xff800000u;   // order_key(+inf)
+
+// Candidate blocks of kVecBlock entries (the model's candidate_block_size) read and write a block
+// with vector accesses where it is whole and aligned; any other size takes the scalar loops (the
+// same values).
+constexpr int kVecBlock = 8;
+
+// max over s[i0, i1) in the CPU's order (std::max from the left; -inf when empty).
+__device__ __forceinline__ float block_max(const float* s, int i0, int i1) {
+  float mx = -INFINITY;
+  if (i1 - i0 == kVecBlock && (reinterpret_cast<uintptr_t>(s + i0) & 15u) == 0) {
+    const float4 x = __ldg(reinterpret_cast<const float4*>(s + i0));
+    const float4 y = __ldg(reinterpret_cast<const float4*>(s + i0) + 1);
+    const float v[kVecBlock] = {x.x, x.y, x.z, x.w, y.x, y.y, y.z, y.w};
+#pragma unroll
+    for (int i = 0; i < kVecBlock; ++i) mx = mx < v[i] ? v[i] : mx;  // std::max(m, v)
+    return mx;
+  }
+  for (int i = i0; i < i1; ++i) {
+    const float v = __ldg(s + i);
+    mx = mx < v ? v : mx;
+  }
+  return mx;
+}
 
 struct SelShared {
   uint32_t hist[256];
@@ -444,12 +471,19 @@ __global__ void __launch_bounds__(kSelThreads)
 
 // ---- selection rounds (the fast path) ----
 
-// A row's list length after one round: every full chunk gives m candidates, the last one
-// min(m, its length).
-__host__ __device__ __forceinline__ int64_t next_len(int64_t len, int64_t m) {
-  const int64_t c = (len + kChunk - 1) / kChunk;
-  const int64_t last = len - (c - 1) * kChunk;
+// A row's list length after one round of chunks of `chunk` keys: every full chunk gives m
+// candidates, the last one min(m, its length).
+__host__ __device__ __forceinline__ int64_t next_len(int64_t len, int64_t m, int64_t chunk) {
+  const int64_t c = (len + chunk - 1) / chunk;
+  const int64_t last = len - (c - 1) * chunk;
   return (c - 1) * m + (last < m ? last : m);
+}
+
+// Keys per thread for selecting m (0: more than the rounds serve).
+__host__ __device__ __forceinline__ int sel_kpt(int64_t m) {
+  for (int kpt = kMinKpt; kpt <= kMaxKpt; kpt *= 2)
+    if (m <= int64_t(kSelThreads) * kpt / 4) return kpt;
+  return 0;
 }
 
 enum class SelMode { kTopk, kMask };
@@ -483,6 +517,7 @@ struct RoundArgs {
   int32_t* out_idx;
   int64_t out_cap;
   int round;  // 1-based
+  int chunk;  // keys per CTA (kSelThreads x the plan's keys per thread)
 };
 
 // KPT consecutive values from src (cnt of them valid; the rest 0), 16-byte loads when aligned.
@@ -508,15 +543,21 @@ __device__ __forceinline__ void block_fill(uint8_t* p, int64_t n, uint8_t v, int
   for (int64_t i = threadIdx.x; i < n; i += nthreads) p[i] = v;
 }
 
-// One round for one chunk (blockIdx.x) of one row (blockIdx.y). KPT: keys per thread; kKpt
-// covers a whole chunk, kSmallKpt only a one-round list of <= kSmallList keys (the 8k-context
-// shapes): the radix passes' per-thread loop is then 4x shorter and every warp takes part. The
-// ordered compaction scans the threads in order over consecutive positions either way, so the
-// result does not depend on KPT.
+// One round for one chunk (blockIdx.x, a.chunk keys) of one row (blockIdx.y). KPT: keys per
+// thread, the plan's (a.chunk / kSelThreads), or kSmallKpt for a one-round list of <= kSmallList
+// keys whatever the chunk (every warp then takes part). The ordered compaction scans the threads
+// in order over consecutive positions either way, so the result does not depend on KPT.
 template <SelMode kMode, int KPT>
 __global__ void __launch_bounds__(kSelThreads, 1) select_round_kernel(RoundArgs a) {
+  // Probe points (row 0's first and last chunk): 0 start, 1 PDL wait returned, 2 keys loaded,
+  // 3 / 4 radix passes 1 / 2 done, 5 the compaction's scan done, 6 exit.
+  UF_PROBE_OPEN_IF(
+      probe, kTagSelectRound,
+      threadIdx.x == 0 && blockIdx.y == 0 && (blockIdx.x == 0 || blockIdx.x == gridDim.x - 1));
+  UF_PROBE_MARK(probe, 0);
   detail::pdl_wait();  // PDL: every input comes from an earlier kernel
   detail::pdl_trigger();
+  UF_PROBE_MARK(probe, 1);
   __shared__ SelShared sh;
   const int t = blockIdx.y, c = blockIdx.x, tid = threadIdx.x;
   const int wd = a.width[t];
@@ -531,14 +572,15 @@ __global__ void __launch_bounds__(kSelThreads, 1) select_round_kernel(RoundArgs 
   const int64_t n1 = kMode == SelMode::kTopk ? int64_t(wd) : (int64_t(wd) + bs - 1) / bs;
   const int64_t m = min(int64_t(a.k), n1);  // >= 1: the host runs rounds only for k >= 1
   int64_t len = n1;
+  const int64_t chunk = a.chunk;
   for (int r = 1; r < a.round; ++r) {
-    if (len <= kChunk) return;  // the row finished in an earlier round
-    len = next_len(len, m);
+    if (len <= chunk) return;  // the row finished in an earlier round
+    len = next_len(len, m, chunk);
   }
-  const bool last = len <= kChunk;
-  const int64_t lo = int64_t(c) * kChunk;
+  const bool last = len <= chunk;
+  const int64_t lo = int64_t(c) * chunk;
   if (lo >= len) return;
-  const int n = int(min(int64_t(kChunk), len - lo));
+  const int n = int(min(chunk, len - lo));
   const int kk = last ? int(m) : int(min(m, int64_t(n)));
   const int cl = a.vis[t];
   const int p0 = tid * KPT;  // chunk position of key[0]
@@ -557,19 +599,31 @@ __global__ void __launch_bounds__(kSelThreads, 1) select_round_kernel(RoundArgs 
     // One-round mask: the block maxima here (the list is the whole row: lo == 0), keep zeroed.
     const float* s = a.score + int64_t(t) * a.max_width;
     const int pinned = cl > 0 ? (cl - 1) / bs : -1;
+    float mx[KPT];
+    if (KPT <= 8 && bs == kVecBlock && (p0 + KPT) * bs <= wd &&
+        (reinterpret_cast<uintptr_t>(s + p0 * bs) & 15u) == 0) {
+      // The thread's KPT whole blocks: every load issued before the first compare.
+      float4 v[2 * KPT];
 #pragma unroll
-    for (int j = 0; j < KPT; ++j) {
-      const int b = p0 + j;
-      float mx = -INFINITY;
-      if (b < n) {
-        const int i0 = b * bs, i1 = min(wd, i0 + bs);
-        for (int i = i0; i < i1; ++i) {
-          const float v = __ldg(s + i);
-          mx = mx < v ? v : mx;  // std::max(m, v)
-        }
+      for (int q = 0; q < 2 * KPT; ++q)
+        v[q] = __ldg(reinterpret_cast<const float4*>(s + p0 * bs) + q);
+#pragma unroll
+      for (int j = 0; j < KPT; ++j) {
+        const float e[kVecBlock] = {v[2 * j].x,     v[2 * j].y,     v[2 * j].z,     v[2 * j].w,
+                                    v[2 * j + 1].x, v[2 * j + 1].y, v[2 * j + 1].z, v[2 * j + 1].w};
+        mx[j] = -INFINITY;
+#pragma unroll
+        for (int i = 0; i < kVecBlock; ++i) mx[j] = mx[j] < e[i] ? e[i] : mx[j];
       }
-      key[j] = b == pinned ? kPosInfKey : order_key(mx);
+    } else {
+#pragma unroll
+      for (int j = 0; j < KPT; ++j) {
+        const int b = p0 + j;
+        mx[j] = b < n ? block_max(s, b * bs, min(wd, b * bs + bs)) : -INFINITY;
+      }
     }
+#pragma unroll
+    for (int j = 0; j < KPT; ++j) key[j] = p0 + j == pinned ? kPosInfKey : order_key(mx[j]);
     block_fill(a.keep + int64_t(t) * a.max_width, wd, 0, kSelThreads);
     __syncthreads();  // the zeros land before this block's ones
   }
@@ -590,6 +644,7 @@ __global__ void __launch_bounds__(kSelThreads, 1) select_round_kernel(RoundArgs 
     for (int j = 0; j < KPT; ++j)
       bf16 &= !((valid >> j) & 1u) || (key[j] & 0xffffu) == bf16_low_bits(key[j]);
     const int last_shift = __syncthreads_and(bf16) ? 16 : 0;
+    UF_PROBE_MARK(probe, 2);
     uint32_t prefix = 0, mask = 0, rem = uint32_t(kk);
     for (int shift = 24; shift >= last_shift; shift -= 8) {
       // Per-warp digit counts (shared-memory atomics; lanes of one warp that hit one bin are
@@ -620,6 +675,7 @@ __global__ void __launch_bounds__(kSelThreads, 1) select_round_kernel(RoundArgs 
       prefix = sh.bcast[0];
       rem = sh.bcast[1];
       mask |= 255u << shift;
+      UF_PROBE_MARK(probe, shift == 24 ? 3 : 4);
       // hist and bcast are rewritten only after the next pass's first barriers.
     }
     kth = last_shift == 16 ? prefix | bf16_low_bits(prefix) : prefix;
@@ -638,44 +694,70 @@ __global__ void __launch_bounds__(kSelThreads, 1) select_round_kernel(RoundArgs 
   uint32_t total = 0;
   const uint32_t ex =
       block_exclusive_scan((uint32_t(__popc(gtm)) << 16) | uint32_t(__popc(eqm)), sh, &total);
+  UF_PROBE_MARK(probe, 5);
   const uint32_t gt_before = ex >> 16, eq_before = ex & 0xffffu;
   const uint32_t take_eq = need > eq_before ? min(uint32_t(__popc(eqm)), need - eq_before) : 0u;
-  uint32_t slot = gt_before + min(eq_before, need), taken = 0;
+  // The thread's selected keys: every greater one and its first take_eq equal ones.
+  uint32_t selm = gtm;
+  for (uint32_t e = eqm, q = 0; q < take_eq; ++q, e &= e - 1) selm |= e & (0u - e);
+  // Their indices (and the final map lookups) loaded before any store: the loads of a thread's
+  // keys overlap (one or two L2 round trips, not one a selected key).
+  int32_t idx[KPT];
   const int32_t* idx_src = a.in_idx != nullptr ? a.in_idx + int64_t(t) * a.in_cap + lo : nullptr;
+#pragma unroll
+  for (int j = 0; j < KPT; ++j)
+    idx[j] =
+        idx_src != nullptr && ((selm >> j) & 1u) ? __ldg(idx_src + p0 + j) : int32_t(lo + p0 + j);
+  if (kMode == SelMode::kTopk && last) {
+    const int32_t* mp = a.map != nullptr ? a.map + int64_t(t) * a.map_cap : nullptr;
+#pragma unroll
+    for (int j = 0; j < KPT; ++j)
+      idx[j] = idx[j] >= cl                          ? -1
+               : mp != nullptr && ((selm >> j) & 1u) ? __ldg(mp + idx[j])
+                                                     : idx[j];
+  }
+  uint32_t slot = gt_before + min(eq_before, need);
   int32_t* o = kMode == SelMode::kTopk ? a.out + int64_t(t) * a.k : nullptr;
   uint8_t* kp = kMode == SelMode::kMask ? a.keep + int64_t(t) * a.max_width : nullptr;
 #pragma unroll
   for (int j = 0; j < KPT; ++j) {
-    bool sel = (gtm >> j) & 1u;
-    if (!sel && ((eqm >> j) & 1u) && taken < take_eq) {
-      sel = true;
-      ++taken;
-    }
-    if (!sel) continue;
-    const int pos = p0 + j;
-    const int32_t idx = idx_src != nullptr ? __ldg(idx_src + pos) : int32_t(lo + pos);
+    if (!((selm >> j) & 1u)) continue;
     if (!last) {
       const int64_t o2 = int64_t(t) * a.out_cap + int64_t(c) * m + slot;
       a.out_keys[o2] = key[j];
-      a.out_idx[o2] = idx;
+      a.out_idx[o2] = idx[j];
     } else if (kMode == SelMode::kTopk) {
-      o[slot] =
-          idx < cl ? (a.map != nullptr ? __ldg(a.map + int64_t(t) * a.map_cap + idx) : idx) : -1;
+      o[slot] = idx[j];  // the map's entry, or -1 past the visible entries
     } else {
-      const int i0 = idx * bs, i1 = min(wd, i0 + bs);
+      const int i0 = idx[j] * bs, i1 = min(wd, i0 + bs);
       const bool kept = key[j] > kNegInfKey;  // kept only with a finite block score
-      if (kept)
-        for (int i = i0; i < i1; ++i) kp[i] = 1;
-      if (a.list != nullptr) {
-        int32_t* lo_out = a.list + int64_t(t) * a.list_cap + int64_t(slot) * bs;
-        for (int i = i0; i < i0 + bs; ++i) lo_out[i - i0] = kept && i < min(i1, cl) ? i : -1;
-        if (kept && i0 <= cl - 1 && cl - 1 < i0 + bs) a.list_n[t] = int(slot) * bs + (cl - i0);
+      int32_t* lo_out =
+          a.list != nullptr ? a.list + int64_t(t) * a.list_cap + int64_t(slot) * bs : nullptr;
+      if (bs == kVecBlock && i1 - i0 == kVecBlock &&
+          (reinterpret_cast<uintptr_t>(kp + i0) & 7u) == 0 &&
+          (reinterpret_cast<uintptr_t>(lo_out) & 15u) == 0) {
+        if (kept) *reinterpret_cast<uint2*>(kp + i0) = make_uint2(0x01010101u, 0x01010101u);
+        if (lo_out != nullptr) {
+          int32_t v[kVecBlock];
+#pragma unroll
+          for (int i = 0; i < kVecBlock; ++i) v[i] = kept && i0 + i < cl ? i0 + i : -1;
+          reinterpret_cast<int4*>(lo_out)[0] = make_int4(v[0], v[1], v[2], v[3]);
+          reinterpret_cast<int4*>(lo_out)[1] = make_int4(v[4], v[5], v[6], v[7]);
+        }
+      } else {
+        if (kept)
+          for (int i = i0; i < i1; ++i) kp[i] = 1;
+        if (lo_out != nullptr)
+          for (int i = i0; i < i0 + bs; ++i) lo_out[i - i0] = kept && i < min(i1, cl) ? i : -1;
       }
+      if (lo_out != nullptr && kept && i0 <= cl - 1 && cl - 1 < i0 + bs)
+        a.list_n[t] = int(slot) * bs + (cl - i0);
     }
     ++slot;
   }
   if (kMode == SelMode::kTopk && last)
     for (int s = int(m) + tid; s < a.k; s += kSelThreads) o[s] = -1;
+  UF_PROBE_MARK(probe, 6);
 }
 
 // Block maxima of the mask's rows as keys (the pinned block +inf) into keys [T, cap], and keep
@@ -696,12 +778,7 @@ __global__ void __launch_bounds__(kBlockMaxThreads)
   const float* s = score + int64_t(t) * max_width;
   const int b = b0 + tid;
   if (b < nb) {
-    float mx = -INFINITY;
-    const int i0 = b * block_size, i1 = min(wd, i0 + block_size);
-    for (int i = i0; i < i1; ++i) {
-      const float v = __ldg(s + i);
-      mx = mx < v ? v : mx;  // std::max(m, v)
-    }
+    const float mx = block_max(s, b * block_size, min(wd, b * block_size + block_size));
     const int pinned = cl > 0 ? (cl - 1) / block_size : -1;
     keys[int64_t(t) * cap + b] = b == pinned ? kPosInfKey : order_key(mx);
   }
@@ -728,6 +805,8 @@ __global__ void mask_scores_kernel(float* score, const uint8_t* __restrict__ kee
 // The rounds for lists of at most n keys selecting m: rounds, chunks per round (the grid), the
 // largest candidate list (elements per row).
 struct SelPlan {
+  int kpt = kMinKpt;  // keys per thread
+  int64_t chunk = 0;  // keys per CTA
   int rounds = 1;
   int64_t chunks[kMaxRounds] = {};
   int64_t cap = 0;
@@ -735,14 +814,16 @@ struct SelPlan {
 
 SelPlan plan_select(int64_t n, int64_t m) {
   SelPlan p;
+  p.kpt = std::max(sel_kpt(m), kMinKpt);  // m <= kMaxFastK (the callers check)
+  p.chunk = int64_t(kSelThreads) * p.kpt;
   int64_t len = n;
-  p.chunks[0] = std::max<int64_t>(1, (len + kChunk - 1) / kChunk);
-  while (len > kChunk) {
-    len = next_len(len, m);
+  p.chunks[0] = std::max<int64_t>(1, (len + p.chunk - 1) / p.chunk);
+  while (len > p.chunk) {
+    len = next_len(len, m, p.chunk);
     p.cap = std::max(p.cap, len);
     require(p.rounds < kMaxRounds, "indexer selection: %lld keys need too many rounds",
             (long long)n);
-    p.chunks[p.rounds++] = (len + kChunk - 1) / kChunk;
+    p.chunks[p.rounds++] = (len + p.chunk - 1) / p.chunk;
   }
   return p;
 }
@@ -814,12 +895,15 @@ void run_rounds(RoundArgs a, int T, const WsLayout& w, int64_t list_len, void* w
     a.out_idx = last ? nullptr : list_idx(r);
     a.out_cap = w.cap;
     a.round = r;
+    a.chunk = int(w.plan.chunk);
     const dim3 grid(unsigned(w.plan.chunks[r - 1]), unsigned(T));
-    if (w.plan.rounds == 1 && list_len <= kSmallList)
-      detail::launch_pdl(select_round_kernel<kMode, kSmallKpt>, grid, dim3(kSelThreads), 0, stream,
-                         a);
+    const int kpt = w.plan.rounds == 1 && list_len <= kSmallList ? kSmallKpt : w.plan.kpt;
+    if (kpt == 8)
+      detail::launch_pdl(select_round_kernel<kMode, 8>, grid, dim3(kSelThreads), 0, stream, a);
+    else if (kpt == 16)
+      detail::launch_pdl(select_round_kernel<kMode, 16>, grid, dim3(kSelThreads), 0, stream, a);
     else
-      detail::launch_pdl(select_round_kernel<kMode, kKpt>, grid, dim3(kSelThreads), 0, stream, a);
+      detail::launch_pdl(select_round_kernel<kMode, 32>, grid, dim3(kSelThreads), 0, stream, a);
     UF_CUDA_CHECK(cudaGetLastError());
   }
 }
