@@ -56,6 +56,8 @@ const char* tag_name(uint32_t tag) {
       return "sparse_attn_chunk_mma";
     case kTagSelectRound:
       return "select_round";
+    case kTagSelectMask:
+      return "select_round_mask";
     default:
       return "?";
   }

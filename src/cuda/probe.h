@@ -35,7 +35,8 @@ enum Tag : uint32_t {
   kTagAttnMerge = 13,
   kTagRouterLast = 14,  // moe_router2's last CTA (the routing), its own record
   kTagAttnChunk = 15,
-  kTagSelectRound = 16,  // the indexer's selection rounds (ops/indexer.cu)
+  kTagSelectRound = 16,  // the indexer's top-k selection rounds (ops/indexer.cu)
+  kTagSelectMask = 17,   // its candidate-block selection rounds
 };
 
 struct Record {

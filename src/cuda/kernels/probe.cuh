@@ -2,6 +2,7 @@
 // Device side of cuda/probe.h. In a kernel:
 //   UF_PROBE_OPEN(rec, kTagGemv);   // thread 0 of the first and the last CTA opens a record
 //   UF_PROBE_OPEN_IF(rec2, kTagX, cond);  // a record of the calling thread when cond holds
+//   UF_PROBE_OPEN_TAG_IF(rec3, expr, cond);  // the same, the tag computed
 //   UF_PROBE_MARK(rec, 0);          // %globaltimer into point 0 (any thread holding rec)
 // Without UF_PROBE both expand to nothing (rec is not even declared), so production kernels carry
 // no trace of them.
@@ -43,6 +44,9 @@ __device__ __forceinline__ uf::cuda::probe::Record* probe_open(uint32_t tag, boo
 // A record opened by the calling thread when `cond` holds (e.g. the CTA that finishes last).
 #define UF_PROBE_OPEN_IF(rec, tag, cond) \
   uf::cuda::probe::Record* rec = probe_open(uf::cuda::probe::tag, (cond))
+// The same with the tag an expression (e.g. chosen by a template parameter).
+#define UF_PROBE_OPEN_TAG_IF(rec, tag_expr, cond) \
+  uf::cuda::probe::Record* rec = probe_open((tag_expr), (cond))
 #define UF_PROBE_MARK(rec, point)                                   \
   do {                                                              \
     if (rec) (rec)->t[point] = uf::cuda::detail::global_timer_ns(); \
@@ -53,6 +57,9 @@ __device__ __forceinline__ uf::cuda::probe::Record* probe_open(uint32_t tag, boo
   } while (0)
 #define UF_PROBE_OPEN_IF(rec, tag, cond) \
   do {                                   \
+  } while (0)
+#define UF_PROBE_OPEN_TAG_IF(rec, tag_expr, cond) \
+  do {                                            \
   } while (0)
 #define UF_PROBE_MARK(rec, point) \
   do {                            \

@@ -549,11 +549,16 @@ __device__ __forceinline__ void block_fill(uint8_t* p, int64_t n, uint8_t v, int
 // in order over consecutive positions either way, so the result does not depend on KPT.
 template <SelMode kMode, int KPT>
 __global__ void __launch_bounds__(kSelThreads, 1) select_round_kernel(RoundArgs a) {
-  // Probe points (row 0's first and last chunk): 0 start, 1 PDL wait returned, 2 keys loaded,
-  // 3 / 4 radix passes 1 / 2 done, 5 the compaction's scan done, 6 exit.
-  UF_PROBE_OPEN_IF(
-      probe, kTagSelectRound,
-      threadIdx.x == 0 && blockIdx.y == 0 && (blockIdx.x == 0 || blockIdx.x == gridDim.x - 1));
+  // Probe points (each row's first and last chunk; block = row * 1000 + chunk): 0 start, 1 PDL wait
+  // returned, 2 keys loaded, 3 / 4 radix passes 1 / 2 done, 5 the compaction's scan done, 6 exit;
+  // 7 the keys built (mask: block maxima and keep zeroed), 8 the selected indices loaded.
+  UF_PROBE_OPEN_TAG_IF(
+      probe,
+      kMode == SelMode::kTopk ? uf::cuda::probe::kTagSelectRound : uf::cuda::probe::kTagSelectMask,
+      threadIdx.x == 0 && (blockIdx.x == 0 || blockIdx.x == gridDim.x - 1));
+#if defined(UF_PROBE) && UF_PROBE
+  if (probe) probe->block = blockIdx.y * 1000 + blockIdx.x;  // row * 1000 + chunk
+#endif
   UF_PROBE_MARK(probe, 0);
   detail::pdl_wait();  // PDL: every input comes from an earlier kernel
   detail::pdl_trigger();
@@ -627,6 +632,7 @@ __global__ void __launch_bounds__(kSelThreads, 1) select_round_kernel(RoundArgs 
     block_fill(a.keep + int64_t(t) * a.max_width, wd, 0, kSelThreads);
     __syncthreads();  // the zeros land before this block's ones
   }
+  UF_PROBE_MARK(probe, 7);
   const uint32_t full = KPT == 32 ? 0xffffffffu : (1u << (KPT & 31)) - 1u;
   const uint32_t valid = p0 >= n ? 0u : (n - p0 >= KPT ? full : (1u << (n - p0)) - 1u);
 
@@ -716,6 +722,7 @@ __global__ void __launch_bounds__(kSelThreads, 1) select_round_kernel(RoundArgs 
                : mp != nullptr && ((selm >> j) & 1u) ? __ldg(mp + idx[j])
                                                      : idx[j];
   }
+  UF_PROBE_MARK(probe, 8);
   uint32_t slot = gt_before + min(eq_before, need);
   int32_t* o = kMode == SelMode::kTopk ? a.out + int64_t(t) * a.k : nullptr;
   uint8_t* kp = kMode == SelMode::kMask ? a.keep + int64_t(t) * a.max_width : nullptr;
