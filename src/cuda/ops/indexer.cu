@@ -266,17 +266,22 @@ constexpr uint32_t kPosInfKey = 0xff800000u;   // order_key(+inf)
 // same values).
 constexpr int kVecBlock = 8;
 
+// The maximum of a whole block of kVecBlock values x then y, in the CPU's order (std::max from
+// the left, from -inf).
+__device__ __forceinline__ float vec_block_max(const float4& x, const float4& y) {
+  const float v[kVecBlock] = {x.x, x.y, x.z, x.w, y.x, y.y, y.z, y.w};
+  float mx = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < kVecBlock; ++i) mx = mx < v[i] ? v[i] : mx;  // std::max(m, v)
+  return mx;
+}
+
 // max over s[i0, i1) in the CPU's order (std::max from the left; -inf when empty).
 __device__ __forceinline__ float block_max(const float* s, int i0, int i1) {
+  if (i1 - i0 == kVecBlock && (reinterpret_cast<uintptr_t>(s + i0) & 15u) == 0)
+    return vec_block_max(__ldg(reinterpret_cast<const float4*>(s + i0)),
+                         __ldg(reinterpret_cast<const float4*>(s + i0) + 1));
   float mx = -INFINITY;
-  if (i1 - i0 == kVecBlock && (reinterpret_cast<uintptr_t>(s + i0) & 15u) == 0) {
-    const float4 x = __ldg(reinterpret_cast<const float4*>(s + i0));
-    const float4 y = __ldg(reinterpret_cast<const float4*>(s + i0) + 1);
-    const float v[kVecBlock] = {x.x, x.y, x.z, x.w, y.x, y.y, y.z, y.w};
-#pragma unroll
-    for (int i = 0; i < kVecBlock; ++i) mx = mx < v[i] ? v[i] : mx;  // std::max(m, v)
-    return mx;
-  }
   for (int i = i0; i < i1; ++i) {
     const float v = __ldg(s + i);
     mx = mx < v ? v : mx;
@@ -479,13 +484,6 @@ __host__ __device__ __forceinline__ int64_t next_len(int64_t len, int64_t m, int
   return (c - 1) * m + (last < m ? last : m);
 }
 
-// Keys per thread for selecting m (0: more than the rounds serve).
-__host__ __device__ __forceinline__ int sel_kpt(int64_t m) {
-  for (int kpt = kMinKpt; kpt <= kMaxKpt; kpt *= 2)
-    if (m <= int64_t(kSelThreads) * kpt / 4) return kpt;
-  return 0;
-}
-
 enum class SelMode { kTopk, kMask };
 
 struct RoundArgs {
@@ -613,13 +611,7 @@ __global__ void __launch_bounds__(kSelThreads, 1) select_round_kernel(RoundArgs 
       for (int q = 0; q < 2 * KPT; ++q)
         v[q] = __ldg(reinterpret_cast<const float4*>(s + p0 * bs) + q);
 #pragma unroll
-      for (int j = 0; j < KPT; ++j) {
-        const float e[kVecBlock] = {v[2 * j].x,     v[2 * j].y,     v[2 * j].z,     v[2 * j].w,
-                                    v[2 * j + 1].x, v[2 * j + 1].y, v[2 * j + 1].z, v[2 * j + 1].w};
-        mx[j] = -INFINITY;
-#pragma unroll
-        for (int i = 0; i < kVecBlock; ++i) mx[j] = mx[j] < e[i] ? e[i] : mx[j];
-      }
+      for (int j = 0; j < KPT; ++j) mx[j] = vec_block_max(v[2 * j], v[2 * j + 1]);
     } else {
 #pragma unroll
       for (int j = 0; j < KPT; ++j) {
@@ -813,24 +805,28 @@ __global__ void mask_scores_kernel(float* score, const uint8_t* __restrict__ kee
 // largest candidate list (elements per row).
 struct SelPlan {
   int kpt = kMinKpt;  // keys per thread
-  int64_t chunk = 0;  // keys per CTA
   int rounds = 1;
   int64_t chunks[kMaxRounds] = {};
   int64_t cap = 0;
+  int64_t chunk() const { return int64_t(kSelThreads) * kpt; }  // keys per CTA
 };
 
+// m <= kMaxFastK (the callers check): keys per thread, the fewest from kMinKpt whose chunk holds
+// 4 m.
 SelPlan plan_select(int64_t n, int64_t m) {
   SelPlan p;
-  p.kpt = std::max(sel_kpt(m), kMinKpt);  // m <= kMaxFastK (the callers check)
-  p.chunk = int64_t(kSelThreads) * p.kpt;
+  while (m > p.chunk() / 4) p.kpt *= 2;
+  require(p.kpt <= kMaxKpt, "indexer selection: k = %lld above the rounds' %d", (long long)m,
+          kMaxFastK);
+  const int64_t chunk = p.chunk();
   int64_t len = n;
-  p.chunks[0] = std::max<int64_t>(1, (len + p.chunk - 1) / p.chunk);
-  while (len > p.chunk) {
-    len = next_len(len, m, p.chunk);
+  p.chunks[0] = std::max<int64_t>(1, (len + chunk - 1) / chunk);
+  while (len > chunk) {
+    len = next_len(len, m, chunk);
     p.cap = std::max(p.cap, len);
     require(p.rounds < kMaxRounds, "indexer selection: %lld keys need too many rounds",
             (long long)n);
-    p.chunks[p.rounds++] = (len + p.chunk - 1) / p.chunk;
+    p.chunks[p.rounds++] = (len + chunk - 1) / chunk;
   }
   return p;
 }
@@ -902,7 +898,7 @@ void run_rounds(RoundArgs a, int T, const WsLayout& w, int64_t list_len, void* w
     a.out_idx = last ? nullptr : list_idx(r);
     a.out_cap = w.cap;
     a.round = r;
-    a.chunk = int(w.plan.chunk);
+    a.chunk = int(w.plan.chunk());
     const dim3 grid(unsigned(w.plan.chunks[r - 1]), unsigned(T));
     const int kpt = w.plan.rounds == 1 && list_len <= kSmallList ? kSmallKpt : w.plan.kpt;
     if (kpt == 8)
