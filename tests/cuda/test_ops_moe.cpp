@@ -483,10 +483,12 @@ TEST(OpsEngram, RowSplitTableEqualsTheWholeTable) {
 // equal scores pick the lowest ids in ascending order, increasing scores the highest ids in
 // descending order, the bias decides among equal scores (ties again to the lower id), -0 and +0
 // scores count as equal; weights of equal scores are equal and sum to route_scale (K > 1:
-// normalised). Exact expectations: they depend only on the comparator, not on expf / log1pf.
+// normalised). Row 5 takes all six from one lane of the one-warp router (experts 5 + 32 i, in a
+// scrambled score order): its sorted per-lane list must advance six times.
+// Exact expectations: they depend only on the comparator, not on expf / log1pf.
 TEST(OpsMoeRoute, SelectionOrderAndTies) {
   UF_REQUIRE_GPU();
-  constexpr int E = 384, K = 6, rows = 5;
+  constexpr int E = 384, K = 6, rows = 6;
   MoeShape shape;
   shape.n_experts = E;
   shape.top_k = K;
@@ -502,6 +504,10 @@ TEST(OpsMoeRoute, SelectionOrderAndTies) {
   for (int e = 0; e < E; ++e) scores[size_t(3) * E + e] = (e % 2) ? -0.0f : 0.0f;  // row 3
   // Row 4: one large score at 383, the rest equal: 383 first, then the bias order.
   scores[size_t(4) * E + 383] = 8.f;
+  // Row 5: 30 + 2 ((5 i) mod 12) at expert 5 + 32 i (sqrt-softplus ~ sqrt: 5.5 .. 7.2, above
+  // every biased 0.5): the order i = 7, 2, 9, 4, 11, 6.
+  for (int i = 0; i < 12; ++i)
+    scores[size_t(5) * E + 5 + 32 * i] = 30.f + 2.f * float((5 * i) % 12);
   DeviceBuffer<float> ds(scores), db(bias);
   DeviceBuffer<int32_t> gi(size_t(rows) * K);
   DeviceBuffer<float> gw(size_t(rows) * K);
@@ -512,11 +518,9 @@ TEST(OpsMoeRoute, SelectionOrderAndTies) {
   const std::vector<int32_t> i = gi.download();
   const std::vector<float> w = gw.download();
   // Row 1: sc(3.0) + 4 > sc(2.0) + 3 > sc(0.07) + 3 > sc(3.83) > sc(3.82) > ...
-  const std::vector<std::vector<int32_t>> want = {{300, 7, 200, 0, 1, 2},
-                                                  {300, 200, 7, 383, 382, 381},
-                                                  {300, 7, 200, 0, 1, 2},
-                                                  {300, 7, 200, 0, 1, 2},
-                                                  {300, 7, 200, 383, 0, 1}};
+  const std::vector<std::vector<int32_t>> want = {
+      {300, 7, 200, 0, 1, 2}, {300, 200, 7, 383, 382, 381}, {300, 7, 200, 0, 1, 2},
+      {300, 7, 200, 0, 1, 2}, {300, 7, 200, 383, 0, 1},     {229, 69, 293, 133, 357, 197}};
   for (int t = 0; t < rows; ++t) {
     const std::vector<int32_t> got(i.begin() + t * K, i.begin() + (t + 1) * K);
     EXPECT_EQ(got, want[size_t(t)]) << "row " << t;

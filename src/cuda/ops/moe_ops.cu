@@ -159,8 +159,9 @@ __global__ void __launch_bounds__(kRouteThreads)
 // in registers, so the K selection rounds are shuffles with no block barrier. Each candidate is a
 // 64-bit key (order-preserving bits of the biased score, then ~expert id: larger key = better,
 // ties to the lower id, exactly route_kernel's comparator `better` for non-NaN scores; -0 counts
-// as +0; a NaN score loses to every number). A round is one 5-step shuffle max over the lanes'
-// best keys; only the winner's lane rescans its own experts (the others keep their best).
+// as +0; a NaN score loses to every number). Each lane first sorts its best kMaxTopK keys
+// (lane_top_keys); a round is then a warp max over the lanes' heads, and the winner's list
+// advances by one.
 // The same fp32 operations for the scores and weights as route_kernel (tests/cuda/test_ops_moe.cpp
 // checks the choice and the weights against cpu::moe_route). PDL: the bias loads run before the
 // wait for the gate scores.
@@ -171,6 +172,48 @@ __device__ __forceinline__ uint64_t route_key(float v, int e) {
   b = (b & 0x80000000u) ? ~b : (b | 0x80000000u);    // monotone in the float order
   if (v != v) b = 0;                                 // NaN: below every number
   return (uint64_t(b) << 32) | uint64_t(0xFFFFFFFFu - uint32_t(e));
+}
+
+// One compare-exchange of (key, score) pairs: the larger key to slot i.
+__device__ __forceinline__ void route_cx(uint64_t* key, float* sc, int i, int j) {
+  const bool swap = key[i] < key[j];
+  const uint64_t ki = key[i], kj = key[j];
+  const float si = sc[i], sj = sc[j];
+  key[i] = swap ? kj : ki;
+  key[j] = swap ? ki : kj;
+  sc[i] = swap ? sj : si;
+  sc[j] = swap ? si : sj;
+}
+
+// Sorts 8 pairs by key, largest first: the 19-comparator, depth-6 network (Knuth, TAOCP 5.3.4).
+__device__ __forceinline__ void route_sort8(uint64_t* key, float* sc) {
+  constexpr int kNet[19][2] = {{0, 2}, {1, 3}, {4, 6}, {5, 7}, {0, 4}, {1, 5}, {2, 6},
+                               {3, 7}, {0, 1}, {2, 3}, {4, 5}, {6, 7}, {2, 4}, {3, 5},
+                               {1, 4}, {3, 6}, {1, 2}, {3, 4}, {5, 6}};
+#pragma unroll
+  for (int c = 0; c < 19; ++c) route_cx(key, sc, kNet[c][0], kNet[c][1]);
+}
+
+// The kMaxTopK (8) largest of a lane's kRoutePerLane (16) keys, sorted largest first, into
+// key[0..7] / sc[0..7] (slots 8..15 are left unspecified). Both halves sorted; slot i keeps the
+// larger of a[i] and b[7 - i], which holds the 8 largest as a bitonic sequence; three
+// half-cleaner stages sort it. Every index is a compile-time constant after unrolling: the arrays
+// stay in registers.
+__device__ __forceinline__ void lane_top_keys(uint64_t* key, float* sc) {
+  static_assert(kRoutePerLane == 16 && kMaxTopK == 8, "the network is written for 8 of 16");
+  route_sort8(key, sc);
+  route_sort8(key + 8, sc + 8);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const bool take = key[i] < key[15 - i];
+    key[i] = take ? key[15 - i] : key[i];
+    sc[i] = take ? sc[15 - i] : sc[i];
+  }
+#pragma unroll
+  for (int h = 4; h >= 1; h >>= 1)
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      if ((i & h) == 0) route_cx(key, sc, i, i + h);
 }
 
 // The elementwise part of a score function (sigmoid, sqrt-softplus; softmax: the division by the
@@ -246,9 +289,9 @@ __device__ __forceinline__ void route_row(const float* scores, const float* bias
     const int e = lane + 32 * i;
     key[i] = e < E ? route_key(__fadd_rn(sc[i], bz[i]), e) : 0ull;  // 0: no candidate
   }
-  uint64_t mine = 0;
-#pragma unroll
-  for (int i = 0; i < kRoutePerLane; ++i) mine = key[i] > mine ? key[i] : mine;
+  // The lane's kMaxTopK best keys, sorted, with their scores: a round only has to advance the
+  // winner's list by one (a rescan of 16 keys in each round was 2-2.7 us of the router's tail).
+  lane_top_keys(key, sc);
   UF_PROBE_MARK(probe, 3);
   int gi[kMaxTopK];
   float gw[kMaxTopK];
@@ -260,28 +303,24 @@ __device__ __forceinline__ void route_row(const float* scores, const float* bias
       // The warp's largest 64-bit key in two warp reductions (redux.sync) instead of a 5-step
       // shuffle butterfly on 64-bit values: the largest high word, then the largest low word
       // among the lanes holding it. The same key, so the same expert, ties included.
-      const uint32_t hi = uint32_t(mine >> 32);
+      const uint64_t head = key[0];
+      const uint32_t hi = uint32_t(head >> 32);
       const uint32_t best_hi = __reduce_max_sync(0xffffffffu, hi);
-      const uint32_t best_lo = __reduce_max_sync(0xffffffffu, hi == best_hi ? uint32_t(mine) : 0u);
+      const uint32_t best_lo = __reduce_max_sync(0xffffffffu, hi == best_hi ? uint32_t(head) : 0u);
       const uint64_t best = (uint64_t(best_hi) << 32) | best_lo;
       const int e = best == 0 ? -1 : int(0xFFFFFFFFu - uint32_t(best));
       gi[k] = e;
-      float w = 0.f;
-      if (e >= 0 && (e & 31) == lane) {  // the owner: its score, then drop the key and rescan
-        // Selects, not `if (i == sel) key[i] = 0`: the compiler turns that into key[sel], a
-        // dynamic index that puts key[] and sc[] in local memory (a 192-byte stack frame; with
-        // the shared-memory carve-out each access was an L2 round trip: 9 us of top-k a call).
-        const int sel = e >> 5;
+      const float w = sc[0];
+      // The owner drops its head (keys are unique: only the owner's head equals best). Selects,
+      // not a branch: every lane runs the same instructions, and no dynamic index puts the lists
+      // in local memory.
+      const bool own = best != 0 && head == best;
 #pragma unroll
-        for (int i = 0; i < kRoutePerLane; ++i) {
-          const bool hit = i == sel;
-          w = hit ? sc[i] : w;
-          key[i] = hit ? 0ull : key[i];
-        }
-        mine = 0;
-#pragma unroll
-        for (int i = 0; i < kRoutePerLane; ++i) mine = key[i] > mine ? key[i] : mine;
+      for (int j = 0; j + 1 < kMaxTopK; ++j) {
+        key[j] = own ? key[j + 1] : key[j];
+        sc[j] = own ? sc[j + 1] : sc[j];
       }
+      key[kMaxTopK - 1] = own ? 0ull : key[kMaxTopK - 1];
       gw[k] = e >= 0 ? __shfl_sync(0xffffffffu, w, e & 31) : 0.f;
     }
   }
