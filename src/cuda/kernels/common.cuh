@@ -286,6 +286,54 @@ __device__ __forceinline__ uint32_t cluster_map(uint32_t addr, uint32_t cta) {
   asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(cta));
   return remote;
 }
+// The two halves of cluster_barrier, for work between them: arrive (release: this thread's
+// earlier memory operations are done before any CTA passes the wait), or arrive relaxed (what it
+// publishes is fenced separately, e.g. by fence_mbarrier_init); wait where the other CTAs' state
+// is needed.
+__device__ __forceinline__ void cluster_arrive() {
+  asm volatile("barrier.cluster.arrive.release;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() {
+  asm volatile("barrier.cluster.wait.acquire;" ::: "memory");
+}
+
+// ---- mbarriers fed by remote stores (sm_90+) ----
+// A one-arrival mbarrier at shared address `bar` whose phase 0 completes when `bytes` of st.async
+// have landed in this CTA (the arrival is made here, with the byte count it expects). Then
+// fence_mbarrier_init and a cluster barrier before any remote CTA stores against it.
+__device__ __forceinline__ void mbarrier_init_expect(uint32_t bar, uint32_t bytes) {
+  asm volatile(
+      "mbarrier.init.shared::cta.b64 [%0], 1;\n\t"
+      "mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar),
+      "r"(bytes)
+      : "memory");
+}
+__device__ __forceinline__ void fence_mbarrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+// Spins until phase `parity` of the mbarrier at `bar` completes; the stores it counted are then
+// visible to this thread.
+__device__ __forceinline__ void mbarrier_wait_cluster(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n\t.reg .pred done;\n"
+      "wait_%=:\n\t"
+      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n\t"
+      "@!done bra wait_%=;\n\t}" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+// 16 bytes to shared::cluster address `dst` (another CTA's, from cluster_map), counted against
+// the mbarrier at shared::cluster address `bar` in that same CTA. Fire and forget.
+__device__ __forceinline__ void st_async_f32x4(uint32_t dst, float4 v, uint32_t bar) {
+  asm volatile(
+      "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, "
+      "[%5];" ::"r"(dst),
+      "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "r"(bar)
+      : "memory");
+}
 
 // Host: every decode kernel asks for the largest shared-memory carve-out, so that consecutive
 // kernels never make an SM drain to switch its L1 / shared-memory split.

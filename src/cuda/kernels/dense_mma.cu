@@ -724,14 +724,6 @@ struct ResArgs {
   int x_bytes;          // staged x of the CTA's PC parts: PC x kp x 8 tokens x 2 bytes
 };
 
-// The two halves of cluster_barrier (common.cuh), for work between them (the exit barrier's
-// stores).
-__device__ __forceinline__ void cluster_arrive() {
-  asm volatile("barrier.cluster.arrive.release;" ::: "memory");
-}
-__device__ __forceinline__ void cluster_wait() {
-  asm volatile("barrier.cluster.wait.acquire;" ::: "memory");
-}
 // fp32 at shared address `addr` (this CTA's window) of cluster rank `cta`.
 __device__ __forceinline__ float ld_dsmem_f32(uint32_t addr, uint32_t cta) {
   uint32_t remote;

@@ -33,11 +33,14 @@
 //   and the scales). The weight scales are staged in the warp's region as fp32. Then the warp's
 //   tiles go through the mma res_mma_group(kw) at a time (<= 4, kw x tiles <= 12): all of a pass's
 //   mma are independent and issue back to back, each tile's acc still runs in K order. Each 16 x 8
-//   partial replaces its tile's weights in shared memory. Cluster barrier; CTA rank c finishes
-//   tiles r = c, c + C, ...: per output, the S partials (distributed shared memory, rank s / 8,
-//   warp s % 8; kResBatch = 32 loads in flight, so one round trip for S <= 32) are added in split
-//   order 0..S-1; bf16 rounding and stores; cluster barrier (no CTA leaves while its partials are
-//   read). No global workspace, no counters.
+//   partial replaces its tile's weights in shared memory. CTA rank c finishes tiles r = c, c + C,
+//   ...: per output, the S partials are added in split order 0..S-1; bf16 rounding and stores.
+//   C > 1: each warp pushes its partial of tile r (st.async, 512 B) into slot [r / C][split] of
+//   rank r % C's receive region, whose mbarrier counts the bytes (initialised before the PDL
+//   wait; one cluster barrier, arrived at there, orders it before the first push). A CTA that
+//   finishes no tile leaves after its pushes; nobody reads another CTA's memory, so there is no
+//   exit barrier. C = 1 (K <= 1536): a plain launch and a block barrier; the partials are read in
+//   place. No global workspace, no counters.
 //   TP8 rank weights on 132 SMs (kbps / S / C / R, CTAs x shared memory): wq_a|wkv [1280|512,
 //   5120] grouped 5 / 32 / 4 / 4, 112 x 81 KB; wq_b [4096, 1280] 5 / 8 / 1 / 2, 128 x 40 KB;
 //   wo_b [5120, 1024] 4 / 8 / 1 / 3, 107 x 60 KB; shared w1|w3 [288|288, 5120] 5 / 32 / 4 / 2,
@@ -399,7 +402,9 @@ constexpr int kResMaxCluster = 8;  // portable cluster size
 constexpr int kResKPerCta = 1536;  // K a CTA aims at: C = ceil(K / 1536)
 constexpr int kResScaleSlots = 8;  // fp32 weight scales a tile in a warp's region (>= kbps)
 constexpr size_t kResSmemBudget = 100 * 1024;
-constexpr int kResBatch = 32;  // distributed-shared loads in flight in the split sum
+constexpr int kResBatch = 32;  // distributed-shared loads in flight in the split sum (C = 1)
+constexpr int kResPartialBytes = 16 * 8 * 4;  // a split's fp32 partial of one 16-row tile
+constexpr int kResRecvHeader = 16;            // the receive mbarrier (8 B), padded
 // Registers a thread (instead of __launch_bounds__(256, 2), which let ptxas take 116-128): 2 CTAs
 // an SM still fit, and one CTA (the usual wave) leaves more than half of the register file to the
 // next kernel's CTAs (PDL). The widest mma pass, the 6-block fused activations and the 32 split
@@ -431,6 +436,14 @@ struct ResParams {
   int row_stride;             // padded shared row of a split (bytes)
   int warp_bytes;             // a warp's region: R x 16 rows + R x kResScaleSlots fp32 scales
 };
+
+// The receive region after the warps' regions (C > 1): an mbarrier, then [ceil(R / C)][S] tile
+// partials, the tiles r = rank, rank + C, ... this CTA finishes.
+__host__ __device__ constexpr int res_recv_bytes(int cluster, int splits, int tiles_per_cta) {
+  return cluster > 1
+             ? kResRecvHeader + (tiles_per_cta + cluster - 1) / cluster * splits * kResPartialBytes
+             : 0;
+}
 
 // fp32 at shared::cluster address `remote` when `pred`, else 0 (predicated: no branch).
 __device__ __forceinline__ float ld_cluster_f32_if(uint32_t remote, bool pred) {
@@ -594,7 +607,7 @@ template <bool kFused>
 __global__ void __maxnreg__(kResMaxRegs) fp8_gemv_resident_kernel(const ResParams p) {
   extern __shared__ __align__(16) uint8_t smem[];
   // Probe points: 0 start, 1 loads issued, 2 PDL wait returned, 3 activations ready, 4 weights
-  // landed, 5 partials written, 6 cluster barrier, 7 outputs stored, 8 exit barrier.
+  // landed, 5 partials written, 6 every split's partials here (finishing CTAs), 7 outputs stored.
   UF_PROBE_OPEN(probe, kTagGemvResident);
   UF_PROBE_MARK(probe, 0);
   const ResJob job = block_job(p.jobs, p.njobs);
@@ -632,6 +645,18 @@ __global__ void __maxnreg__(kResMaxRegs) fp8_gemv_resident_kernel(const ResParam
     const int slot = lane + 32 * i, r = slot / kResScaleSlots, u = slot % kResScaleSlots;
     if (r < ntiles && u < kw) sc[i] = __ldg(job.w_scale + size_t((tile0 + r) >> 1) * nkb + kb0 + u);
   }
+  // C > 1: the S partials of each tile this CTA finishes (r = rank, rank + C, ...) arrive by
+  // st.async into its receive region; the mbarrier counts their bytes. The cluster barrier that
+  // publishes its initialisation is waited for only before the first push.
+  const uint32_t recv_bar = uint32_t(__cvta_generic_to_shared(smem + kResWarps * p.warp_bytes));
+  const int owned = rank < ntiles ? (ntiles - rank + C - 1) / C : 0;
+  if (C > 1) {
+    if (threadIdx.x == 0) {
+      mbarrier_init_expect(recv_bar, uint32_t(owned * p.splits * kResPartialBytes));
+      fence_mbarrier_init();
+    }
+    cluster_arrive_relaxed();
+  }
   pdl_trigger();
   UF_PROBE_MARK(probe, 1);
   pdl_wait();
@@ -652,8 +677,6 @@ __global__ void __maxnreg__(kResMaxRegs) fp8_gemv_resident_kernel(const ResParam
 
   with_kw(kw, [&]<int KW>() { res_mma<KW>(wreg, swf, L, ntiles, lane, b0, b1, sa0, sa1); });
   UF_PROBE_MARK(probe, 5);
-  cluster_barrier();  // every split's partials are in its CTA's shared memory
-  UF_PROBE_MARK(probe, 6);
 
   // Output slot of thread: fragment element e of lane ln (d[e]: row g + 8 (e >> 1), token
   // 2 (ln % 4) + (e & 1)); the two halves of the block finish alternate tiles.
@@ -661,6 +684,43 @@ __global__ void __maxnreg__(kResMaxRegs) fp8_gemv_resident_kernel(const ResParam
   const int ln = slot >> 2, e = slot & 3;
   const int otok = 2 * (ln & 3) + (e & 1);
   const int orow = (ln >> 2) + ((e & 2) ? 8 : 0);
+  if (C > 1) {
+    // Push: each warp's partial of tile r (16 B a lane, as res_mma_tiles laid it out) to slot
+    // [r / C][split] of rank r % C. No barrier after: a CTA that finishes no tile leaves once its
+    // stores are issued, and a finishing CTA reads only its own shared memory.
+    cluster_wait();
+    if (kw > 0) {
+      for (int r = 0; r < ntiles; ++r) {
+        const float4 v = *reinterpret_cast<const float4*>(wreg + r * 16 * L + lane * 16);
+        const uint32_t o = uint32_t(r % C);
+        const uint32_t dst = recv_bar + kResRecvHeader +
+                             uint32_t(((r / C) * p.splits + split) * kResPartialBytes + lane * 16);
+        st_async_f32x4(cluster_map(dst, o), v, cluster_map(recv_bar, o));
+      }
+    }
+    if (owned == 0) return;
+    mbarrier_wait_cluster(recv_bar, 0);
+    UF_PROBE_MARK(probe, 6);
+    if (otok < p.m) {
+      const float* recv =
+          reinterpret_cast<const float*>(smem + kResWarps * p.warp_bytes + kResRecvHeader) + slot;
+      for (int j = threadIdx.x >> 7; j < owned; j += 2) {
+        const float* src = recv + j * p.splits * (kResPartialBytes / 4);
+        float total = src[0];  // split order 0..S-1, as the C = 1 sum below
+#pragma unroll 8
+        for (int s = 1; s < p.splits; ++s) total += src[s * (kResPartialBytes / 4)];
+        const int r = rank + C * j;
+        const size_t o = size_t(otok) * job.out_stride + size_t(tile0 + r) * 16 + orow;
+        if (job.out) job.out[o] = job.round_out ? round_bf16(total) : total;
+        if (job.out_bf16) job.out_bf16[o] = __float2bfloat16_rn(total);
+      }
+    }
+    UF_PROBE_MARK(probe, 7);
+    return;
+  }
+  // C = 1 (K <= 1536, a plain launch): every split's partials are in this CTA's shared memory.
+  __syncthreads();
+  UF_PROBE_MARK(probe, 6);
   if (otok < p.m) {
     const uint32_t base = uint32_t(__cvta_generic_to_shared(smem));
     const uint32_t wb = uint32_t(p.warp_bytes);
@@ -689,8 +749,6 @@ __global__ void __maxnreg__(kResMaxRegs) fp8_gemv_resident_kernel(const ResParam
     }
   }
   UF_PROBE_MARK(probe, 7);
-  cluster_barrier();  // no CTA leaves while the cluster reads its partials
-  UF_PROBE_MARK(probe, 8);
 }
 
 // The resident split plan of K (numerics: kbps and splits; the cluster follows).
@@ -713,7 +771,8 @@ int res_warp_bytes(const ResPlan& r, int tiles_per_cta) {
   return (tiles_per_cta * 16 * r.row_stride + tiles_per_cta * kResScaleSlots * 4 + 15) / 16 * 16;
 }
 size_t res_smem_bytes(const ResPlan& r, int tiles_per_cta) {
-  return size_t(kResWarps) * size_t(res_warp_bytes(r, tiles_per_cta));
+  return size_t(kResWarps) * size_t(res_warp_bytes(r, tiles_per_cta)) +
+         size_t(res_recv_bytes(r.cluster, r.splits, tiles_per_cta));
 }
 // Tiles a CTA for a launch of jobs with these tile counts: the smallest R whose grid fits one CTA
 // per SM, within the shared-memory budget (else the largest R the budget allows).
@@ -734,7 +793,8 @@ void launch_resident(const ResParams& p, int blocks, cudaStream_t stream) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(unsigned(blocks));
   cfg.blockDim = dim3(kResWarps * 32);
-  cfg.dynamicSmemBytes = size_t(kResWarps) * size_t(p.warp_bytes);
+  cfg.dynamicSmemBytes = size_t(kResWarps) * size_t(p.warp_bytes) +
+                         size_t(res_recv_bytes(p.cluster, p.splits, p.tiles_per_cta));
   cfg.stream = stream;
   cudaLaunchAttribute attr[2];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -744,7 +804,7 @@ void launch_resident(const ResParams& p, int blocks, cudaStream_t stream) {
   attr[1].val.clusterDim.y = 1;
   attr[1].val.clusterDim.z = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = 2;
+  cfg.numAttrs = p.cluster > 1 ? 2 : 1;  // C = 1: a plain launch (the kernel reads rank 0)
   UF_CUDA_CHECK(cudaLaunchKernelEx(&cfg, fp8_gemv_resident_kernel<kFused>, p));
 }
 
