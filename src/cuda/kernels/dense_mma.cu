@@ -60,16 +60,18 @@
 //   previous kernel: under PDL the copies overlap its tail); launch_dependents follows. After the
 //   wait the CTA stages x of its PC parts (stage_x: the legacy layout and bf16-exactness check),
 //   then each warp runs its part's chunks as their groups land (mma_chunk: the legacy fragments),
-//   acc from 0, and stashes its 16 x 8 partial in shared memory. Cluster barrier; the cluster's
-//   threads then finish the outputs (TG x 128 on S x TG x 32 threads: 4 / S a thread for S <= 4,
-//   else one on part of them): parts 0..S-1 read through distributed shared memory (part s: rank
-//   s / PC, warp (s % PC) x TG + tile; up to 16 of a thread's reads in flight at once) and added
-//   in part order, bf16 rounding; the exit barrier's arrive, then the stores, then its wait. No
-//   global workspace, no counters, no second wave.
-//   Plan (res_plan, from tiles, K, S, SM count): C = the first of 8, 4, 2, 1 dividing S with
-//   PC = S / C <= 8, TG = the fewest tiles a CTA that keep the grid within one CTA an SM, shared
-//   memory <= 100 KB (weights rows padded to 64 mod 128 bytes: conflict-free 16-byte fragment
-//   reads; x PC x kp x 16 bytes; stash 512 bytes a warp) so the next kernel's CTAs co-reside.
+//   acc from 0. The cluster's threads then finish the outputs (TG x 128 on S x TG x 32 threads:
+//   4 / S a thread for S <= 4, else one on part of them): parts 0..S-1 added in part order, bf16
+//   rounding. C > 1: each warp pushes its 16 x 8 part (st.async, 16 bytes a lane) into the
+//   receive region of the CTA whose threads finish those outputs, where an mbarrier (initialised
+//   before the PDL wait, published by a cluster barrier arrived at there and waited for before
+//   the first push) counts the bytes; no barrier after, and a CTA with no outputs leaves after
+//   its pushes. C = 1: a plain launch; the parts go through a shared stash and a block barrier. No
+//   global workspace, no counters, no second wave. Plan (res_plan, from tiles, K, S, SM count): C =
+//   the first of 8, 4, 2, 1 dividing S with PC = S / C <= 8, TG = the fewest tiles a CTA that keep
+//   the grid within one CTA an SM, shared memory <= 100 KB (weights rows padded to 64 mod 128
+//   bytes: conflict-free 16-byte fragment reads; x PC x kp x 16 bytes; stash 512 bytes a warp; C >
+//   1: the receive region, S x ceil(4 / S) x 4 bytes a thread) so the next kernel's CTAs co-reside.
 //   TP8 rank on 132 SMs: wo_a [1024, 4096] FP8, S = 8: C = 8, PC = 1, TG = 4, 128 CTAs of 4 warps,
 //   47 KB each (37 KB weights); router [384, 5120] BF16, S = 16: C = 8, PC = 2, TG = 2, 96 CTAs.
 //
@@ -703,8 +705,16 @@ constexpr int kResMaxCluster = 8;              // portable cluster size
 constexpr size_t kResSmemBudget = 100 * 1024;  // 2 CTAs an SM: the next kernel's CTAs co-reside
 constexpr int kResGroups = 4;                  // cp.async groups a warp (chunk ranges, in order)
 constexpr int kResBatch = 8;                   // scale-byte loads in flight before the wait
-constexpr int kResSumBatch = 16;  // distributed-shared loads in flight in the sum (S <= 16: one)
-constexpr int kResOuts = 4;       // outputs a thread at most: TG x 128 over S x TG x 32 threads
+constexpr int kResOuts = 4;         // outputs a thread at most: TG x 128 over S x TG x 32 threads
+constexpr int kResRecvHeader = 16;  // the receive mbarrier (8 B), padded
+
+// Outputs a thread finishes (TG x 128 outputs over S x TG x 32 threads: ceil(4 / S)).
+__host__ __device__ constexpr int res_outs(int splits) { return (4 + splits - 1) / splits; }
+// The receive region after the stash (C > 1): an mbarrier, then [S][outs][threads] fp32 parts of
+// the outputs this CTA's threads finish.
+__host__ __device__ constexpr int res_recv_bytes(int cluster, int splits, int threads) {
+  return cluster > 1 ? kResRecvHeader + splits * res_outs(splits) * threads * 4 : 0;
+}
 
 struct ResArgs {
   const uint8_t* w;      // weight row r0 (row 0 of the call)
@@ -724,14 +734,6 @@ struct ResArgs {
   int x_bytes;          // staged x of the CTA's PC parts: PC x kp x 8 tokens x 2 bytes
 };
 
-// fp32 at shared address `addr` (this CTA's window) of cluster rank `cta`.
-__device__ __forceinline__ float ld_dsmem_f32(uint32_t addr, uint32_t cta) {
-  uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(cta));
-  float v;
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
-  return v;
-}
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
   const uint32_t d = uint32_t(__cvta_generic_to_shared(dst));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
@@ -758,8 +760,8 @@ __device__ __forceinline__ void wait_group_in_order(int j) {
 template <bool kFp8>
 __global__ void __launch_bounds__(kResMaxWarps * 32, 2) dense_mma_resident_kernel(const ResArgs p) {
   extern __shared__ __align__(16) uint8_t smem[];
-  // Probe points: 0 start, 1 PDL wait returned, 2 x staged, 3 parts in the stash, 4 cluster
-  // barrier, 5 exit barrier.
+  // Probe points: 0 start, 1 PDL wait returned, 2 x staged, 3 parts pushed (C > 1) or in the
+  // stash, 4 every part of this CTA's outputs here, 5 outputs stored.
   UF_PROBE_OPEN(probe, kTagDenseMmaResident);
   UF_PROBE_MARK(probe, 0);
   constexpr int kEb = kFp8 ? 1 : 2;  // bytes a weight
@@ -777,7 +779,11 @@ __global__ void __launch_bounds__(kResMaxWarps * 32, 2) dense_mma_resident_kerne
   uint8_t* wreg = smem + warp * p.warp_bytes;
   uint8_t* sreg = wreg + 16 * R;  // FP8: scale byte of (tile row, K block of the part)
   uint8_t* xs = smem + nw * p.warp_bytes;
-  float* stash = reinterpret_cast<float*>(xs + p.x_bytes);  // [warp][lane][4] partials
+  float* stash = reinterpret_cast<float*>(xs + p.x_bytes);  // [warp][lane][4] partials (C = 1)
+  // C > 1: the S parts of the outputs this CTA's threads finish arrive by st.async (below).
+  const int C = p.cluster, bd = int(blockDim.x), step = C * bd, outs = res_outs(p.splits);
+  const uint32_t recv_bar = uint32_t(__cvta_generic_to_shared(stash + nw * 128));
+  const int f0 = rank * bd + int(threadIdx.x);  // this thread's first output (then + o x step)
 
   // The warp's 16 rows x kp weights, in kResGroups chunk ranges (one commit group each), and the
   // FP8 scales: none depend on the previous kernel, so all are issued before the PDL wait.
@@ -793,6 +799,22 @@ __global__ void __launch_bounds__(kResMaxWarps * 32, 2) dense_mma_resident_kerne
       }
       cp_async_commit();
     }
+  }
+  if (C > 1) {
+    // The receive mbarrier counts the bytes of this CTA's outputs in active tiles (a prefix of
+    // the group's TG): S parts of 4 bytes each. Published by a cluster barrier that every CTA
+    // waits for before its first push.
+    if (threadIdx.x == 0) {
+      const int act = min(p.tg, p.tiles - group * p.tg) * 128;
+      int n = 0;
+      for (int o = 0; o < outs; ++o) {
+        const int lo = o * step + rank * bd;
+        n += max(0, min(lo + bd, act) - lo);
+      }
+      mbarrier_init_expect(recv_bar, uint32_t(n * p.splits * 4));
+      fence_mbarrier_init();
+    }
+    cluster_arrive_relaxed();
   }
   pdl_trigger();  // before the scale loads: their stores wait for the loads
   if (active) {
@@ -825,6 +847,7 @@ __global__ void __launch_bounds__(kResMaxWarps * 32, 2) dense_mma_resident_kerne
   // slice: exactly the legacy kernels' part sum. Within a group the next chunk's shared-memory
   // operands (weights, FP8 scales, x) are read before the current chunk's conversions and mma, so
   // their latency hides behind that work; the values and the mma order are unchanged.
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
   if (active) {
     const bool va = row0 + g < p.n, vb = row0 + g + 8 < p.n;
     const uint4 z = make_uint4(0u, 0u, 0u, 0u);
@@ -855,7 +878,6 @@ __global__ void __launch_bounds__(kResMaxWarps * 32, 2) dense_mma_resident_kerne
       }
       return o;
     };
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
     for (int j = 0; j < kResGroups; ++j) {
       wait_group_in_order(j);
       __syncwarp();  // every lane's pieces (and, the first time, the scale bytes)
@@ -869,29 +891,13 @@ __global__ void __launch_bounds__(kResMaxWarps * 32, 2) dense_mma_resident_kerne
         cur = nxt;
       }
     }
-    if (2 * tg < p.m)  // this lane holds tokens 2 tg, 2 tg + 1
+    if (C == 1 && 2 * tg < p.m)  // this lane holds tokens 2 tg, 2 tg + 1
       reinterpret_cast<float4*>(stash)[warp * 32 + lane] =
           make_float4(acc[0], acc[1], acc[2], acc[3]);
   }
-  UF_PROBE_MARK(probe, 3);
-  cluster_barrier();  // every part of the cluster's tiles is in its CTA's stash
-  UF_PROBE_MARK(probe, 4);
 
-  // Finish: output f = (tile tl2, fragment slot) of the cluster: the S parts (part s: rank s / PC,
-  // warp (s % PC) x TG + tl2; PC is a power of two, so shifts) added in part order
-  // P0 + P1 + ..., then rounded and stored. A thread has outputs f0 + o x step, o < kResOuts
-  // (items / step = 4 / S). Every load of a thread goes out before its first add: S <= 2 (<= 4
-  // outputs): all <= 8 at once; S >= 4 (one output): kResSumBatch at a time, so one round trip
-  // for S <= 16. The exit barrier's arrive follows the loads (release: they are done before any
-  // CTA may leave), the stores go between it and the wait, off the barrier's path.
-  const uint32_t stash_addr = uint32_t(__cvta_generic_to_shared(stash));
-  const int items = p.tg * 128, step = p.cluster * int(blockDim.x);
-  const int f0 = rank * int(blockDim.x) + int(threadIdx.x);
-  const int lpc = __ffs(p.pc) - 1;  // log2 PC
-  // Address of part s of output (tl2, slot) in its owner's window; the owner is rank s >> lpc.
-  auto part_addr = [&](int s, int tl2, int slot) {
-    return stash_addr + uint32_t((((s & (p.pc - 1)) * p.tg + tl2) * 128 + slot) * 4);
-  };
+  // Finish: output f = (tile tl2, fragment slot) of the cluster, f = f0 + o x step (o < outs):
+  // the S parts added in part order P0 + P1 + ..., then rounded and stored.
   float out[kResOuts];
   int64_t dst[kResOuts];  // y offset of output o, -1: none
 #pragma unroll
@@ -900,44 +906,54 @@ __global__ void __launch_bounds__(kResMaxWarps * 32, 2) dense_mma_resident_kerne
     const int tl2 = f >> 7, slot = f & 127, ln = slot >> 2, e = slot & 3;
     const int tok = 2 * (ln & 3) + (e & 1);
     const int row = (group * p.tg + tl2) * 16 + (ln >> 2) + ((e & 2) ? 8 : 0);
-    dst[o] = f < items && tok < p.m && row < p.n ? int64_t(tok) * p.y_stride + row : -1;
+    dst[o] =
+        o < outs && f < p.tg * 128 && tok < p.m && row < p.n ? int64_t(tok) * p.y_stride + row : -1;
     out[o] = 0.f;
   }
-  if (p.splits <= 2) {
-    float v[kResOuts][2];
+  if (C > 1) {
+    // Push: lane ln's 4 values are outputs f .. f + 3 of tile tl (f = 128 tl + 4 ln), finished by
+    // rank q = (f mod step) / bd, thread t = f mod bd, as its output o = f / step: slot
+    // [part][o][t .. t + 3] of q's receive region. No barrier after: a CTA with no outputs leaves
+    // after its pushes, and a finishing CTA reads only its own shared memory.
+    cluster_wait();
+    if (active) {
+      const int f = tl * 128 + lane * 4;
+      const int o = f / step, rem = f - o * step, q = rem / bd, t = rem - q * bd;
+      const uint32_t at = recv_bar + kResRecvHeader + uint32_t(((part * outs + o) * bd + t) * 4);
+      st_async_f32x4(cluster_map(at, uint32_t(q)), make_float4(acc[0], acc[1], acc[2], acc[3]),
+                     cluster_map(recv_bar, uint32_t(q)));
+    }
+    UF_PROBE_MARK(probe, 3);
+    if (rank * bd >= min(p.tg, p.tiles - group * p.tg) * 128) return;  // no outputs here
+    mbarrier_wait_cluster(recv_bar, 0);
+    UF_PROBE_MARK(probe, 4);
+    const float* recv = reinterpret_cast<const float*>(stash + nw * 128) + kResRecvHeader / 4;
 #pragma unroll
     for (int o = 0; o < kResOuts; ++o) {
-      const int f = f0 + o * step, tl2 = f >> 7, slot = f & 127;
-#pragma unroll
-      for (int s = 0; s < 2; ++s)
-        v[o][s] = dst[o] >= 0 && s < p.splits
-                      ? ld_dsmem_f32(part_addr(s, tl2, slot), uint32_t(s >> lpc))
-                      : 0.f;
+      if (dst[o] < 0) continue;
+      const float* v = recv + o * bd + int(threadIdx.x);
+      float total = v[0];
+      for (int s2 = 1; s2 < p.splits; ++s2) total = __fadd_rn(total, v[s2 * outs * bd]);
+      p.y[dst[o]] = p.round ? round_bf16(total) : total;
     }
-#pragma unroll
-    for (int o = 0; o < kResOuts; ++o)
-      out[o] = p.splits == 2 ? __fadd_rn(v[o][0], v[o][1]) : v[o][0];
-  } else if (dst[0] >= 0) {  // S >= 4: items <= step, one output
-    const int tl2 = f0 >> 7, slot = f0 & 127;
-    float total = 0.f;
-    for (int s0 = 0; s0 < p.splits; s0 += kResSumBatch) {
-      float v[kResSumBatch];
-#pragma unroll
-      for (int i = 0; i < kResSumBatch; ++i) {
-        const int s = s0 + i;
-        v[i] = s < p.splits ? ld_dsmem_f32(part_addr(s, tl2, slot), uint32_t(s >> lpc)) : 0.f;
-      }
-#pragma unroll
-      for (int i = 0; i < kResSumBatch; ++i)
-        if (s0 + i < p.splits) total = s0 + i == 0 ? v[i] : __fadd_rn(total, v[i]);
-    }
-    out[0] = total;
+    UF_PROBE_MARK(probe, 5);
+    return;
   }
-  cluster_arrive();  // this thread's reads of the cluster's stashes are done
+
+  // C = 1 (a plain launch; PC = S parts a CTA): the CTA's own stash after a block barrier, part s
+  // of tile tl2 in warp s x TG + tl2.
+  UF_PROBE_MARK(probe, 3);
+  __syncthreads();
+  UF_PROBE_MARK(probe, 4);
 #pragma unroll
-  for (int o = 0; o < kResOuts; ++o)
-    if (dst[o] >= 0) p.y[dst[o]] = p.round ? round_bf16(out[o]) : out[o];
-  cluster_wait();  // no CTA leaves while the cluster reads its stash
+  for (int o = 0; o < kResOuts; ++o) {
+    if (dst[o] < 0) continue;
+    const int f = f0 + o * step, tl2 = f >> 7, slot = f & 127;
+    float total = stash[tl2 * 128 + slot];
+    for (int s2 = 1; s2 < p.splits; ++s2)
+      total = __fadd_rn(total, stash[(s2 * p.tg + tl2) * 128 + slot]);
+    p.y[dst[o]] = p.round ? round_bf16(total) : total;
+  }
   UF_PROBE_MARK(probe, 5);
 }
 
@@ -962,8 +978,8 @@ ResPlan res_plan(int64_t tiles, int64_t cols, int S, int sms, bool fp8, int clus
     const int pc = S / C;
     for (int tg = 1; tg * pc <= kResMaxWarps; ++tg) {
       const int warps = tg * pc;
-      const size_t smem =
-          size_t(warps) * size_t(warp_bytes) + size_t(pc) * size_t(kp) * 16 + size_t(warps) * 512;
+      const size_t smem = size_t(warps) * size_t(warp_bytes) + size_t(pc) * size_t(kp) * 16 +
+                          size_t(warps) * 512 + size_t(res_recv_bytes(C, S, warps * 32));
       if (smem > kResSmemBudget) break;
       const int64_t ctas = (tiles + tg - 1) / tg * C;
       if (ctas > sms) continue;
@@ -992,7 +1008,7 @@ void launch_resident(const ResArgs& a, const ResPlan& r, cudaStream_t stream) {
   attr[1].val.clusterDim.y = 1;
   attr[1].val.clusterDim.z = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = 2;
+  cfg.numAttrs = r.cluster > 1 ? 2 : 1;  // C = 1: a plain launch (cluster_ctarank() is 0)
   UF_CUDA_CHECK(cudaLaunchKernelEx(&cfg, dense_mma_resident_kernel<kFp8>, a));
 }
 

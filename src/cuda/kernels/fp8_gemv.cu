@@ -804,7 +804,7 @@ void launch_resident(const ResParams& p, int blocks, cudaStream_t stream) {
   attr[1].val.clusterDim.y = 1;
   attr[1].val.clusterDim.z = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = p.cluster > 1 ? 2 : 1;  // C = 1: a plain launch (the kernel reads rank 0)
+  cfg.numAttrs = p.cluster > 1 ? 2 : 1;  // C = 1: a plain launch (cluster_ctarank() is 0)
   UF_CUDA_CHECK(cudaLaunchKernelEx(&cfg, fp8_gemv_resident_kernel<kFused>, p));
 }
 
