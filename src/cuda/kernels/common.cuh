@@ -286,13 +286,9 @@ __device__ __forceinline__ uint32_t cluster_map(uint32_t addr, uint32_t cta) {
   asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(cta));
   return remote;
 }
-// The two halves of cluster_barrier, for work between them: arrive (release: this thread's
-// earlier memory operations are done before any CTA passes the wait), or arrive relaxed (what it
-// publishes is fenced separately, e.g. by fence_mbarrier_init); wait where the other CTAs' state
+// The two halves of a cluster barrier, for work between them: arrive relaxed early (what it
+// publishes is fenced separately, e.g. by fence_mbarrier_init), wait where the other CTAs' state
 // is needed.
-__device__ __forceinline__ void cluster_arrive() {
-  asm volatile("barrier.cluster.arrive.release;" ::: "memory");
-}
 __device__ __forceinline__ void cluster_arrive_relaxed() {
   asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
 }

@@ -66,12 +66,13 @@
 //   receive region of the CTA whose threads finish those outputs, where an mbarrier (initialised
 //   before the PDL wait, published by a cluster barrier arrived at there and waited for before
 //   the first push) counts the bytes; no barrier after, and a CTA with no outputs leaves after
-//   its pushes. C = 1: a plain launch; the parts go through a shared stash and a block barrier. No
-//   global workspace, no counters, no second wave. Plan (res_plan, from tiles, K, S, SM count): C =
-//   the first of 8, 4, 2, 1 dividing S with PC = S / C <= 8, TG = the fewest tiles a CTA that keep
-//   the grid within one CTA an SM, shared memory <= 100 KB (weights rows padded to 64 mod 128
-//   bytes: conflict-free 16-byte fragment reads; x PC x kp x 16 bytes; stash 512 bytes a warp; C >
-//   1: the receive region, S x ceil(4 / S) x 4 bytes a thread) so the next kernel's CTAs co-reside.
+//   its pushes. C = 1: a plain launch; the parts go through a shared stash and a block barrier.
+//   No global workspace, no counters, no second wave.
+//   Plan (res_plan, from tiles, K, S, SM count): C = the first of 8, 4, 2, 1 dividing S with
+//   PC = S / C <= 8, TG = the fewest tiles a CTA that keep the grid within one CTA an SM, shared
+//   memory <= 100 KB (weights rows padded to 64 mod 128 bytes: conflict-free 16-byte fragment
+//   reads; x PC x kp x 16 bytes; stash 512 bytes a warp; C > 1: the receive region, S x
+//   ceil(4 / S) x 4 bytes a thread) so the next kernel's CTAs co-reside.
 //   TP8 rank on 132 SMs: wo_a [1024, 4096] FP8, S = 8: C = 8, PC = 1, TG = 4, 128 CTAs of 4 warps,
 //   47 KB each (37 KB weights); router [384, 5120] BF16, S = 16: C = 8, PC = 2, TG = 2, 96 CTAs.
 //
@@ -898,7 +899,6 @@ __global__ void __launch_bounds__(kResMaxWarps * 32, 2) dense_mma_resident_kerne
 
   // Finish: output f = (tile tl2, fragment slot) of the cluster, f = f0 + o x step (o < outs):
   // the S parts added in part order P0 + P1 + ..., then rounded and stored.
-  float out[kResOuts];
   int64_t dst[kResOuts];  // y offset of output o, -1: none
 #pragma unroll
   for (int o = 0; o < kResOuts; ++o) {
@@ -908,7 +908,6 @@ __global__ void __launch_bounds__(kResMaxWarps * 32, 2) dense_mma_resident_kerne
     const int row = (group * p.tg + tl2) * 16 + (ln >> 2) + ((e & 2) ? 8 : 0);
     dst[o] =
         o < outs && f < p.tg * 128 && tok < p.m && row < p.n ? int64_t(tok) * p.y_stride + row : -1;
-    out[o] = 0.f;
   }
   if (C > 1) {
     // Push: lane ln's 4 values are outputs f .. f + 3 of tile tl (f = 128 tl + 4 ln), finished by
