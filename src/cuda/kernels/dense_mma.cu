@@ -783,7 +783,10 @@ __global__ void __launch_bounds__(kResMaxWarps * 32, 2) dense_mma_resident_kerne
   float* stash = reinterpret_cast<float*>(xs + p.x_bytes);  // [warp][lane][4] partials (C = 1)
   // C > 1: the S parts of the outputs this CTA's threads finish arrive by st.async (below).
   const int C = p.cluster, bd = int(blockDim.x), step = C * bd, outs = res_outs(p.splits);
-  const uint32_t recv_bar = uint32_t(__cvta_generic_to_shared(stash + nw * 128));
+  float* recv_region = stash + nw * 128;  // mbarrier, then [S][outs][bd] parts
+  const uint32_t recv_bar = uint32_t(__cvta_generic_to_shared(recv_region));
+  const float* recv = recv_region + kResRecvHeader / 4;
+  const int act = min(p.tg, p.tiles - group * p.tg) * 128;  // outputs of the group's active tiles
   const int f0 = rank * bd + int(threadIdx.x);  // this thread's first output (then + o x step)
 
   // The warp's 16 rows x kp weights, in kResGroups chunk ranges (one commit group each), and the
@@ -806,7 +809,6 @@ __global__ void __launch_bounds__(kResMaxWarps * 32, 2) dense_mma_resident_kerne
     // the group's TG): S parts of 4 bytes each. Published by a cluster barrier that every CTA
     // waits for before its first push.
     if (threadIdx.x == 0) {
-      const int act = min(p.tg, p.tiles - group * p.tg) * 128;
       int n = 0;
       for (int o = 0; o < outs; ++o) {
         const int lo = o * step + rank * bd;
@@ -923,10 +925,9 @@ __global__ void __launch_bounds__(kResMaxWarps * 32, 2) dense_mma_resident_kerne
                      cluster_map(recv_bar, uint32_t(q)));
     }
     UF_PROBE_MARK(probe, 3);
-    if (rank * bd >= min(p.tg, p.tiles - group * p.tg) * 128) return;  // no outputs here
+    if (rank * bd >= act) return;  // no outputs here
     mbarrier_wait_cluster(recv_bar, 0);
     UF_PROBE_MARK(probe, 4);
-    const float* recv = reinterpret_cast<const float*>(stash + nw * 128) + kResRecvHeader / 4;
 #pragma unroll
     for (int o = 0; o < kResOuts; ++o) {
       if (dst[o] < 0) continue;

@@ -648,7 +648,8 @@ __global__ void __maxnreg__(kResMaxRegs) fp8_gemv_resident_kernel(const ResParam
   // C > 1: the S partials of each tile this CTA finishes (r = rank, rank + C, ...) arrive by
   // st.async into its receive region; the mbarrier counts their bytes. The cluster barrier that
   // publishes its initialisation is waited for only before the first push.
-  const uint32_t recv_bar = uint32_t(__cvta_generic_to_shared(smem + kResWarps * p.warp_bytes));
+  uint8_t* recv_region = smem + kResWarps * p.warp_bytes;  // mbarrier, then [owned][S] partials
+  const uint32_t recv_bar = uint32_t(__cvta_generic_to_shared(recv_region));
   const int owned = rank < ntiles ? (ntiles - rank + C - 1) / C : 0;
   if (C > 1) {
     if (threadIdx.x == 0) {
@@ -702,8 +703,7 @@ __global__ void __maxnreg__(kResMaxRegs) fp8_gemv_resident_kernel(const ResParam
     mbarrier_wait_cluster(recv_bar, 0);
     UF_PROBE_MARK(probe, 6);
     if (otok < p.m) {
-      const float* recv =
-          reinterpret_cast<const float*>(smem + kResWarps * p.warp_bytes + kResRecvHeader) + slot;
+      const float* recv = reinterpret_cast<const float*>(recv_region + kResRecvHeader) + slot;
       for (int j = threadIdx.x >> 7; j < owned; j += 2) {
         const float* src = recv + j * p.splits * (kResPartialBytes / 4);
         float total = src[0];  // split order 0..S-1, as the C = 1 sum below
