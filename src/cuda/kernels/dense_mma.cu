@@ -94,6 +94,7 @@
 #include "cuda/gemv.h"
 #include "cuda/kernels/common.cuh"
 #include "cuda/kernels/dense_mma.h"
+#include "cuda/kernels/l2_window.h"
 #include "cuda/kernels/probe.cuh"
 
 namespace uf::cuda {
@@ -1000,7 +1001,7 @@ void launch_resident(const ResArgs& a, const ResPlan& r, cudaStream_t stream) {
   cfg.blockDim = dim3(unsigned(r.tg * r.pc * 32));
   cfg.dynamicSmemBytes = r.smem;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[2];
+  cudaLaunchAttribute attr[3];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   attr[1].id = cudaLaunchAttributeClusterDimension;
@@ -1009,6 +1010,8 @@ void launch_resident(const ResArgs& a, const ResPlan& r, cudaStream_t stream) {
   attr[1].val.clusterDim.z = 1;
   cfg.attrs = attr;
   cfg.numAttrs = r.cluster > 1 ? 2 : 1;  // C = 1: a plain launch (cluster_ctarank() is 0)
+  const size_t wbytes = size_t(a.n) * size_t(a.K) * (kFp8 ? 1 : 2);
+  if (l2_streaming_window(a.w, a.w + wbytes, attr[cfg.numAttrs])) ++cfg.numAttrs;
   UF_CUDA_CHECK(cudaLaunchKernelEx(&cfg, dense_mma_resident_kernel<kFp8>, a));
 }
 

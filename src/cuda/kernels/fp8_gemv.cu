@@ -105,6 +105,7 @@
 #include "cuda/cuda_check.h"
 #include "cuda/gemv.h"
 #include "cuda/kernels/common.cuh"
+#include "cuda/kernels/l2_window.h"
 #include "cuda/kernels/probe.cuh"
 
 namespace uf::cuda {
@@ -796,7 +797,7 @@ void launch_resident(const ResParams& p, int blocks, cudaStream_t stream) {
   cfg.dynamicSmemBytes = size_t(kResWarps) * size_t(p.warp_bytes) +
                          size_t(res_recv_bytes(p.cluster, p.splits, p.tiles_per_cta));
   cfg.stream = stream;
-  cudaLaunchAttribute attr[2];
+  cudaLaunchAttribute attr[3];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   attr[1].id = cudaLaunchAttributeClusterDimension;
@@ -805,6 +806,12 @@ void launch_resident(const ResParams& p, int blocks, cudaStream_t stream) {
   attr[1].val.clusterDim.z = 1;
   cfg.attrs = attr;
   cfg.numAttrs = p.cluster > 1 ? 2 : 1;  // C = 1: a plain launch (cluster_ctarank() is 0)
+  const uint8_t *lo = p.jobs[0].w, *hi = lo;
+  for (int i = 0; i < p.njobs; ++i) {
+    lo = std::min(lo, p.jobs[i].w);
+    hi = std::max(hi, p.jobs[i].w + size_t(p.jobs[i].tiles) * 16 * size_t(p.k));
+  }
+  if (l2_streaming_window(lo, hi, attr[cfg.numAttrs])) ++cfg.numAttrs;
   UF_CUDA_CHECK(cudaLaunchKernelEx(&cfg, fp8_gemv_resident_kernel<kFused>, p));
 }
 
