@@ -403,7 +403,6 @@ constexpr int kResMaxCluster = 8;  // portable cluster size
 constexpr int kResKPerCta = 1536;  // K a CTA aims at: C = ceil(K / 1536)
 constexpr int kResScaleSlots = 8;  // fp32 weight scales a tile in a warp's region (>= kbps)
 constexpr size_t kResSmemBudget = 100 * 1024;
-constexpr int kResBatch = 32;  // distributed-shared loads in flight in the split sum (C = 1)
 constexpr int kResPartialBytes = 16 * 8 * 4;  // a split's fp32 partial of one 16-row tile
 constexpr int kResRecvHeader = 16;            // the receive mbarrier (8 B), padded
 // Registers a thread (instead of __launch_bounds__(256, 2), which let ptxas take 116-128): 2 CTAs
@@ -444,17 +443,6 @@ __host__ __device__ constexpr int res_recv_bytes(int cluster, int splits, int ti
   return cluster > 1
              ? kResRecvHeader + (tiles_per_cta + cluster - 1) / cluster * splits * kResPartialBytes
              : 0;
-}
-
-// fp32 at shared::cluster address `remote` when `pred`, else 0 (predicated: no branch).
-__device__ __forceinline__ float ld_cluster_f32_if(uint32_t remote, bool pred) {
-  float v = 0.f;
-  asm volatile(
-      "{\n\t.reg .pred p;\n\tsetp.ne.u32 p, %2, 0;\n\t@p ld.shared::cluster.f32 %0, [%1];\n\t}"
-      : "+f"(v)
-      : "r"(remote), "r"(uint32_t(pred))
-      : "memory");
-  return v;
 }
 
 // Activation fragments of the warp's KW K blocks (KW = kw, a template argument): codes (b0, b1)
@@ -723,27 +711,17 @@ __global__ void __maxnreg__(kResMaxRegs) fp8_gemv_resident_kernel(const ResParam
   __syncthreads();
   UF_PROBE_MARK(probe, 6);
   if (otok < p.m) {
-    const uint32_t base = uint32_t(__cvta_generic_to_shared(smem));
-    const uint32_t wb = uint32_t(p.warp_bytes);
-    for (int r = rank + C * (threadIdx.x >> 7); r < ntiles; r += 2 * C) {
-      const uint32_t off = base + uint32_t(r * 16 * L + slot * 4);
-      float total = 0.f;
-      for (int s0 = 0; s0 < p.splits; s0 += kResBatch) {
-        // Split s = s0 + i: rank s / 8, warp s % 8. Every load is issued before the first add
-        // (predicated on s < S; ranks past C - 1 are never read, so their map is clamped).
-        uint32_t rb[kResBatch / kResWarps];
+    // S <= 8 splits, split s in warp s: every load issued before the first add.
+    for (int r = threadIdx.x >> 7; r < ntiles; r += 2) {
+      const uint8_t* at = smem + r * 16 * L + slot * 4;
+      float v[kResWarps];
 #pragma unroll
-        for (int c = 0; c < kResBatch / kResWarps; ++c)
-          rb[c] = cluster_map(off, uint32_t(min(s0 / kResWarps + c, C - 1)));
-        float v[kResBatch];
+      for (int s = 0; s < kResWarps; ++s)
+        v[s] = s < p.splits ? *reinterpret_cast<const float*>(at + s * p.warp_bytes) : 0.f;
+      float total = v[0];
 #pragma unroll
-        for (int i = 0; i < kResBatch; ++i)
-          v[i] = ld_cluster_f32_if(rb[i / kResWarps] + uint32_t(i % kResWarps) * wb,
-                                   s0 + i < p.splits);
-#pragma unroll
-        for (int i = 0; i < kResBatch; ++i)
-          if (s0 + i < p.splits) total = s0 + i == 0 ? v[i] : total + v[i];
-      }
+      for (int s = 1; s < kResWarps; ++s)
+        if (s < p.splits) total += v[s];
       const size_t o = size_t(otok) * job.out_stride + size_t(tile0 + r) * 16 + orow;
       if (job.out) job.out[o] = job.round_out ? round_bf16(total) : total;
       if (job.out_bf16) job.out_bf16[o] = __float2bfloat16_rn(total);

@@ -49,6 +49,7 @@
 
 #include "cuda/cuda_check.h"
 #include "cuda/kernels/common.cuh"
+#include "cuda/kernels/l2_window.h"
 #include "cuda/kernels/probe.cuh"
 #include "cuda/ops/elementwise.h"
 #include "cuda/ops/elementwise_common.cuh"
@@ -972,8 +973,10 @@ void launch_rows_kernel(dim3 grid, const HcShape& p, const float* x, const float
   const auto kernel = hc_post_mixes_rows_kernel<HC, kPost, G, kMoe>;
   static detail::PerDeviceOnce once;
   once([&] { detail::prefer_shared_carveout(kernel); });
-  detail::launch_pdl(kernel, grid, dim3(HC * 32 * G), 0, stream, p, x, R, post, comb, T, out, fn,
-                     partial, moe);
+  const size_t fn_bytes =
+      partial ? size_t(fn.rows) * size_t(fn.cols) * (fn.format == model::WFormat::kF32 ? 4 : 2) : 0;
+  detail::launch_pdl_streaming(kernel, grid, dim3(HC * 32 * G), 0, stream, fn.data,
+                               fn.data + fn_bytes, p, x, R, post, comb, T, out, fn, partial, moe);
 }
 
 // hc_post_mixes_kernel (legacy, or hc > 4) or hc_post_mixes_rows_kernel: the same outputs.

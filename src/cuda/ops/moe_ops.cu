@@ -43,6 +43,7 @@
 #include "cuda/cuda_check.h"
 #include "cuda/gemv.h"
 #include "cuda/kernels/common.cuh"
+#include "cuda/kernels/l2_window.h"
 #include "cuda/kernels/moe_plan.cuh"
 #include "cuda/kernels/probe.cuh"
 #include "cuda/moe.h"
@@ -978,10 +979,11 @@ bool launch_router(int variant, const DeviceWeight& gw8, int func, const MoeShap
   if (!shape_ok) return false;
   const size_t smem2 = size_t(kRouter2Rows) * D * 2;
   if (variant == 0 && func != kSoftmax && smem2 <= 48 * 1024) {
-    detail::launch_pdl(moe_router2_kernel<kRouter2Rows>,
-                       dim3((E + kRouter2Rows - 1) / kRouter2Rows), dim3(kRouterWarps * 32), smem2,
-                       stream, gw8.data, E, D, xc, rows, scores, probs, counter, bias, K, func,
-                       sh.gate_temp, sh.route_scale, gi, gw, xcodes, xscales);
+    detail::launch_pdl_streaming(
+        moe_router2_kernel<kRouter2Rows>, dim3((E + kRouter2Rows - 1) / kRouter2Rows),
+        dim3(kRouterWarps * 32), smem2, stream, gw8.data, gw8.data + size_t(E) * D * 2, gw8.data, E,
+        D, xc, rows, scores, probs, counter, bias, K, func, sh.gate_temp, sh.route_scale, gi, gw,
+        xcodes, xscales);
     return true;
   }
   const size_t smem =
