@@ -370,21 +370,28 @@ void raise_smem(Kernel kernel, int bytes) {
     UF_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
 }
 
-// Host: launch with programmatic stream serialization (PDL) allowed.
+// Host: launch with programmatic stream serialization (PDL) allowed, plus `extra` (null: none),
+// e.g. an L2 access-policy window (kernels/l2_window.h).
 template <typename Kernel, typename... Args>
-void launch_pdl(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                Args... args) {
+void launch_pdl_with(const cudaLaunchAttribute* extra, Kernel kernel, dim3 grid, dim3 block,
+                     size_t smem, cudaStream_t stream, Args... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
+  cudaLaunchAttribute attr[2];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
+  if (extra) attr[1] = *extra;
   cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cfg.numAttrs = extra ? 2 : 1;
   UF_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
+}
+template <typename Kernel, typename... Args>
+void launch_pdl(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                Args... args) {
+  launch_pdl_with(nullptr, kernel, grid, block, smem, stream, args...);
 }
 
 }  // namespace uf::cuda::detail

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "cuda/cuda_check.h"
+#include "cuda/kernels/common.cuh"
 
 namespace uf::cuda::detail {
 
@@ -42,17 +43,9 @@ inline bool l2_streaming_window(const void* lo, const void* hi, cudaLaunchAttrib
 template <typename Kernel, typename... Args>
 void launch_pdl_streaming(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
                           const void* lo, const void* hi, Args... args) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[2];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = l2_streaming_window(lo, hi, attr[1]) ? 2 : 1;
-  UF_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
+  cudaLaunchAttribute window;
+  const bool on = l2_streaming_window(lo, hi, window);
+  launch_pdl_with(on ? &window : nullptr, kernel, grid, block, smem, stream, args...);
 }
 
 }  // namespace uf::cuda::detail
