@@ -407,7 +407,7 @@ constexpr int kResPartialBytes = 16 * 8 * 4;  // a split's fp32 partial of one 1
 constexpr int kResRecvHeader = 16;            // the receive mbarrier (8 B), padded
 // Registers a thread (instead of __launch_bounds__(256, 2), which let ptxas take 116-128): 2 CTAs
 // an SM still fit, and one CTA (the usual wave) leaves more than half of the register file to the
-// next kernel's CTAs (PDL). The widest mma pass, the 6-block fused activations and the 32 split
+// next kernel's CTAs (PDL). The widest mma pass, the 6-block fused activations and the split
 // loads run without spills (96 spilled a word).
 constexpr int kResMaxRegs = 104;
 
