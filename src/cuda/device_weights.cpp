@@ -11,9 +11,10 @@ namespace uf::cuda {
 
 using model::WFormat;
 
-size_t weight_data_bytes(const model::Weight& w) {
-  const size_t n = size_t(w.rows) * size_t(w.cols);
-  switch (w.format) {
+namespace {
+size_t data_bytes(WFormat format, int64_t rows, int64_t cols) {
+  const size_t n = size_t(rows) * size_t(cols);
+  switch (format) {
     case WFormat::kF32:
       return 4 * n;
     case WFormat::kBF16:
@@ -25,6 +26,10 @@ size_t weight_data_bytes(const model::Weight& w) {
   }
   return 0;
 }
+}  // namespace
+
+size_t weight_data_bytes(const model::Weight& w) { return data_bytes(w.format, w.rows, w.cols); }
+size_t weight_data_bytes(const DeviceWeight& w) { return data_bytes(w.format, w.rows, w.cols); }
 
 size_t weight_scale_bytes(const model::Weight& w) {
   switch (w.format) {

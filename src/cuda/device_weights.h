@@ -25,6 +25,8 @@ struct DeviceWeight {
 // Bytes of a weight's data and scale arrays in its format.
 size_t weight_data_bytes(const model::Weight& w);
 size_t weight_scale_bytes(const model::Weight& w);
+// The same data bytes for a weight already on the device.
+size_t weight_data_bytes(const DeviceWeight& w);
 
 // Copies w to the device (an empty weight stays empty): synchronously, or through the current
 // thread's UploadScope when one is alive.

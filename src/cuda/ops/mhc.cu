@@ -973,8 +973,7 @@ void launch_rows_kernel(dim3 grid, const HcShape& p, const float* x, const float
   const auto kernel = hc_post_mixes_rows_kernel<HC, kPost, G, kMoe>;
   static detail::PerDeviceOnce once;
   once([&] { detail::prefer_shared_carveout(kernel); });
-  const size_t fn_bytes =
-      partial ? size_t(fn.rows) * size_t(fn.cols) * (fn.format == model::WFormat::kF32 ? 4 : 2) : 0;
+  const size_t fn_bytes = partial ? weight_data_bytes(fn) : 0;
   detail::launch_pdl_streaming(kernel, grid, dim3(HC * 32 * G), 0, stream, fn.data,
                                fn.data + fn_bytes, p, x, R, post, comb, T, out, fn, partial, moe);
 }

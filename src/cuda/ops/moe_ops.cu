@@ -981,9 +981,9 @@ bool launch_router(int variant, const DeviceWeight& gw8, int func, const MoeShap
   if (variant == 0 && func != kSoftmax && smem2 <= 48 * 1024) {
     detail::launch_pdl_streaming(
         moe_router2_kernel<kRouter2Rows>, dim3((E + kRouter2Rows - 1) / kRouter2Rows),
-        dim3(kRouterWarps * 32), smem2, stream, gw8.data, gw8.data + size_t(E) * D * 2, gw8.data, E,
-        D, xc, rows, scores, probs, counter, bias, K, func, sh.gate_temp, sh.route_scale, gi, gw,
-        xcodes, xscales);
+        dim3(kRouterWarps * 32), smem2, stream, gw8.data, gw8.data + weight_data_bytes(gw8),
+        gw8.data, E, D, xc, rows, scores, probs, counter, bias, K, func, sh.gate_temp,
+        sh.route_scale, gi, gw, xcodes, xscales);
     return true;
   }
   const size_t smem =
